@@ -1,0 +1,18 @@
+"""Composing the one Hydra config outside `@hydra.main` (for stages that write no run dir)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+def compose(overrides: Sequence[str]) -> DictConfig:
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=list(overrides))

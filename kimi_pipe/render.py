@@ -1,0 +1,164 @@
+"""Prompt rendering from the model's declarative format (pure functions, no IO).
+
+Every value taken from a message is ordinary text: a user who types `<|im_end|>` gets
+the characters, never the end-of-turn id.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kimi_pipe.formats import ModelFormat, OutputFormat, Piece, PromptFormat
+from kimi_pipe.models import Model
+
+
+class PromptError(ValueError):
+    """The messages cannot be rendered (unknown role, unsupported content part, ...)."""
+
+
+def message_text(content: Any, join: str = "") -> str:
+    """Text of an OpenAI message content: a string, None, or a list of parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if isinstance(part, Mapping) and part.get("type", "text") == "text":
+                texts.append(str(part.get("text", "")))
+            else:
+                kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+                raise PromptError(f"unsupported content part {kind!r} (only text is rendered)")
+        return join.join(texts)
+    raise PromptError(f"message content must be a string or a list, not {type(content).__name__}")
+
+
+def arguments_text(arguments: Any) -> str:
+    """Tool-call arguments as the model wrote them: strings verbatim, objects as the
+    chat templates serialise them (json.dumps, ensure_ascii=False, default separators)."""
+    if isinstance(arguments, str):
+        return arguments
+    return json.dumps(arguments if arguments is not None else {}, ensure_ascii=False)
+
+
+def render_tool_calls(
+    out: OutputFormat, calls: Sequence[Mapping[str, Any]], ids: Sequence[str]
+) -> tuple[list[Piece], bool]:
+    """The model's native tool-call section. Returns pieces and whether any argument
+    string had to be kept verbatim because it was not JSON (xml_parameters only)."""
+    pieces: list[Piece] = []
+    not_json = False
+    for index, (call, call_id) in enumerate(zip(calls, ids, strict=True)):
+        function = call.get("function") or {}
+        name = str(function.get("name") or "")
+        raw = arguments_text(function.get("arguments"))
+        arguments: str | list[Piece] = raw
+        if out.arguments == "xml_parameters" and out.parameter is not None:
+            try:
+                parsed = json.loads(raw) if raw.strip() else {}
+            except json.JSONDecodeError:
+                parsed = None
+            if isinstance(parsed, dict):
+                arguments = []
+                for key, value in parsed.items():
+                    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+                    arguments.extend(out.parameter.render(key=str(key), value=text))
+            else:
+                not_json = True
+        if index and out.tool_call_separator:
+            pieces.append(out.tool_call_separator)
+        pieces.extend(out.tool_call.render(id=call_id, name=name, arguments=arguments))
+    return out.tool_calls.render(calls=pieces), not_json
+
+
+def _keep_reasoning_from(fmt: PromptFormat, messages: Sequence[Mapping[str, Any]]) -> int:
+    """Index from which assistant turns keep their reasoning in the prompt."""
+    roles = [m.get("role") for m in messages]
+    if fmt.keep_reasoning == "all":
+        return 0
+    if fmt.keep_reasoning == "none":
+        return len(messages)
+    if fmt.keep_reasoning == "after_last_user":
+        return max((i for i, r in enumerate(roles) if r == "user"), default=-1) + 1
+    # after_last_final_answer: the last assistant turn without tool calls and all before it
+    # lose their reasoning (Kimi K2 family templates).
+    last = -1
+    for i, m in enumerate(messages):
+        if m.get("role") == "assistant" and not m.get("tool_calls"):
+            last = i
+    return last + 1
+
+
+def _history_reasoning(message: Mapping[str, Any]) -> str:
+    for key in ("reasoning_content", "reasoning"):
+        value = message.get(key)
+        if isinstance(value, str):
+            return value
+    return ""
+
+
+def render_prompt(
+    fmt: ModelFormat,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None = None,
+) -> list[Piece]:
+    """Pieces of the prompt: tool declarations, the turns, then the generation prompt."""
+    p, out = fmt.prompt, fmt.output
+    pieces: list[Piece] = list(p.prefix.render())
+    if tools and p.tools is not None:
+        from kimi_pipe.tool_declarations import render_tools
+
+        pieces += p.tools.render(tools=render_tools(list(tools), p.tools_style))
+    if p.default_system is not None and not (messages and messages[0].get("role") == "system"):
+        pieces += p.system.render(name="system", role="system", content=p.default_system)
+    keep_from = _keep_reasoning_from(p, messages)
+    for index, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise PromptError(f"message {index} is not an object")
+        role = message.get("role")
+        name = str(message.get("name") or role)
+        content = message_text(message.get("content"), p.content_join)
+        if role == "system" or role == "developer":
+            pieces += p.system.render(name=name, role="system", content=content)
+        elif role == "user":
+            pieces += p.user.render(name=name, role=role, content=content)
+        elif role == "tool":
+            call_id = str(message.get("tool_call_id") or "")
+            pieces += p.tool.render(name=name, role=role, tool_call_id=call_id, content=content)
+        elif role == "assistant":
+            pieces += p.assistant.render(
+                name=name, role=role, body=_assistant_body(fmt, message, content, index >= keep_from)
+            )
+        else:
+            raise PromptError(f"message {index}: unknown role {role!r}")
+    pieces += p.generation.render()
+    return pieces
+
+
+def _assistant_body(
+    fmt: ModelFormat, message: Mapping[str, Any], content: str, keep_reasoning: bool
+) -> list[Piece]:
+    p, out = fmt.prompt, fmt.output
+    if keep_reasoning:
+        body = p.history_reasoning.render(reasoning=_history_reasoning(message))
+    else:
+        body = p.history_no_reasoning.render()
+    body += out.content.render(content=content)
+    calls = message.get("tool_calls") or []
+    if calls:
+        ids = [str(c.get("id") or "") for c in calls]
+        section, _ = render_tool_calls(out, calls, ids)
+        body += section
+    body += out.end.render()
+    return body
+
+
+def prompt_ids(
+    model: Model,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None = None,
+) -> list[int]:
+    return model.encode(render_prompt(model.format, messages, tools))

@@ -1,0 +1,274 @@
+"""Tokenizer loading: a native tiktoken loader and a Hugging Face backend.
+
+Both expose the same small interface (`Tokenizer`): ordinary-text encoding that never
+turns text into special ids, lookup of a marker's id, and decoding. Which backend and
+which files are used is data in `conf/model/*.yaml` (`model.tokenizer`).
+"""
+
+from __future__ import annotations
+
+import base64
+import importlib.util
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Protocol
+
+STRICT_ENV = "KIMI_PIPE_STRICT"
+
+
+class TokenizerNotFound(FileNotFoundError):
+    """The tokenizer files could not be located; the message says how to provide them."""
+
+
+class Tokenizer(Protocol):
+    name: str
+    vocab_size: int
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        """Encode text as plain text: marker names inside it stay text."""
+        ...
+
+    def marker_id(self, name: str) -> int | None:
+        """The single id the tokenizer gives the marker `name`, or None."""
+        ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    def piece(self, token_id: int) -> str:
+        """Human-readable text of one id (for snapshots and error messages)."""
+        ...
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """Where a tokenizer comes from (`model.tokenizer` in the model config)."""
+
+    backend: str  # "tiktoken" | "hf"
+    path: str | None = None
+    path_env: str | None = None
+    shared_dir: str | None = None  # folder name under ../shared/tokenizers
+    package: str | None = None  # a Python package whose folder holds the files
+    package_subdir: str = ""
+    hf_repo: str | None = None
+    files: tuple[str, ...] = ()
+    ranks_file: str = "tiktoken.model"
+    pat_str: str | None = None
+    num_special: int = 0
+    special_names: tuple[tuple[int, str], ...] = ()  # (id, name) pairs
+    special_names_from: str | None = None  # a tokenizer_config.json with added_tokens_decoder
+    reserved_name: str = "<|reserved_token_{id}|>"
+    trust_remote_code: bool = False
+    how_to_get: str = ""
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any]) -> TokenizerSpec:
+        data = dict(cfg)
+        data["files"] = tuple(data.get("files") or ())
+        names = data.get("special_names") or {}
+        data["special_names"] = tuple((int(k), str(v)) for k, v in dict(names).items())
+        if isinstance(data.get("pat_str"), list | tuple):
+            # Written as a list of alternatives in YAML for readability.
+            data["pat_str"] = "|".join(data["pat_str"])
+        known = set(cls.__dataclass_fields__)
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown model.tokenizer keys: {sorted(unknown)}")
+        return cls(**data)
+
+
+def resolve_tokenizer_dir(spec: TokenizerSpec) -> Path:
+    """Find the tokenizer directory.
+
+    Order: explicit `path`, then the environment variable `path_env`, then
+    `../shared/tokenizers/<shared_dir>` beside the checkout or the working directory,
+    then an installed package folder, then a `huggingface_hub` download (cached).
+    """
+    tried: list[str] = []
+    candidates: list[Path] = []
+    if spec.path:
+        candidates.append(Path(spec.path).expanduser())
+    if spec.path_env and os.environ.get(spec.path_env):
+        candidates.append(Path(os.environ[spec.path_env]).expanduser())
+    if spec.shared_dir:
+        for base in (Path(__file__).resolve().parent.parent, Path.cwd()):
+            candidates.append(base.parent / "shared" / "tokenizers" / spec.shared_dir)
+    for candidate in candidates:
+        tried.append(str(candidate))
+        if _has_files(candidate, spec):
+            return candidate
+        if spec.path and candidate == Path(spec.path).expanduser():
+            missing = [f for f in _required_files(spec) if not (candidate / f).is_file()]
+            raise TokenizerNotFound(
+                f"model.tokenizer.path={candidate} does not hold {missing}. "
+                + (spec.how_to_get or "Point it at a directory with the tokenizer files.")
+            )
+    if spec.package:
+        found = importlib.util.find_spec(spec.package)
+        if found is not None and found.submodule_search_locations:
+            folder = Path(next(iter(found.submodule_search_locations))) / spec.package_subdir
+            tried.append(str(folder))
+            if _has_files(folder, spec):
+                return folder
+    if spec.hf_repo:
+        folder = _hub_download(spec)
+        if folder is not None:
+            return folder
+        tried.append(f"huggingface_hub {spec.hf_repo}")
+    raise TokenizerNotFound(
+        "tokenizer files not found (tried: " + ", ".join(tried) + "). " + spec.how_to_get
+    )
+
+
+def _required_files(spec: TokenizerSpec) -> list[str]:
+    if spec.files:
+        return list(spec.files)
+    if spec.backend == "tiktoken":
+        return [spec.ranks_file]
+    return ["tokenizer_config.json"]
+
+
+def _has_files(folder: Path, spec: TokenizerSpec) -> bool:
+    return folder.is_dir() and all((folder / f).is_file() for f in _required_files(spec))
+
+
+def _hub_download(spec: TokenizerSpec) -> Path | None:
+    """Data files only (never code) from the Hub; None when offline or not installed."""
+    try:
+        from huggingface_hub import hf_hub_download
+    except ImportError:
+        return None
+    folder: Path | None = None
+    try:
+        for name in _required_files(spec):
+            folder = Path(hf_hub_download(spec.hf_repo, name)).parent
+    except Exception:  # offline, gated or missing: the caller reports what was tried
+        return None
+    return folder
+
+
+def load_tokenizer(spec: TokenizerSpec) -> Tokenizer:
+    folder = resolve_tokenizer_dir(spec)
+    if spec.backend == "tiktoken":
+        return _load_tiktoken_cached(folder, spec)
+    if spec.backend == "hf":
+        return HFTokenizer(folder, trust_remote_code=spec.trust_remote_code)
+    raise ValueError(f"unknown tokenizer backend {spec.backend!r} (expected tiktoken or hf)")
+
+
+class TiktokenTokenizer:
+    """BPE ranks file + special ids placed after the ranks (Kimi/Qwen layout)."""
+
+    def __init__(self, folder: Path, spec: TokenizerSpec) -> None:
+        import tiktoken
+
+        if not spec.pat_str:
+            raise ValueError("model.tokenizer.pat_str is required for the tiktoken backend")
+        ranks = _read_ranks(folder / spec.ranks_file)
+        first_special = len(ranks)
+        names = dict(spec.special_names)
+        if spec.special_names_from:
+            names.update(_added_tokens(folder / spec.special_names_from))
+        count = max(spec.num_special, (max(names) + 1 - first_special) if names else 0)
+        specials: dict[str, int] = {}
+        for token_id in range(first_special, first_special + count):
+            specials[names.get(token_id, spec.reserved_name.format(id=token_id))] = token_id
+        self.name = folder.name
+        self._encoding = tiktoken.Encoding(
+            name=f"kimi_pipe:{folder}",
+            pat_str=spec.pat_str,
+            mergeable_ranks=ranks,
+            special_tokens=specials,
+        )
+        self._specials = specials
+        self._special_names = {v: k for k, v in specials.items()}
+        self.vocab_size = first_special + count
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        return self._encoding.encode_ordinary(text)
+
+    def marker_id(self, name: str) -> int | None:
+        return self._specials.get(name)
+
+    def encode_with_markers(self, text: str) -> list[int]:
+        """Encode with every special name recognised (used to validate markers only)."""
+        return self._encoding.encode(text, allowed_special="all")
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._encoding.decode(list(ids))
+
+    def piece(self, token_id: int) -> str:
+        if token_id in self._special_names:
+            return self._special_names[token_id]
+        return self._encoding.decode_single_token_bytes(token_id).decode("utf-8", "replace")
+
+
+@lru_cache(maxsize=8)
+def _load_tiktoken_cached(folder: Path, spec: TokenizerSpec) -> TiktokenTokenizer:
+    return TiktokenTokenizer(folder, spec)
+
+
+def _read_ranks(path: Path) -> dict[bytes, int]:
+    ranks: dict[bytes, int] = {}
+    with path.open("rb") as handle:
+        for line_no, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                token, rank = line.split()
+                ranks[base64.b64decode(token)] = int(rank)
+            except ValueError as exc:
+                raise ValueError(f"{path}:{line_no}: not a 'base64 rank' line") from exc
+    return ranks
+
+
+def _added_tokens(path: Path) -> dict[int, str]:
+    if not path.is_file():
+        raise TokenizerNotFound(f"{path} not found (needed for the special-token names)")
+    decoder = json.loads(path.read_text(encoding="utf-8")).get("added_tokens_decoder", {})
+    return {int(k): v["content"] for k, v in decoder.items()}
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer; ordinary text bypasses added-token matching."""
+
+    def __init__(self, folder: Path, trust_remote_code: bool = False) -> None:
+        from transformers import AutoTokenizer
+
+        self._tok = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
+        self.name = folder.name
+        self.vocab_size = len(self._tok)
+        backend = getattr(self._tok, "backend_tokenizer", None)
+        if backend is None:
+            raise ValueError(f"{folder}: only fast (tokenizer.json) tokenizers are supported")
+        self._backend = backend
+        self._added = {t.content: i for i, t in self._tok.added_tokens_decoder.items()}
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        # Normaliser -> pre-tokeniser -> model, skipping the added-token matcher, so a
+        # marker name inside user text is encoded as the characters it is made of.
+        if not text:
+            return []
+        normalized = self._backend.normalizer.normalize_str(text) if self._backend.normalizer else text
+        pre = self._backend.pre_tokenizer
+        words = [w for w, _ in pre.pre_tokenize_str(normalized)] if pre else [normalized]
+        model = self._backend.model
+        return [t.id for word in words for t in model.tokenize(word)]
+
+    def marker_id(self, name: str) -> int | None:
+        if name in self._added:
+            return self._added[name]
+        token_id = self._tok.convert_tokens_to_ids(name)
+        return token_id if isinstance(token_id, int) and token_id != self._tok.unk_token_id else None
+
+    def encode_with_markers(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+    def piece(self, token_id: int) -> str:
+        return self._tok.decode([token_id], skip_special_tokens=False)
