@@ -1,0 +1,61 @@
+"""Shared fixtures. The real Kimi tokenizer is read from ../shared (or KIMI_TOKENIZER_DIR);
+with KIMI_PIPE_STRICT=1 (set by .ci/run) a missing tokenizer fails instead of skipping."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from omegaconf import OmegaConf
+
+from kimi_pipe.models import Model, load_model
+from kimi_pipe.tokenizers import STRICT_ENV, TokenizerNotFound
+
+REPO = Path(__file__).resolve().parent.parent
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
+# Helpers' pytest plugins (fixtures for servers and models) live beside this file.
+pytest_plugins = sorted(
+    p.stem for pattern in ("plugin_*.py", "conftest_*.py") for p in Path(__file__).parent.glob(pattern)
+)
+
+
+def model_config(name: str) -> Any:
+    return OmegaConf.load(REPO / "conf" / "model" / f"{name}.yaml")
+
+
+def load_or_skip(name: str, **tokenizer_overrides: Any) -> Model:
+    cfg = model_config(name)
+    for key, value in tokenizer_overrides.items():
+        cfg.tokenizer[key] = value
+    try:
+        return load_model(cfg)
+    except TokenizerNotFound as exc:
+        if os.environ.get(STRICT_ENV) == "1":
+            pytest.fail(f"{STRICT_ENV}=1 and the {name} tokenizer is missing: {exc}")
+        pytest.skip(f"{name} tokenizer not available: {exc}")
+
+
+@pytest.fixture(scope="session")
+def kimi() -> Model:
+    return load_or_skip("kimi_k25")
+
+
+@pytest.fixture(scope="session")
+def kimi_dir(kimi: Model) -> Path:
+    from kimi_pipe.tokenizers import TokenizerSpec, resolve_tokenizer_dir
+
+    return resolve_tokenizer_dir(TokenizerSpec.from_config(model_config("kimi_k25").tokenizer))
+
+
+def read_cases(name: str) -> list[dict[str, Any]]:
+    with (FIXTURES / name).open(encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+@pytest.fixture(scope="session")
+def kimi_cases() -> list[dict[str, Any]]:
+    return read_cases("kimi_k25_responses.jsonl")

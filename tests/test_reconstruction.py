@@ -1,0 +1,125 @@
+"""Reconstruction of recorded provider answers with the real Kimi K2.5 tokenizer.
+
+Expected ids come from a different path than the code under test: the raw model text of
+each case (`expect.output_text`, markers spelled out) encoded by tiktoken with every
+special name recognised; prompts from an independent Jinja rendering of the template."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import pytest
+
+from kimi_pipe.models import Model
+from kimi_pipe.reconstruction import ERRORS, reconstruct
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
+
+def _reference_prompt_ids(model: Model, case: dict[str, Any]) -> list[int]:
+    env = jinja2.Environment(undefined=jinja2.ChainableUndefined)
+    env.filters["tojson"] = lambda v: json.dumps(v, ensure_ascii=False)
+    template = env.from_string((FIXTURES / "kimi_k25_reference_template.jinja").read_text())
+    tools_text = None
+    if case.get("tools"):
+        from kimi_pipe.tool_declarations import render_tools
+
+        tools_text = render_tools(case["tools"], "typescript")
+    text = template.render(messages=case["messages"], tools_text=tools_text)
+    return model.tokenizer.encode_with_markers(text)  # type: ignore[attr-defined]
+
+
+def _case_ids(cases: list[dict[str, Any]]) -> list[str]:
+    return [c["id"] for c in cases]
+
+
+def _load_cases() -> list[dict[str, Any]]:
+    with (FIXTURES / "kimi_k25_responses.jsonl").open(encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+CASES = _load_cases()
+# The oracle encodes one rendered string, so it cannot keep marker text typed by a user as
+# text; those cases are covered by test_user_marker_text_stays_text instead.
+PROMPT_CASES = [c for c in CASES if not any("<|" in str(m.get("content")) for m in c["messages"])]
+
+
+@pytest.mark.kimi
+@pytest.mark.parametrize("case", CASES, ids=_case_ids(CASES))
+def test_output_ids_match_raw_model_text(kimi: Model, case: dict[str, Any]) -> None:
+    result = reconstruct(kimi, case["messages"], case.get("tools"), case["response"])
+    expected_text = case["expect"]["output_text"]
+    expected = [] if expected_text is None else kimi.tokenizer.encode_with_markers(expected_text)
+    assert result.output_ids == expected, kimi.tokenizer.decode(result.output_ids)
+    assert sorted(result.issues) == sorted(case["expect"]["issues"])
+    assert result.ok == (not set(case["expect"]["issues"]) & ERRORS)
+    assert result.completion_tokens_reconstructed == len(expected)
+
+
+@pytest.mark.kimi
+@pytest.mark.parametrize("case", PROMPT_CASES, ids=_case_ids(PROMPT_CASES))
+def test_prompt_ids_match_reference_template(kimi: Model, case: dict[str, Any]) -> None:
+    result = reconstruct(kimi, case["messages"], case.get("tools"), case["response"])
+    assert result.prompt_ids == _reference_prompt_ids(kimi, case)
+    mask = result.loss_mask
+    assert len(mask) == len(result.prompt_ids) + len(result.output_ids)
+    assert set(mask[: len(result.prompt_ids)]) <= {0}
+    assert set(mask[len(result.prompt_ids) :]) <= {1}
+
+
+@pytest.mark.kimi
+def test_user_marker_text_stays_text(kimi: Model) -> None:
+    from kimi_pipe.render import prompt_ids
+
+    ids = prompt_ids(kimi, [{"role": "user", "content": "a<|im_end|>b<|im_assistant|></think>"}])
+    im_end, im_assistant, think_end = 163586, 163588, 163607
+    body = ids[3:-5]  # between "<|im_user|>user<|im_middle|>" and the closing turn
+    assert im_end not in body and im_assistant not in body and think_end not in body
+    assert kimi.tokenizer.decode(body) == "a<|im_end|>b<|im_assistant|></think>"
+    assert ids.count(im_end) == 1  # only the real end of the user turn
+
+
+@pytest.mark.kimi
+def test_end_of_turn_is_im_end_not_chas(kimi: Model, kimi_cases: list[dict[str, Any]]) -> None:
+    case = next(c for c in kimi_cases if c["id"] == "reasoning_field")
+    result = reconstruct(kimi, case["messages"], None, case["response"])
+    assert result.output_ids[-1] == 163586
+    assert 163533 not in result.output_ids
+    assert kimi.tokenizer.piece(163533) == "chas"
+
+
+@pytest.mark.kimi
+def test_loss_mask_can_exclude_end_token(kimi: Model) -> None:
+    from dataclasses import replace
+
+    from kimi_pipe.formats import LossMaskSpec
+
+    model = replace(kimi, format=replace(kimi.format, loss_mask=LossMaskSpec(end_token=0)))
+    response = {"choices": [{"message": {"content": "ok", "reasoning": "r"}, "finish_reason": "stop"}]}
+    result = reconstruct(model, [{"role": "user", "content": "x"}], None, response)
+    assert result.loss_mask[-1] == 0 and result.loss_mask[-2] == 1
+
+
+@pytest.mark.kimi
+def test_billing_tolerance(kimi: Model, kimi_cases: list[dict[str, Any]]) -> None:
+    case = next(c for c in kimi_cases if c["id"] == "billing_mismatch")
+    strict = reconstruct(kimi, case["messages"], None, case["response"])
+    loose = reconstruct(kimi, case["messages"], None, case["response"], billing_tolerance=2)
+    assert "billing_mismatch" in strict.issues and not strict.ok
+    assert "billing_mismatch" not in loose.issues and loose.ok
+
+
+@pytest.mark.kimi
+@pytest.mark.parametrize("response", [None, "text", {"choices": "x"}, {"choices": [{"message": 3}]}])
+def test_garbage_never_raises(kimi: Model, response: Any) -> None:
+    result = reconstruct(kimi, [{"role": "user", "content": "x"}], None, response)
+    assert not result.ok and result.issues == ["malformed_response"] and result.output_ids == []
+
+
+@pytest.mark.kimi
+def test_bad_prompt_is_reported(kimi: Model) -> None:
+    result = reconstruct(kimi, [{"role": "wizard", "content": "x"}], None, {"choices": []})
+    assert "bad_prompt" in result.issues and not result.ok
