@@ -13,6 +13,7 @@ import re
 import string
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 
@@ -73,6 +74,7 @@ class Template:
         return out
 
 
+@lru_cache(maxsize=64)
 def _marker_splitter(marker_names: tuple[str, ...]) -> re.Pattern[str] | None:
     if not marker_names:
         return None
@@ -107,6 +109,11 @@ class OutputFormat:
     think_end: str | None  # marker name that closes reasoning, to split raw content
     reasoning_strip: str
     content_strip: str
+    # Whitespace the templates put next to a field, which some providers hand back inside the
+    # field and others strip: one copy is removed when present (the template adds it back).
+    reasoning_trim_suffix: str = ""
+    content_trim_prefix: str = ""
+    tool_calls_after_content: str = ""  # between non-empty content and the tool-call section
 
 
 @dataclass(frozen=True)
@@ -126,6 +133,10 @@ class PromptFormat:
     generation: Template
     default_system: str | None
     content_join: str  # how the text parts of a multi-part content are joined
+    trim_content: bool = False  # strip whitespace of every content and history reasoning
+    tool_group_start: Template | None = None  # opens a run of consecutive tool results
+    tool_group_end: Template | None = None  # closes it
+    tools_system: Template | None = None  # a leading system message inside `tools` ({system})
 
 
 @dataclass(frozen=True)
@@ -172,6 +183,9 @@ def parse_format(cfg: Mapping[str, Any], marker_names: Sequence[str]) -> ModelFo
         think_end=think_end,
         reasoning_strip=o.get("reasoning_strip", ""),
         content_strip=o.get("content_strip", ""),
+        reasoning_trim_suffix=o.get("reasoning_trim_suffix", ""),
+        content_trim_prefix=o.get("content_trim_prefix", ""),
+        tool_calls_after_content=o.get("tool_calls_after_content", ""),
     )
     if output.arguments not in ("json_verbatim", "xml_parameters"):
         raise ValueError(f"model.output.arguments: unknown style {output.arguments!r}")
@@ -191,7 +205,13 @@ def parse_format(cfg: Mapping[str, Any], marker_names: Sequence[str]) -> ModelFo
         generation=tpl(p["generation"]),
         default_system=p.get("default_system"),
         content_join=p.get("content_join", ""),
+        trim_content=bool(p.get("trim_content", False)),
+        tool_group_start=opt(p.get("tool_group_start")),
+        tool_group_end=opt(p.get("tool_group_end")),
+        tools_system=opt(p.get("tools_system")),
     )
+    if prompt.tools is not None and "system" in prompt.tools.fields and prompt.tools_system is None:
+        raise ValueError("model.prompt.tools has a {system} field: set model.prompt.tools_system")
     allowed = ("after_last_final_answer", "after_last_user", "all", "none")
     if prompt.keep_reasoning not in allowed:
         raise ValueError(f"model.prompt.keep_reasoning must be one of {allowed}")

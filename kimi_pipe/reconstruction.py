@@ -13,7 +13,7 @@ from typing import Any
 
 from kimi_pipe.formats import Marker, Piece, split_markers
 from kimi_pipe.models import Model
-from kimi_pipe.render import PromptError, message_text, prompt_ids, render_tool_calls
+from kimi_pipe.render import PromptError, content_and_tool_calls, message_text, prompt_ids
 
 # Issue codes. Errors make `ok` false; notes are listed but leave `ok` as it is.
 ERRORS = frozenset(
@@ -99,7 +99,8 @@ def _reasoning(message: Mapping[str, Any]) -> tuple[str, str | None]:
         texts = [
             str(block.get("text") or "")
             for block in details
-            if isinstance(block, Mapping) and block.get("type", "reasoning.text") == "reasoning.text"
+            if isinstance(block, Mapping)
+            and block.get("type", "reasoning.text") == "reasoning.text"
         ]
         if any(texts):
             return "".join(texts), "reasoning_details"
@@ -138,7 +139,9 @@ def answer_fields(response: Any) -> AnswerFields | None:
     )
 
 
-def output_pieces(model: Model, answer: AnswerFields, issues: list[str]) -> tuple[list[Piece], bool]:
+def output_pieces(
+    model: Model, answer: AnswerFields, issues: list[str]
+) -> tuple[list[Piece], bool]:
     """The model's output stream as pieces; also whether the end-of-turn was appended."""
     out = model.format.output
     truncated = answer.finish_reason in _LENGTH_REASONS
@@ -162,27 +165,41 @@ def output_pieces(model: Model, answer: AnswerFields, issues: list[str]) -> tupl
             reasoning = reasoning.strip(out.reasoning_strip)
         if reasoning_cut:
             return ([reasoning] if reasoning else []), False
+        # The template's own whitespace around the think-end: kept by some providers inside
+        # the fields, stripped by others; the reasoning template adds it back either way.
+        reasoning = _remove_once(reasoning, out.reasoning_trim_suffix, suffix=True)
+        content = _remove_once(content, out.content_trim_prefix, suffix=False)
         pieces += out.reasoning.render(reasoning=reasoning)
 
     if out.content_strip:
         content = content.strip(out.content_strip)
+    if answer.tool_calls and out.tool_calls_after_content:
+        # The separator follows content with text only; whitespace-only content is kept whole.
+        before = _remove_once(content, out.tool_calls_after_content, suffix=True)
+        if before.strip():
+            content = before
     content_pieces = split_markers(content, model.format.marker_names)
     if any(isinstance(p, Marker) for p in content_pieces):
         issues.append("raw_markers_in_content")
-    pieces += out.content.render(content=content_pieces)
-
+    ids: list[str] = []
     if answer.tool_calls:
         ids, rebuilt = _tool_call_ids(model, answer.tool_calls)
         if rebuilt:
             issues.append("tool_call_ids_rebuilt")
-        section, not_json = render_tool_calls(out, answer.tool_calls, ids)
-        if not_json:
-            issues.append("tool_arguments_not_json")
-        pieces += section
+    section, not_json = content_and_tool_calls(out, content_pieces, answer.tool_calls, ids)
+    if not_json:
+        issues.append("tool_arguments_not_json")
+    pieces += section
 
     if truncated:
         return pieces, False
     return pieces + out.end.render(), True
+
+
+def _remove_once(text: str, part: str, *, suffix: bool) -> str:
+    if not part:
+        return text
+    return text.removesuffix(part) if suffix else text.removeprefix(part)
 
 
 def _tool_call_ids(model: Model, calls: Sequence[Mapping[str, Any]]) -> tuple[list[str], bool]:
@@ -253,7 +270,7 @@ def reconstruct(
 
     mask_spec = model.format.loss_mask
     loss_mask = [mask_spec.prompt] * len(prompt) + [mask_spec.output] * len(output)
-    if ended and output:
+    if ended and output and mask_spec.end_token != mask_spec.output:
         end_len = len(model.encode(model.format.output.end.render()))
         loss_mask[len(loss_mask) - end_len :] = [mask_spec.end_token] * end_len
     issues = list(dict.fromkeys(issues))  # stable, no duplicates

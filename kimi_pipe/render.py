@@ -10,7 +10,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kimi_pipe.formats import ModelFormat, OutputFormat, Piece, PromptFormat
+from kimi_pipe.formats import Marker, ModelFormat, OutputFormat, Piece, PromptFormat
 from kimi_pipe.models import Model
 
 
@@ -44,6 +44,10 @@ def arguments_text(arguments: Any) -> str:
     return json.dumps(arguments if arguments is not None else {}, ensure_ascii=False)
 
 
+def _json(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
 def render_tool_calls(
     out: OutputFormat, calls: Sequence[Mapping[str, Any]], ids: Sequence[str]
 ) -> tuple[list[Piece], bool]:
@@ -64,7 +68,8 @@ def render_tool_calls(
             if isinstance(parsed, dict):
                 arguments = []
                 for key, value in parsed.items():
-                    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+                    # Template rule: strings verbatim, anything else as JSON (null for None).
+                    text = value if isinstance(value, str) else _json(value)
                     arguments.extend(out.parameter.render(key=str(key), value=text))
             else:
                 not_json = True
@@ -106,36 +111,96 @@ def render_prompt(
     tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> list[Piece]:
     """Pieces of the prompt: tool declarations, the turns, then the generation prompt."""
-    p, out = fmt.prompt, fmt.output
+    p = fmt.prompt
     pieces: list[Piece] = list(p.prefix.render())
-    if tools and p.tools is not None:
-        from kimi_pipe.tool_declarations import render_tools
-
-        pieces += p.tools.render(tools=render_tools(list(tools), p.tools_style))
-    if p.default_system is not None and not (messages and messages[0].get("role") == "system"):
-        pieces += p.system.render(name="system", role="system", content=p.default_system)
-    keep_from = _keep_reasoning_from(p, messages)
     for index, message in enumerate(messages):
         if not isinstance(message, Mapping):
             raise PromptError(f"message {index} is not an object")
+    skip: set[int] = set()
+    system_in_tools = False
+    if tools and p.tools is not None:
+        from kimi_pipe.tool_declarations import render_tools
+
+        declared = render_tools(list(tools), p.tools_style)
+        if "system" in p.tools.fields:
+            # The template declares tools inside the system turn (Qwen3.5): a leading system
+            # message (or the default one) goes into that turn instead of its own.
+            system_in_tools = True
+            system = _leading_system(p, messages)
+            if messages and messages[0].get("role") in ("system", "developer"):
+                skip.add(0)
+            merged = p.tools_system.render(content=system) if system and p.tools_system else []
+            pieces += p.tools.render(tools=declared, system=merged)
+        else:
+            pieces += p.tools.render(tools=declared)
+    if p.default_system is not None and not system_in_tools and not _starts_with_system(messages):
+        pieces += p.system.render(name="system", role="system", content=_trim(p, p.default_system))
+    keep_from = _keep_reasoning_from(p, messages)
+    roles = [m.get("role") for m in messages]
+    for index, message in enumerate(messages):
+        if index in skip:
+            continue
         role = message.get("role")
         name = str(message.get("name") or role)
-        content = message_text(message.get("content"), p.content_join)
+        content = _trim(p, message_text(message.get("content"), p.content_join))
         if role == "system" or role == "developer":
             pieces += p.system.render(name=name, role="system", content=content)
         elif role == "user":
             pieces += p.user.render(name=name, role=role, content=content)
         elif role == "tool":
+            # Optional group framing: consecutive tool results share one turn.
+            if p.tool_group_start is not None and (index == 0 or roles[index - 1] != "tool"):
+                pieces += p.tool_group_start.render()
             call_id = str(message.get("tool_call_id") or "")
             pieces += p.tool.render(name=name, role=role, tool_call_id=call_id, content=content)
+            last_of_run = index + 1 == len(roles) or roles[index + 1] != "tool"
+            if p.tool_group_end is not None and last_of_run:
+                pieces += p.tool_group_end.render()
         elif role == "assistant":
-            pieces += p.assistant.render(
-                name=name, role=role, body=_assistant_body(fmt, message, content, index >= keep_from)
-            )
+            body = _assistant_body(fmt, message, content, index >= keep_from)
+            pieces += p.assistant.render(name=name, role=role, body=body)
         else:
             raise PromptError(f"message {index}: unknown role {role!r}")
     pieces += p.generation.render()
     return pieces
+
+
+def _trim(fmt: PromptFormat, text: str) -> str:
+    """Jinja's `|trim` (Python str.strip()) where the model's template applies it."""
+    return text.strip() if fmt.trim_content else text
+
+
+def _starts_with_system(messages: Sequence[Mapping[str, Any]]) -> bool:
+    return bool(messages) and messages[0].get("role") == "system"
+
+
+def _leading_system(fmt: PromptFormat, messages: Sequence[Mapping[str, Any]]) -> str:
+    """Text of a leading system/developer message, else the default system prompt, else ""."""
+    if messages and messages[0].get("role") in ("system", "developer"):
+        return _trim(fmt, message_text(messages[0].get("content"), fmt.content_join))
+    return _trim(fmt, fmt.default_system or "")
+
+
+def content_and_tool_calls(
+    out: OutputFormat,
+    content: Sequence[Piece],
+    calls: Sequence[Mapping[str, Any]],
+    ids: Sequence[str],
+) -> tuple[list[Piece], bool]:
+    """Content, then the tool-call section; `tool_calls_after_content` goes between the two
+    when the content has text. Returns the pieces and render_tool_calls' not-JSON flag."""
+    pieces = out.content.render(content=list(content))
+    if not calls:
+        return pieces, False
+    section, not_json = render_tool_calls(out, calls, ids)
+    if out.tool_calls_after_content and has_text(content):
+        pieces.append(out.tool_calls_after_content)
+    return pieces + section, not_json
+
+
+def has_text(pieces: Sequence[Piece]) -> bool:
+    """Anything but whitespace (the templates test `content|trim`)."""
+    return any(isinstance(p, Marker) or p.strip() for p in pieces)
 
 
 def _assistant_body(
@@ -143,15 +208,13 @@ def _assistant_body(
 ) -> list[Piece]:
     p, out = fmt.prompt, fmt.output
     if keep_reasoning:
-        body = p.history_reasoning.render(reasoning=_history_reasoning(message))
+        body = p.history_reasoning.render(reasoning=_trim(p, _history_reasoning(message)))
     else:
         body = p.history_no_reasoning.render()
-    body += out.content.render(content=content)
     calls = message.get("tool_calls") or []
-    if calls:
-        ids = [str(c.get("id") or "") for c in calls]
-        section, _ = render_tool_calls(out, calls, ids)
-        body += section
+    ids = [str(c.get("id") or "") for c in calls]
+    section, _ = content_and_tool_calls(out, [content] if content else [], calls, ids)
+    body += section
     body += out.end.render()
     return body
 

@@ -13,7 +13,10 @@ from snapshot_format import TokenSnapshot, render_snapshot
 from kimi_pipe.reconstruction import reconstruct
 
 # (model config, fixture corpus): adding a model family adds a line here and its snapshots.
-CORPORA = [("kimi_k25", "kimi_k25_responses.jsonl")]
+CORPORA = [
+    ("kimi_k25", "kimi_k25_responses.jsonl"),
+    ("qwen3_5", "qwen3_5_responses.jsonl"),
+]
 PARAMS = [
     pytest.param(model, case, id=f"{model}-{case['id']}")
     for model, corpus in CORPORA
