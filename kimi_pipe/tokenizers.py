@@ -252,7 +252,8 @@ class HFTokenizer:
         # marker name inside user text is encoded as the characters it is made of.
         if not text:
             return []
-        normalized = self._backend.normalizer.normalize_str(text) if self._backend.normalizer else text
+        normalizer = self._backend.normalizer
+        normalized = normalizer.normalize_str(text) if normalizer else text
         pre = self._backend.pre_tokenizer
         words = [w for w, _ in pre.pre_tokenize_str(normalized)] if pre else [normalized]
         model = self._backend.model
@@ -262,7 +263,9 @@ class HFTokenizer:
         if name in self._added:
             return self._added[name]
         token_id = self._tok.convert_tokens_to_ids(name)
-        return token_id if isinstance(token_id, int) and token_id != self._tok.unk_token_id else None
+        if isinstance(token_id, int) and token_id != self._tok.unk_token_id:
+            return token_id
+        return None
 
     def encode_with_markers(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False))
