@@ -19,7 +19,9 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 # Helpers' pytest plugins (fixtures for servers and models) live beside this file.
 pytest_plugins = sorted(
-    p.stem for pattern in ("plugin_*.py", "conftest_*.py") for p in Path(__file__).parent.glob(pattern)
+    p.stem
+    for pattern in ("plugin_*.py", "conftest_*.py")
+    for p in Path(__file__).parent.glob(pattern)
 )
 
 

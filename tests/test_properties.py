@@ -44,11 +44,16 @@ def _ground_truth(model: Any, answer: dict[str, Any]) -> list[int]:
 def _variants(answer: dict[str, Any], split_at: int) -> dict[str, dict[str, Any]]:
     r, c = answer["reasoning"], answer["content"]
     calls = [
-        {"id": f"call_{i}x", "type": "function",
-         "function": {"name": n, "arguments": json.dumps(a, ensure_ascii=False)}}
+        {
+            "id": f"call_{i}x",
+            "type": "function",
+            "function": {"name": n, "arguments": json.dumps(a, ensure_ascii=False)},
+        }
         for i, (n, a) in enumerate(answer["calls"])
     ]
-    native = [dict(call, id=f"functions.{call['function']['name']}:{i}") for i, call in enumerate(calls)]
+    native = [
+        dict(call, id=f"functions.{call['function']['name']}:{i}") for i, call in enumerate(calls)
+    ]
     tc = {"tool_calls": calls} if calls else {}
     tn = {"tool_calls": native} if calls else {}
     k = min(split_at, len(r))
@@ -64,8 +69,12 @@ def _variants(answer: dict[str, Any], split_at: int) -> dict[str, dict[str, Any]
             **tc,
         },
         "think_in_content": {"content": f"{r}</think>{c}", **tn},
-        "litellm": {"content": c, "reasoning_content": r,
-                    "provider_specific_fields": {"reasoning": r}, **tc},
+        "litellm": {
+            "content": c,
+            "reasoning_content": r,
+            "provider_specific_fields": {"reasoning": r},
+            **tc,
+        },
     }
 
 
@@ -77,7 +86,9 @@ def test_every_provider_rendering_reconstructs_ground_truth(answer: dict, split_
     truth = _ground_truth(model, answer)
     for name, message in _variants(answer, split_at).items():
         response = {
-            "choices": [{"message": message, "finish_reason": "tool_calls" if answer["calls"] else "stop"}],
+            "choices": [
+                {"message": message, "finish_reason": "tool_calls" if answer["calls"] else "stop"}
+            ],
             "usage": {"completion_tokens": len(truth)},
         }
         result = reconstruct(model, [{"role": "user", "content": "q"}], None, response)

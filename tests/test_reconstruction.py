@@ -98,7 +98,9 @@ def test_loss_mask_can_exclude_end_token(kimi: Model) -> None:
     from kimi_pipe.formats import LossMaskSpec
 
     model = replace(kimi, format=replace(kimi.format, loss_mask=LossMaskSpec(end_token=0)))
-    response = {"choices": [{"message": {"content": "ok", "reasoning": "r"}, "finish_reason": "stop"}]}
+    response = {
+        "choices": [{"message": {"content": "ok", "reasoning": "r"}, "finish_reason": "stop"}]
+    }
     result = reconstruct(model, [{"role": "user", "content": "x"}], None, response)
     assert result.loss_mask[-1] == 0 and result.loss_mask[-2] == 1
 
@@ -113,7 +115,9 @@ def test_billing_tolerance(kimi: Model, kimi_cases: list[dict[str, Any]]) -> Non
 
 
 @pytest.mark.kimi
-@pytest.mark.parametrize("response", [None, "text", {"choices": "x"}, {"choices": [{"message": 3}]}])
+@pytest.mark.parametrize(
+    "response", [None, "text", {"choices": "x"}, {"choices": [{"message": 3}]}]
+)
 def test_garbage_never_raises(kimi: Model, response: Any) -> None:
     result = reconstruct(kimi, [{"role": "user", "content": "x"}], None, response)
     assert not result.ok and result.issues == ["malformed_response"] and result.output_ids == []

@@ -62,8 +62,11 @@ def test_missing_path_names_the_path_and_how_to_get_it(tmp_path: Path) -> None:
 
 def test_nothing_found_lists_what_was_tried(tmp_path: Path) -> None:
     spec = TokenizerSpec(
-        backend="tiktoken", path_env="KIMI_PIPE_TEST_UNSET_ENV", shared_dir="no-such-model",
-        pat_str=".", how_to_get="Set X.",
+        backend="tiktoken",
+        path_env="KIMI_PIPE_TEST_UNSET_ENV",
+        shared_dir="no-such-model",
+        pat_str=".",
+        how_to_get="Set X.",
     )
     with pytest.raises(TokenizerNotFound, match="no-such-model.*Set X."):
         load_tokenizer(spec)
@@ -91,7 +94,12 @@ def test_hf_backend_matches_tokenizers_on_plain_text() -> None:
     folder = _deepseek_dir()
     ours = HFTokenizer(folder)
     theirs = AutoTokenizer.from_pretrained(str(folder))
-    for text in ["Hello, world!", "  spaces\n\n\ttabs  ", "中文和 emoji 😀", "def f(x):\n    return x"]:
+    for text in [
+        "Hello, world!",
+        "  spaces\n\n\ttabs  ",
+        "中文和 emoji 😀",
+        "def f(x):\n    return x",
+    ]:
         assert ours.encode_ordinary(text) == theirs.encode(text, add_special_tokens=False)
     eos = "<｜end▁of▁sentence｜>"
     eos_id = ours.marker_id(eos)
