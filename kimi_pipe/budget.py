@@ -1,0 +1,169 @@
+"""Reservation-based hard caps for a generate run (USD, samples, output tokens).
+
+Before a request goes out its worst case is reserved (prompt tokens x input price +
+max_tokens x output price); when it returns, the reservation is settled to what it really
+cost. `spent + reserved` never exceeds the cap, so the money spent cannot exceed it either,
+however many requests are in flight (as long as no answer costs more than its worst case;
+one that does is logged and stops further dispatch once the cap is reached).
+All methods are synchronous and hold a lock: safe from asyncio tasks and from threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Pricing:
+    input_per_token: float  # USD
+    output_per_token: float  # USD
+
+    def worst_case(self, prompt_tokens: int, max_tokens: int, factor: float = 1.0) -> float:
+        return (prompt_tokens * self.input_per_token + max_tokens * self.output_per_token) * factor
+
+
+@dataclass
+class Reservation:
+    usd: float
+    output_tokens: int
+    sample: bool  # whether this reservation holds one of `max_samples`
+    settled: bool = False
+
+
+class Budget:
+    def __init__(
+        self,
+        usd: float | None,
+        max_samples: int | None = None,
+        max_output_tokens: int | None = None,
+        spent_usd: float = 0.0,
+        done_samples: int = 0,
+        used_output_tokens: int = 0,
+    ) -> None:
+        self.cap_usd = usd
+        self.max_samples = max_samples
+        self.max_output_tokens = max_output_tokens
+        self.spent_usd = spent_usd  # settled money, earlier runs included
+        self.reserved_usd = 0.0
+        self.done_samples = done_samples
+        self.reserved_samples = 0
+        self.used_output_tokens = used_output_tokens
+        self.reserved_output_tokens = 0
+        self.overruns = 0  # answers that cost more than their reservation
+        self._lock = threading.Lock()
+
+    def blocker(self, usd: float, output_tokens: int, sample: bool) -> str | None:
+        """Which cap a reservation of this size would cross right now (None: it fits)."""
+        with self._lock:
+            return self._blocker(usd, output_tokens, sample)
+
+    def _blocker(self, usd: float, output_tokens: int, sample: bool) -> str | None:
+        if self.cap_usd is not None and self.spent_usd + self.reserved_usd + usd > self.cap_usd:
+            return "budget_usd"
+        if (
+            sample
+            and self.max_samples is not None
+            and self.done_samples + self.reserved_samples + 1 > self.max_samples
+        ):
+            return "max_samples"
+        if self.max_output_tokens is not None and (
+            self.used_output_tokens + self.reserved_output_tokens + output_tokens
+            > self.max_output_tokens
+        ):
+            return "max_output_tokens"
+        return None
+
+    def try_reserve(
+        self, usd: float, output_tokens: int, sample: bool = True
+    ) -> Reservation | None:
+        with self._lock:
+            if self._blocker(usd, output_tokens, sample) is not None:
+                return None
+            self.reserved_usd += usd
+            self.reserved_output_tokens += output_tokens
+            self.reserved_samples += int(sample)
+            return Reservation(usd, output_tokens, sample)
+
+    def settle(
+        self, res: Reservation, cost_usd: float, output_tokens: int, sample_done: bool
+    ) -> None:
+        """Replace a reservation by what the attempt really used. `sample_done`: the sample
+        is answered (it then counts against `max_samples`)."""
+        with self._lock:
+            if res.settled:
+                return
+            res.settled = True
+            self.reserved_usd -= res.usd
+            self.reserved_output_tokens -= res.output_tokens
+            self.reserved_samples -= int(res.sample)
+            self.spent_usd += cost_usd
+            self.used_output_tokens += output_tokens
+            self.done_samples += int(sample_done)
+            if cost_usd > res.usd + 1e-12:
+                self.overruns += 1
+                log.warning(
+                    "an answer cost $%.6f, more than its reserved worst case $%.6f; "
+                    "check provider.pricing and budget.reserve_factor", cost_usd, res.usd)
+
+    def outstanding(self) -> int:
+        """Reservations not settled yet (requests in flight)."""
+        with self._lock:
+            return self.reserved_samples
+
+    def exhausted(self) -> str | None:
+        """A cap already reached with nothing reserved: no further request can fit."""
+        with self._lock:
+            if self.cap_usd is not None and self.spent_usd >= self.cap_usd:
+                return "budget_usd"
+            if self.max_samples is not None and self.done_samples >= self.max_samples:
+                return "max_samples"
+            if self.max_output_tokens is not None and (
+                self.used_output_tokens >= self.max_output_tokens
+            ):
+                return "max_output_tokens"
+            return None
+
+
+class BudgetGate:
+    """Asyncio front of a `Budget`: `reserve` waits while requests in flight may still give
+    money back, and returns None once the reservation can never fit."""
+
+    def __init__(self, budget: Budget) -> None:
+        self.budget = budget
+        self._changed: asyncio.Event | None = None
+        self.closed = False
+
+    def _event(self) -> asyncio.Event:
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        return self._changed
+
+    async def reserve(self, usd: float, output_tokens: int) -> Reservation | None:
+        while not self.closed:
+            res = self.budget.try_reserve(usd, output_tokens)
+            if res is not None:
+                return res
+            if self.budget.outstanding() == 0:
+                return None  # nothing in flight can free room: it will never fit
+            event = self._event()
+            await event.wait()
+        return None
+
+    def settle(self, res: Reservation, cost_usd: float, output_tokens: int, done: bool) -> None:
+        self.budget.settle(res, cost_usd, output_tokens, done)
+        self._wake()
+
+    def close(self) -> None:
+        """Stop handing out reservations (the run is stopping); wake every waiter."""
+        self.closed = True
+        self._wake()
+
+    def _wake(self) -> None:
+        event, self._changed = self._changed, None
+        if event is not None:
+            event.set()

@@ -1,0 +1,437 @@
+"""One provider call through LiteLLM: settings, error classification, retry with backoff.
+
+Everything provider-specific is data in `conf/provider/*.yaml`. The API key is read from
+the environment variable the config names and is never stored, logged or raised: error
+text that could echo it goes through `scrub`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import logging
+import os
+import random
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger(__name__)
+
+_litellm: Any = None
+
+
+def get_litellm() -> Any:
+    """Import LiteLLM lazily (it takes seconds) and offline (no price-map download)."""
+    global _litellm
+    if _litellm is None:
+        os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+        import litellm
+
+        litellm.suppress_debug_info = True  # no "Give Feedback" banners on every error
+        litellm.telemetry = False
+        # One INFO line per request from LiteLLM and httpx drowns the progress lines.
+        for name in ("LiteLLM", "LiteLLM Router", "LiteLLM Proxy", "httpx"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+        _litellm = litellm
+    return _litellm
+
+
+class MissingApiKey(RuntimeError):
+    pass
+
+
+class ProviderConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    max_attempts: int = 6
+    base_delay_s: float = 1.0
+    max_delay_s: float = 60.0
+    jitter: float = 0.5  # a delay is drawn from [d*(1-jitter), d]
+    max_retry_after_s: float = 300.0  # longest Retry-After honoured
+    # Stop the run after this many samples in a row failed without retry (400/403/...):
+    # almost always a wrong model name or parameter, not bad prompts.
+    max_consecutive_failures: int = 20
+
+    def backoff(self, attempt: int, rng: random.Random) -> float:
+        """Delay after failed attempt number `attempt` (1-based)."""
+        delay = min(self.max_delay_s, self.base_delay_s * 2 ** (attempt - 1))
+        return delay * (1.0 - self.jitter * rng.random())
+
+
+@dataclass(frozen=True)
+class ProviderSettings:
+    name: str
+    model: str
+    api_base: str | None
+    api_key_env: str | None  # None: the server needs no key (a local server)
+    timeout_s: float
+    concurrency: int
+    params: dict[str, Any]  # top-level OpenAI sampling params (max_tokens, temperature, ...)
+    extra_body: dict[str, Any]  # provider-only fields merged into the body (routing, reasoning)
+    retry: RetryPolicy
+    input_usd_per_mtok: float | None = None
+    output_usd_per_mtok: float | None = None
+    fallback_input_usd_per_mtok: float | None = None
+    fallback_output_usd_per_mtok: float | None = None
+    models_path: str = "/models"
+    extra_headers: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig | Mapping[str, Any]) -> ProviderSettings:
+        if isinstance(cfg, DictConfig):
+            data = OmegaConf.to_container(cfg, resolve=True)
+        else:
+            data = dict(cfg)
+        assert isinstance(data, dict)
+        if "api_key" in data:
+            raise ProviderConfigError(
+                "provider.api_key must not be in the config (it would be saved in .hydra/); "
+                f"export {data.get('api_key_env', 'the API key variable')} instead")
+        params = {k: v for k, v in (data.get("params") or {}).items() if v is not None}
+        extra: dict[str, Any] = {}
+        for key, body_key in (data.get("extra_body_keys") or {}).items():
+            value = _drop_nones(data.get(key))
+            if value not in (None, {}, []):
+                extra[body_key] = value
+        extra.update(_drop_nones(data.get("extra_body")) or {})
+        pricing = data.get("pricing") or {}
+        retry = RetryPolicy(**(data.get("retry") or {}))
+        if retry.max_attempts < 1:
+            raise ProviderConfigError("provider.retry.max_attempts must be >= 1")
+        concurrency = int(data.get("concurrency") or 1)
+        if concurrency < 1:
+            raise ProviderConfigError("provider.concurrency must be >= 1")
+        return cls(
+            name=str(data["name"]),
+            model=str(data["model"]),
+            api_base=data.get("api_base"),
+            api_key_env=data.get("api_key_env") or None,
+            timeout_s=float(data.get("timeout_s") or 600),
+            concurrency=concurrency,
+            params=params,
+            extra_body=extra,
+            retry=retry,
+            input_usd_per_mtok=pricing.get("input_usd_per_mtok"),
+            output_usd_per_mtok=pricing.get("output_usd_per_mtok"),
+            fallback_input_usd_per_mtok=pricing.get("fallback_input_usd_per_mtok"),
+            fallback_output_usd_per_mtok=pricing.get("fallback_output_usd_per_mtok"),
+            models_path=str(data.get("models_path") or "/models"),
+            extra_headers=dict(data.get("headers") or {}),
+        )
+
+    def request_record(self) -> dict[str, Any]:
+        """The request parameters as stored with every record (never the key)."""
+        return {"model": self.model, "api_base": self.api_base, "timeout_s": self.timeout_s,
+                **self.params, "extra_body": self.extra_body}
+
+
+def _drop_nones(value: Any) -> Any:
+    """Routing objects list every option; unset ones (null) are not sent."""
+    if isinstance(value, dict):
+        return {k: _drop_nones(v) for k, v in value.items() if v is not None}
+    return value
+
+
+def api_key(settings: ProviderSettings) -> str:
+    """The key from the environment ("" when the provider needs none)."""
+    if settings.api_key_env is None:
+        return ""
+    key = os.environ.get(settings.api_key_env, "").strip()
+    if not key:
+        raise MissingApiKey(
+            f"no API key: the environment variable {settings.api_key_env} is not set.\n"
+            f"  export {settings.api_key_env}=sk-or-v1-...   (https://openrouter.ai/keys)\n"
+            "The key is read only from the environment, never from the config.")
+    return key
+
+
+def scrub(text: str, key: str | None) -> str:
+    if key and key in text:
+        text = text.replace(key, "***")
+    return text
+
+
+# ---------------------------------------------------------------------------------------
+# Errors
+
+
+@dataclass(frozen=True)
+class ErrorInfo:
+    cls: str  # short stable class: rate_limited, timeout, server_error, payment_required, ...
+    status: int | None
+    message: str
+    action: str  # "retry" | "fail" (this sample) | "stop" (the run)
+    retry_after_s: float | None = None
+
+    def to_record(self) -> dict[str, Any]:
+        return {"class": self.cls, "message": self.message, "status": self.status}
+
+
+_FAIL_STATUS = {400: "bad_request", 403: "forbidden", 404: "not_found", 413: "too_large",
+                422: "unprocessable"}
+_STOP_STATUS = {401: "auth", 402: "payment_required"}
+
+
+def parse_retry_after(headers: Any) -> float | None:
+    if not headers:
+        return None
+    try:
+        value = headers.get("retry-after") or headers.get("Retry-After")
+    except AttributeError:
+        return None
+    if value is None:
+        return None
+    value = str(value).strip()
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:  # HTTP-date form
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
+def _headers_of(exc: BaseException) -> Any:
+    headers = getattr(exc, "litellm_response_headers", None)
+    if headers:
+        return headers
+    resp = getattr(exc, "response", None)
+    return getattr(resp, "headers", None)
+
+
+def classify_exception(exc: BaseException, key: str | None = None) -> ErrorInfo:
+    litellm = get_litellm()
+    status = getattr(exc, "status_code", None)
+    status = status if isinstance(status, int) else None
+    message = scrub(f"{type(exc).__name__}: {exc}", key)[:2000]
+    retry_after = parse_retry_after(_headers_of(exc))
+    if isinstance(exc, litellm.Timeout | asyncio.TimeoutError | TimeoutError) or status == 408:
+        return ErrorInfo("timeout", status, message, "retry", retry_after)
+    if status in _STOP_STATUS:
+        return ErrorInfo(_STOP_STATUS[status], status, message, "stop")
+    if status == 429:
+        return ErrorInfo("rate_limited", status, message, "retry", retry_after)
+    if status in _FAIL_STATUS:
+        return ErrorInfo(_FAIL_STATUS[status], status, message, "fail")
+    if isinstance(exc, litellm.APIConnectionError):
+        return ErrorInfo("connection", status, message, "retry", retry_after)
+    if status == 200:  # the body could not be read (empty or not JSON)
+        return ErrorInfo("bad_body", status, message, "retry", retry_after)
+    if status is not None and status >= 500:
+        return ErrorInfo("server_error", status, message, "retry", retry_after)
+    if isinstance(exc, ConnectionError | OSError) or "connect" in type(exc).__name__.lower():
+        return ErrorInfo("connection", status, message, "retry")
+    if status is not None and 400 <= status < 500:
+        return ErrorInfo(f"http_{status}", status, message, "fail")
+    return ErrorInfo("unexpected", status, message, "retry")
+
+
+def answer_problem(response: Mapping[str, Any]) -> ErrorInfo | None:
+    """An HTTP-200 answer that is really a failure: an error body, finish_reason "error",
+    no choices, or nothing generated at all (cold starts)."""
+    if response.get("error"):
+        err = response["error"]
+        msg = err.get("message") if isinstance(err, Mapping) else str(err)
+        return ErrorInfo("provider_error", 200, str(msg)[:2000], "retry")
+    choices = response.get("choices") or []
+    if not choices or not isinstance(choices[0], Mapping):
+        return ErrorInfo("malformed_response", 200, "no choices in the answer", "retry")
+    choice = choices[0]
+    psf = choice.get("provider_specific_fields") or {}
+    finish = psf.get("native_finish_reason") or choice.get("finish_reason")
+    if finish == "error" or choice.get("error"):
+        return ErrorInfo("provider_error", 200, "finish_reason error", "retry")
+    message = choice.get("message") or {}
+    mpsf = message.get("provider_specific_fields") or {}
+    parts = [message.get(k) for k in ("content", "tool_calls", "reasoning_content")]
+    parts += [mpsf.get(k) for k in ("reasoning", "reasoning_details")]
+    parts += [message.get(k) for k in ("reasoning", "reasoning_details")]
+    if not any(parts) and finish not in ("length", "max_tokens"):
+        return ErrorInfo("empty_response", 200, "the answer is empty", "retry")
+    return None
+
+
+# ---------------------------------------------------------------------------------------
+# Calls
+
+
+@dataclass
+class Attempt:
+    response: dict[str, Any] | None
+    cost: float  # USD billed for this attempt (0 when nothing came back)
+    completion_tokens: int
+    latency_s: float
+    error: ErrorInfo | None
+
+
+def _usage(response: Mapping[str, Any]) -> Mapping[str, Any]:
+    usage = response.get("usage")
+    return usage if isinstance(usage, Mapping) else {}
+
+
+def response_cost(response: Mapping[str, Any], hidden: Mapping[str, Any] | None,
+                  fallback: Callable[[int, int], float] | None) -> float | None:
+    """usage.cost (OpenRouter), else LiteLLM's response_cost, else tokens x prices."""
+    cost = _usage(response).get("cost")
+    if isinstance(cost, int | float):
+        return float(cost)
+    hidden_cost = (hidden or {}).get("response_cost")
+    if isinstance(hidden_cost, int | float):
+        return float(hidden_cost)
+    if fallback is not None:
+        u = _usage(response)
+        return fallback(int(u.get("prompt_tokens") or 0), int(u.get("completion_tokens") or 0))
+    return None
+
+
+async def attempt_once(
+    settings: ProviderSettings, key: str, messages: list[dict], tools: list[dict] | None,
+    price_fallback: Callable[[int, int], float] | None = None,
+) -> Attempt:
+    """One HTTP request; never raises for provider trouble (returns it as `error`)."""
+    litellm = get_litellm()
+    kwargs: dict[str, Any] = dict(
+        # The OpenAI client under LiteLLM insists on a non-empty key even for a local server.
+        model=settings.model, messages=messages, api_key=key or "no-key",
+        timeout=settings.timeout_s,
+        num_retries=0, max_retries=0,  # retries are ours: counted, budgeted, backed off
+        **settings.params,
+    )
+    if settings.api_base:
+        kwargs["api_base"] = settings.api_base
+    if tools:
+        kwargs["tools"] = tools
+    if settings.extra_body:
+        kwargs["extra_body"] = settings.extra_body
+    if settings.extra_headers:
+        kwargs["extra_headers"] = settings.extra_headers
+    start = time.monotonic()
+    try:
+        # LiteLLM has its own timeout; wait_for is the backstop for a hanging transport.
+        resp = await asyncio.wait_for(litellm.acompletion(**kwargs), settings.timeout_s + 5)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - every provider failure is classified
+        return Attempt(None, 0.0, 0, time.monotonic() - start, classify_exception(exc, key))
+    latency = time.monotonic() - start
+    data = resp.model_dump()
+    hidden = getattr(resp, "_hidden_params", None) or {}
+    cost = response_cost(data, hidden, price_fallback)
+    completion = int(_usage(data).get("completion_tokens") or 0)
+    problem = answer_problem(data)
+    return Attempt(data, cost or 0.0, completion, latency, problem)
+
+
+@dataclass
+class CallResult:
+    response: dict[str, Any] | None
+    cost: float  # USD of the attempt that answered (0 when none did)
+    completion_tokens: int  # billed completion tokens of that attempt
+    latency_s: float  # of the attempt that answered (or the last one)
+    attempts: int
+    error: ErrorInfo | None  # set when no usable answer came back
+    attempt_errors: list[str] = field(default_factory=list)
+
+
+# The caller's budget hooks: reserve before an attempt (None: no money left -> give up),
+# settle after it with (reservation, cost, completion_tokens, answered).
+Reserve = Callable[[], Awaitable[Any]]
+Settle = Callable[[Any, float, int, bool], None]
+# Called for every failed attempt with (error, attempt number, its cost, its tokens).
+OnFailed = Callable[[ErrorInfo, int, float, int], None]
+
+STOPPED = ErrorInfo("stopped", None, "the run is stopping", "stop")
+NO_BUDGET = ErrorInfo("budget", None, "budget cap reached", "stop")
+
+
+async def call_with_retries(
+    settings: ProviderSettings, key: str, messages: list[dict], tools: list[dict] | None,
+    reserve: Reserve, settle: Settle, rng: random.Random,
+    price_fallback: Callable[[int, int], float] | None = None,
+    on_failed: OnFailed | None = None,
+    stop_event: asyncio.Event | None = None,
+) -> CallResult:
+    """Attempts until an answer, a non-retryable error, `retry.max_attempts`, no budget, or
+    `stop_event`. Backoff is exponential with jitter and at least any `Retry-After`."""
+    errors: list[str] = []
+    last: Attempt | None = None
+    attempts = 0
+    while True:
+        if stop_event is not None and stop_event.is_set():
+            return CallResult(None, 0.0, 0, 0.0, attempts, STOPPED, errors)
+        reservation = await reserve()
+        if reservation is None:
+            return CallResult(None, 0.0, 0, 0.0, attempts, NO_BUDGET, errors)
+        attempts += 1
+        last = await attempt_once(settings, key, messages, tools, price_fallback)
+        ok = last.error is None
+        settle(reservation, last.cost, last.completion_tokens, ok)
+        if ok:
+            return CallResult(last.response, last.cost, last.completion_tokens, last.latency_s,
+                              attempts, None, errors)
+        err = last.error
+        assert err is not None
+        errors.append(err.cls)
+        if on_failed is not None:
+            on_failed(err, attempts, last.cost, last.completion_tokens)
+        if err.action != "retry" or attempts >= settings.retry.max_attempts:
+            return CallResult(None, 0.0, 0, last.latency_s, attempts, err, errors)
+        delay = settings.retry.backoff(attempts, rng)
+        if err.retry_after_s is not None:
+            delay = max(delay, min(err.retry_after_s, settings.retry.max_retry_after_s))
+        log.debug("retry in %.2fs after %s", delay, err.cls)
+        await asyncio.sleep(delay)
+
+
+async def fetch_pricing(settings: ProviderSettings, key: str) -> tuple[float, float, str]:
+    """USD per token (input, output) and where they came from: the config, else the
+    provider's model listing (`GET {api_base}/models`, OpenRouter's `pricing.prompt` /
+    `pricing.completion`), else the configured fallback prices."""
+    if settings.input_usd_per_mtok is not None and settings.output_usd_per_mtok is not None:
+        return settings.input_usd_per_mtok / 1e6, settings.output_usd_per_mtok / 1e6, "config"
+    try:
+        return (*await _listed_prices(settings, key), "listing")
+    except ProviderConfigError as exc:
+        fin, fout = settings.fallback_input_usd_per_mtok, settings.fallback_output_usd_per_mtok
+        if fin is None or fout is None:
+            raise
+        log.warning("%s; using the fallback prices $%s/$%s per Mtok", exc, fin, fout)
+        return fin / 1e6, fout / 1e6, "fallback"
+
+
+async def _listed_prices(settings: ProviderSettings, key: str) -> tuple[float, float]:
+    import httpx
+
+    base = (settings.api_base or "").rstrip("/")
+    model_id = settings.model.split("/", 1)[1] if "/" in settings.model else settings.model
+    how = ("set provider.pricing.input_usd_per_mtok and provider.pricing.output_usd_per_mtok "
+           "(USD per million tokens)")
+    if not base:
+        raise ProviderConfigError(f"no api_base to read prices from; {how}")
+    url = base + settings.models_path
+    try:
+        async with httpx.AsyncClient(timeout=30) as client:
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            resp = await client.get(url, headers=headers)
+            resp.raise_for_status()
+            listing = resp.json()
+    except (httpx.HTTPError, ValueError) as exc:
+        raise ProviderConfigError(
+            f"cannot read prices from {url}: {scrub(str(exc), key)}; {how}") from None
+    for entry in listing.get("data", []) if isinstance(listing, dict) else []:
+        if isinstance(entry, dict) and entry.get("id") == model_id:
+            pricing = entry.get("pricing") or {}
+            try:
+                return float(pricing["prompt"]), float(pricing["completion"])
+            except (KeyError, TypeError, ValueError):
+                break
+    raise ProviderConfigError(f"{url} lists no prices for {model_id!r}; {how}")
