@@ -1,0 +1,143 @@
+"""`extract.backend=hf`: EAGLE-3 states from a transformers forward pass (CPU or GPU).
+
+Captured per token:
+* aux_hidden_state [L, 3H]: "output of layer" ids (default [1, N//2 - 1, N - 4]) taken from
+  `output_hidden_states`, where hidden_states[i + 1] is what decoder layer i returns;
+* hidden_state [L, H]: the base model's `last_hidden_state`, i.e. after the final norm.
+
+Only the decoder (`model.base_model`) runs: the LM head's [L, vocab] logits are never built.
+Batches are right-padded with an attention mask; padding never changes the real rows of a
+causal model because a real token never attends to a later position.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from kimi_pipe.hidden_store import torch_dtype
+from kimi_pipe.layers import resolve_output_ids
+
+
+def resolve_model_path(cfg: DictConfig) -> Path:
+    """Weights directory: `extract.model_path`, else the model config's `hf_weights`, else its
+    `local_model` (a GGUF in a pip package, converted once by `kimi_pipe.local_model`)."""
+    path = OmegaConf.select(cfg, "extract.model_path", default=None)
+    if path is None:
+        path = OmegaConf.select(cfg, "model.hf_weights", default=None)
+        local = OmegaConf.select(cfg, "model.local_model", default=None)
+        if local is not None and (path is None or not (Path(path) / "config.json").exists()):
+            from kimi_pipe.local_model import LocalModelSpec, ensure_local_model
+
+            spec = LocalModelSpec.from_cfg(OmegaConf.to_container(local, resolve=True))  # type: ignore[arg-type]
+            path = ensure_local_model(spec)  # converts once, then cached
+    if path is None:
+        raise ValueError(
+            "extract.backend=hf needs the target model's transformers weights: set "
+            "extract.model_path=DIR (a directory with config.json + weights) or "
+            "model.hf_weights in conf/model/<model>.yaml"
+        )
+    path = Path(str(path)).expanduser()
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(
+            f"{path / 'config.json'} not found: extract.model_path must be a transformers model "
+            "directory (download the model's weights there, or for the demo model run "
+            "`python -m kimi_pipe.local_model`)"
+        )
+    return path
+
+
+class HFBackend:
+    """Holds the model; `forward` returns (aux [L, 3H], final [L, H]) per sequence."""
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike[str],
+        *,
+        dtype: str = "float32",
+        store_dtype: str | None = None,
+        device: str = "cpu",
+        layer_ids: list[int] | None = None,
+        model_cfg: dict[str, Any] | None = None,
+        trust_remote_code: bool = False,
+        model_name: str | None = None,
+    ) -> None:
+        from transformers import AutoModelForCausalLM  # heavy import, only when used
+
+        self.device = torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            str(model_path), dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code
+        ).to(self.device)
+        self.model.eval()
+        # The decoder alone: skips the LM head (Kimi's vocab is 163840 wide).
+        self.decoder = self.model.base_model
+        config = self.model.config.get_text_config()
+        self.num_layers = int(config.num_hidden_layers)
+        self.hidden_size = int(config.hidden_size)
+        self.layer_ids = resolve_output_ids(layer_ids, self.num_layers, model_cfg)
+        self.pad_id = 0  # any valid id: padded positions are masked out and cut off
+        self.store_fields: dict[str, Any] = {
+            "model": model_name or Path(model_path).name,
+            "num_layers": self.num_layers,
+            "layer_ids": self.layer_ids,
+            "hidden_size": self.hidden_size,
+            "dtype": store_dtype or dtype,
+            "layer_convention": "output_of_layer",
+            "final_state": "post_norm",
+            "extra": {"compute_dtype": dtype, "model_path": str(model_path)},
+        }
+
+    @torch.inference_mode()
+    def forward(self, batch: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        lengths = [len(seq) for seq in batch]
+        longest = max(lengths)
+        ids = torch.full((len(batch), longest), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), longest), dtype=torch.long)
+        for row, seq in enumerate(batch):
+            ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+            mask[row, : len(seq)] = 1
+        out = self.decoder(
+            input_ids=ids.to(self.device),
+            attention_mask=mask.to(self.device),
+            # Ask only for the layers we keep: index i + 1 is the output of layer i.
+            output_hidden_states=[i + 1 for i in self.layer_ids],
+            use_cache=False,
+        )
+        aux = torch.cat([out.hidden_states[i + 1] for i in self.layer_ids], dim=-1)
+        final = out.last_hidden_state
+        return [
+            (aux[row, :n].float().cpu(), final[row, :n].float().cpu())
+            for row, n in enumerate(lengths)
+        ]
+
+    def close(self) -> None:
+        del self.model, self.decoder
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def open_backend(cfg: DictConfig) -> HFBackend:
+    """Build the backend from `cfg.extract` (see conf/extract/hf.yaml)."""
+    ecfg = cfg.extract
+    model_cfg = OmegaConf.to_container(cfg.model, resolve=True) if "model" in cfg else None
+    layer_ids = ecfg.get("layer_ids")
+    device = str(ecfg.get("device") or "cpu")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    threads = ecfg.get("threads")
+    if threads:
+        torch.set_num_threads(int(threads))
+    return HFBackend(
+        resolve_model_path(cfg),
+        dtype=str(ecfg.dtype),
+        store_dtype=ecfg.get("store_dtype"),
+        device=device,
+        layer_ids=list(layer_ids) if layer_ids is not None else None,
+        model_cfg=model_cfg,  # type: ignore[arg-type]
+        trust_remote_code=bool(ecfg.get("trust_remote_code", False)),
+        model_name=OmegaConf.select(cfg, "model.name", default=None),
+    )

@@ -1,0 +1,647 @@
+"""`extract.backend=sglang`: EAGLE-3 states of the real target, served by SGLang on GPUs.
+
+The ONLY module that imports SGLang (lazily, so the package imports without it), pinned to
+``SGLANG_VERSION`` by the optional extra ``pip install '.[sglang]'``. Everything
+version-specific is in `_RankRunner`; the rest is plain Python the unit tests run without
+a GPU through the same `SGLangBackend` code path with a stand-in rank.
+
+Why internals and not `sglang.Engine`: the public API returns only the final layer, as Python
+lists (SGLang issue #8003: 4x-15x slower). Here, per tensor-parallel rank:
+
+* `ModelRunner` is built as `sglang.bench_one_batch.load_model` does (radix cache off, CUDA
+  graphs off, chunked prefill off: one extend pass per batch sees every token);
+* `set_eagle3_layers_to_capture` selects the auxiliary layers; the resulting capture ids are
+  checked against `kimi_pipe.layers` (SGLang's DeepSeek model only adds 1 when the first id
+  is 1, so the ids are set explicitly when its rule disagrees);
+* every `LogitsProcessor` is replaced by `_StatesOnlyHead`, which returns the auxiliary states
+  and the post-norm final state and never multiplies by the LM head (no [T, vocab] logits);
+* the batch is fed as token ids (`Req.origin_input_ids`), never re-tokenised, and the states
+  are copied to host memory as whole tensors (no `tolist`).
+
+Tensor parallelism: rank 0 lives in the calling process and returns the states; ranks
+1..tp-1 are spawned processes that run the same forwards (the states are replicated after
+the all-reduce, so rank 0's copy is complete). An out-of-memory on any rank is agreed on by
+all ranks (all-reduce of a flag) so they all retry the halved batch together.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import queue
+import socket
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from kimi_pipe.layers import output_to_capture_ids, resolve_output_ids
+
+log = logging.getLogger(__name__)
+
+SGLANG_VERSION = "0.5.14"  # keep equal to the pin of the `sglang` extra in pyproject.toml
+INSTALL_HINT = (
+    f"install sglang=={SGLANG_VERSION} on a machine with NVIDIA GPUs: `pip install '.[sglang]'`, "
+    f"or in a separate venv `pip install sglang=={SGLANG_VERSION}` then "
+    "`pip install --no-deps -e .` (docs/sglang.md)"
+)
+_FOLLOWER_TIMEOUT_S = 3600.0  # one forward of a long batch on a 1T model can take minutes
+
+
+# --- settings (pure, tested without SGLang) -----------------------------------------------------
+@dataclass(frozen=True)
+class EngineSettings:
+    """What `conf/extract/sglang.yaml` says about the engine."""
+
+    model_path: str
+    tp_size: int = 1
+    dp_size: int = 1
+    ep_size: int = 1
+    mem_fraction_static: float | None = 0.85
+    dtype: str = "bfloat16"
+    max_len: int | None = None
+    disable_radix_cache: bool = True
+    disable_cuda_graph: bool = True
+    trust_remote_code: bool = False
+    load_format: str = "auto"
+    base_gpu_id: int = 0
+    server_args: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1 or self.ep_size < 1 or self.dp_size < 1:
+            raise ValueError("extract.tp_size, ep_size and dp_size must be >= 1")
+        if self.tp_size % self.ep_size:
+            raise ValueError(
+                f"extract.ep_size={self.ep_size} must divide tp_size={self.tp_size} (SGLang "
+                "places experts across the tensor-parallel ranks)"
+            )
+        if self.dp_size != 1:
+            # dp>1 in SGLang means DP attention, which scatters the hidden states across
+            # ranks; data parallelism here is done by work shards (extract.num_shards).
+            raise ValueError(
+                "extract.dp_size > 1 is not supported for capture; run data-parallel copies "
+                "as work shards instead (extract.shard=i extract.num_shards=n, one per GPU group)"
+            )
+        if not self.disable_radix_cache:
+            raise ValueError(
+                "extract.disable_radix_cache must stay true: a prefix-cache hit skips the "
+                "states of the cached prompt tokens (SGLang issue #8066)"
+            )
+
+    @classmethod
+    def from_cfg(cls, cfg: DictConfig) -> EngineSettings:
+        ecfg = cfg.extract
+        path = ecfg.get("model_path") or OmegaConf.select(cfg, "model.hf_weights", default=None)
+        if not path:
+            raise ValueError(
+                "extract.backend=sglang needs the target model: set extract.model_path=DIR "
+                "(a Hugging Face model directory, e.g. a local copy of moonshotai/Kimi-K2.5)"
+            )
+        extra = ecfg.get("server_args") or {}
+        return cls(
+            model_path=str(Path(str(path)).expanduser()),
+            tp_size=int(ecfg.get("tp_size", 1)),
+            dp_size=int(ecfg.get("dp_size", 1)),
+            ep_size=int(ecfg.get("ep_size", 1)),
+            mem_fraction_static=ecfg.get("mem_fraction_static"),
+            dtype=str(ecfg.get("dtype", "bfloat16")),
+            max_len=ecfg.get("max_len"),
+            disable_radix_cache=bool(ecfg.get("disable_radix_cache", True)),
+            disable_cuda_graph=bool(ecfg.get("disable_cuda_graph", True)),
+            trust_remote_code=bool(ecfg.get("trust_remote_code", False)),
+            load_format=str(ecfg.get("load_format", "auto")),
+            base_gpu_id=_base_gpu_id(cfg),
+            server_args=dict(OmegaConf.to_container(extra, resolve=True)) if extra else {},
+        )
+
+    def server_args_kwargs(self, nccl_port: int) -> dict[str, Any]:
+        """Keyword arguments of `sglang.srt.server_args.ServerArgs` for capture."""
+        kwargs: dict[str, Any] = {
+            "model_path": self.model_path,
+            "tp_size": self.tp_size,
+            "ep_size": self.ep_size,
+            "dtype": self.dtype,
+            "trust_remote_code": self.trust_remote_code,
+            "load_format": self.load_format,
+            "skip_tokenizer_init": True,  # ids come from the records, never re-tokenised
+            "disable_radix_cache": True,
+            "chunked_prefill_size": -1,  # one extend pass per batch: every token's states
+            "enable_return_hidden_states": True,
+            "disable_overlap_schedule": True,
+            "nccl_port": nccl_port,
+        }
+        if self.mem_fraction_static is not None:
+            kwargs["mem_fraction_static"] = float(self.mem_fraction_static)
+        if self.disable_cuda_graph:
+            kwargs["disable_cuda_graph"] = True
+        # Free-form extras last: the user's word wins (e.g. attention_backend, quantization).
+        kwargs.update(self.server_args)
+        return kwargs
+
+
+# --- the rank interface (the real one needs a GPU; tests use a stand-in) ----------------------
+class Rank(Protocol):
+    """One tensor-parallel rank of the engine."""
+
+    num_layers: int
+    hidden_size: int
+    max_total_tokens: int
+    max_requests: int
+
+    def set_layers(self, output_ids: Sequence[int]) -> list[int]:
+        """Capture these "output of layer" ids; returns the capture ids in effect."""
+        ...
+
+    def forward(self, batch: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Packed states of the batch, [sum L, k*H] and [sum L, H] (rank 0; others None).
+        Raises torch.OutOfMemoryError on all ranks when any rank ran out of memory."""
+        ...
+
+    def close(self) -> None: ...
+
+
+RankFactory = Callable[[EngineSettings, int, int], Rank]  # (settings, tp_rank, nccl_port)
+
+
+def _base_gpu_id(cfg: DictConfig) -> int:
+    """First GPU of this work shard: extract.base_gpu_id, else shard * tp_size modulo the
+    visible GPUs (shards launched together on one node take disjoint GPU groups; a SLURM job
+    sees only its own GPUs, so it starts at 0)."""
+    value = cfg.extract.get("base_gpu_id")
+    if value is not None:
+        return int(value)
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if visible == 0:
+        return 0
+    shard = int(cfg.extract.get("shard", 0) or 0)
+    return (shard * int(cfg.extract.get("tp_size", 1))) % visible
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _follower_main(
+    factory: RankFactory,
+    settings: EngineSettings,
+    tp_rank: int,
+    nccl_port: int,
+    output_ids: list[int],
+    inbox: Any,
+    outbox: Any,
+) -> None:
+    """Ranks 1..tp-1: run every forward rank 0 runs, report ok/oom/error."""
+    try:
+        rank = factory(settings, tp_rank, nccl_port)
+        rank.set_layers(output_ids)
+        outbox.put(("ready", tp_rank, None))
+    except Exception as exc:  # noqa: BLE001 - reported to rank 0, which raises
+        outbox.put(("error", tp_rank, f"{type(exc).__name__}: {exc}"))
+        return
+    while True:
+        batch = inbox.get()
+        if batch is None:
+            rank.close()
+            return
+        try:
+            rank.forward(batch)
+            outbox.put(("ok", tp_rank, None))
+        except torch.OutOfMemoryError:
+            outbox.put(("oom", tp_rank, None))
+        except Exception as exc:  # noqa: BLE001
+            outbox.put(("error", tp_rank, f"{type(exc).__name__}: {exc}"))
+            return
+
+
+class SGLangBackend:
+    """`kimi_pipe.extract` backend: `forward(batch) -> [(aux [L, k*H], final [L, H]), ...]`."""
+
+    packed = True  # SGLang packs a batch without padding: its cost is the sum of lengths
+
+    def __init__(
+        self,
+        settings: EngineSettings,
+        *,
+        layer_ids: Sequence[int] | None = None,
+        model_cfg: dict[str, Any] | None = None,
+        model_name: str | None = None,
+        store_dtype: str | None = None,
+        rank_factory: RankFactory | None = None,
+    ) -> None:
+        self.settings = settings
+        factory = rank_factory or _sglang_rank
+        self._followers: list[Any] = []
+        self._inboxes: list[Any] = []
+        nccl_port = _free_port()
+        # Rank 0 needs the layer count before the ids can be resolved; followers get the same
+        # ids, so they are resolved from the model's config.json when it is there.
+        num_layers = _num_layers_from_config(settings.model_path)
+        output_ids = (
+            resolve_output_ids(
+                list(layer_ids) if layer_ids is not None else None, num_layers, model_cfg
+            )
+            if num_layers is not None
+            else None
+        )
+        if settings.tp_size > 1:
+            if output_ids is None:
+                raise ValueError(
+                    f"{settings.model_path}/config.json has no num_hidden_layers; set "
+                    "extract.layer_ids explicitly for tensor-parallel capture"
+                )
+            ctx = mp.get_context("spawn")  # CUDA cannot be forked
+            self._outbox = ctx.Queue()
+            for r in range(1, settings.tp_size):
+                inbox = ctx.Queue()
+                proc = ctx.Process(
+                    target=_follower_main,
+                    args=(factory, settings, r, nccl_port, output_ids, inbox, self._outbox),
+                    daemon=True,
+                )
+                proc.start()
+                self._followers.append(proc)
+                self._inboxes.append(inbox)
+        try:
+            self.rank = factory(settings, 0, nccl_port)
+            output_ids = resolve_output_ids(
+                list(output_ids) if output_ids is not None else None,
+                self.rank.num_layers,
+                model_cfg,
+            )
+            self.capture_ids = self.rank.set_layers(output_ids)
+            expected = output_to_capture_ids(output_ids)
+            if list(self.capture_ids) != expected:
+                raise RuntimeError(
+                    f"SGLang captures {self.capture_ids}, expected {expected} for "
+                    f"'output of layer' ids {output_ids}"
+                )
+            self._wait_followers({"ready"})
+        except BaseException:
+            self.close()
+            raise
+        self.layer_ids = output_ids
+        self.num_layers = self.rank.num_layers
+        self.hidden_size = self.rank.hidden_size
+        # The KV pool holds one batch at a time: it caps the tokens and requests per batch.
+        self.max_batch_tokens = self.rank.max_total_tokens
+        self.max_batch_samples = self.rank.max_requests
+        if settings.max_len is not None and settings.max_len > self.max_batch_tokens:
+            log.warning(
+                "extract.max_len=%d exceeds the KV pool (%d tokens): such samples will fail "
+                "with capture_oom; raise mem_fraction_static or lower max_len",
+                settings.max_len,
+                self.max_batch_tokens,
+            )
+        self.store_fields: dict[str, Any] = {
+            "model": model_name or Path(settings.model_path).name,
+            "num_layers": self.num_layers,
+            "layer_ids": list(self.layer_ids),
+            "hidden_size": self.hidden_size,
+            "dtype": store_dtype or settings.dtype,
+            "layer_convention": "output_of_layer",
+            "final_state": "post_norm",
+            "extra": {
+                "engine": f"sglang=={SGLANG_VERSION}",
+                "sglang_capture_ids": list(self.capture_ids),
+                "tp_size": settings.tp_size,
+                "ep_size": settings.ep_size,
+                "compute_dtype": settings.dtype,
+                "model_path": settings.model_path,
+            },
+        }
+
+    def _wait_followers(self, ok: set[str]) -> bool:
+        """Collect one status from every follower; True if any reported out-of-memory."""
+        oom = False
+        for _ in self._followers:
+            status, rank, detail = self._next_status()
+            if status == "error":
+                raise RuntimeError(f"tensor-parallel rank {rank} failed: {detail}")
+            if status == "oom":
+                oom = True
+            elif status not in ok:
+                raise RuntimeError(f"tensor-parallel rank {rank}: unexpected status {status!r}")
+        return oom
+
+    def _next_status(self) -> tuple[str, int, str | None]:
+        """Next follower status; a follower that died without a word is an error too."""
+        waited = 0.0
+        while waited < _FOLLOWER_TIMEOUT_S:
+            try:
+                return self._outbox.get(timeout=5.0)  # type: ignore[no-any-return]
+            except queue.Empty:
+                waited += 5.0
+            dead = [i + 1 for i, p in enumerate(self._followers) if not p.is_alive()]
+            if dead:
+                raise RuntimeError(f"tensor-parallel rank(s) {dead} exited; see their log above")
+        raise RuntimeError(f"no answer from the tensor-parallel ranks in {_FOLLOWER_TIMEOUT_S}s")
+
+    def forward(self, batch: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        for inbox in self._inboxes:
+            inbox.put(batch)
+        own_oom = False
+        packed: tuple[torch.Tensor, torch.Tensor] | None = None
+        try:
+            packed = self.rank.forward(batch)
+        except torch.OutOfMemoryError:
+            own_oom = True
+        if self._wait_followers({"ok"}) or own_oom:
+            raise torch.OutOfMemoryError(f"out of memory capturing {len(batch)} sequences")
+        assert packed is not None
+        aux, final = packed
+        lengths = [len(seq) for seq in batch]
+        if aux.shape[0] != sum(lengths) or final.shape[0] != sum(lengths):
+            raise RuntimeError(
+                f"engine returned {aux.shape[0]} token rows for {sum(lengths)} tokens"
+            )
+        return list(
+            zip(torch.split(aux, lengths, dim=0), torch.split(final, lengths, dim=0), strict=True)
+        )
+
+    def close(self) -> None:
+        for inbox in self._inboxes:
+            inbox.put(None)
+        for proc in self._followers:
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.terminate()
+        self._followers.clear()
+        self._inboxes.clear()
+        rank = getattr(self, "rank", None)
+        if rank is not None:
+            rank.close()
+            self.rank = None  # type: ignore[assignment]
+
+
+def _num_layers_from_config(model_path: str) -> int | None:
+    """num_hidden_layers from config.json (text_config first: Kimi K2.5 is a VLM wrapper)."""
+    import json
+
+    path = Path(model_path) / "config.json"
+    if not path.exists():
+        return None
+    cfg = json.loads(path.read_text())
+    for section in (cfg.get("text_config") or {}, cfg):
+        if "num_hidden_layers" in section:
+            return int(section["num_hidden_layers"])
+    return None
+
+
+def _import_factory(spec: str) -> RankFactory:
+    """ "module:callable" -> the callable (a stand-in engine rank for tests, or another engine)."""
+    import importlib
+
+    module, _, attr = spec.partition(":")
+    if not module or not attr:
+        raise ValueError(f"extract.rank_factory must look like 'module:callable', got {spec!r}")
+    return getattr(importlib.import_module(module), attr)  # type: ignore[no-any-return]
+
+
+def open_backend(cfg: DictConfig, rank_factory: RankFactory | None = None) -> SGLangBackend:
+    """Build the backend from `cfg.extract` (conf/extract/sglang.yaml)."""
+    settings = EngineSettings.from_cfg(cfg)
+    if rank_factory is None and cfg.extract.get("rank_factory"):
+        rank_factory = _import_factory(str(cfg.extract.rank_factory))
+    if rank_factory is None and not Path(settings.model_path).exists():
+        raise FileNotFoundError(
+            f"{settings.model_path} not found: extract.model_path must be a local Hugging Face "
+            "model directory (download it first, e.g. `huggingface-cli download "
+            "moonshotai/Kimi-K2.5 --local-dir DIR`)"
+        )
+    model_cfg = OmegaConf.to_container(cfg.model, resolve=True) if "model" in cfg else None
+    layer_ids = cfg.extract.get("layer_ids")
+    return SGLangBackend(
+        settings,
+        layer_ids=list(layer_ids) if layer_ids is not None else None,
+        model_cfg=model_cfg,  # type: ignore[arg-type]
+        model_name=OmegaConf.select(cfg, "model.name", default=None),
+        store_dtype=cfg.extract.get("store_dtype"),
+        rank_factory=rank_factory,
+    )
+
+
+def run_extract(cfg: DictConfig, rank_factory: RankFactory | None = None) -> dict[str, Any]:
+    """The extract stage with this backend (`python -m kimi_pipe.extract extract=sglang`);
+    `rank_factory` swaps the engine rank (tests)."""
+    from kimi_pipe.extract import run_extract as run_stage
+
+    backend = open_backend(cfg, rank_factory)
+    try:
+        return run_stage(cfg, backend)
+    finally:
+        backend.close()
+
+
+# --- everything below is specific to SGLANG_VERSION ------------------------------------------
+def _import_sglang() -> Any:
+    try:
+        import sglang
+    except ImportError as exc:
+        raise ImportError(f"extract.backend=sglang needs SGLang: {INSTALL_HINT}") from exc
+    version = getattr(sglang, "__version__", "?")
+    if version != SGLANG_VERSION:
+        log.warning(
+            "SGLang %s installed, this backend is written for %s; internals may differ (%s)",
+            version,
+            SGLANG_VERSION,
+            INSTALL_HINT,
+        )
+    return sglang
+
+
+class _StatesOnlyHead(torch.nn.Module):
+    """Stands where the model's LogitsProcessor was: returns the states, computes no logits."""
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        hidden_states: torch.Tensor,
+        lm_head: Any,
+        logits_metadata: Any,
+        aux_hidden_states: list[torch.Tensor] | None = None,
+        hidden_states_before_norm: torch.Tensor | None = None,
+    ) -> _Captured:
+        if not aux_hidden_states:
+            raise RuntimeError("the model returned no auxiliary states: capture is not enabled")
+        # hidden_states is the last layer's output after the final norm, one row per token.
+        return _Captured(torch.cat(aux_hidden_states, dim=-1), hidden_states)
+
+
+@dataclass
+class _Captured:
+    aux: torch.Tensor
+    final: torch.Tensor
+
+
+class _RankRunner:
+    """One tensor-parallel rank on one GPU, built like sglang.bench_one_batch.load_model."""
+
+    def __init__(self, settings: EngineSettings, tp_rank: int, nccl_port: int) -> None:
+        _import_sglang()
+        from sglang.srt.configs.model_config import ModelConfig
+        from sglang.srt.entrypoints.engine import _set_envs_and_config
+        from sglang.srt.layers.logits_processor import LogitsProcessor
+        from sglang.srt.layers.moe import initialize_moe_config
+        from sglang.srt.layers.quantization.fp4_utils import initialize_fp4_gemm_config
+        from sglang.srt.layers.quantization.fp8_utils import initialize_fp8_gemm_config
+        from sglang.srt.model_executor.model_runner import ModelRunner
+        from sglang.srt.server_args import ServerArgs
+
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"extract.backend=sglang needs a CUDA GPU; {INSTALL_HINT}")
+        server_args = ServerArgs(**settings.server_args_kwargs(nccl_port))
+        _set_envs_and_config(server_args)  # env of NCCL/CUDA kernels, per process
+        initialize_moe_config(server_args)
+        initialize_fp8_gemm_config(server_args)
+        initialize_fp4_gemm_config(server_args)
+        model_config = ModelConfig.from_server_args(server_args)
+        self.tp_rank = tp_rank
+        self.tp_size = settings.tp_size
+        self.runner = ModelRunner(
+            model_config=model_config,
+            mem_fraction_static=server_args.mem_fraction_static,
+            gpu_id=settings.base_gpu_id + tp_rank,
+            tp_rank=tp_rank,
+            tp_size=settings.tp_size,
+            moe_ep_rank=tp_rank // (settings.tp_size // settings.ep_size),
+            moe_ep_size=settings.ep_size,
+            pp_rank=0,
+            pp_size=1,
+            nccl_port=nccl_port,
+            server_args=server_args,
+        )
+        self.runner.alloc_memory_pool()
+        self.runner.init_attention_backends()
+        self.runner.init_cuda_graphs()
+        self.num_layers = int(model_config.num_hidden_layers)
+        self.hidden_size = int(model_config.hidden_size)
+        self.max_total_tokens = int(self.runner.max_total_num_tokens)
+        self.max_requests = int(self.runner.req_to_token_pool.size)
+        heads = [
+            name
+            for name, mod in self.runner.model.named_modules()
+            if isinstance(mod, LogitsProcessor)
+        ]
+        if not heads:
+            raise RuntimeError("no SGLang LogitsProcessor found on the model; cannot skip logits")
+        for name in heads:
+            parent_name, _, child = name.rpartition(".")
+            parent = self.runner.model.get_submodule(parent_name) if parent_name else None
+            if parent is None:
+                raise RuntimeError("the model itself is a LogitsProcessor; unsupported")
+            setattr(parent, child, _StatesOnlyHead())
+        self._cpu_group = None
+        if self.tp_size > 1:
+            from sglang.srt.distributed.parallel_state import get_world_group
+
+            self._cpu_group = get_world_group().cpu_group
+
+    def set_layers(self, output_ids: Sequence[int]) -> list[int]:
+        model = self.runner.model
+        model.set_eagle3_layers_to_capture(list(output_ids))
+        expected = output_to_capture_ids(output_ids)
+        holders = [m for m in model.modules() if hasattr(m, "layers_to_capture")]
+        if not holders:
+            raise RuntimeError("the SGLang model has no layers_to_capture; no EAGLE-3 support")
+        for holder in holders:
+            if list(holder.layers_to_capture) != expected:
+                # SGLang's DeepSeek/Kimi model adds 1 only when the first id is 1; state the
+                # capture ids ourselves so every model follows kimi_pipe.layers.
+                log.info(
+                    "SGLang chose capture ids %s; using %s", holder.layers_to_capture, expected
+                )
+                holder.layers_to_capture = list(expected)
+        return list(holders[0].layers_to_capture)
+
+    def _extend(self, batch: list[list[int]]) -> _Captured:
+        from array import array
+
+        from sglang.bench_one_batch import TreeCacheNamespace, _maybe_prepare_mlp_sync_batch
+        from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+        from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+        from sglang.srt.sampling.sampling_params import SamplingParams
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+        runner = self.runner
+        params = SamplingParams(temperature=0, max_new_tokens=1)
+        reqs = []
+        for i, ids in enumerate(batch):
+            req = Req(
+                rid=str(i),
+                origin_input_text="",
+                origin_input_ids=array("q", ids),
+                sampling_params=params,
+            )
+            req.full_untruncated_fill_ids = req.origin_input_ids
+            req.fill_len = len(req.full_untruncated_fill_ids)
+            req.logprob_start_len = -1
+            req.set_extend_input_len(req.fill_len - len(req.prefix_indices))
+            reqs.append(req)
+        tree_cache = TreeCacheNamespace(
+            page_size=runner.server_args.page_size,
+            device=runner.device,
+            token_to_kv_pool_allocator=runner.token_to_kv_pool_allocator,
+        )
+        sched = ScheduleBatch.init_new(
+            reqs=reqs,
+            req_to_token_pool=runner.req_to_token_pool,
+            token_to_kv_pool_allocator=runner.token_to_kv_pool_allocator,
+            tree_cache=tree_cache,
+            model_config=runner.model_config,
+            enable_overlap=False,
+            spec_algorithm=SpeculativeAlgorithm.NONE,
+        )
+        sched.prepare_for_extend()
+        _maybe_prepare_mlp_sync_batch(sched, runner)
+        if sched.input_ids is None and getattr(sched, "prefill_input_ids_cpu", None) is not None:
+            sched.input_ids = sched.prefill_input_ids_cpu.to(sched.device, non_blocking=True)
+            sched.prefill_input_ids_cpu = None
+        out = runner.forward(ForwardBatch.init_new(sched, runner)).logits_output
+        if not isinstance(out, _Captured):
+            raise RuntimeError(f"expected captured states, SGLang returned {type(out).__name__}")
+        return out
+
+    @torch.no_grad()
+    def forward(self, batch: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        oom = False
+        result: tuple[torch.Tensor, torch.Tensor] | None = None
+        try:
+            captured = self._extend(batch)
+            if self.tp_rank == 0:
+                result = (_to_host(captured.aux), _to_host(captured.final))
+        except torch.OutOfMemoryError:
+            oom = True
+        finally:
+            self.runner.req_to_token_pool.clear()
+            self.runner.token_to_kv_pool_allocator.clear()
+        if self._cpu_group is not None:
+            # Every rank must take the same branch, or the next collective hangs.
+            import torch.distributed as dist
+
+            flag = torch.tensor([int(oom)])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._cpu_group)
+            oom = bool(flag.item())
+        if oom:
+            torch.cuda.empty_cache()
+            raise torch.OutOfMemoryError(f"out of memory capturing {len(batch)} sequences")
+        return result
+
+    def close(self) -> None:
+        del self.runner
+        torch.cuda.empty_cache()
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """Device -> host as one bulk tensor copy (the public API's per-value `tolist` is the slow
+    part, SGLang #8003). Pageable, not pinned: the store keeps views of it until a shard is
+    committed, and gigabytes of page-locked memory would be held that long."""
+    return t.to("cpu")
+
+
+def _sglang_rank(settings: EngineSettings, tp_rank: int, nccl_port: int) -> Rank:
+    return _RankRunner(settings, tp_rank, nccl_port)

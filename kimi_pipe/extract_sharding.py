@@ -1,0 +1,556 @@
+"""Engine-agnostic scale-out logic of the extract stage.
+
+* Deterministic split of sample ids into ``num_shards`` work shards (stable hash of the id, so
+  a shard's work does not change when records are reordered or other shards fail).
+* Each work shard writes its own store part (``STORE/parts/shard-00003-of-00008``); when the
+  last part finishes, the parts are merged into ONE store at ``STORE`` (hard links, no copy).
+* The capture loop: batches under a token budget, halves the budget and retries on GPU
+  out-of-memory, marks samples whose states contain NaN/inf (issue ``nonfinite_hidden_state``)
+  instead of writing them, and logs progress. It talks to any engine through one callable,
+  ``capture(batch_input_ids) -> [(aux [L, k*H], final [L, H]), ...]``.
+
+How the stage uses it (any backend)::
+
+    samples = select_shard(samples, shard, num_shards)
+    part = part_dir(store, shard, num_shards)
+    with StoreWriter(part, manifest) as writer:
+        issues = IssueLog(part)
+        stats = capture_into(engine.capture, samples, writer, issues, TokenBudget(batch_tokens))
+    mark_part_done(part, stats)
+    maybe_merge(store, num_shards)     # the last part to finish builds the one index
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+import torch
+from safetensors import safe_open
+
+from kimi_pipe.hidden_store import INDEX, MANIFEST, SHARDS, write_tokens_dataset
+
+log = logging.getLogger(__name__)
+
+NONFINITE = "nonfinite_hidden_state"  # a captured state has NaN or inf: sample not written
+CAPTURE_OOM = "capture_oom"  # out of memory even alone in a batch: sample not written
+BAD_CAPTURE = "bad_capture"  # the engine returned states of the wrong shape for this sample
+
+PARTS = "parts"
+PART_DONE = "part_done.json"
+ISSUES = "issues.jsonl"
+MERGE_DONE = "merge_done.json"
+MERGE_LOCK = ".merge.lock"
+MERGED_STORE = ".merged_from_parts"  # set before a merge first touches the store
+
+# Manifest keys that must agree between parts before they may share one index.
+_MERGE_KEYS = (
+    "model",
+    "layer_ids",
+    "layer_convention",
+    "final_state",
+    "dtype",
+    "hidden_size",
+    "loss_mask",
+)
+
+T = TypeVar("T")
+CaptureFn = Callable[[list[list[int]]], list[tuple[torch.Tensor, torch.Tensor]]]
+
+
+class SampleLike(Protocol):
+    id: str
+    input_ids: Sequence[int]
+    loss_mask: Sequence[int]
+
+
+class Sink(Protocol):
+    """What the capture loop writes to: `hidden_store.StoreWriter` or a stand-in."""
+
+    done_ids: set[str]
+
+    def add(
+        self,
+        sample_id: str,
+        input_ids: Sequence[int],
+        loss_mask: Sequence[int],
+        aux: torch.Tensor,
+        final: torch.Tensor,
+    ) -> None: ...
+
+
+@dataclass(frozen=True)
+class Sample:
+    id: str
+    input_ids: list[int]
+    loss_mask: list[int]
+
+
+# --- deterministic sharding ------------------------------------------------------------------
+def shard_of(sample_id: str, num_shards: int) -> int:
+    """Stable shard of an id (sha256, not Python's salted hash): same on every node and run."""
+    digest = hashlib.sha256(str(sample_id).encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") % num_shards
+
+
+def check_shard(shard: int, num_shards: int) -> None:
+    if num_shards < 1:
+        raise ValueError(f"extract.num_shards must be >= 1, got {num_shards}")
+    if not 0 <= shard < num_shards:
+        raise ValueError(f"extract.shard must be in 0..{num_shards - 1}, got {shard}")
+
+
+def select_shard(
+    items: Iterable[T], shard: int, num_shards: int, key: Callable[[T], str] | None = None
+) -> list[T]:
+    """The items of work shard `shard` (all of them when num_shards == 1), order kept."""
+    check_shard(shard, num_shards)
+    get = key or (lambda item: item.id)  # type: ignore[attr-defined]
+    return [it for it in items if num_shards == 1 or shard_of(get(it), num_shards) == shard]
+
+
+def part_dir(store: str | os.PathLike[str], shard: int, num_shards: int) -> Path:
+    """Where work shard `shard` writes: the store itself when there is a single shard."""
+    check_shard(shard, num_shards)
+    if num_shards == 1:
+        return Path(store)
+    return Path(store) / PARTS / f"shard-{shard:05d}-of-{num_shards:05d}"
+
+
+# --- issues -----------------------------------------------------------------------------------
+# Issues a rerun would only repeat (the capture is deterministic): resume skips these ids.
+# capture_oom is retried: a rerun with more memory or a lower max_len may fit the sample.
+PERMANENT = frozenset({NONFINITE, BAD_CAPTURE})
+
+
+class IssueLog:
+    """Append-only JSONL of samples not written (NaN/inf, OOM, bad shape), flushed per line.
+
+    `ids` holds the samples with a permanent issue: a resumed run skips them.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str] | None) -> None:
+        # None: keep the issues in memory only (nothing written).
+        self.path = Path(directory) / ISSUES if directory is not None else None
+        self.ids: set[str] = set()
+        self.counts: dict[str, int] = {}
+        if self.path is not None and self.path.exists():
+            for line in self.path.read_text().splitlines():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # torn last line of a killed run
+                codes = row.get("issues", [])
+                if PERMANENT.intersection(codes):
+                    self.ids.add(str(row["id"]))
+                for code in codes:
+                    self.counts[code] = self.counts.get(code, 0) + 1
+
+    def add(self, sample_id: str, code: str, detail: str = "") -> None:
+        log.warning("sample %s not written: %s %s", sample_id, code, detail)
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"id": sample_id, "issues": [code], "detail": detail}) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        if code in PERMANENT:
+            self.ids.add(sample_id)
+        self.counts[code] = self.counts.get(code, 0) + 1
+
+
+def nonfinite(*tensors: torch.Tensor) -> bool:
+    """True when any tensor holds NaN or inf."""
+    return any(not bool(torch.isfinite(t).all()) for t in tensors)
+
+
+# --- out-of-memory handling ------------------------------------------------------------------
+def is_oom(exc: BaseException) -> bool:
+    """GPU out-of-memory, whatever the engine wrapped it in."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+
+
+@dataclass
+class TokenBudget:
+    """Tokens per batch; halved on every OOM (down to one sample per batch) for the rest of
+    the run, so a too-large budget costs one failed forward, not one per batch."""
+
+    tokens: int
+    max_samples: int | None = None
+    halvings: int = 0
+
+    def __post_init__(self) -> None:
+        if self.tokens < 1:
+            raise ValueError(f"batch token budget must be >= 1, got {self.tokens}")
+
+    def halve(self) -> None:
+        self.tokens = max(1, self.tokens // 2)
+        self.halvings += 1
+
+
+def next_batch(
+    pending: deque[T], budget: TokenBudget, length: Callable[[T], int], padded: bool = False
+) -> list[T]:
+    """Pop the next batch: as many samples as fit in the budget (a longer one goes alone).
+
+    Cost of a batch: the sum of its lengths (packed engines such as SGLang), or rows x the
+    longest row when `padded` (engines that pad every row, such as transformers).
+    """
+    batch: list[T] = []
+    total = longest = 0
+    while pending:
+        n = length(pending[0])
+        full = budget.max_samples is not None and len(batch) >= budget.max_samples
+        cost = (len(batch) + 1) * max(longest, n) if padded else total + n
+        if batch and (cost > budget.tokens or full):
+            break
+        batch.append(pending.popleft())
+        total += n
+        longest = max(longest, n)
+    return batch
+
+
+@dataclass
+class CaptureStats:
+    samples_in: int = 0
+    skipped_done: int = 0
+    written: int = 0
+    tokens_written: int = 0
+    batches: int = 0
+    oom_retries: int = 0
+    issues: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["tokens_per_s"] = self.tokens_written / self.seconds if self.seconds > 0 else None
+        return d
+
+
+def _capture_halving(
+    capture: CaptureFn,
+    batch: list[SampleLike],
+    budget: TokenBudget,
+    issues: IssueLog,
+    stats: CaptureStats,
+) -> list[tuple[SampleLike, torch.Tensor, torch.Tensor]]:
+    """Capture a batch; on OOM halve the budget and retry each half (a lone sample that still
+    does not fit is reported as `capture_oom` and the run goes on)."""
+    try:
+        outs = capture([list(s.input_ids) for s in batch])
+    except Exception as exc:  # noqa: BLE001 - only OOM is handled, the rest re-raised
+        if not is_oom(exc):
+            raise
+        stats.oom_retries += 1
+        budget.halve()
+        if len(batch) == 1:
+            issues.add(batch[0].id, CAPTURE_OOM, f"{len(batch[0].input_ids)} tokens")
+            return []
+        log.warning(
+            "out of memory on %d samples; batch budget now %d tokens", len(batch), budget.tokens
+        )
+        mid = len(batch) // 2
+        return [
+            *_capture_halving(capture, batch[:mid], budget, issues, stats),
+            *_capture_halving(capture, batch[mid:], budget, issues, stats),
+        ]
+    if len(outs) != len(batch):
+        raise RuntimeError(f"engine returned {len(outs)} results for {len(batch)} samples")
+    return [(s, aux, final) for s, (aux, final) in zip(batch, outs, strict=True)]
+
+
+def capture_into(
+    capture: CaptureFn,
+    samples: Iterable[SampleLike],
+    sink: Sink,
+    issues: IssueLog,
+    budget: TokenBudget,
+    *,
+    progress_every_s: float = 30.0,
+    padded: bool = False,
+) -> CaptureStats:
+    """Run every sample not yet in `sink` (or in `issues`) through `capture` into `sink`.
+
+    `padded`: the engine pads each row to the longest (batch cost = rows x longest).
+    """
+    stats = CaptureStats()
+    todo: list[SampleLike] = []
+    for s in samples:
+        stats.samples_in += 1
+        if s.id in sink.done_ids or s.id in issues.ids:
+            stats.skipped_done += 1
+        else:
+            todo.append(s)
+    pending = deque(todo)
+    total = len(todo)
+    start = last_report = time.monotonic()
+    done = 0
+    while pending:
+        batch = next_batch(pending, budget, lambda s: len(s.input_ids), padded)
+        stats.batches += 1
+        for sample, aux, final in _capture_halving(capture, batch, budget, issues, stats):
+            done += 1
+            if nonfinite(aux, final):
+                issues.add(sample.id, NONFINITE)
+                continue
+            try:
+                sink.add(sample.id, sample.input_ids, sample.loss_mask, aux, final)
+            except ValueError as exc:  # a bad record is reported, the batch goes on
+                issues.add(sample.id, BAD_CAPTURE, str(exc))
+                continue
+            stats.written += 1
+            stats.tokens_written += len(sample.input_ids)
+        now = time.monotonic()
+        if now - last_report >= progress_every_s or not pending:
+            rate = stats.tokens_written / max(now - start, 1e-9)
+            print(
+                f"[extract] {done}/{total} samples, {stats.tokens_written} tokens written, "
+                f"{rate:.0f} tok/s, budget {budget.tokens} tok/batch",
+                file=sys.stderr,
+                flush=True,
+            )
+            last_report = now
+    stats.seconds = time.monotonic() - start
+    stats.issues = dict(issues.counts)
+    return stats
+
+
+# --- finishing shards into one store --------------------------------------------------------
+def _write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def mark_part_done(part: str | os.PathLike[str], info: dict[str, Any]) -> None:
+    """Record that a work shard has no work left (written last, atomically)."""
+    _write_json_atomic(Path(part) / PART_DONE, info)
+
+
+def parts_status(store: str | os.PathLike[str], num_shards: int) -> tuple[list[Path], list[int]]:
+    """All part directories of a store, and the shards that have not finished yet."""
+    parts = [part_dir(store, i, num_shards) for i in range(num_shards)]
+    missing = [i for i, p in enumerate(parts) if not (p / PART_DONE).exists()]
+    return parts, missing
+
+
+def _shard_samples(shard: Path) -> list[tuple[str, int, int]]:
+    with safe_open(str(shard), framework="pt") as f:
+        meta = f.metadata() or {}
+    return [(str(s[0]), int(s[1]), int(s[2])) for s in json.loads(meta.get("samples", "[]"))]
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)  # same filesystem: no extra disk, no copy time
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def merge_parts(store: str | os.PathLike[str], num_shards: int) -> dict[str, Any]:
+    """Build ONE store (manifest, shards/, index.jsonl, tokens/, issues.jsonl) at `store` from
+    its finished parts. Idempotent: rerunning rebuilds it from the parts."""
+    root = Path(store)
+    parts, missing = parts_status(root, num_shards)
+    if missing:
+        raise RuntimeError(f"cannot merge {root}: shards {missing} of {num_shards} not finished")
+    manifests = [json.loads((p / MANIFEST).read_text()) for p in parts if (p / MANIFEST).exists()]
+    if not manifests:
+        raise RuntimeError(f"cannot merge {root}: no part has a manifest")
+    first = manifests[0]
+    for m in manifests[1:]:
+        diff = [k for k in _MERGE_KEYS if m.get(k) != first.get(k)]
+        if diff:
+            raise ValueError(f"parts of {root} disagree on {diff}; they cannot share one index")
+
+    if (root / SHARDS).exists() and not (root / MERGED_STORE).exists():
+        raise RuntimeError(
+            f"{root} already holds a store written without work shards; merging parts into it "
+            "would replace it. Use another extract.output_dir for a sharded run."
+        )
+    (root / MERGED_STORE).touch()
+    staging = root / (SHARDS + ".merging")
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+    index_lines: list[str] = []
+    seen: set[str] = set()
+    number = 0
+    for part in parts:
+        for shard in sorted((part / SHARDS).glob("shard_*.safetensors")):
+            name = f"shard_{number:05d}.safetensors"
+            for sid, offset, length in _shard_samples(shard):
+                if sid in seen:
+                    raise ValueError(f"sample {sid!r} is in two parts of {root}")
+                seen.add(sid)
+                row = {"id": sid, "shard": name, "offset": offset, "length": length}
+                index_lines.append(json.dumps(row) + "\n")
+            _link_or_copy(shard, staging / name)
+            number += 1
+
+    # Swap in the new shards; a crash here is repaired by running the merge again.
+    target = root / SHARDS
+    if target.exists():
+        shutil.rmtree(target)
+    os.replace(staging, target)
+    tmp_index = root / (INDEX + ".tmp")
+    tmp_index.write_text("".join(index_lines))
+    os.replace(tmp_index, root / INDEX)
+    runs = list(dict.fromkeys(r for m in manifests for r in m.get("source_runs", [])))
+    merged = {**first, "source_runs": runs, "merged_from_parts": num_shards}
+    _write_json_atomic(root / MANIFEST, merged)
+    issue_lines = [
+        line + "\n"
+        for p in parts
+        if (p / ISSUES).exists()
+        for line in (p / ISSUES).read_text().splitlines()
+        if line.strip()
+    ]
+    tmp_issues = root / (ISSUES + ".tmp")
+    tmp_issues.write_text("".join(issue_lines))
+    os.replace(tmp_issues, root / ISSUES)
+    write_tokens_dataset(root)
+    info = {"num_shards": num_shards, "samples": len(seen), "shard_files": number}
+    _write_json_atomic(root / MERGE_DONE, info)
+    return info
+
+
+def maybe_merge(store: str | os.PathLike[str], num_shards: int) -> dict[str, Any] | None:
+    """Merge when every part is done; the first finisher to take the lock does it.
+
+    Returns the merge info, or None when parts are missing or another process is merging.
+    """
+    if num_shards == 1:
+        return None  # a single shard writes the store directly
+    root = Path(store)
+    _, missing = parts_status(root, num_shards)
+    if missing:
+        log.info("store %s: waiting for shards %s before merging", root, missing)
+        return None
+    lock = root / MERGE_LOCK
+    try:
+        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        log.info("store %s: another process is merging (%s)", root, lock)
+        return None
+    try:
+        os.write(fd, str(os.getpid()).encode())
+        os.close(fd)
+        return merge_parts(root, num_shards)
+    finally:
+        lock.unlink(missing_ok=True)
+
+
+# --- the sharded stage run (any backend) ------------------------------------------------------
+def run_sharded(cfg: Any, backend: Any) -> dict[str, Any]:
+    """Extract work shard `extract.shard` of `extract.num_shards` with `backend` into its part
+    of the store, with OOM halving and NaN/inf marking; merge when the last part finishes.
+
+    `backend` follows `kimi_pipe.extract.Backend` (store_fields, forward, close). Optional
+    attributes: `packed` (True: a batch costs the sum of its lengths, no padding),
+    `max_batch_tokens` / `max_batch_samples` (engine limits that cap the budget).
+    """
+    from omegaconf import OmegaConf
+
+    # Record reading, max_len handling and manifest fields are the stage's shared logic.
+    from kimi_pipe.extract import (
+        apply_max_len,
+        loss_mask_convention,
+        output_path,
+        read_token_records,
+        records_path,
+    )
+    from kimi_pipe.hidden_store import StoreWriter, make_manifest
+
+    ecfg = cfg.extract
+    shard = int(OmegaConf.select(cfg, "extract.shard", default=0) or 0)
+    num_shards = int(OmegaConf.select(cfg, "extract.num_shards", default=1) or 1)
+    check_shard(shard, num_shards)
+    records = records_path(cfg)
+    samples, counts = read_token_records(records, only_ok=bool(ecfg.get("only_ok", True)))
+    samples, len_counts = apply_max_len(samples, ecfg.get("max_len"), str(ecfg.over_max_len))
+    counts.update(len_counts)
+    mine = select_shard(samples, shard, num_shards)
+    # Longest first: an out-of-memory shows on the first batch, not after hours.
+    mine.sort(key=lambda s: (-len(s.input_ids), s.id))
+    store = output_path(cfg, records)
+    part = part_dir(store, shard, num_shards)
+    manifest = make_manifest(
+        **backend.store_fields,
+        loss_mask=loss_mask_convention(cfg),
+        source_runs=[str(records.parent.resolve())],
+        backend=str(ecfg.backend),
+    )
+    tokens = int(ecfg.batch_tokens)
+    engine_cap = getattr(backend, "max_batch_tokens", None)
+    if engine_cap is not None and engine_cap < tokens:
+        log.warning(
+            "extract.batch_tokens %d > engine capacity %d; using %d", tokens, engine_cap, engine_cap
+        )
+        tokens = int(engine_cap)
+    caps = [c for c in (ecfg.get("max_batch"), getattr(backend, "max_batch_samples", None)) if c]
+    max_samples = min(caps) if caps else None
+    budget = TokenBudget(tokens, max_samples=max_samples)
+    packed = bool(getattr(backend, "packed", False))
+    print(
+        f"[extract] shard {shard}/{num_shards}: {len(mine)} of {len(samples)} samples -> {part}",
+        file=sys.stderr,
+        flush=True,
+    )
+    writer = StoreWriter(
+        part, manifest, shard_samples=int(ecfg.shard_samples), shard_tokens=ecfg.get("shard_tokens")
+    )
+    issues = IssueLog(part)
+    stats = capture_into(backend.forward, mine, writer, issues, budget, padded=not packed)
+    writer.close()
+    summary: dict[str, Any] = {
+        "records": str(records),
+        "store": str(store),
+        "part": str(part),
+        "shard": shard,
+        "num_shards": num_shards,
+        "backend": str(ecfg.backend),
+        "max_len": ecfg.get("max_len"),
+        "over_max_len": str(ecfg.over_max_len),
+        "counts": dict(sorted(counts.items())),
+        "capture": stats.as_dict(),
+        "final_batch_tokens": budget.tokens,
+        "samples_in_part": len(writer.done_ids),
+    }
+    _write_json_atomic(part / "extract_summary.json", summary)
+    if num_shards > 1:
+        mark_part_done(part, summary)
+        merged = maybe_merge(store, num_shards)
+        summary["merged"] = merged
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m kimi_pipe.extract_sharding STORE NUM_SHARDS`: merge finished parts by hand."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2:
+        print("usage: python -m kimi_pipe.extract_sharding STORE NUM_SHARDS", file=sys.stderr)
+        return 2
+    store, n = args[0], int(args[1])
+    _, missing = parts_status(store, n)
+    if missing:
+        print(f"shards {missing} of {n} have not finished; rerun them first", file=sys.stderr)
+        return 1
+    print(json.dumps(merge_parts(store, n)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
