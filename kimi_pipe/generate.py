@@ -440,16 +440,33 @@ def run_dir_of(cfg: DictConfig) -> Path:
         return Path(str(cfg.output_dir))
 
 
+def _pointed_at(cfg: DictConfig, endpoint: dict[str, Any]) -> DictConfig:
+    """A copy of cfg whose provider talks to the started local server."""
+    from omegaconf import OmegaConf, open_dict
+
+    out = cfg.copy()
+    with open_dict(out):
+        OmegaConf.update(out, "provider.model", endpoint["model"], force_add=True)
+        OmegaConf.update(out, "provider.api_base", endpoint["api_base"], force_add=True)
+        OmegaConf.update(out, "provider.server", None, force_add=True)
+    return out
+
+
 def generate(cfg: DictConfig, run_dir: Path | None = None) -> tuple[int, dict[str, Any] | None]:
     """Run the stage; returns (exit status, summary). Config/input problems -> status 2."""
+    from kimi_pipe.local_server import ServerError, provider_endpoint
     from kimi_pipe.tokenizers import TokenizerNotFound
 
     run_dir = run_dir or run_dir_of(cfg)
     try:
-        gen = Generator(cfg, run_dir)
-        summary = asyncio.run(gen.run())
+        # provider=local: its server is started around the run, reached like any provider.
+        with provider_endpoint(cfg, run_dir) as endpoint:
+            if endpoint.get("server") is not None:
+                cfg = _pointed_at(cfg, endpoint)
+            gen = Generator(cfg, run_dir)
+            summary = asyncio.run(gen.run())
     except (MissingApiKey, GenerateError, ProviderConfigError, TokenizerNotFound,
-            FileNotFoundError) as exc:
+            FileNotFoundError, ServerError) as exc:
         log.error("%s", exc)
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_CONFIG, None

@@ -105,7 +105,7 @@ class Run:
     name: str  # label in the report: the run directory relative to sweep_dir
     path: Path
     records: list[dict[str, Any]]
-    config: dict[str, Any]  # .hydra/config.yaml, {} when absent
+    config: dict[str, Any]  # .hydra/generate/config.yaml, {} when absent
     summary: dict[str, Any]  # summary.json, {} when absent
     attempt_errors: list[dict[str, Any]] = field(default_factory=list)
     bad_lines: int = 0
@@ -145,7 +145,9 @@ def load_run(path: Path, root: Path) -> Run:
         name=name or path.resolve().name,
         path=path,
         records=list(by_id.values()),
-        config=_read_yaml(path / ".hydra" / "config.yaml"),
+        # generate saves its config under .hydra/generate/ (one subdir per stage)
+        config=_read_yaml(path / ".hydra" / "generate" / "config.yaml")
+        or _read_yaml(path / ".hydra" / "config.yaml"),
         summary=_read_json(path / "summary.json"),
         attempt_errors=list(iter_records(path / ATTEMPT_ERRORS_FILE)),
         bad_lines=len(read.bad_lines) + int(read.torn_tail),

@@ -175,7 +175,8 @@ def test_sweep_pins_one_provider_per_job_on_the_same_prompts(swept: Any) -> None
     assert len({frozenset(p) for p in prompts_seen.values()}) == 1  # the same n prompts
     # One shared budget: each job capped at its share, and every answer paid for.
     for name in PROVIDERS:
-        cfg = yaml.safe_load((work / "sweep" / name / ".hydra" / "config.yaml").read_text())
+        saved = work / "sweep" / name / ".hydra" / "generate" / "config.yaml"
+        cfg = yaml.safe_load(saved.read_text())
         assert cfg["budget"]["usd"] == pytest.approx(1 / len(PROVIDERS))
         summary = json.loads((work / "sweep" / name / "summary.json").read_text())
         assert summary["spend_usd"] == pytest.approx(srv.total_cost(name))
