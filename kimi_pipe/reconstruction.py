@@ -24,6 +24,7 @@ ERRORS = frozenset(
         "provider_error",  # an error body or finish_reason "error"
         "empty_response",  # nothing at all came back
         "bad_prompt",  # the prompt messages cannot be rendered
+        "partial_character",  # cut inside a UTF-8 character: the text holds U+FFFD, not the byte
     }
 )
 NOTES = frozenset(
@@ -256,6 +257,10 @@ def reconstruct(
             issues.append("provider_error")
         if answer.finish_reason in _LENGTH_REASONS:
             issues.append("truncated")
+            # A cut inside a multi-byte character reaches us as U+FFFD: the last id cannot be
+            # recovered from text, and the length check cannot see it.
+            if (answer.content or answer.reasoning).endswith("\ufffd"):
+                issues.append("partial_character")
         pieces, ended = output_pieces(model, answer, issues)
         output = model.encode(pieces)
         if not (answer.reasoning or answer.content or answer.tool_calls) and not _truncated(answer):

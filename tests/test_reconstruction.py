@@ -127,3 +127,27 @@ def test_garbage_never_raises(kimi: Model, response: Any) -> None:
 def test_bad_prompt_is_reported(kimi: Model) -> None:
     result = reconstruct(kimi, [{"role": "wizard", "content": "x"}], None, {"choices": []})
     assert "bad_prompt" in result.issues and not result.ok
+
+
+@pytest.mark.kimi
+def test_cut_inside_a_character_is_flagged(kimi: Model) -> None:
+    # A server decoding a cut inside an emoji hands back U+FFFD; the last id is lost and the
+    # length check cannot see it (found by the fidelity audit on real SmolLM2 output).
+    response = {
+        "choices": [
+            {"message": {"content": "Party \ufffd", "reasoning": "r"}, "finish_reason": "length"}
+        ],
+    }
+    result = reconstruct(kimi, [{"role": "user", "content": "x"}], None, response)
+    assert {"truncated", "partial_character"} <= set(result.issues) and not result.ok
+    fine = reconstruct(
+        kimi,
+        [{"role": "user", "content": "x"}],
+        None,
+        {
+            "choices": [
+                {"message": {"content": "Party \ufffd", "reasoning": "r"}, "finish_reason": "stop"}
+            ]
+        },
+    )
+    assert "partial_character" not in fine.issues
