@@ -38,7 +38,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 from safetensors import safe_open
 
-from kimi_pipe.hidden_store import INDEX, MANIFEST, SHARDS, write_tokens_dataset
+from kimi_pipe.hidden_store import IDENTITY_KEYS, INDEX, MANIFEST, SHARDS, write_tokens_dataset
 
 log = logging.getLogger(__name__)
 
@@ -52,17 +52,6 @@ ISSUES = "issues.jsonl"
 MERGE_DONE = "merge_done.json"
 MERGE_LOCK = ".merge.lock"
 MERGED_STORE = ".merged_from_parts"  # set before a merge first touches the store
-
-# Manifest keys that must agree between parts before they may share one index.
-_MERGE_KEYS = (
-    "model",
-    "layer_ids",
-    "layer_convention",
-    "final_state",
-    "dtype",
-    "hidden_size",
-    "loss_mask",
-)
 
 T = TypeVar("T")
 CaptureFn = Callable[[list[list[int]]], list[tuple[torch.Tensor, torch.Tensor]]]
@@ -371,7 +360,7 @@ def merge_parts(store: str | os.PathLike[str], num_shards: int) -> dict[str, Any
         raise RuntimeError(f"cannot merge {root}: no part has a manifest")
     first = manifests[0]
     for m in manifests[1:]:
-        diff = [k for k in _MERGE_KEYS if m.get(k) != first.get(k)]
+        diff = [k for k in IDENTITY_KEYS if m.get(k) != first.get(k)]
         if diff:
             raise ValueError(f"parts of {root} disagree on {diff}; they cannot share one index")
 

@@ -60,8 +60,9 @@ INDEX = "index.jsonl"
 SHARDS = "shards"
 TOKENS = "tokens"
 
-# Keys that must agree when a writer reopens an existing store: mixing them would corrupt it.
-_IDENTITY_KEYS = (
+# Keys that must agree when a writer reopens an existing store, or when shard parts merge
+# into one: mixing them would corrupt it.
+IDENTITY_KEYS = (
     "model",
     "layer_ids",
     "layer_convention",
@@ -244,7 +245,7 @@ class StoreWriter:
         path = self.path / MANIFEST
         if path.exists():
             old = json.loads(path.read_text())
-            diff = [k for k in _IDENTITY_KEYS if old.get(k) != manifest.get(k)]
+            diff = [k for k in IDENTITY_KEYS if old.get(k) != manifest.get(k)]
             if diff:
                 detail = ", ".join(f"{k}: {old.get(k)!r} != {manifest.get(k)!r}" for k in diff)
                 raise ValueError(
