@@ -152,7 +152,9 @@ class Rank(Protocol):
     max_requests: int
 
     def set_layers(self, output_ids: Sequence[int]) -> list[int]:
-        """Capture these "output of layer" ids; returns the capture ids in effect."""
+        """Capture these "output of layer" ids; returns the capture ids in effect. A rank that
+        overrode the engine's own choice may set `overridden_capture_ids` (the manifest
+        records them as sglang_default_capture_ids)."""
         ...
 
     def forward(self, batch: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -314,6 +316,10 @@ class SGLangBackend:
                 "model_path": settings.model_path,
             },
         }
+        # The ids SGLang chose itself, when the rank had to override them (see set_layers).
+        overridden = getattr(self.rank, "overridden_capture_ids", None)
+        if overridden:
+            self.store_fields["extra"]["sglang_default_capture_ids"] = list(overridden)
 
     def _wait_followers(self, ok: set[str]) -> bool:
         """Collect one status from every follower; True if any reported out-of-memory."""
@@ -478,6 +484,9 @@ class _Captured:
     final: torch.Tensor
 
 
+_OK, _OOM, _ERROR = 0, 1, 2  # per-forward status the tensor-parallel ranks all-reduce (MAX)
+
+
 class _RankRunner:
     """One tensor-parallel rank on one GPU, built like sglang.bench_one_batch.load_model."""
 
@@ -548,13 +557,21 @@ class _RankRunner:
         holders = [m for m in model.modules() if hasattr(m, "layers_to_capture")]
         if not holders:
             raise RuntimeError("the SGLang model has no layers_to_capture; no EAGLE-3 support")
+        self.overridden_capture_ids: list[int] | None = None
         for holder in holders:
-            if list(holder.layers_to_capture) != expected:
+            chosen = [int(i) for i in holder.layers_to_capture]
+            if chosen != expected:
                 # SGLang's DeepSeek/Kimi model adds 1 only when the first id is 1; state the
                 # capture ids ourselves so every model follows kimi_pipe.layers.
-                log.info(
-                    "SGLang chose capture ids %s; using %s", holder.layers_to_capture, expected
+                log.warning(
+                    "SGLang chose capture ids %s for 'output of layer' ids %s; overriding with "
+                    "capture ids %s (= ids + 1, the input of the next layer). Recorded in the "
+                    "manifest as sglang_default_capture_ids / sglang_capture_ids.",
+                    chosen,
+                    list(output_ids),
+                    expected,
                 )
+                self.overridden_capture_ids = chosen
                 holder.layers_to_capture = list(expected)
         return list(holders[0].layers_to_capture)
 
@@ -608,25 +625,37 @@ class _RankRunner:
 
     @torch.no_grad()
     def forward(self, batch: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        oom = False
+        status = _OK
+        error: BaseException | None = None
         result: tuple[torch.Tensor, torch.Tensor] | None = None
         try:
             captured = self._extend(batch)
             if self.tp_rank == 0:
                 result = (_to_host(captured.aux), _to_host(captured.final))
-        except torch.OutOfMemoryError:
-            oom = True
+        except Exception as exc:  # noqa: BLE001 - re-raised after the ranks agree
+            oom = isinstance(exc, torch.OutOfMemoryError) or (
+                isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+            )
+            status, error = (_OOM if oom else _ERROR), exc
         finally:
             self.runner.req_to_token_pool.clear()
             self.runner.token_to_kv_pool_allocator.clear()
+        agreed = status
         if self._cpu_group is not None:
-            # Every rank must take the same branch, or the next collective hangs.
+            # Every rank must reach this collective and take the same branch, whatever went
+            # wrong, or the others block until the timeout (0 ok, 1 out of memory, 2 error).
             import torch.distributed as dist
 
-            flag = torch.tensor([int(oom)])
+            flag = torch.tensor([status])
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._cpu_group)
-            oom = bool(flag.item())
-        if oom:
+            agreed = int(flag.item())
+        if agreed == _ERROR:
+            if status == _ERROR and error is not None:
+                raise error
+            raise RuntimeError(
+                f"another tensor-parallel rank failed capturing {len(batch)} sequences"
+            ) from error
+        if agreed == _OOM:
             torch.cuda.empty_cache()
             raise torch.OutOfMemoryError(f"out of memory capturing {len(batch)} sequences")
         return result

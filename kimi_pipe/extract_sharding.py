@@ -18,10 +18,14 @@ How the stage uses it (any backend)::
         stats = capture_into(engine.capture, samples, writer, issues, TokenBudget(batch_tokens))
     mark_part_done(part, stats)
     maybe_merge(store, num_shards)     # the last part to finish builds the one index
+
+(`run_sharded` calls `mark_part_started(part)` first: a part that runs again is not done.)
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -29,8 +33,9 @@ import os
 import shutil
 import sys
 import time
+import uuid
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -64,7 +69,11 @@ class SampleLike(Protocol):
 
 
 class Sink(Protocol):
-    """What the capture loop writes to: `hidden_store.StoreWriter` or a stand-in."""
+    """What the capture loop writes to: `hidden_store.StoreWriter` or a stand-in.
+
+    A sink with a `dtype` attribute (StoreWriter) gets the states cast to it before the
+    NaN/inf check, so a value that overflows the storage dtype (> 65504 in float16) is caught.
+    """
 
     done_ids: set[str]
 
@@ -284,6 +293,7 @@ def capture_into(
             todo.append(s)
     pending = deque(todo)
     total = len(todo)
+    store_dtype: torch.dtype | None = getattr(sink, "dtype", None)
     start = last_report = time.monotonic()
     done = 0
     while pending:
@@ -291,6 +301,9 @@ def capture_into(
         stats.batches += 1
         for sample, aux, final in _capture_halving(capture, batch, budget, issues, stats):
             done += 1
+            if store_dtype is not None:
+                # Check what will be stored: a finite float32 can overflow to inf in float16.
+                aux, final = aux.to(store_dtype), final.to(store_dtype)
             if nonfinite(aux, final):
                 issues.add(sample.id, NONFINITE)
                 continue
@@ -323,9 +336,16 @@ def _write_json_atomic(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
+def mark_part_started(part: str | os.PathLike[str]) -> None:
+    """A work shard (re)starts: drop its `part_done.json` from an earlier run, so no other
+    shard merges the store while this one is still extracting."""
+    (Path(part) / PART_DONE).unlink(missing_ok=True)
+
+
 def mark_part_done(part: str | os.PathLike[str], info: dict[str, Any]) -> None:
-    """Record that a work shard has no work left (written last, atomically)."""
-    _write_json_atomic(Path(part) / PART_DONE, info)
+    """Record that a work shard has no work left (written last, atomically). A fresh
+    `done_id` per call lets a merge tell whether a part finished again since it began."""
+    _write_json_atomic(Path(part) / PART_DONE, {**info, "done_id": uuid.uuid4().hex})
 
 
 def parts_status(store: str | os.PathLike[str], num_shards: int) -> tuple[list[Path], list[int]]:
@@ -333,6 +353,23 @@ def parts_status(store: str | os.PathLike[str], num_shards: int) -> tuple[list[P
     parts = [part_dir(store, i, num_shards) for i in range(num_shards)]
     missing = [i for i, p in enumerate(parts) if not (p / PART_DONE).exists()]
     return parts, missing
+
+
+def _done_ids(parts: Sequence[Path]) -> list[str | None]:
+    """Which finish of each part a merge sees (None: not finished / unreadable)."""
+    out: list[str | None] = []
+    for p in parts:
+        try:
+            text = (p / PART_DONE).read_text()
+        except FileNotFoundError:
+            out.append(None)
+            continue
+        try:
+            done_id = json.loads(text).get("done_id")
+        except (json.JSONDecodeError, AttributeError):
+            done_id = None
+        out.append(str(done_id) if done_id else hashlib.sha256(text.encode()).hexdigest())
+    return out
 
 
 def _shard_samples(shard: Path) -> list[tuple[str, int, int]]:
@@ -355,6 +392,7 @@ def merge_parts(store: str | os.PathLike[str], num_shards: int) -> dict[str, Any
     parts, missing = parts_status(root, num_shards)
     if missing:
         raise RuntimeError(f"cannot merge {root}: shards {missing} of {num_shards} not finished")
+    done_ids = _done_ids(parts)  # read before the parts: a later finish shows as a change
     manifests = [json.loads((p / MANIFEST).read_text()) for p in parts if (p / MANIFEST).exists()]
     if not manifests:
         raise RuntimeError(f"cannot merge {root}: no part has a manifest")
@@ -411,15 +449,48 @@ def merge_parts(store: str | os.PathLike[str], num_shards: int) -> dict[str, Any
     tmp_issues.write_text("".join(issue_lines))
     os.replace(tmp_issues, root / ISSUES)
     write_tokens_dataset(root)
-    info = {"num_shards": num_shards, "samples": len(seen), "shard_files": number}
+    info = {
+        "num_shards": num_shards,
+        "samples": len(seen),
+        "shard_files": number,
+        "parts_done": done_ids,
+    }
     _write_json_atomic(root / MERGE_DONE, info)
     return info
 
 
-def maybe_merge(store: str | os.PathLike[str], num_shards: int) -> dict[str, Any] | None:
-    """Merge when every part is done; the first finisher to take the lock does it.
+@contextlib.contextmanager
+def merge_lock(store: str | os.PathLike[str]) -> Iterator[None]:
+    """Hold the store's merge lock, waiting for another merger. An OS lock (flock): a killed
+    merge releases it, and a lock file left behind blocks nothing."""
+    root = Path(store)
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / MERGE_LOCK, "a+") as f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.warning("store %s: another process is merging; waiting for it", root)
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
-    Returns the merge info, or None when parts are missing or another process is merging.
+
+def _merged_done_ids(root: Path) -> list[str | None] | None:
+    try:
+        info = json.loads((root / MERGE_DONE).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    ids = info.get("parts_done") if isinstance(info, dict) else None
+    return list(ids) if isinstance(ids, list) else None
+
+
+def maybe_merge(store: str | os.PathLike[str], num_shards: int) -> dict[str, Any] | None:
+    """Merge when every part is done. Finishers take turns on the merge lock; a merge that a
+    part finished during is redone, and one that already covers every finished part is kept.
+
+    Returns the merge info, or None when parts are missing (the last of them merges).
     """
     if num_shards == 1:
         return None  # a single shard writes the store directly
@@ -428,18 +499,27 @@ def maybe_merge(store: str | os.PathLike[str], num_shards: int) -> dict[str, Any
     if missing:
         log.info("store %s: waiting for shards %s before merging", root, missing)
         return None
-    lock = root / MERGE_LOCK
-    try:
-        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    except FileExistsError:
-        log.info("store %s: another process is merging (%s)", root, lock)
-        return None
-    try:
-        os.write(fd, str(os.getpid()).encode())
-        os.close(fd)
-        return merge_parts(root, num_shards)
-    finally:
-        lock.unlink(missing_ok=True)
+    with merge_lock(root):
+        while True:
+            parts, missing = parts_status(root, num_shards)
+            if missing:
+                log.warning(
+                    "store %s: shards %s started again; they merge when they finish", root, missing
+                )
+                return None
+            before = _done_ids(parts)
+            if _merged_done_ids(root) == before:
+                log.info("store %s: already merged from these parts", root)
+                return dict(json.loads((root / MERGE_DONE).read_text()))
+            try:
+                info = merge_parts(root, num_shards)
+            except RuntimeError:
+                if parts_status(root, num_shards)[1]:
+                    continue  # a part restarted mid-merge: the check above reports it
+                raise
+            if _done_ids(parts) == info["parts_done"]:
+                return info
+            log.warning("store %s: a shard finished during the merge; merging again", root)
 
 
 # --- the sharded stage run (any backend) ------------------------------------------------------
@@ -498,6 +578,8 @@ def run_sharded(cfg: Any, backend: Any) -> dict[str, Any]:
         file=sys.stderr,
         flush=True,
     )
+    if num_shards > 1:
+        mark_part_started(part)
     writer = StoreWriter(
         part, manifest, shard_samples=int(ecfg.shard_samples), shard_tokens=ecfg.get("shard_tokens")
     )
@@ -537,7 +619,8 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         print(f"shards {missing} of {n} have not finished; rerun them first", file=sys.stderr)
         return 1
-    print(json.dumps(merge_parts(store, n)))
+    with merge_lock(store):
+        print(json.dumps(merge_parts(store, n)))
     return 0
 
 

@@ -114,6 +114,10 @@ class OutputFormat:
     reasoning_trim_suffix: str = ""
     content_trim_prefix: str = ""
     tool_calls_after_content: str = ""  # between non-empty content and the tool-call section
+    # Markers a server leaves as text in decoded answers (not skipped as special tokens), so
+    # their text inside `content` stands for the marker id. Others (end of turn, role
+    # headers) are dropped by servers when decoding: their text in an answer is text.
+    content_markers: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -186,7 +190,11 @@ def parse_format(cfg: Mapping[str, Any], marker_names: Sequence[str]) -> ModelFo
         reasoning_trim_suffix=o.get("reasoning_trim_suffix", ""),
         content_trim_prefix=o.get("content_trim_prefix", ""),
         tool_calls_after_content=o.get("tool_calls_after_content", ""),
+        content_markers=tuple(o.get("content_markers") or ()),
     )
+    unknown = set(output.content_markers) - set(names)
+    if unknown:
+        raise ValueError(f"model.output.content_markers not declared as markers: {sorted(unknown)}")
     if output.arguments not in ("json_verbatim", "xml_parameters"):
         raise ValueError(f"model.output.arguments: unknown style {output.arguments!r}")
     if output.arguments == "xml_parameters" and output.parameter is None:

@@ -131,9 +131,10 @@ class Generator:
         self.max_tokens = int(self.settings.params.get("max_tokens") or 0)
         bcfg = cfg.budget
         self.reserve_factor = float(bcfg.get("reserve_factor") or 1.0)
-        if bcfg.get("usd") is not None and self.max_tokens <= 0:
-            raise GenerateError("budget.usd needs provider.params.max_tokens (the worst case "
-                                "of every request); set provider.params.max_tokens=N")
+        capped = [k for k in ("usd", "max_output_tokens") if bcfg.get(k) is not None]
+        if capped and self.max_tokens <= 0:
+            raise GenerateError(f"budget.{capped[0]} needs provider.params.max_tokens (the worst "
+                                "case of every request); set provider.params.max_tokens=N")
         self.stats = RunStats()
         self.progress = progress or Progress()
         self.rng = random.Random(int(OmegaConf.select(cfg, "dataset.seed", default=0) or 0))

@@ -14,10 +14,12 @@ import os
 import random
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+
+from kimi_pipe.reconstruction import LENGTH_REASONS
 
 log = logging.getLogger(__name__)
 
@@ -255,7 +257,7 @@ def answer_problem(response: Mapping[str, Any]) -> ErrorInfo | None:
     parts = [message.get(k) for k in ("content", "tool_calls", "reasoning_content")]
     parts += [mpsf.get(k) for k in ("reasoning", "reasoning_details")]
     parts += [message.get(k) for k in ("reasoning", "reasoning_details")]
-    if not any(parts) and finish not in ("length", "max_tokens"):
+    if not any(parts) and finish not in LENGTH_REASONS:
         return ErrorInfo("empty_response", 200, "the answer is empty", "retry")
     return None
 
@@ -349,6 +351,9 @@ Settle = Callable[[Any, float, int, bool], None]
 # Called for every failed attempt with (error, attempt number, its cost, its tokens).
 OnFailed = Callable[[ErrorInfo, int, float, int], None]
 
+# Failures after which the provider may have generated (and billed) an answer we never saw.
+BILLED_UNSEEN = frozenset({"timeout"})
+
 STOPPED = ErrorInfo("stopped", None, "the run is stopping", "stop")
 NO_BUDGET = ErrorInfo("budget", None, "budget cap reached", "stop")
 
@@ -374,6 +379,10 @@ async def call_with_retries(
         attempts += 1
         last = await attempt_once(settings, key, messages, tools, price_fallback)
         ok = last.error is None
+        if last.error is not None and last.error.cls in BILLED_UNSEEN:
+            # The provider may still generate and bill a request we gave up waiting for:
+            # book its worst case, so the cap holds whatever the bill turns out to be.
+            last = replace(last, cost=float(getattr(reservation, "usd", 0.0)))
         settle(reservation, last.cost, last.completion_tokens, ok)
         if ok:
             return CallResult(last.response, last.cost, last.completion_tokens, last.latency_s,

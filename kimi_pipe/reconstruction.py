@@ -38,7 +38,7 @@ NOTES = frozenset(
         "prompt_tokens_mismatch",  # rendered prompt length != usage.prompt_tokens
     }
 )
-_LENGTH_REASONS = frozenset({"length", "max_tokens", "max_output_tokens"})
+LENGTH_REASONS = frozenset({"length", "max_tokens", "max_output_tokens"})
 
 
 @dataclass
@@ -145,13 +145,14 @@ def output_pieces(
 ) -> tuple[list[Piece], bool]:
     """The model's output stream as pieces; also whether the end-of-turn was appended."""
     out = model.format.output
-    truncated = answer.finish_reason in _LENGTH_REASONS
+    truncated = answer.finish_reason in LENGTH_REASONS
     reasoning, content = answer.reasoning, answer.content
     pieces: list[Piece] = []
 
     if out.reasoning is not None:
         reasoning_cut = False
-        if answer.reasoning_source is None and out.think_end and out.think_end in content:
+        # An empty reasoning field with the think-end in content: the provider did not split.
+        if not reasoning and out.think_end and out.think_end in content:
             reasoning, content = content.split(out.think_end, 1)
             issues.append("reasoning_from_content")
         elif answer.reasoning_source is None and truncated and not answer.tool_calls:
@@ -179,7 +180,7 @@ def output_pieces(
         before = _remove_once(content, out.tool_calls_after_content, suffix=True)
         if before.strip():
             content = before
-    content_pieces = split_markers(content, model.format.marker_names)
+    content_pieces = split_markers(content, out.content_markers)
     if any(isinstance(p, Marker) for p in content_pieces):
         issues.append("raw_markers_in_content")
     ids: list[str] = []
@@ -255,14 +256,19 @@ def reconstruct(
     else:
         if answer.error or answer.finish_reason == "error":
             issues.append("provider_error")
-        if answer.finish_reason in _LENGTH_REASONS:
+        if answer.finish_reason in LENGTH_REASONS:
             issues.append("truncated")
             # A cut inside a multi-byte character reaches us as U+FFFD: the last id cannot be
             # recovered from text, and the length check cannot see it.
             if (answer.content or answer.reasoning).endswith("\ufffd"):
                 issues.append("partial_character")
-        pieces, ended = output_pieces(model, answer, issues)
-        output = model.encode(pieces)
+        try:
+            pieces, ended = output_pieces(model, answer, issues)
+            output = model.encode(pieces)
+        except (AttributeError, TypeError, ValueError) as exc:  # e.g. a tool call not an object
+            issues.append("malformed_response")
+            detail["response_error"] = f"{type(exc).__name__}: {exc}"
+            pieces, ended, output = [], False, []
         if not (answer.reasoning or answer.content or answer.tool_calls) and not _truncated(answer):
             issues.append("empty_response")
         if reported is None:
@@ -292,7 +298,7 @@ def reconstruct(
 
 
 def _truncated(answer: AnswerFields) -> bool:
-    return answer.finish_reason in _LENGTH_REASONS
+    return answer.finish_reason in LENGTH_REASONS
 
 
 def _is_error(response: Any) -> bool:

@@ -118,6 +118,10 @@ def render_prompt(
             raise PromptError(f"message {index} is not an object")
     skip: set[int] = set()
     system_in_tools = False
+    if tools is not None and not (
+        isinstance(tools, list) and all(isinstance(t, Mapping) for t in tools)
+    ):
+        raise PromptError("tools must be a list of objects")
     if tools and p.tools is not None:
         from kimi_pipe.tool_declarations import render_tools
 

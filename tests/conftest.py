@@ -61,3 +61,13 @@ def read_cases(name: str) -> list[dict[str, Any]]:
 @pytest.fixture(scope="session")
 def kimi_cases() -> list[dict[str, Any]]:
     return read_cases("kimi_k25_responses.jsonl")
+
+
+def expected_output_ids(model: Model, case: dict[str, Any]) -> list[int]:
+    """A case's true output ids: `expect.output_ids` where the fixture builder spelled them
+    out, else the raw model text encoded with every marker name recognised."""
+    expect = case["expect"]
+    if expect.get("output_ids") is not None:
+        return list(expect["output_ids"])
+    text = expect["output_text"]
+    return [] if text is None else model.tokenizer.encode_with_markers(text)  # type: ignore[attr-defined]

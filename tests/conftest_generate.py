@@ -29,14 +29,16 @@ def fake_openrouter(kimi: Model) -> Iterator[Callable[..., FakeOpenRouter]]:
     servers: list[FakeOpenRouter] = []
     counter = KimiCounter(kimi)
 
-    def start(default: Behaviour | None = None,
-              behaviours: dict[str, Behaviour] | None = None) -> FakeOpenRouter:
+    def start(
+        default: Behaviour | None = None, behaviours: dict[str, Behaviour] | None = None
+    ) -> FakeOpenRouter:
         def exact(b: Behaviour) -> Behaviour:
             b.counter = counter
             return b
 
-        srv = FakeOpenRouter(exact(default or Behaviour()),
-                             {k: exact(v) for k, v in (behaviours or {}).items()})
+        srv = FakeOpenRouter(
+            exact(default or Behaviour()), {k: exact(v) for k, v in (behaviours or {}).items()}
+        )
         servers.append(srv.start())
         return srv
 
@@ -45,37 +47,65 @@ def fake_openrouter(kimi: Model) -> Iterator[Callable[..., FakeOpenRouter]]:
         srv.stop()
 
 
-def write_prompts(path: Path, n: int, tools_every: int = 0, prefix: str = "s",
-                  text: Callable[[int], str] | None = None) -> list[str]:
+def write_prompts(
+    path: Path,
+    n: int,
+    tools_every: int = 0,
+    prefix: str = "s",
+    text: Callable[[int], str] | None = None,
+) -> list[str]:
     """A JSONL prompt file of `n` records; every `tools_every`-th one declares a tool."""
     ids = []
     with path.open("w", encoding="utf-8") as fh:
         for i in range(n):
             rid = f"{prefix}{i}"
             question = text(i) if text else f"Question {rid}: what is {i}+{i}?"
-            rec: dict[str, Any] = {"id": rid, "messages": [
-                {"role": "system", "content": "You are helpful."},
-                {"role": "user", "content": question},
-            ]}
+            rec: dict[str, Any] = {
+                "id": rid,
+                "messages": [
+                    {"role": "system", "content": "You are helpful."},
+                    {"role": "user", "content": question},
+                ],
+            }
             if tools_every and i % tools_every == 0:
-                rec["tools"] = [{"type": "function", "function": {
-                    "name": "calc", "description": "Evaluate an arithmetic expression",
-                    "parameters": {"type": "object", "properties": {
-                        "expr": {"type": "string", "description": "the expression"}},
-                        "required": ["expr"]}}}]
+                rec["tools"] = [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "calc",
+                            "description": "Evaluate an arithmetic expression",
+                            "parameters": {
+                                "type": "object",
+                                "properties": {
+                                    "expr": {"type": "string", "description": "the expression"}
+                                },
+                                "required": ["expr"],
+                            },
+                        },
+                    }
+                ]
             fh.write(json.dumps(rec) + "\n")
             ids.append(rid)
     return ids
 
 
-def base_overrides(prompts: Path, url: str, out: Path, kimi_dir: Path, usd: float = 10.0,
-                   concurrency: int = 8) -> list[str]:
+def base_overrides(
+    prompts: Path, url: str, out: Path, kimi_dir: Path, usd: float = 10.0, concurrency: int = 8
+) -> list[str]:
     return [
-        "dataset=jsonl", f"dataset.path={prompts}", "model=kimi_k25",
-        f"model.tokenizer.path={kimi_dir}", "provider=openrouter", f"provider.api_base={url}",
-        f"budget.usd={usd}", f"output_dir={out}", f"provider.concurrency={concurrency}",
-        "provider.params.max_tokens=512", "provider.retry.base_delay_s=0.01",
-        "provider.retry.max_delay_s=0.05", "provider.timeout_s=5",
+        "dataset=jsonl",
+        f"dataset.path={prompts}",
+        "model=kimi_k25",
+        f"model.tokenizer.path={kimi_dir}",
+        "provider=openrouter",
+        f"provider.api_base={url}",
+        f"budget.usd={usd}",
+        f"output_dir={out}",
+        f"provider.concurrency={concurrency}",
+        "provider.params.max_tokens=512",
+        "provider.retry.base_delay_s=0.01",
+        "provider.retry.max_delay_s=0.05",
+        "provider.timeout_s=5",
     ]
 
 
@@ -100,10 +130,17 @@ def subprocess_env(key: str | None = FAKE_KEY) -> dict[str, str]:
     return env
 
 
-def run_subprocess(overrides: Sequence[str], key: str | None = FAKE_KEY,
-                   timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run(generate_cmd(overrides), cwd=REPO, env=subprocess_env(key),
-                          capture_output=True, text=True, timeout=timeout)
+def run_subprocess(
+    overrides: Sequence[str], key: str | None = FAKE_KEY, timeout: float = 180
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        generate_cmd(overrides),
+        cwd=REPO,
+        env=subprocess_env(key),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -168,8 +168,14 @@ def make_answer(messages: list[dict], tools: list[dict] | None, behaviour: Behav
         props = list((fn.get("parameters") or {}).get("properties", {}) or {"q": None})
         args = json.dumps({props[0]: topic[:20]}, ensure_ascii=False)
         # The model always emits its native id; a provider may rename it afterwards.
-        calls.append({"id": f"functions.{name}:0", "type": "function", "index": 0,
-                      "function": {"name": name, "arguments": args}})
+        calls.append(
+            {
+                "id": f"functions.{name}:0",
+                "type": "function",
+                "index": 0,
+                "function": {"name": name, "arguments": args},
+            }
+        )
         content = ""
     return {"reasoning": reasoning, "content": content, "tool_calls": calls}
 
@@ -196,7 +202,8 @@ def build_completion(body: dict, behaviour: Behaviour) -> tuple[dict, float, int
     if field_ == "reasoning":
         message["reasoning"] = reasoning
         message["reasoning_details"] = [
-            {"type": "reasoning.text", "text": reasoning, "format": "unknown", "index": 0}]
+            {"type": "reasoning.text", "text": reasoning, "format": "unknown", "index": 0}
+        ]
     elif field_ == "reasoning_content":
         message["reasoning_content"] = reasoning
     elif field_ == "reasoning_details":
@@ -219,8 +226,15 @@ def build_completion(body: dict, behaviour: Behaviour) -> tuple[dict, float, int
         "model": MODEL_ID,
         "object": "chat.completion",
         "created": int(time.time()),
-        "choices": [{"logprobs": None, "finish_reason": finish, "native_finish_reason": finish,
-                     "index": 0, "message": message}],
+        "choices": [
+            {
+                "logprobs": None,
+                "finish_reason": finish,
+                "native_finish_reason": finish,
+                "index": 0,
+                "message": message,
+            }
+        ],
         "system_fingerprint": None,
         "usage": {
             "prompt_tokens": prompt_tokens,
@@ -256,8 +270,9 @@ class _Server(ThreadingHTTPServer):
 
 
 class FakeOpenRouter:
-    def __init__(self, default: Behaviour | None = None,
-                 behaviours: dict[str, Behaviour] | None = None) -> None:
+    def __init__(
+        self, default: Behaviour | None = None, behaviours: dict[str, Behaviour] | None = None
+    ) -> None:
         self.default = default or Behaviour()
         self.behaviours = dict(behaviours or {})
         self.bills: list[Bill] = []
@@ -321,8 +336,17 @@ class FakeOpenRouter:
                 return beh.error_mode
         return "ok"
 
-    def bill(self, bname: str, beh: Behaviour, body: dict, gen_id: str, cost: float,
-             p: int, c: int, answer: dict) -> bool:
+    def bill(
+        self,
+        bname: str,
+        beh: Behaviour,
+        body: dict,
+        gen_id: str,
+        cost: float,
+        p: int,
+        c: int,
+        answer: dict,
+    ) -> bool:
         """Record a bill; False when the credit would be overdrawn (then the answer is 402)."""
         with self._lock:
             spent = sum(b.cost for b in self.bills if b.behaviour == bname)
@@ -331,9 +355,14 @@ class FakeOpenRouter:
             marker = _last_user_text(body.get("messages") or [])
             self.bills.append(Bill(bname, gen_id, cost, p, c, marker))
             self.generations[gen_id] = {
-                "id": gen_id, "total_cost": cost, "provider_name": beh.provider_name,
-                "native_tokens_prompt": p, "native_tokens_completion": c,
-                "finish_reason": answer["choices"][0]["finish_reason"], "model": MODEL_ID}
+                "id": gen_id,
+                "total_cost": cost,
+                "provider_name": beh.provider_name,
+                "native_tokens_prompt": p,
+                "native_tokens_completion": c,
+                "finish_reason": answer["choices"][0]["finish_reason"],
+                "model": MODEL_ID,
+            }
             return True
 
 
@@ -353,8 +382,13 @@ def _make_handler(server: FakeOpenRouter) -> type[BaseHTTPRequestHandler]:
                 path = "/" + path
             return name, path.removeprefix("/api/v1")
 
-        def _send(self, status: int, payload: Any, headers: dict[str, str] | None = None,
-                  seen: SeenRequest | None = None) -> None:
+        def _send(
+            self,
+            status: int,
+            payload: Any,
+            headers: dict[str, str] | None = None,
+            seen: SeenRequest | None = None,
+        ) -> None:
             data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
             if seen is not None:
                 seen.answered_at = time.time()
@@ -373,10 +407,22 @@ def _make_handler(server: FakeOpenRouter) -> type[BaseHTTPRequestHandler]:
             except KeyError:
                 return self._send(404, {"error": {"code": 404, "message": "unknown provider"}})
             if path == "/models" and beh.list_models:
-                return self._send(200, {"data": [{
-                    "id": MODEL_ID, "name": "MoonshotAI: Kimi K2.5", "context_length": 262144,
-                    "pricing": {"prompt": f"{beh.input_price:.12f}",
-                                "completion": f"{beh.output_price:.12f}"}}]})
+                return self._send(
+                    200,
+                    {
+                        "data": [
+                            {
+                                "id": MODEL_ID,
+                                "name": "MoonshotAI: Kimi K2.5",
+                                "context_length": 262144,
+                                "pricing": {
+                                    "prompt": f"{beh.input_price:.12f}",
+                                    "completion": f"{beh.output_price:.12f}",
+                                },
+                            }
+                        ]
+                    },
+                )
             if path == "/generation":
                 gid = parse_qs(urlparse(self.path).query).get("id", [""])[0]
                 gen = server.generations.get(gid)
@@ -413,8 +459,9 @@ def _make_handler(server: FakeOpenRouter) -> type[BaseHTTPRequestHandler]:
                 return
             if mode == "reset":
                 # An abortive close (RST), like a proxy dropping the connection.
-                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
-                                           b"\x01\x00\x00\x00\x00\x00\x00\x00")
+                self.connection.setsockopt(
+                    socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00"
+                )
                 self.close_connection = True
                 self.connection.close()
                 return
@@ -422,13 +469,17 @@ def _make_handler(server: FakeOpenRouter) -> type[BaseHTTPRequestHandler]:
                 return self._send(200, b"", seen=seen)
             if mode == "200error":
                 meta = {"provider_name": beh.provider_name}
-                return self._send(200, {"error": {"code": 502, "message": "Upstream error",
-                                                  "metadata": meta}}, seen=seen)
+                return self._send(
+                    200,
+                    {"error": {"code": 502, "message": "Upstream error", "metadata": meta}},
+                    seen=seen,
+                )
             if mode in _ERRORS:
                 status, msg = _ERRORS[mode]
                 headers = {"Retry-After": beh.retry_after} if status == 429 else None
-                return self._send(status, {"error": {"code": status, "message": msg}}, headers,
-                                  seen=seen)
+                return self._send(
+                    status, {"error": {"code": status, "message": msg}}, headers, seen=seen
+                )
             answer, cost, p, c = build_completion(body, beh)
             if mode == "empty":  # a cold start: nothing generated, the prompt still billed
                 msg = answer["choices"][0]["message"]
@@ -442,8 +493,7 @@ def _make_handler(server: FakeOpenRouter) -> type[BaseHTTPRequestHandler]:
             if not server.bill(bname, beh, body, answer["id"], cost, p, c, answer):
                 seen.mode = "402"  # the credit ran out while this request was being answered
                 status, msg = _ERRORS["402"]
-                return self._send(status, {"error": {"code": status, "message": msg}},
-                                  seen=seen)
+                return self._send(status, {"error": {"code": status, "message": msg}}, seen=seen)
             self._send(200, answer, {"X-Generation-Id": answer["id"]}, seen=seen)
 
     return Handler
@@ -455,11 +505,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--delay", type=float, default=0.0)
     ap.add_argument("--reasoning-field", default="reasoning")
     ap.add_argument("--error-rate", type=float, default=0.0)
-    ap.add_argument("--kimi-tokenizer", default=None,
-                    help="Kimi tokenizer dir: exact usage counts (else about 4 chars/token)")
+    ap.add_argument(
+        "--kimi-tokenizer",
+        default=None,
+        help="Kimi tokenizer dir: exact usage counts (else about 4 chars/token)",
+    )
     args = ap.parse_args(argv)
-    beh = Behaviour(delay_s=args.delay, reasoning_field=args.reasoning_field,
-                    error_rate=args.error_rate)
+    beh = Behaviour(
+        delay_s=args.delay, reasoning_field=args.reasoning_field, error_rate=args.error_rate
+    )
     if args.kimi_tokenizer:
         from pathlib import Path
 
@@ -483,5 +537,14 @@ if __name__ == "__main__":
     main()
 
 
-__all__: list[str] = ["ApproxCounter", "Behaviour", "Bill", "FakeOpenRouter", "KimiCounter",
-                      "SeenRequest", "TokenCounter", "build_completion", "make_answer"]
+__all__: list[str] = [
+    "ApproxCounter",
+    "Behaviour",
+    "Bill",
+    "FakeOpenRouter",
+    "KimiCounter",
+    "SeenRequest",
+    "TokenCounter",
+    "build_completion",
+    "make_answer",
+]

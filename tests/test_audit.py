@@ -113,8 +113,14 @@ def test_return_token_ids_chat_reply() -> None:
         "id": "chatcmpl-1",
         "object": "chat.completion",
         "prompt_token_ids": [1, 2, 3],
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"},
-                     "finish_reason": "stop", "token_ids": [7, 8, 2]}],  # fmt: skip
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "hi"},
+                "finish_reason": "stop",
+                "token_ids": [7, 8, 2],
+            }
+        ],  # fmt: skip
     }
     assert truth_from_reply(reply) == TruthIds([7, 8, 2], [1, 2, 3], "return_token_ids")
 
@@ -258,8 +264,16 @@ def test_hf_greedy_truth_and_resume(smollm2, tmp_path: Path, monkeypatch) -> Non
     assert truth.prompt_ids == prompt_ids(smollm2, messages)
 
     def rec(rid: str, out: list[int]) -> dict[str, Any]:
-        return {"id": rid, "ok": True, "issues": [], "messages": messages, "error": None,
-                "prompt_ids": truth.prompt_ids, "output_ids": out, "request": {"max_tokens": 6}}
+        return {
+            "id": rid,
+            "ok": True,
+            "issues": [],
+            "messages": messages,
+            "error": None,
+            "prompt_ids": truth.prompt_ids,
+            "output_ids": out,
+            "request": {"max_tokens": 6},
+        }
 
     wrong = list(truth.output_ids)
     wrong[-1] = enc(smollm2, " banana")[0]

@@ -33,9 +33,19 @@ def test_bundled_prompts_are_varied_and_well_formed() -> None:
 def run_demo(run_dir: Path) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "OPENROUTER_API_KEY"}  # no key at all
     return subprocess.run(
-        [sys.executable, "-m", "kimi_pipe.demo", f"dataset.limit={N}",
-         "provider.params.max_tokens=12", f"output_dir={run_dir}"],  # fmt: skip
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=1500,
+        [
+            sys.executable,
+            "-m",
+            "kimi_pipe.demo",
+            f"dataset.limit={N}",
+            "provider.params.max_tokens=12",
+            f"output_dir={run_dir}",
+        ],  # fmt: skip
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1500,
     )
 
 

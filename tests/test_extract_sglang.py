@@ -245,6 +245,75 @@ def test_missing_engine_and_model_give_clear_errors(tmp_path: Path) -> None:
         open_backend(cfg)
 
 
+# --- _RankRunner logic without SGLang (no GPU): set_layers and the ranks' agreement --------
+def _bare_runner(tp_rank: int = 0, group: object | None = None) -> Any:
+    from types import SimpleNamespace
+
+    from kimi_pipe.extract_sglang import _RankRunner
+
+    pools = SimpleNamespace(clear=lambda: None)
+    runner = object.__new__(_RankRunner)  # skip __init__: it needs SGLang and a GPU
+    runner.runner = SimpleNamespace(req_to_token_pool=pools, token_to_kv_pool_allocator=pools)
+    runner.tp_rank, runner._cpu_group = tp_rank, group
+    return runner
+
+
+def test_rank_override_of_sglang_capture_ids_is_loud_and_recorded(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from types import SimpleNamespace
+
+    class Model(torch.nn.Module):
+        def set_eagle3_layers_to_capture(self, ids: list[int]) -> None:
+            self.layers_to_capture = list(ids)  # a model that does not add 1
+
+    runner = _bare_runner()
+    runner.runner = SimpleNamespace(model=Model())
+    with caplog.at_level("WARNING", logger="kimi_pipe.extract_sglang"):
+        assert runner.set_layers([2, 30, 56]) == [3, 31, 57]
+    assert runner.overridden_capture_ids == [2, 30, 56]
+    (rec,) = [r for r in caplog.records if "capture ids" in r.getMessage()]
+    assert rec.levelname == "WARNING"
+    assert "[2, 30, 56]" in rec.getMessage() and "[3, 31, 57]" in rec.getMessage()
+
+
+@pytest.mark.parametrize(
+    ("own", "peer", "expected"),
+    [
+        (ValueError("boom"), 0, ValueError),  # own error: re-raised after the all-reduce
+        (None, 2, RuntimeError),  # a peer failed: this rank fails too instead of hanging
+        (None, 1, torch.OutOfMemoryError),  # a peer ran out of memory: all retry
+        (torch.OutOfMemoryError("oom"), 2, RuntimeError),  # an error beats an OOM
+    ],
+)
+def test_rank_forward_always_reaches_the_all_reduce(
+    monkeypatch: pytest.MonkeyPatch, own: Exception | None, peer: int, expected: type
+) -> None:
+    import torch.distributed as dist
+
+    from kimi_pipe.extract_sglang import _Captured
+
+    sent: list[int] = []
+
+    def all_reduce(flag: torch.Tensor, op: Any = None, group: Any = None) -> None:
+        sent.append(int(flag.item()))
+        flag.fill_(max(int(flag.item()), peer))  # MAX with the other rank's status
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    runner = _bare_runner(tp_rank=1, group=object())
+
+    def extend(batch: list[list[int]]) -> _Captured:
+        if own is not None:
+            raise own
+        return _Captured(torch.zeros(2, 3), torch.zeros(2, 1))
+
+    runner._extend = extend
+    with pytest.raises(expected):
+        runner.forward([[1, 2]])
+    assert sent == [0 if own is None else (1 if isinstance(own, torch.OutOfMemoryError) else 2)]
+
+
 # --- the stage with the stand-in engine -----------------------------------------------------
 def test_store_matches_hf_backend_per_layer(tmp_path: Path, tiny_model: Path) -> None:
     from kimi_pipe.extract_hf import HFBackend
@@ -403,6 +472,129 @@ def test_shards_finish_into_one_index(tmp_path: Path, tiny_model: Path) -> None:
     with pytest.raises(RuntimeError, match="without work shards"):
         xs.merge_parts(out, 3)
     assert sorted(HiddenStore(out).ids) == sorted(ids)  # untouched
+
+
+# --- merging parts: stale markers, locks, late finishers -----------------------------------
+def _tiny_manifest(dtype: str) -> dict[str, Any]:
+    from kimi_pipe.hidden_store import make_manifest
+
+    return make_manifest(model="tiny", num_layers=8, layer_ids=[1, 3, 4], hidden_size=4,
+                         dtype=dtype, loss_mask="m", source_runs=["r"], backend="test")  # fmt: skip
+
+
+def _synthetic_parts(store: Path, num_shards: int, n: int = 9, done: bool = True) -> list[str]:
+    """Parts of a store written straight through StoreWriter (no engine): fast."""
+    from kimi_pipe.hidden_store import StoreWriter
+
+    manifest = _tiny_manifest("float32")
+    ids = [f"x{i}" for i in range(n)]
+    for shard in range(num_shards):
+        part = xs.part_dir(store, shard, num_shards)
+        with StoreWriter(part, manifest, shard_samples=2) as w:
+            for sid in xs.select_shard(ids, shard, num_shards, key=str):
+                w.add(sid, [1, 2], [0, 1], torch.zeros(2, 12), torch.zeros(2, 4))
+        if done:
+            xs.mark_part_done(part, {"shard": shard})
+    return ids
+
+
+def test_rerun_part_is_not_done_until_it_finishes(tmp_path: Path, tiny_model: Path) -> None:
+    """A part that starts again drops its old part_done.json: no merge while it runs."""
+    _records(tmp_path / "records.jsonl", n=9)
+    out = tmp_path / "store"
+
+    def cfg(shard: int, *extra: str) -> Any:
+        return _cfg(tmp_path / "records.jsonl", tiny_model, out, f"extract.shard={shard}",
+                    "extract.num_shards=3", *extra)  # fmt: skip
+
+    for shard in range(3):
+        run_extract(cfg(shard), StandInRank)
+    assert (out / xs.MERGE_DONE).exists()
+    # More records, then shard 1 runs again and dies mid-way: its old marker must not count.
+    _records(tmp_path / "records.jsonl", n=30)
+    with pytest.raises(RuntimeError, match="crashed"):
+        run_extract(cfg(1, "+extract.server_args.standin_fail_after=1"), StandInRank)
+    assert xs.parts_status(out, 3)[1] == [1]
+    assert run_extract(cfg(0), StandInRank)["merged"] is None  # shard 1 is still unfinished
+
+
+def test_stale_merge_lock_file_does_not_block_merging(tmp_path: Path) -> None:
+    ids = _synthetic_parts(tmp_path, 3)
+    (tmp_path / xs.MERGE_LOCK).write_text("12345")  # left by a merge that was killed
+    info = xs.maybe_merge(tmp_path, 3)
+    assert info is not None and info["samples"] == len(ids)
+    assert sorted(HiddenStore(tmp_path).ids) == sorted(ids)
+
+
+def test_merge_waits_for_a_running_merge(tmp_path: Path) -> None:
+    import fcntl
+    import threading
+    import time
+
+    ids = _synthetic_parts(tmp_path, 2)
+    result: dict[str, Any] = {}
+    with open(tmp_path / xs.MERGE_LOCK, "a+") as held:  # another process merging
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+        waiter = threading.Thread(target=lambda: result.update(info=xs.maybe_merge(tmp_path, 2)))
+        waiter.start()
+        time.sleep(0.5)
+        assert waiter.is_alive()  # waits instead of giving up
+        fcntl.flock(held.fileno(), fcntl.LOCK_UN)
+    waiter.join(timeout=60)
+    assert result["info"]["samples"] == len(ids)
+    # A later finisher finds the merge covering every part and keeps it.
+    assert xs.maybe_merge(tmp_path, 2) == result["info"]
+
+
+def test_part_finishing_during_merge_triggers_another(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ids = _synthetic_parts(tmp_path, 3)
+    real = xs.merge_parts
+    calls: list[int] = []
+
+    def merge_while_part_2_finishes_again(store: Any, n: int) -> dict[str, Any]:
+        info = real(store, n)
+        calls.append(1)
+        if len(calls) == 1:  # part 2 finished again (with a new sample) during this merge
+            from kimi_pipe.hidden_store import StoreWriter
+
+            part = xs.part_dir(store, 2, n)
+            manifest = json.loads((part / "manifest.json").read_text())
+            with StoreWriter(part, manifest) as w:
+                w.add("late", [1], [1], torch.zeros(1, 12), torch.zeros(1, 4))
+            xs.mark_part_done(part, {"shard": 2})
+        return info
+
+    monkeypatch.setattr(xs, "merge_parts", merge_while_part_2_finishes_again)
+    info = xs.maybe_merge(tmp_path, 3)
+    assert len(calls) == 2
+    assert info is not None and info["samples"] == len(ids) + 1
+    assert "late" in HiddenStore(tmp_path)
+
+
+def test_value_overflowing_store_dtype_is_marked_nonfinite(tmp_path: Path) -> None:
+    """float32 1e5 is finite but becomes inf in a float16 store: marked, not written."""
+    from kimi_pipe.hidden_store import StoreWriter
+
+    manifest = _tiny_manifest("float16")
+    samples = [xs.Sample("big", [1, 2], [0, 1]), xs.Sample("ok", [3], [1])]
+
+    def capture(batch: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        outs = []
+        for seq in batch:
+            aux = torch.zeros(len(seq), 12)
+            if seq == [1, 2]:
+                aux[0, 0] = 1e5  # > 65504: inf in float16
+            outs.append((aux, torch.zeros(len(seq), 4)))
+        return outs
+
+    with StoreWriter(tmp_path, manifest) as w:
+        issues = xs.IssueLog(tmp_path)
+        stats = xs.capture_into(capture, samples, w, issues, xs.TokenBudget(100))
+    assert stats.issues == {xs.NONFINITE: 1}
+    assert HiddenStore(tmp_path).ids == ["ok"]
+    assert issues.ids == {"big"}
 
 
 def test_tensor_parallel_ranks_agree_on_oom(tmp_path: Path, tiny_model: Path) -> None:

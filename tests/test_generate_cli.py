@@ -41,8 +41,13 @@ def test_kill_9_mid_run_then_resume_keeps_every_id_once_and_the_spend(
     overrides = base_overrides(prompts, srv.url(), out, kimi_dir, concurrency=8)
     records = out / "records.jsonl"
     log = (tmp_path / "first.log").open("w")
-    proc = subprocess.Popen(generate_cmd(overrides), cwd=REPO, env=subprocess_env(),
-                            stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        generate_cmd(overrides),
+        cwd=REPO,
+        env=subprocess_env(),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         deadline = time.monotonic() + 240
         while _count_lines(records) < 12:
@@ -73,12 +78,16 @@ def test_kill_9_mid_run_then_resume_keeps_every_id_once_and_the_spend(
     assert (out / "records.jsonl.torn").read_bytes().startswith(b'{"id": "s59", "ok": tr')
     # Nothing answered before the kill was bought again.
     for rec in first:
-        answers = [b for b in srv.bills
-                   if b.marker.startswith(f"Question {rec['id']}:") and b.completion_tokens]
+        answers = [
+            b
+            for b in srv.bills
+            if b.marker.startswith(f"Question {rec['id']}:") and b.completion_tokens
+        ]
         assert len(answers) == 1, rec["id"]
     summary = json.loads((out / "summary.json").read_text())
     stored = sum(r["cost"] for r in final) + sum(
-        r["cost"] for r in read_jsonl(out / "attempt_errors.jsonl"))
+        r["cost"] for r in read_jsonl(out / "attempt_errors.jsonl")
+    )
     assert summary["spend_usd"] == pytest.approx(stored, rel=1e-9)
     assert summary["counts"]["answered"] == len(ids)
     # What is stored is what the server billed, less the answers in flight at the kill
@@ -92,28 +101,44 @@ def test_kill_9_mid_run_then_resume_keeps_every_id_once_and_the_spend(
 def _provider_file(conf: Path, name: str, url: str) -> None:
     (conf / "provider").mkdir(parents=True, exist_ok=True)
     (conf / "provider" / f"{name}.yaml").write_text(
-        f"defaults:\n  - openrouter\n  - _self_\nname: {name}\napi_base: {url}\n")
+        f"defaults:\n  - openrouter\n  - _self_\nname: {name}\napi_base: {url}\n"
+    )
 
 
 def test_multirun_providers_get_their_own_dirs_and_the_key_is_never_written(
     tmp_path: Path, fake_openrouter, kimi_dir: Path
 ) -> None:
-    srv = fake_openrouter(behaviours={
-        "a": Behaviour(provider_name="Vendor-A", script={"Question s1:": ["429", "400"]},
-                       retry_after="0"),
-        "b": Behaviour(provider_name="Vendor-B", reasoning_field="reasoning_content",
-                       tool_call_ids="call", script={"Question s2:": ["500"]}),
-    })
+    srv = fake_openrouter(
+        behaviours={
+            "a": Behaviour(
+                provider_name="Vendor-A", script={"Question s1:": ["429", "400"]}, retry_after="0"
+            ),
+            "b": Behaviour(
+                provider_name="Vendor-B",
+                reasoning_field="reasoning_content",
+                tool_call_ids="call",
+                script={"Question s2:": ["500"]},
+            ),
+        }
+    )
     conf = tmp_path / "conf"
     _provider_file(conf, "a", srv.url("a"))
     _provider_file(conf, "b", srv.url("b"))
     prompts = tmp_path / "p.jsonl"
     ids = write_prompts(prompts, 5, tools_every=2)
     sweep = tmp_path / "sweep"
-    overrides = [o for o in base_overrides(prompts, "unused", tmp_path / "unused", kimi_dir)
-                 if not o.startswith(("provider=", "provider.api_base=", "output_dir="))]
-    overrides = ["-m", "provider=a,b", f"hydra.searchpath=[file://{conf}]",
-                 f"hydra.sweep.dir={sweep}", *overrides]
+    overrides = [
+        o
+        for o in base_overrides(prompts, "unused", tmp_path / "unused", kimi_dir)
+        if not o.startswith(("provider=", "provider.api_base=", "output_dir="))
+    ]
+    overrides = [
+        "-m",
+        "provider=a,b",
+        f"hydra.searchpath=[file://{conf}]",
+        f"hydra.sweep.dir={sweep}",
+        *overrides,
+    ]
     done = run_subprocess(overrides)
     assert done.returncode == 0, done.stderr[-3000:]
     for name, vendor in (("a", "Vendor-A"), ("b", "Vendor-B")):

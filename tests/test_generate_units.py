@@ -50,8 +50,9 @@ def test_torn_last_line_is_ignored_and_cut_before_appending(tmp_path: Path) -> N
     assert path.read_bytes().endswith(b'"cost":0.125}\n')
 
 
-def test_bad_middle_line_is_reported_and_skipped(tmp_path: Path,
-                                                 caplog: pytest.LogCaptureFixture) -> None:
+def test_bad_middle_line_is_reported_and_skipped(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     path = tmp_path / "r.jsonl"
     path.write_text('{"id": "a"}\nnot json\n[1, 2]\n{"id": "b"}\n')
     stats = ReadStats()
@@ -100,8 +101,7 @@ def test_unicode_survives_a_round_trip(tmp_path: Path) -> None:
 @settings(max_examples=200, deadline=None)
 @given(
     cap=st.floats(0.01, 5.0),
-    jobs=st.lists(st.tuples(st.floats(0.0, 1.0), st.floats(0.0, 1.0)), min_size=1,
-                  max_size=60),
+    jobs=st.lists(st.tuples(st.floats(0.0, 1.0), st.floats(0.0, 1.0)), min_size=1, max_size=60),
     seed=st.integers(0, 1000),
 )
 def test_spend_never_exceeds_the_cap_in_any_interleaving(
@@ -219,15 +219,25 @@ def test_backoff_grows_exponentially_within_jitter_and_cap() -> None:
 def test_answer_problems() -> None:
     ok = {"choices": [{"finish_reason": "stop", "message": {"content": "hi"}}]}
     assert answer_problem(ok) is None
-    reasoning_only = {"choices": [{"message": {
-        "content": "", "provider_specific_fields": {"reasoning": "thinking"}}}]}
+    reasoning_only = {
+        "choices": [
+            {"message": {"content": "", "provider_specific_fields": {"reasoning": "thinking"}}}
+        ]
+    }
     assert answer_problem(reasoning_only) is None
     empty = {"choices": [{"finish_reason": "stop", "message": {"content": ""}}]}
     assert answer_problem(empty).cls == "empty_response"
     assert answer_problem({"error": {"message": "x"}}).cls == "provider_error"
     assert answer_problem({"choices": []}).cls == "malformed_response"
-    err = {"choices": [{"finish_reason": "stop", "message": {"content": "x"},
-                        "provider_specific_fields": {"native_finish_reason": "error"}}]}
+    err = {
+        "choices": [
+            {
+                "finish_reason": "stop",
+                "message": {"content": "x"},
+                "provider_specific_fields": {"native_finish_reason": "error"},
+            }
+        ]
+    }
     assert answer_problem(err).cls == "provider_error"
 
 
@@ -257,8 +267,16 @@ def test_a_key_inside_the_provider_config_is_refused() -> None:
 
 
 def _snap(done: int) -> Snapshot:
-    return Snapshot(done=done, total=10, spent_usd=0.5, cap_usd=2.0, output_tokens=1000,
-                    retries=3, failures=1, in_flight=4)
+    return Snapshot(
+        done=done,
+        total=10,
+        spent_usd=0.5,
+        cap_usd=2.0,
+        output_tokens=1000,
+        retries=3,
+        failures=1,
+        in_flight=4,
+    )
 
 
 def test_progress_redraws_one_line_on_a_terminal() -> None:

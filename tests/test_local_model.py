@@ -211,8 +211,12 @@ def test_server_answers_and_is_always_stopped(smollm2_dir: Path, tmp_path: Path)
         assert server.host == "127.0.0.1" and _port_open(server.port)
         reply = httpx.post(
             f"{server.api_base}/chat/completions",
-            json={"model": server.model, "temperature": 0, "max_tokens": 5,
-                  "messages": [{"role": "user", "content": "Say hi."}]},  # fmt: skip
+            json={
+                "model": server.model,
+                "temperature": 0,
+                "max_tokens": 5,
+                "messages": [{"role": "user", "content": "Say hi."}],
+            },  # fmt: skip
             timeout=300,
         ).json()
         assert reply["choices"][0]["message"]["content"]

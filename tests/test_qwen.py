@@ -16,7 +16,7 @@ from typing import Any
 
 import jinja2
 import pytest
-from conftest import load_or_skip, model_config, read_cases
+from conftest import expected_output_ids, load_or_skip, model_config, read_cases
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -132,8 +132,7 @@ def _oracle_ids(model: Model, messages: list[dict[str, Any]], tools: Any) -> lis
 @pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
 def test_output_ids_match_raw_model_text(qwen: Model, case: dict[str, Any]) -> None:
     result = reconstruct(qwen, case["messages"], case.get("tools"), case["response"])
-    expected_text = case["expect"]["output_text"]
-    expected = [] if expected_text is None else qwen.tokenizer.encode_with_markers(expected_text)  # type: ignore[attr-defined]
+    expected = expected_output_ids(qwen, case)
     assert result.output_ids == expected, qwen.tokenizer.decode(result.output_ids)
     assert sorted(result.issues) == sorted(case["expect"]["issues"])
     assert result.ok == (not set(case["expect"]["issues"]) & ERRORS)
@@ -307,6 +306,4 @@ def test_reconstruct_stage_runs_with_model_qwen3_5(qwen: Model, tmp_path: Path) 
     assert [r["id"] for r in records] == [c["id"] for c in CASES]
     for record, case in zip(records, CASES, strict=True):
         assert sorted(record["issues"]) == sorted(case["expect"]["issues"])
-        expected = case["expect"]["output_text"]
-        if expected is not None:
-            assert record["output_ids"] == qwen.tokenizer.encode_with_markers(expected)  # type: ignore[attr-defined]
+        assert record["output_ids"] == expected_output_ids(qwen, case)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import expected_output_ids
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -16,7 +17,10 @@ REPO = Path(__file__).resolve().parent.parent
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "kimi_pipe.reconstruct", *args],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
@@ -25,25 +29,35 @@ def test_contract_reproduces_every_case(
     tmp_path: Path, kimi_dir: Path, kimi: Any, kimi_cases: list[dict[str, Any]]
 ) -> None:
     source = tmp_path / "in.jsonl"
-    lines = [json.dumps({k: c[k] for k in ("id", "messages", "tools", "response") if k in c})
-             for c in kimi_cases]
+    lines = [
+        json.dumps({k: c[k] for k in ("id", "messages", "tools", "response") if k in c})
+        for c in kimi_cases
+    ]
     lines.insert(3, "{not json")  # a bad record is reported in its own line; the batch goes on
     source.write_text("\n".join(lines) + "\n", encoding="utf-8")
     target = tmp_path / "out" / "out.jsonl"
-    done = _run("model=kimi_k25", f"model.tokenizer.path={kimi_dir}",
-                f"input={source}", f"output={target}")
+    done = _run(
+        "model=kimi_k25", f"model.tokenizer.path={kimi_dir}", f"input={source}", f"output={target}"
+    )
     assert done.returncode == 0, done.stderr
     records = [json.loads(line) for line in target.read_text(encoding="utf-8").splitlines()]
     assert len(records) == len(kimi_cases) + 1
     bad = records.pop(3)
     assert bad["ok"] is False and bad["issues"] == ["malformed_record"]
-    keys = ["id", "ok", "issues", "prompt_ids", "output_ids", "loss_mask",
-            "completion_tokens_reported", "completion_tokens_reconstructed"]
+    keys = [
+        "id",
+        "ok",
+        "issues",
+        "prompt_ids",
+        "output_ids",
+        "loss_mask",
+        "completion_tokens_reported",
+        "completion_tokens_reconstructed",
+    ]
     for case, record in zip(kimi_cases, records, strict=True):
         assert list(record) == keys
         assert record["id"] == case["id"]
-        text = case["expect"]["output_text"]
-        expected = [] if text is None else kimi.tokenizer.encode_with_markers(text)
+        expected = expected_output_ids(kimi, case)
         assert record["output_ids"] == expected, case["id"]
         assert sorted(record["issues"]) == sorted(case["expect"]["issues"]), case["id"]
         assert len(record["loss_mask"]) == len(record["prompt_ids"]) + len(expected)
@@ -56,8 +70,10 @@ def test_contract_reproduces_every_case(
     [
         (["input=/no/such/file.jsonl", "output=/tmp/x.jsonl"], "/no/such/file.jsonl"),
         (["model=no_such_model", "input=x", "output=y"], "no_such_model"),
-        (["model.tokenizer.path=/no/tokenizer", "input=pyproject.toml", "output=/tmp/x.jsonl"],
-         "/no/tokenizer"),
+        (
+            ["model.tokenizer.path=/no/tokenizer", "input=pyproject.toml", "output=/tmp/x.jsonl"],
+            "/no/tokenizer",
+        ),
         (["output=/tmp/x.jsonl"], "input="),
     ],
 )

@@ -12,6 +12,7 @@ from typing import Any
 
 import jinja2
 import pytest
+from conftest import expected_output_ids
 
 from kimi_pipe.models import Model
 from kimi_pipe.reconstruction import ERRORS, reconstruct
@@ -51,8 +52,7 @@ PROMPT_CASES = [c for c in CASES if not any("<|" in str(m.get("content")) for m 
 @pytest.mark.parametrize("case", CASES, ids=_case_ids(CASES))
 def test_output_ids_match_raw_model_text(kimi: Model, case: dict[str, Any]) -> None:
     result = reconstruct(kimi, case["messages"], case.get("tools"), case["response"])
-    expected_text = case["expect"]["output_text"]
-    expected = [] if expected_text is None else kimi.tokenizer.encode_with_markers(expected_text)
+    expected = expected_output_ids(kimi, case)
     assert result.output_ids == expected, kimi.tokenizer.decode(result.output_ids)
     assert sorted(result.issues) == sorted(case["expect"]["issues"])
     assert result.ok == (not set(case["expect"]["issues"]) & ERRORS)
@@ -151,3 +151,38 @@ def test_cut_inside_a_character_is_flagged(kimi: Model) -> None:
         },
     )
     assert "partial_character" not in fine.issues
+
+
+@pytest.mark.kimi
+def test_empty_reasoning_field_with_think_end_in_content_is_split(kimi: Model) -> None:
+    response = {
+        "choices": [
+            {"message": {"reasoning": "", "content": "think</think>ans"}, "finish_reason": "stop"}
+        ],
+    }
+    result = reconstruct(kimi, [{"role": "user", "content": "x"}], None, response)
+    assert result.output_ids == kimi.tokenizer.encode_with_markers("think</think>ans<|im_end|>")
+    assert "reasoning_from_content" in result.issues
+
+
+@pytest.mark.kimi
+@pytest.mark.parametrize(
+    ("tools", "calls"),
+    [
+        (None, [{"id": "x", "function": "not an object"}]),
+        (None, [{"id": "x", "function": {"name": "f", "arguments": {"a": {1, 2}}}}]),
+        ("abc", []),
+    ],
+)
+def test_odd_shapes_are_reported_not_raised(kimi: Model, tools: Any, calls: list) -> None:
+    response = {
+        "choices": [
+            {
+                "message": {"content": "c", "reasoning": "r", "tool_calls": calls},
+                "finish_reason": "stop",
+            }
+        ],
+    }
+    result = reconstruct(kimi, [{"role": "user", "content": "x"}], tools, response)
+    assert not result.ok
+    assert {"malformed_response", "bad_prompt"} & set(result.issues)

@@ -52,8 +52,11 @@ def _obj(properties: dict, required: list[str] | None = None, **extra: Any) -> d
 MOONSHOT_GOLDEN: list[tuple[str, list[dict], str]] = [
     (
         "01_simple_string",
-        _fn("echo", _obj({"text": {"type": "string"}}, ["text"]),
-            "Echo a string back to the caller."),
+        _fn(
+            "echo",
+            _obj({"text": {"type": "string"}}, ["text"]),
+            "Echo a string back to the caller.",
+        ),
         HEAD + "// Echo a string back to the caller.\n"
         "type echo = (_: {\n  text: string\n}) => any;\n" + TAIL,
     ),
@@ -82,8 +85,11 @@ MOONSHOT_GOLDEN: list[tuple[str, list[dict], str]] = [
     ),
     (
         "04_array_of_strings",
-        _fn("tag_items", _obj({"tags": {"type": "array", "items": {"type": "string"}}}, ["tags"]),
-            "Apply tags."),
+        _fn(
+            "tag_items",
+            _obj({"tags": {"type": "array", "items": {"type": "string"}}}, ["tags"]),
+            "Apply tags.",
+        ),
         HEAD + "// Apply tags.\ntype tag_items = (_: {\n  tags: Array<string>\n}) => any;\n" + TAIL,
     ),
     (
@@ -94,7 +100,8 @@ MOONSHOT_GOLDEN: list[tuple[str, list[dict], str]] = [
     (
         "06_enum",
         _fn("set_status", _obj({"status": {"enum": ["active", "paused", "done"]}}, ["status"])),
-        HEAD + 'type set_status = (_: {\n  status: "active" | "paused" | "done"\n}) => any;\n'
+        HEAD
+        + 'type set_status = (_: {\n  status: "active" | "paused" | "done"\n}) => any;\n'
         + TAIL,
     ),
     (
@@ -136,7 +143,8 @@ MOONSHOT_GOLDEN: list[tuple[str, list[dict], str]] = [
     (
         "12_unicode",
         _fn("translate", _obj({"text": {"type": "string"}}, ["text"]), "翻译 text into 中文."),
-        HEAD + "// 翻译 text into 中文.\ntype translate = (_: {\n  text: string\n}) => any;\n"
+        HEAD
+        + "// 翻译 text into 中文.\ntype translate = (_: {\n  text: string\n}) => any;\n"
         + TAIL,
     ),
     (
@@ -175,8 +183,13 @@ HAND_DERIVED: list[tuple[str, list[dict], str]] = [
             "search",
             _obj(
                 {
-                    "query": {"type": "string", "description": "What to look for",
-                              "minLength": 1, "pattern": "^[a-z]+$", "format": "email"},
+                    "query": {
+                        "type": "string",
+                        "description": "What to look for",
+                        "minLength": 1,
+                        "pattern": "^[a-z]+$",
+                        "format": "email",
+                    },
                     "limit": {"type": "integer", "minimum": 1, "maximum": 50, "default": 10},
                     "exact": {"type": "boolean", "default": True},
                     "lang": {"type": "string", "default": "en"},
@@ -186,7 +199,7 @@ HAND_DERIVED: list[tuple[str, list[dict], str]] = [
             ),
         ),
         HEAD + "type search = (_: {\n  // What to look for\n  // minLength: 1, pattern: ^[a-z]+$\n"
-        "  query: string,\n  // Default: True\n  exact?: boolean,\n  // Default: \"en\"\n"
+        '  query: string,\n  // Default: True\n  exact?: boolean,\n  // Default: "en"\n'
         "  lang?: string,\n  // maximum: 50, minimum: 1\n  // Default: 10\n  limit?: number,\n"
         "  // Default: 0.5\n  ratio?: number\n}) => any;\n" + TAIL,
     ),
@@ -199,8 +212,12 @@ HAND_DERIVED: list[tuple[str, list[dict], str]] = [
             "batch",
             _obj(
                 {
-                    "ids": {"type": "array", "items": {"type": "integer", "minimum": 0},
-                            "minItems": 1, "description": "Row ids"},
+                    "ids": {
+                        "type": "array",
+                        "items": {"type": "integer", "minimum": 0},
+                        "minItems": 1,
+                        "description": "Row ids",
+                    },
                     "rows": {"type": "array", "items": _obj({"k": {"type": "string"}}, ["k"])},
                     "any": {"type": "array"},
                 },
@@ -254,8 +271,13 @@ HAND_DERIVED: list[tuple[str, list[dict], str]] = [
         "self_reference",
         _fn(
             "tree",
-            _obj({"value": {"type": "string"},
-                  "children": {"type": "array", "items": {"$ref": "#"}}}, ["value"]),
+            _obj(
+                {
+                    "value": {"type": "string"},
+                    "children": {"type": "array", "items": {"$ref": "#"}},
+                },
+                ["value"],
+            ),
             "A tree node",
         ),
         HEAD + "interface parameters {\n  children?: Array<parameters>,\n  value: string\n}\n"
@@ -269,14 +291,21 @@ HAND_DERIVED: list[tuple[str, list[dict], str]] = [
         _fn(
             "move",
             _obj(
-                {"to": {"$ref": "#/$defs/Point", "description": "Target"},
-                 "color": {"$ref": "#/$defs/Color"}},
+                {
+                    "to": {"$ref": "#/$defs/Point", "description": "Target"},
+                    "color": {"$ref": "#/$defs/Color"},
+                },
                 ["to"],
-                **{"$defs": {
-                    "Point": _obj({"x": {"type": "number"}, "y": {"type": "number"}}, ["x", "y"],
-                                  description="A point"),
-                    "Color": {"enum": ["red", "blue"]},
-                }},
+                **{
+                    "$defs": {
+                        "Point": _obj(
+                            {"x": {"type": "number"}, "y": {"type": "number"}},
+                            ["x", "y"],
+                            description="A point",
+                        ),
+                        "Color": {"enum": ["red", "blue"]},
+                    }
+                },
             ),
         ),
         HEAD + 'interface Color "red" | "blue"\n// A point\ninterface Point {\n  x: number,\n'
@@ -334,8 +363,10 @@ FALLBACKS: list[tuple[str, list[Any]]] = [
     # Schemas Moonshot's parser rejects (ValueError), so the template writes compact JSON.
     ("one_of", _fn("f", _obj({"x": {"oneOf": [{"type": "string"}, {"type": "null"}]}}))),
     ("description_only", _fn("f", _obj({"x": {"description": "anything goes"}}))),
-    ("definitions_ref", _fn("f", _obj({"x": {"$ref": "#/definitions/A"}},
-                                      definitions={"A": {"type": "string"}}))),
+    (
+        "definitions_ref",
+        _fn("f", _obj({"x": {"$ref": "#/definitions/A"}}, definitions={"A": {"type": "string"}})),
+    ),
     ("enum_type_mismatch", _fn("f", _obj({"x": {"type": "string", "enum": [1]}}))),
     # No tool with type "function" (e.g. bare function dicts): the encoder returns "".
     ("bare_function", [{"name": "f", "parameters": _obj({"q": {"type": "string"}})}]),
@@ -365,8 +396,10 @@ def test_typescript_sorts_keys_like_the_k25_tokenizer() -> None:
     # Interfaces follow $defs key order, which the tokenizer's deep sort makes alphabetical;
     # the encoder alone keeps the order it is given.
     defs = {"Zeta": {"type": "string"}, "Alpha": {"type": "number"}}
-    tools = _fn("f", _obj({"a": {"$ref": "#/$defs/Alpha"}, "z": {"$ref": "#/$defs/Zeta"}},
-                          **{"$defs": defs}))
+    tools = _fn(
+        "f",
+        _obj({"a": {"$ref": "#/$defs/Alpha"}, "z": {"$ref": "#/$defs/Zeta"}}, **{"$defs": defs}),
+    )
     body = "type f = (_: {\n  a?: Alpha,\n  z?: Zeta\n}) => any;\n"
     assert render_tools(tools, "typescript") == (
         HEAD + "interface Alpha number\ninterface Zeta string\n" + body + TAIL
@@ -432,11 +465,11 @@ QWEN35_TOOLS_AFTER = (
     "and do not tell the user about function calls\n</IMPORTANT>"
 )
 
-QWEN_TOOLS = (
-    _fn("get_weather", _obj({"city": {"type": "string", "description": "城市, e.g. Zürich"}},
-                            ["city"]), "Weather now")
-    + [{"type": "function", "function": {"parameters": {"type": "object"}, "name": "ping"}}]
-)
+QWEN_TOOLS = _fn(
+    "get_weather",
+    _obj({"city": {"type": "string", "description": "城市, e.g. Zürich"}}, ["city"]),
+    "Weather now",
+) + [{"type": "function", "function": {"parameters": {"type": "object"}, "name": "ping"}}]
 
 
 def test_json_lines_matches_qwen35_template() -> None:
@@ -460,12 +493,22 @@ def test_json_lines_is_one_unescaped_json_object_per_tool_in_given_key_order() -
 def test_vllm_dump_orders_function_fields_and_fills_nulls() -> None:
     # vLLM FunctionDefinition fields: name, description=None, parameters=None (extra="allow"
     # keeps other keys after them); ChatCompletionToolsParam: type, function.
-    tools = [{"function": {"parameters": {"type": "object"}, "name": "ping", "strict": True},
-              "type": "function"}]
+    tools = [
+        {
+            "function": {"parameters": {"type": "object"}, "name": "ping", "strict": True},
+            "type": "function",
+        }
+    ]
     assert as_vllm_tool_dicts(tools) == [
-        {"type": "function",
-         "function": {"name": "ping", "description": None, "parameters": {"type": "object"},
-                      "strict": True}}
+        {
+            "type": "function",
+            "function": {
+                "name": "ping",
+                "description": None,
+                "parameters": {"type": "object"},
+                "strict": True,
+            },
+        }
     ]
     assert render_tools(as_vllm_tool_dicts(tools), "json_lines") == (
         '{"type": "function", "function": {"name": "ping", "description": null, '
