@@ -36,7 +36,7 @@ def iter_records(path: str | Path, stats: ReadStats | None = None) -> Iterator[d
         return
     with p.open("rb") as fh:
         for line_no, raw in enumerate(fh, 1):
-            if not raw.endswith(b"\n"):
+            if not raw.endswith(b"\n") and _json_object(raw) is None:
                 # Written without its newline: the process died mid-write.
                 stats.torn_tail = True
                 log.warning("%s: torn last line %d ignored (%d bytes)", p, line_no, len(raw))
@@ -53,6 +53,14 @@ def iter_records(path: str | Path, stats: ReadStats | None = None) -> Iterator[d
                 continue
             stats.records += 1
             yield obj
+
+
+def _json_object(raw: bytes) -> dict[str, Any] | None:
+    try:
+        obj = json.loads(raw)
+    except ValueError:
+        return None
+    return obj if isinstance(obj, dict) else None
 
 
 def read_records(path: str | Path) -> list[dict[str, Any]]:
@@ -85,6 +93,10 @@ def cut_torn_tail(path: str | Path) -> int:
             return 0
         fh.seek(keep)
         torn = fh.read()
+        if _json_object(torn) is not None:
+            # A whole record that only lacks its newline (a hand edit): keep it.
+            fh.write(b"\n")
+            return 0
         with p.with_name(p.name + ".torn").open("ab") as out:
             out.write(torn + b"\n")
         fh.truncate(keep)

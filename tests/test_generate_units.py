@@ -300,3 +300,16 @@ def test_progress_logs_plain_lines_elsewhere(caplog: pytest.LogCaptureFixture) -
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2 and "1/10" in lines[0] and "2/10" in lines[1]
     assert out.getvalue() == ""
+
+
+def test_whole_last_record_without_newline_is_kept(tmp_path: Path) -> None:
+    from kimi_pipe.records import cut_torn_tail, iter_records
+
+    path = tmp_path / "r.jsonl"
+    path.write_bytes(b'{"id": "a"}\n{"id": "b"}')  # e.g. a hand edit that dropped the newline
+    assert [r["id"] for r in iter_records(path)] == ["a", "b"]
+    assert cut_torn_tail(path) == 0
+    assert path.read_bytes() == b'{"id": "a"}\n{"id": "b"}\n'
+    path.write_bytes(b'{"id": "a"}\n{"id": "b", "x": ')  # a real torn write
+    assert [r["id"] for r in iter_records(path)] == ["a"]
+    assert cut_torn_tail(path) > 0 and path.read_bytes() == b'{"id": "a"}\n'
