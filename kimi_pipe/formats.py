@@ -118,6 +118,9 @@ class OutputFormat:
     # their text inside `content` stands for the marker id. Others (end of turn, role
     # headers) are dropped by servers when decoding: their text in an answer is text.
     content_markers: tuple[str, ...] = ()
+    # Where rebuilt tool-call ids start counting: "response" (0 in each answer) or
+    # "conversation" (after the calls already in the prompt's assistant turns).
+    tool_call_index: str = "response"
 
 
 @dataclass(frozen=True)
@@ -191,7 +194,10 @@ def parse_format(cfg: Mapping[str, Any], marker_names: Sequence[str]) -> ModelFo
         content_trim_prefix=o.get("content_trim_prefix", ""),
         tool_calls_after_content=o.get("tool_calls_after_content", ""),
         content_markers=tuple(o.get("content_markers") or ()),
+        tool_call_index=o.get("tool_call_index", "response"),
     )
+    if output.tool_call_index not in ("response", "conversation"):
+        raise ValueError("model.output.tool_call_index must be response or conversation")
     unknown = set(output.content_markers) - set(names)
     if unknown:
         raise ValueError(f"model.output.content_markers not declared as markers: {sorted(unknown)}")

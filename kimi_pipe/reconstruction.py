@@ -141,7 +141,7 @@ def answer_fields(response: Any) -> AnswerFields | None:
 
 
 def output_pieces(
-    model: Model, answer: AnswerFields, issues: list[str]
+    model: Model, answer: AnswerFields, issues: list[str], call_index_offset: int = 0
 ) -> tuple[list[Piece], bool]:
     """The model's output stream as pieces; also whether the end-of-turn was appended."""
     out = model.format.output
@@ -185,7 +185,7 @@ def output_pieces(
         issues.append("raw_markers_in_content")
     ids: list[str] = []
     if answer.tool_calls:
-        ids, rebuilt = _tool_call_ids(model, answer.tool_calls)
+        ids, rebuilt = _tool_call_ids(model, answer.tool_calls, call_index_offset)
         if rebuilt:
             issues.append("tool_call_ids_rebuilt")
     section, not_json = content_and_tool_calls(out, content_pieces, answer.tool_calls, ids)
@@ -204,8 +204,11 @@ def _remove_once(text: str, part: str, *, suffix: bool) -> str:
     return text.removesuffix(part) if suffix else text.removeprefix(part)
 
 
-def _tool_call_ids(model: Model, calls: Sequence[Mapping[str, Any]]) -> tuple[list[str], bool]:
-    """Keep ids in the model's own pattern; rebuild others, counting calls in this answer."""
+def _tool_call_ids(
+    model: Model, calls: Sequence[Mapping[str, Any]], offset: int = 0
+) -> tuple[list[str], bool]:
+    """Keep ids in the model's own pattern; rebuild others, counting calls from `offset`
+    (0: calls in this answer; or the calls earlier in the conversation, per the format)."""
     out = model.format.output
     ids, rebuilt = [], False
     for index, call in enumerate(calls):
@@ -216,9 +219,17 @@ def _tool_call_ids(model: Model, calls: Sequence[Mapping[str, Any]]) -> tuple[li
             ids.append(str(call_id or ""))
             continue
         name = (call.get("function") or {}).get("name") or ""
-        ids.append(out.tool_call_id.format(name=name, index=index))
+        ids.append(out.tool_call_id.format(name=name, index=offset + index))
         rebuilt = True
     return ids, rebuilt
+
+
+def _calls_in_history(messages: Sequence[Mapping[str, Any]]) -> int:
+    return sum(
+        len(m.get("tool_calls") or [])
+        for m in messages
+        if isinstance(m, Mapping) and m.get("role") == "assistant"
+    )
 
 
 def _usage_int(response: Any, key: str) -> int | None:
@@ -263,7 +274,12 @@ def reconstruct(
             if (answer.content or answer.reasoning).endswith("\ufffd"):
                 issues.append("partial_character")
         try:
-            pieces, ended = output_pieces(model, answer, issues)
+            offset = (
+                _calls_in_history(messages)
+                if model.format.output.tool_call_index == "conversation"
+                else 0
+            )
+            pieces, ended = output_pieces(model, answer, issues, offset)
             output = model.encode(pieces)
         except (AttributeError, TypeError, ValueError) as exc:  # e.g. a tool call not an object
             issues.append("malformed_response")

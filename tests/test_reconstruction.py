@@ -186,3 +186,45 @@ def test_odd_shapes_are_reported_not_raised(kimi: Model, tools: Any, calls: list
     result = reconstruct(kimi, [{"role": "user", "content": "x"}], tools, response)
     assert not result.ok
     assert {"malformed_response", "bad_prompt"} & set(result.issues)
+
+
+@pytest.mark.kimi
+def test_rebuilt_tool_ids_can_count_on_from_the_conversation(kimi: Model) -> None:
+    from dataclasses import replace
+
+    history = [
+        {"role": "user", "content": "go"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "functions.f:0",
+                    "type": "function",
+                    "function": {"name": "f", "arguments": "{}"},
+                },
+                {
+                    "id": "functions.f:1",
+                    "type": "function",
+                    "function": {"name": "f", "arguments": "{}"},
+                },
+            ],
+        },
+        {"role": "tool", "tool_call_id": "functions.f:0", "content": "a"},
+        {"role": "tool", "tool_call_id": "functions.f:1", "content": "b"},
+    ]
+    call = {"id": "call_9", "type": "function", "function": {"name": "g", "arguments": "{}"}}
+    response = {
+        "choices": [
+            {
+                "message": {"content": "", "reasoning": "r", "tool_calls": [call]},
+                "finish_reason": "tool_calls",
+            }
+        ]
+    }
+    per_answer = reconstruct(kimi, history, None, response)
+    assert "functions.g:0" in kimi.tokenizer.decode(per_answer.output_ids)
+    out = replace(kimi.format.output, tool_call_index="conversation")
+    model = replace(kimi, format=replace(kimi.format, output=out))
+    on_from_history = reconstruct(model, history, None, response)
+    assert "functions.g:2" in kimi.tokenizer.decode(on_from_history.output_ids)
