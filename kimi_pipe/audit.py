@@ -397,6 +397,10 @@ def _records_path(s: AuditSettings) -> Path:
     return path
 
 
+def latest_by_id(r):
+    return list(r)
+
+
 def end_ids_of(model: Any, extra_markers: Sequence[str] = ()) -> frozenset[int]:
     """Ids of the markers in the model's output `end` template (plus configured extras)."""
     ids = {

@@ -291,3 +291,45 @@ def test_hf_greedy_truth_and_resume(smollm2, tmp_path: Path, monkeypatch) -> Non
     monkeypatch.setattr(audit_mod.HFGreedyTruth, "__init__", no_generation)
     again = audit_mod.run_audit(cfg)
     assert (again["audited"], again["exact"]) == (2, 1)
+
+
+def test_duplicate_ids_count_once_the_last_record_wins(smollm2, tmp_path: Path) -> None:
+    """A resumed run may hold a sample twice: the last record is the one audited."""
+    good = _record(smollm2, "r1", "Yes.", None)
+    good["response"]["prompt_token_ids"] = good["prompt_ids"]
+    good["response"]["choices"][0]["token_ids"] = list(good["output_ids"])
+    stale = json.loads(json.dumps(good))
+    stale["response"]["choices"][0]["token_ids"] = enc(smollm2, "No.")  # an earlier attempt
+    path = tmp_path / "records.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in (stale, good)))
+    summary = audit_mod.run_audit(
+        _compose(tmp_path, "audit.truth=response", f"audit.records={path}")
+    )
+    assert summary["exact"] == summary["audited"] == 1
+    assert audit_mod.latest_by_id([{"id": "a", "n": 1}, {"id": "b"}, {"id": "a", "n": 2}]) == [
+        {"id": "b"},
+        {"id": "a", "n": 2},
+    ]
+
+
+def test_hf_greedy_cache_key_holds_dtype_and_threads(tmp_path: Path, monkeypatch) -> None:
+    """Truth made with another dtype or thread count is not reused from the cache."""
+    made: list[tuple[str, int | None]] = []
+
+    class FakeEngine:
+        def __init__(self, model_dir: Path, device: str, dtype: str, threads: int | None) -> None:
+            self.key = (dtype, threads)
+
+        def __call__(self, record: Any, max_new_tokens: int) -> TruthIds:
+            made.append(self.key)
+            return TruthIds([1, 2], [3], "x")
+
+    monkeypatch.setattr(audit_mod, "HFGreedyTruth", FakeEngine)
+    cfg = OmegaConf.create({"audit": {}})
+    rec = {"id": "r1", "messages": [{"role": "user", "content": "hi"}]}
+    cache = audit_mod.TruthCache(tmp_path / audit_mod.TRUTH_FILE)
+    for dtype, threads in [("float32", 1), ("float32", 1), ("bfloat16", 1), ("float32", 4)]:
+        s = audit_mod.AuditSettings(model_path=str(tmp_path), dtype=dtype, threads=threads)
+        audit_mod._truth_source(cfg, s, cache)(rec)
+    cache.close()
+    assert made == [("float32", 1), ("bfloat16", 1), ("float32", 4)]  # the repeat is cached
