@@ -397,8 +397,15 @@ def _records_path(s: AuditSettings) -> Path:
     return path
 
 
-def latest_by_id(r):
-    return list(r)
+def latest_by_id(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One record per id, the last one (a resumed run may hold a sample twice; extract and
+    report count the last too), in the file order of the surviving records."""
+    by_id: dict[Any, dict[str, Any]] = {}
+    for i, rec in enumerate(records):
+        rid = rec.get("id", f"line-{i}")
+        by_id.pop(rid, None)  # keep the file order of the surviving record
+        by_id[rid] = rec
+    return list(by_id.values())
 
 
 def end_ids_of(model: Any, extra_markers: Sequence[str] = ()) -> frozenset[int]:
@@ -601,7 +608,7 @@ def run_audit(cfg: DictConfig) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     model = load_model(cfg.model)
     end_ids = end_ids_of(model, s.end_markers)
-    records = list(iter_records(records_path))
+    records = latest_by_id(iter_records(records_path))
     if s.limit is not None:
         records = records[: s.limit]
     cache = TruthCache(out_dir / TRUTH_FILE)
@@ -661,7 +668,11 @@ def _truth_source(
         if not isinstance(rec.get("messages"), list):
             return None
         max_new = requested_max_tokens(rec) or s.max_new_tokens
-        key = f"hf_greedy:{model_dir}:max_new_tokens={max_new}"  # what the truth depends on
+        # What the truth depends on: model, length, and the numerics (device, dtype, threads).
+        key = (
+            f"hf_greedy:{model_dir}:max_new_tokens={max_new}:device={s.device}"
+            f":dtype={s.dtype}:threads={s.threads}"
+        )
         rid = str(rec.get("id"))
         known = cache.get(rid, key)
         if known is not None:
