@@ -178,17 +178,23 @@ def clean_messages(messages: Any) -> list[dict]:
     return out
 
 
+def _parse_json_text(value: Any, code: str) -> Any:
+    """Datasets store JSON fields as text or as objects: parse text, blank text is None."""
+    if not isinstance(value, str):
+        return value
+    if not value.strip():
+        return None
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise SkipRow(code, f"not JSON: {exc}") from None
+
+
 def clean_tools(tools: Any) -> list[dict] | None:
     """Validate OpenAI tools; a JSON string is parsed, an empty list means no tools."""
+    tools = _parse_json_text(tools, "invalid_tools")
     if tools is None:
         return None
-    if isinstance(tools, str):
-        if not tools.strip():
-            return None
-        try:
-            tools = json.loads(tools)
-        except json.JSONDecodeError as exc:
-            raise SkipRow("invalid_tools", f"not JSON: {exc}") from None
     if not isinstance(tools, list):
         raise SkipRow("invalid_tools", "not a list")
     if not tools:
@@ -392,13 +398,7 @@ TOOLS_FORMATS = ("openai", "function", "param_map")
 def normalize_tools(raw: Any, mapping: Mapping[str, Any]) -> list[dict] | None:
     """Dataset tools -> OpenAI tools. `tools_format`: openai (as is), function (bare
     {name, description, parameters}), param_map (parameters as {arg: {type, ...}})."""
-    if isinstance(raw, str):
-        if not raw.strip():
-            return None
-        try:
-            raw = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise SkipRow("invalid_tools", f"not JSON: {exc}") from None
+    raw = _parse_json_text(raw, "invalid_tools")
     if raw is None:
         return None
     fmt = mapping.get("tools_format", "openai")
