@@ -15,7 +15,8 @@ import math
 import statistics
 import sys
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -671,116 +672,113 @@ def write_charts(stats: list[RunStats], out_dir: Path, ignored: Iterable[str] = 
         plt.close(fig)
         paths.append(path)
 
-    def bars(ax: Any, labels: list[str], values: list[float | None], fmt: str) -> None:
-        xs = range(len(labels))
-        heights = [v if v is not None else 0.0 for v in values]
-        rects = ax.bar(xs, heights, color="tab:blue")
-        ax.set_xticks(list(xs), labels, rotation=20, ha="right")
-        texts = ["n/a" if v is None else fmt.format(v) for v in values]
-        ax.bar_label(rects, texts, padding=2, fontsize=8)
-        ax.margins(y=0.15)
-
     def grouped(ax: Any, series: dict[str, list[float | None]], fmt: str) -> None:
+        """Labelled bars per provider, one bar per series (a legend when there are several)."""
         width = 0.8 / max(len(series), 1)
         for j, (label, values) in enumerate(series.items()):
             xs = [i + (j - (len(series) - 1) / 2) * width for i in range(len(names))]
             heights = [v if v is not None else 0.0 for v in values]
-            rects = ax.bar(xs, heights, width, label=label)
+            rects = ax.bar(xs, heights, width, label=label, color=None if label else "tab:blue")
             texts = ["n/a" if v is None else fmt.format(v) for v in values]
-            ax.bar_label(rects, texts, padding=2, fontsize=7)
+            ax.bar_label(rects, texts, padding=2, fontsize=8 if len(series) == 1 else 7)
         ax.set_xticks(range(len(names)), names, rotation=20, ha="right")
-        ax.legend(fontsize=8)
+        if len(series) > 1:
+            ax.legend(fontsize=8)
         ax.margins(y=0.15)
 
     width = max(6.0, 1.2 * len(stats) + 3)
 
-    fig, ax = plt.subplots(figsize=(width, 4), layout="constrained")
-    bars(ax, names, [_pct(s.ok_rate) for s in stats], "{:.1f}%")
-    ax.set_title("Reconstruction ok rate (ids agree with billed token count)")
-    ax.set_ylabel("% of answered requests")
-    ax.set_xlabel("provider")
-    ax.set_ylim(0, 110)
-    save(fig, "ok_rate.png")
+    @contextmanager
+    def chart(
+        name: str, title: str, ylabel: str, xlabel: str = "provider", ylim: float | None = None
+    ) -> Iterator[Any]:
+        fig, ax = plt.subplots(figsize=(width, 4), layout="constrained")
+        yield ax
+        ax.set_title(title)
+        ax.set_ylabel(ylabel)
+        ax.set_xlabel(xlabel)
+        if ylim is not None:
+            ax.set_ylim(0, ylim)
+        save(fig, name)
 
-    fig, ax = plt.subplots(figsize=(width, 4), layout="constrained")
-    data = [s.drift_pct for s in stats]
-    ax.boxplot(data, showfliers=False)
-    for i, values in enumerate(data, start=1):
-        if not values:
-            ax.text(i, 0.0, "no answers", ha="center", va="bottom", fontsize=8)
-        jitter = [i + 0.15 * math.sin(7.0 * k) for k in range(len(values))]  # deterministic
-        ax.scatter(jitter, values, s=10, alpha=0.6, color="tab:red")
-    ax.axhline(0.0, color="grey", linewidth=0.8)
-    ax.set_xticks(range(1, len(names) + 1), names, rotation=20, ha="right")
-    ax.set_title("Billing drift per sample: (reconstructed - reported) / reported tokens")
-    ax.set_ylabel("drift, % of reported output tokens")
-    ax.set_xlabel("provider (one dot per answered sample)")
-    save(fig, "billing_drift.png")
+    with chart(
+        "ok_rate.png",
+        "Reconstruction ok rate (ids agree with billed token count)",
+        "% of answered requests",
+        ylim=110,
+    ) as ax:
+        grouped(ax, {"": [_pct(s.ok_rate) for s in stats]}, "{:.1f}%")
+
+    with chart(
+        "billing_drift.png",
+        "Billing drift per sample: (reconstructed - reported) / reported tokens",
+        "drift, % of reported output tokens",
+        xlabel="provider (one dot per answered sample)",
+    ) as ax:
+        data = [s.drift_pct for s in stats]
+        ax.boxplot(data, showfliers=False)
+        for i, values in enumerate(data, start=1):
+            if not values:
+                ax.text(i, 0.0, "no answers", ha="center", va="bottom", fontsize=8)
+            jitter = [i + 0.15 * math.sin(7.0 * k) for k in range(len(values))]  # deterministic
+            ax.scatter(jitter, values, s=10, alpha=0.6, color="tab:red")
+        ax.axhline(0.0, color="grey", linewidth=0.8)
+        ax.set_xticks(range(1, len(names) + 1), names, rotation=20, ha="right")
 
     codes = sorted({c for s in stats for c in s.issues})
-    fig, ax = plt.subplots(figsize=(width, 4), layout="constrained")
-    if codes:
-        bottom = [0.0] * len(stats)
-        for code in codes:
-            values = [float(s.issues.get(code, 0)) for s in stats]
-            ax.bar(names, values, bottom=bottom, label=code)
-            bottom = [b + v for b, v in zip(bottom, values, strict=True)]
-        ax.legend(fontsize=8, title="issue code")
-    else:
-        ax.bar(names, [0.0] * len(stats))
-        ax.text(0.5, 0.5, "no issue codes in any run", ha="center", transform=ax.transAxes)
-    ax.set_xticks(range(len(names)), names, rotation=20, ha="right")
-    ax.set_title("Reconstruction issue codes")
-    ax.set_ylabel("answered requests with the code")
-    ax.set_xlabel("provider")
-    save(fig, "issues.png")
+    with chart("issues.png", "Reconstruction issue codes", "answered requests with the code") as ax:
+        if codes:
+            bottom = [0.0] * len(stats)
+            for code in codes:
+                values = [float(s.issues.get(code, 0)) for s in stats]
+                ax.bar(names, values, bottom=bottom, label=code)
+                bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+            ax.legend(fontsize=8, title="issue code")
+        else:
+            ax.bar(names, [0.0] * len(stats))
+            ax.text(0.5, 0.5, "no issue codes in any run", ha="center", transform=ax.transAxes)
+        ax.set_xticks(range(len(names)), names, rotation=20, ha="right")
 
-    fig, ax = plt.subplots(figsize=(width, 4), layout="constrained")
-    bars(ax, names, [_pct(s.tool_valid_rate) for s in stats], "{:.1f}%")
-    ax.set_title("Tool-call validity (arguments are JSON matching the declared schema)")
-    ax.set_ylabel("% of returned tool calls (n/a: none)")
-    ax.set_xlabel("provider")
-    ax.set_ylim(0, 110)
-    save(fig, "tool_calls.png")
+    with chart(
+        "tool_calls.png",
+        "Tool-call validity (arguments are JSON matching the declared schema)",
+        "% of returned tool calls (n/a: none)",
+        ylim=110,
+    ) as ax:
+        grouped(ax, {"": [_pct(s.tool_valid_rate) for s in stats]}, "{:.1f}%")
 
-    fig, ax = plt.subplots(figsize=(width, 4), layout="constrained")
-    bars(ax, names, [s.usd_per_mtok for s in stats], "${:.3g}")
-    ax.set_title("Cost per million output tokens (total run cost / reported output tokens)")
-    ax.set_ylabel("USD per 1M output tokens")
-    ax.set_xlabel("provider")
-    save(fig, "cost.png")
+    with chart(
+        "cost.png",
+        "Cost per million output tokens (total run cost / reported output tokens)",
+        "USD per 1M output tokens",
+    ) as ax:
+        grouped(ax, {"": [s.usd_per_mtok for s in stats]}, "${:.3g}")
 
-    fig, ax = plt.subplots(figsize=(width, 4), layout="constrained")
-    grouped(
-        ax,
-        {"p50": [s.p50_latency for s in stats], "p95": [s.p95_latency for s in stats]},
-        "{:.2f}",
-    )
-    ax.set_title("Request latency (the attempt that answered)")
-    ax.set_ylabel("seconds")
-    ax.set_xlabel("provider")
-    save(fig, "latency.png")
+    with chart("latency.png", "Request latency (the attempt that answered)", "seconds") as ax:
+        grouped(
+            ax,
+            {"p50": [s.p50_latency for s in stats], "p95": [s.p95_latency for s in stats]},
+            "{:.2f}",
+        )
 
-    fig, ax = plt.subplots(figsize=(width, 4), layout="constrained")
-    bars(ax, names, [s.median_tokens_per_s for s in stats], "{:.1f}")
-    ax.set_title("Output speed (median per request)")
-    ax.set_ylabel("output tokens per second")
-    ax.set_xlabel("provider")
-    save(fig, "throughput.png")
+    with chart(
+        "throughput.png", "Output speed (median per request)", "output tokens per second"
+    ) as ax:
+        grouped(ax, {"": [s.median_tokens_per_s for s in stats]}, "{:.1f}")
 
-    fig, ax = plt.subplots(figsize=(width, 4), layout="constrained")
-    grouped(
-        ax,
-        {
-            "error rate": [_pct(s.error_rate) for s in stats],
-            "retry rate": [_pct(s.retry_rate) for s in stats],
-        },
-        "{:.1f}%",
-    )
-    ax.set_title("Errors (request failed for good) and retries (needed >1 attempt)")
-    ax.set_ylabel("% of requests")
-    ax.set_xlabel("provider")
-    save(fig, "errors.png")
+    with chart(
+        "errors.png",
+        "Errors (request failed for good) and retries (needed >1 attempt)",
+        "% of requests",
+    ) as ax:
+        grouped(
+            ax,
+            {
+                "error rate": [_pct(s.error_rate) for s in stats],
+                "retry rate": [_pct(s.retry_rate) for s in stats],
+            },
+            "{:.1f}%",
+        )
     return paths
 
 
