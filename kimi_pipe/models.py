@@ -54,7 +54,7 @@ def validate_markers(tokenizer: Tokenizer, expected: Mapping[str, int]) -> dict[
     problems: list[str] = []
     for name, configured in expected.items():
         actual = tokenizer.marker_id(name)
-        encoded = tokenizer.encode_with_markers(name)  # type: ignore[attr-defined]
+        encoded = tokenizer.encode_with_markers(name)
         decoded = tokenizer.decode([configured]) if 0 <= configured < tokenizer.vocab_size else None
         if actual != configured or encoded != [configured] or decoded != name:
             problems.append(

@@ -36,6 +36,10 @@ class Tokenizer(Protocol):
         """The single id the tokenizer gives the marker `name`, or None."""
         ...
 
+    def encode_with_markers(self, text: str) -> list[int]:
+        """Encode with every marker name recognised (trusted text only: validation, tests)."""
+        ...
+
     def decode(self, ids: Sequence[int]) -> str: ...
 
     def piece(self, token_id: int) -> str:

@@ -70,4 +70,4 @@ def expected_output_ids(model: Model, case: dict[str, Any]) -> list[int]:
     if expect.get("output_ids") is not None:
         return list(expect["output_ids"])
     text = expect["output_text"]
-    return [] if text is None else model.tokenizer.encode_with_markers(text)  # type: ignore[attr-defined]
+    return [] if text is None else model.tokenizer.encode_with_markers(text)

@@ -126,7 +126,7 @@ def _oracle_text(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | N
 
 
 def _oracle_ids(model: Model, messages: list[dict[str, Any]], tools: Any) -> list[int]:
-    return model.tokenizer.encode_with_markers(_oracle_text(messages, tools))  # type: ignore[attr-defined]
+    return model.tokenizer.encode_with_markers(_oracle_text(messages, tools))
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
@@ -260,7 +260,7 @@ def test_provider_splits_reconstruct_the_raw_text(
 ) -> None:
     model = load_or_skip("qwen3_5")
     raw = _raw_text(reasoning, content, calls)
-    truth = model.tokenizer.encode_with_markers(raw)  # type: ignore[attr-defined]
+    truth = model.tokenizer.encode_with_markers(raw)
     # What vLLM's qwen3 + qwen3_coder parsers return: text around </think> and before the
     # first <tool_call>, whitespace kept.
     after_think = raw.split("</think>", 1)[1]

@@ -30,7 +30,7 @@ def _reference_prompt_ids(model: Model, case: dict[str, Any]) -> list[int]:
 
         tools_text = render_tools(case["tools"], "typescript")
     text = template.render(messages=case["messages"], tools_text=tools_text)
-    return model.tokenizer.encode_with_markers(text)  # type: ignore[attr-defined]
+    return model.tokenizer.encode_with_markers(text)
 
 
 def _case_ids(cases: list[dict[str, Any]]) -> list[str]:
