@@ -26,7 +26,6 @@ Backend interface (module `kimi_pipe.extract_<backend>`, chosen by `extract.back
 from __future__ import annotations
 
 import importlib
-import json
 import logging
 import os
 import sys
@@ -38,6 +37,8 @@ from typing import Any, Protocol
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+
+from kimi_pipe.records import ReadStats, iter_records
 
 log = logging.getLogger("kimi_pipe.extract")
 
@@ -98,32 +99,27 @@ def read_token_records(
         )
     counts: Counter[str] = Counter()
     by_id: dict[str, TokenSample] = {}
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            counts["lines"] += 1
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                counts["skipped_bad_json"] += 1
-                log.warning("%s:%d: not JSON (torn line?), skipped", path, lineno)
-                continue
-            if only_ok and isinstance(rec, dict) and not rec.get("ok", False):
-                counts["skipped_not_ok"] += 1
-                continue
-            problem = _record_problem(rec)
-            if problem:
-                counts[f"skipped_{problem}"] += 1
-                log.warning("%s:%d: record unusable (%s), skipped", path, lineno, problem)
-                continue
-            sid = str(rec["id"])
-            if sid in by_id:
-                counts["replaced_duplicate_id"] += 1
-                del by_id[sid]  # keep file order of the surviving record
-            by_id[sid] = TokenSample(
-                sid, list(rec["prompt_ids"]) + list(rec["output_ids"]), list(rec["loss_mask"])
-            )
+    read = ReadStats()
+    for rec in iter_records(path, read):  # bad and torn lines are logged and counted there
+        if only_ok and not rec.get("ok", False):
+            counts["skipped_not_ok"] += 1
+            continue
+        problem = _record_problem(rec)
+        if problem:
+            counts[f"skipped_{problem}"] += 1
+            log.warning("%s: record %r unusable (%s), skipped", path, rec.get("id"), problem)
+            continue
+        sid = str(rec["id"])
+        if sid in by_id:
+            counts["replaced_duplicate_id"] += 1
+            del by_id[sid]  # keep file order of the surviving record
+        by_id[sid] = TokenSample(
+            sid, list(rec["prompt_ids"]) + list(rec["output_ids"]), list(rec["loss_mask"])
+        )
+    bad = len(read.bad_lines) + int(read.torn_tail)
+    counts["lines"] = read.records + bad
+    if bad:
+        counts["skipped_bad_json"] = bad
     counts["usable"] = len(by_id)
     return list(by_id.values()), counts
 
