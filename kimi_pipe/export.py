@@ -35,6 +35,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from kimi_pipe.hidden_store import HiddenStore
+from kimi_pipe.records import iter_records
 
 ROWS_PER_DIR = 2000  # SpecForge's rows_{g}-{g+2000} grouping
 PLAN_FILE = "export_plan.json"
@@ -247,18 +248,13 @@ def _records_drift(records: Path, ids: set[str]) -> dict[str, Any] | None:
         return None
     reported = rebuilt = differing = counted = 0
     seen: dict[str, tuple[int, int]] = {}
-    with open(records, encoding="utf-8") as f:
-        for line in f:
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if not isinstance(rec, dict) or str(rec.get("id")) not in ids:
-                continue
-            rep = rec.get("completion_tokens_reported")
-            rec_n = rec.get("completion_tokens_reconstructed")
-            if isinstance(rep, int) and isinstance(rec_n, int):
-                seen[str(rec["id"])] = (rep, rec_n)  # last record of an id wins, as in extract
+    for rec in iter_records(records):
+        if str(rec.get("id")) not in ids:
+            continue
+        rep = rec.get("completion_tokens_reported")
+        rec_n = rec.get("completion_tokens_reconstructed")
+        if isinstance(rep, int) and isinstance(rec_n, int):
+            seen[str(rec["id"])] = (rep, rec_n)  # last record of an id wins, as in extract
     for rep, rec_n in seen.values():
         counted += 1
         reported += rep
