@@ -7,7 +7,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+PACKAGE_DIR = Path(__file__).resolve().parent
+REPO_DIR = PACKAGE_DIR.parent
+CONF_DIR = REPO_DIR / "conf"
 
 
 def compose(overrides: Sequence[str]) -> DictConfig:

@@ -29,8 +29,8 @@ sys.path.insert(0, str(REPO / "tests"))
 from fake_openrouter import Behaviour, FakeOpenRouter  # noqa: E402
 
 from kimi_pipe.config import compose  # noqa: E402
-from kimi_pipe.generate import generate  # noqa: E402
-from kimi_pipe.providers import ProviderSettings, get_litellm  # noqa: E402
+from kimi_pipe.providers.litellm_calls import ProviderSettings, get_litellm  # noqa: E402
+from kimi_pipe.stages.generate import generate  # noqa: E402
 
 
 def write_prompts(path: Path, n: int) -> list[dict]:

@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from omegaconf import OmegaConf  # noqa: E402
 
-from kimi_pipe.models import load_model  # noqa: E402
-from kimi_pipe.reconstruction import reconstruct  # noqa: E402
+from kimi_pipe.core.models import load_model  # noqa: E402
+from kimi_pipe.core.reconstruction import reconstruct  # noqa: E402
 
 
 def corpus(n: int, seed: int = 0) -> list[dict]:

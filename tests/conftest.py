@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from omegaconf import OmegaConf
 
-from kimi_pipe.models import Model, load_model
-from kimi_pipe.tokenizers import STRICT_ENV, TokenizerNotFound
+from kimi_pipe.core.models import Model, load_model
+from kimi_pipe.core.tokenizers import STRICT_ENV, TokenizerNotFound
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -48,7 +48,7 @@ def kimi() -> Model:
 
 @pytest.fixture(scope="session")
 def kimi_dir(kimi: Model) -> Path:
-    from kimi_pipe.tokenizers import TokenizerSpec, resolve_tokenizer_dir
+    from kimi_pipe.core.tokenizers import TokenizerSpec, resolve_tokenizer_dir
 
     return resolve_tokenizer_dir(TokenizerSpec.from_config(model_config("kimi_k25").tokenizer))
 

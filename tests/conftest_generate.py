@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from fake_openrouter import Behaviour, FakeOpenRouter, KimiCounter
 
-from kimi_pipe.models import Model
+from kimi_pipe.core.models import Model
 
 REPO = Path(__file__).resolve().parent.parent
 FAKE_KEY = "sk-or-v1-FAKE-test-key-of-kimi-pipe-0123-DEADBEEF"  # recognisable, not a real key
@@ -112,7 +112,7 @@ def base_overrides(
 def run_inprocess(overrides: Sequence[str], out: Path) -> tuple[int, dict | None]:
     """The stage in this process (no Hydra run dir files; fast)."""
     from kimi_pipe.config import compose
-    from kimi_pipe.generate import generate
+    from kimi_pipe.stages.generate import generate
 
     return generate(compose(list(overrides)), out)
 

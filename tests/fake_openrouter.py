@@ -82,7 +82,7 @@ class ApproxCounter:
 
 class KimiCounter:
     """Token counts as Kimi's own tokenizer gives them (`model` from
-    `kimi_pipe.models.load_model`). The prompt is counted on the rendered chat template
+    `kimi_pipe.core.models.load_model`). The prompt is counted on the rendered chat template
     (what a provider bills). The completion is assembled here, independently of the
     reconstruction code, from what the model emits in thinking mode:
     {reasoning}</think>{content}[<|tool_calls_section_begin|>(<|tool_call_begin|>{id}
@@ -94,7 +94,7 @@ class KimiCounter:
         self.enc = model.tokenizer.encode_ordinary
 
     def prompt(self, messages: list[dict], tools: list[dict] | None) -> int:
-        from kimi_pipe.render import prompt_ids
+        from kimi_pipe.core.prompt_render import prompt_ids
 
         return len(prompt_ids(self.model, messages, tools))
 
@@ -519,7 +519,7 @@ def main(argv: list[str] | None = None) -> None:
 
         from omegaconf import OmegaConf
 
-        from kimi_pipe.models import load_model
+        from kimi_pipe.core.models import load_model
 
         conf = Path(__file__).resolve().parent.parent / "conf" / "model" / "kimi_k25.yaml"
         cfg = OmegaConf.load(conf)

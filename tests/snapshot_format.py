@@ -9,8 +9,8 @@ from typing import Any
 
 from syrupy.extensions.single_file import SingleFileSnapshotExtension, WriteMode
 
-from kimi_pipe.models import Model
-from kimi_pipe.reconstruction import Reconstruction
+from kimi_pipe.core.models import Model
+from kimi_pipe.core.reconstruction import Reconstruction
 
 SNAPSHOT_ROOT = Path(__file__).resolve().parent.parent / "snapshots"
 

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 from omegaconf import OmegaConf
 
-from kimi_pipe import audit as audit_mod
-from kimi_pipe.audit import TruthIds, classify, json_spans, truth_from_reply
-from kimi_pipe.local_model import LocalModelSpec, ensure_local_model
+from kimi_pipe.providers.local_model import LocalModelSpec, ensure_local_model
+from kimi_pipe.stages import audit as audit_mod
+from kimi_pipe.stages.audit import TruthIds, classify, json_spans, truth_from_reply
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def smollm2():
     from kimi_pipe.config import compose
-    from kimi_pipe.models import load_model
+    from kimi_pipe.core.models import load_model
 
     conf = OmegaConf.load(REPO / "conf" / "model" / "smollm2.yaml")
     ensure_local_model(LocalModelSpec.from_cfg(conf.local_model))
@@ -146,7 +146,7 @@ def test_reply_without_ids() -> None:
 
 
 def _record(model: Any, rid: str, content: str, usage_tokens: int | None) -> dict[str, Any]:
-    from kimi_pipe.reconstruction import reconstruct
+    from kimi_pipe.core.reconstruction import reconstruct
 
     messages = [{"role": "user", "content": f"Question {rid}?"}]
     response = {
@@ -259,7 +259,7 @@ def test_hf_greedy_truth_and_resume(smollm2, tmp_path: Path, monkeypatch) -> Non
     messages = [{"role": "user", "content": "What is 2+2?"}]
     truth = engine({"messages": messages}, 6)
     assert truth.prompt_ids and 1 <= len(truth.output_ids) <= 6
-    from kimi_pipe.render import prompt_ids
+    from kimi_pipe.core.prompt_render import prompt_ids
 
     assert truth.prompt_ids == prompt_ids(smollm2, messages)
 

@@ -51,7 +51,7 @@ def run_demo(run_dir: Path) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.slow
 def test_demo_end_to_end_and_resume(tmp_path: Path) -> None:
-    from kimi_pipe.hidden_store import HiddenStore
+    from kimi_pipe.store.hidden_store import HiddenStore
 
     run_dir = tmp_path / "demo"
     done = run_demo(run_dir)

@@ -12,9 +12,10 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from kimi_pipe.extract import apply_max_len, read_token_records, run_extract
-from kimi_pipe.extract_hf import HFBackend
-from kimi_pipe.hidden_store import SHARDS, HiddenStore
+from kimi_pipe.extraction.hf_backend import HFBackend
+from kimi_pipe.extraction.token_samples import apply_max_len, read_token_records
+from kimi_pipe.stages.extract import run_extract
+from kimi_pipe.store.hidden_store import SHARDS, HiddenStore
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_LAYERS = 8  # default rule [1, N//2 - 1, N - 4] = [1, 3, 4]
@@ -339,7 +340,7 @@ def smollm2_dir() -> Path:
     """The converted SmolLM2-135M-Instruct directory (converted once, cached)."""
     from omegaconf import OmegaConf
 
-    from kimi_pipe.local_model import LocalModelSpec, ensure_local_model
+    from kimi_pipe.providers.local_model import LocalModelSpec, ensure_local_model
 
     conf = REPO / "conf" / "model" / "smollm2.yaml"
     if not conf.exists():

@@ -18,15 +18,15 @@ from typing import Any
 import pytest
 import torch
 
-from kimi_pipe import extract_sharding as xs
-from kimi_pipe.extract_sglang import EngineSettings, run_extract
-from kimi_pipe.hidden_store import HiddenStore
-from kimi_pipe.layers import (
+from kimi_pipe.extraction import sharding as xs
+from kimi_pipe.extraction.layers import (
     capture_to_output_ids,
     output_to_capture_ids,
     resolve_output_ids,
     validate_output_ids,
 )
+from kimi_pipe.extraction.sglang_backend import EngineSettings, run_extract
+from kimi_pipe.store.hidden_store import HiddenStore
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_LAYERS = 8  # default EAGLE-3 rule gives distinct ids [1, 3, 4]
@@ -190,7 +190,7 @@ def test_shards_partition_ids_stably_across_processes() -> None:
     assert all(150 < len(p) < 350 for p in parts)  # a hash, not a range split
     assert xs.select_shard(list(reversed(ids)), 2, 4, key=str) == list(reversed(parts[2]))
     code = (
-        "from kimi_pipe.extract_sharding import shard_of;"
+        "from kimi_pipe.extraction.sharding import shard_of;"
         "print([shard_of(f'id-{i}', 4) for i in range(1000)])"
     )
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
@@ -235,7 +235,7 @@ def test_engine_settings_pin_capture_flags() -> None:
 
 
 def test_missing_engine_and_model_give_clear_errors(tmp_path: Path) -> None:
-    from kimi_pipe.extract_sglang import _RankRunner, open_backend
+    from kimi_pipe.extraction.sglang_backend import _RankRunner, open_backend
 
     try:
         import sglang  # noqa: F401
@@ -251,7 +251,7 @@ def test_missing_engine_and_model_give_clear_errors(tmp_path: Path) -> None:
 def _bare_runner(tp_rank: int = 0, group: object | None = None) -> Any:
     from types import SimpleNamespace
 
-    from kimi_pipe.extract_sglang import _RankRunner
+    from kimi_pipe.extraction.sglang_backend import _RankRunner
 
     pools = SimpleNamespace(clear=lambda: None)
     runner = object.__new__(_RankRunner)  # skip __init__: it needs SGLang and a GPU
@@ -271,7 +271,7 @@ def test_rank_override_of_sglang_capture_ids_is_loud_and_recorded(
 
     runner = _bare_runner()
     runner.runner = SimpleNamespace(model=Model())
-    with caplog.at_level("WARNING", logger="kimi_pipe.extract_sglang"):
+    with caplog.at_level("WARNING", logger="kimi_pipe.extraction.sglang_backend"):
         assert runner.set_layers([2, 30, 56]) == [3, 31, 57]
     assert runner.overridden_capture_ids == [2, 30, 56]
     (rec,) = [r for r in caplog.records if "capture ids" in r.getMessage()]
@@ -293,7 +293,7 @@ def test_rank_forward_always_reaches_the_all_reduce(
 ) -> None:
     import torch.distributed as dist
 
-    from kimi_pipe.extract_sglang import _Captured
+    from kimi_pipe.extraction.sglang_backend import _Captured
 
     sent: list[int] = []
 
@@ -319,7 +319,7 @@ def test_rank_forward_always_reaches_the_all_reduce(
 
 # --- the stage with the stand-in engine -----------------------------------------------------
 def test_store_matches_hf_backend_per_layer(tmp_path: Path, tiny_model: Path) -> None:
-    from kimi_pipe.extract_hf import HFBackend
+    from kimi_pipe.extraction.hf_backend import HFBackend
 
     recs = _records(tmp_path / "records.jsonl")
     out = tmp_path / "store"
@@ -480,7 +480,7 @@ def test_shards_finish_into_one_index(tmp_path: Path, tiny_model: Path) -> None:
 
 # --- merging parts: stale markers, locks, late finishers -----------------------------------
 def _tiny_manifest(dtype: str) -> dict[str, Any]:
-    from kimi_pipe.hidden_store import make_manifest
+    from kimi_pipe.store.hidden_store import make_manifest
 
     return make_manifest(model="tiny", num_layers=8, layer_ids=[1, 3, 4], hidden_size=4,
                          dtype=dtype, loss_mask="m", source_runs=["r"], backend="test")  # fmt: skip
@@ -488,7 +488,7 @@ def _tiny_manifest(dtype: str) -> dict[str, Any]:
 
 def _synthetic_parts(store: Path, num_shards: int, n: int = 9, done: bool = True) -> list[str]:
     """Parts of a store written straight through StoreWriter (no engine): fast."""
-    from kimi_pipe.hidden_store import StoreWriter
+    from kimi_pipe.store.hidden_store import StoreWriter
 
     manifest = _tiny_manifest("float32")
     ids = [f"x{i}" for i in range(n)]
@@ -561,7 +561,7 @@ def test_part_finishing_during_merge_triggers_another(
         info = real(store, n)
         calls.append(1)
         if len(calls) == 1:  # part 2 finished again (with a new sample) during this merge
-            from kimi_pipe.hidden_store import StoreWriter
+            from kimi_pipe.store.hidden_store import StoreWriter
 
             part = xs.part_dir(store, 2, n)
             manifest = json.loads((part / "manifest.json").read_text())
@@ -579,7 +579,7 @@ def test_part_finishing_during_merge_triggers_another(
 
 def test_value_overflowing_store_dtype_is_marked_nonfinite(tmp_path: Path) -> None:
     """float32 1e5 is finite but becomes inf in a float16 store: marked, not written."""
-    from kimi_pipe.hidden_store import StoreWriter
+    from kimi_pipe.store.hidden_store import StoreWriter
 
     manifest = _tiny_manifest("float16")
     samples = [xs.Sample("big", [1, 2], [0, 1]), xs.Sample("ok", [3], [1])]
@@ -685,7 +685,7 @@ def test_real_sglang_matches_hf_on_gpu(tmp_path: Path) -> None:
     pytest.importorskip("sglang", reason="needs pip install '.[sglang]'")
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from kimi_pipe.extract_hf import HFBackend
+    from kimi_pipe.extraction.hf_backend import HFBackend
 
     # head_dim 64: the smallest the GPU attention kernels take.
     torch.manual_seed(0)

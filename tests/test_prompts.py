@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from kimi_pipe.prompts import Prompt, PromptSet, load_prompts
+from kimi_pipe.store.prompt_datasets import Prompt, PromptSet, load_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 DATASET_DIR = ROOT / "conf" / "dataset"
@@ -595,7 +595,7 @@ def test_hub_unreachable_gives_clear_error(tmp_path: Path) -> None:
 
     code = (
         "from omegaconf import OmegaConf\n"
-        "from kimi_pipe.prompts import load_prompts\n"
+        "from kimi_pipe.store.prompt_datasets import load_prompts\n"
         f"load_prompts(OmegaConf.load({str(DATASET_DIR / 'B5.yaml')!r}))\n"
     )
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}

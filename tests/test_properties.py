@@ -10,7 +10,7 @@ from conftest import load_or_skip
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kimi_pipe.reconstruction import reconstruct
+from kimi_pipe.core.reconstruction import reconstruct
 
 ALPHABET = st.sampled_from(
     list("abcxyz ABC019 \n\t.,:;!?'\"{}[]()<>|/\\-_=+*#`~")

@@ -20,10 +20,10 @@ from conftest import expected_output_ids, load_or_skip, model_config, read_cases
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from kimi_pipe.models import MarkerMismatch, Model, load_model
-from kimi_pipe.reconstruction import ERRORS, reconstruct
-from kimi_pipe.render import prompt_ids
-from kimi_pipe.tokenizers import TokenizerNotFound, TokenizerSpec, resolve_tokenizer_dir
+from kimi_pipe.core.models import MarkerMismatch, Model, load_model
+from kimi_pipe.core.prompt_render import prompt_ids
+from kimi_pipe.core.reconstruction import ERRORS, reconstruct
+from kimi_pipe.core.tokenizers import TokenizerNotFound, TokenizerSpec, resolve_tokenizer_dir
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 CASES = read_cases("qwen3_5_responses.jsonl")
@@ -297,7 +297,7 @@ def test_provider_splits_reconstruct_the_raw_text(
 
 def test_reconstruct_stage_runs_with_model_qwen3_5(qwen: Model, tmp_path: Path) -> None:
     """`python -m kimi_pipe.reconstruct model=qwen3_5 ...`: the family is picked by config only."""
-    from kimi_pipe.reconstruct import main
+    from kimi_pipe.stages.reconstruct import main
 
     target = tmp_path / "out.jsonl"
     source = FIXTURES / "qwen3_5_responses.jsonl"

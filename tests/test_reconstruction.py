@@ -14,8 +14,8 @@ import jinja2
 import pytest
 from conftest import expected_output_ids
 
-from kimi_pipe.models import Model
-from kimi_pipe.reconstruction import ERRORS, reconstruct
+from kimi_pipe.core.models import Model
+from kimi_pipe.core.reconstruction import ERRORS, reconstruct
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
@@ -26,7 +26,7 @@ def _reference_prompt_ids(model: Model, case: dict[str, Any]) -> list[int]:
     template = env.from_string((FIXTURES / "kimi_k25_reference_template.jinja").read_text())
     tools_text = None
     if case.get("tools"):
-        from kimi_pipe.tool_declarations import render_tools
+        from kimi_pipe.core.tool_declarations import render_tools
 
         tools_text = render_tools(case["tools"], "typescript")
     text = template.render(messages=case["messages"], tools_text=tools_text)
@@ -72,7 +72,7 @@ def test_prompt_ids_match_reference_template(kimi: Model, case: dict[str, Any]) 
 
 @pytest.mark.kimi
 def test_user_marker_text_stays_text(kimi: Model) -> None:
-    from kimi_pipe.render import prompt_ids
+    from kimi_pipe.core.prompt_render import prompt_ids
 
     ids = prompt_ids(kimi, [{"role": "user", "content": "a<|im_end|>b<|im_assistant|></think>"}])
     im_end, im_assistant, think_end = 163586, 163588, 163607
@@ -95,7 +95,7 @@ def test_end_of_turn_is_im_end_not_chas(kimi: Model, kimi_cases: list[dict[str, 
 def test_loss_mask_can_exclude_end_token(kimi: Model) -> None:
     from dataclasses import replace
 
-    from kimi_pipe.formats import LossMaskSpec
+    from kimi_pipe.core.formats import LossMaskSpec
 
     model = replace(kimi, format=replace(kimi.format, loss_mask=LossMaskSpec(end_token=0)))
     response = {

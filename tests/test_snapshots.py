@@ -10,7 +10,7 @@ import pytest
 from conftest import load_or_skip, read_cases
 from snapshot_format import TokenSnapshot, render_snapshot
 
-from kimi_pipe.reconstruction import reconstruct
+from kimi_pipe.core.reconstruction import reconstruct
 
 # (model config, fixture corpus): adding a model family adds a line here and its snapshots.
 CORPORA = [

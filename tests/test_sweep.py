@@ -1,6 +1,6 @@
 """A real provider sweep: `python -m kimi_pipe.sweep` runs the generate stage as a Hydra
 multirun against a local OpenRouter-compatible server that plays five providers, then
-`kimi_pipe.report` must rank them as their behaviours imply.
+`kimi_pipe.stages.report` must rank them as their behaviours imply.
 
 The server routes each request by the body's `provider.order[0]`, as OpenRouter does with
 `allow_fallbacks: false`; it bills with the real Kimi tokenizer (what the model generated,
@@ -25,10 +25,11 @@ from typing import Any
 import pytest
 import yaml
 
-from kimi_pipe import report, sweep
-from kimi_pipe.models import Model
-from kimi_pipe.reconstruction import reconstruct
-from kimi_pipe.render import prompt_ids
+from kimi_pipe.core.models import Model
+from kimi_pipe.core.prompt_render import prompt_ids
+from kimi_pipe.core.reconstruction import reconstruct
+from kimi_pipe.reporting import data as run_data
+from kimi_pipe.stages import sweep
 from tests.fake_openrouter import Behaviour, FakeOpenRouter, _make_handler
 
 REPO = Path(__file__).resolve().parent.parent
@@ -198,8 +199,8 @@ def test_report_ranks_the_behaviours(swept: Any) -> None:
     }
     stats = {
         s.provider: s
-        for s in (report.summarize(report.load_run(d, work / "sweep"))
-                  for d in report.find_run_dirs(work / "sweep"))
+        for s in (run_data.summarize(run_data.load_run(d, work / "sweep"))
+                  for d in run_data.find_run_dirs(work / "sweep"))
     }  # fmt: skip
     slow, exact, strip, renumber, flaky = (stats[p] for p in PROVIDERS)
     assert exact.ok_rate == 1.0 and exact.drift_tokens == 0 and not exact.issues

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from conftest import model_config
 
-from kimi_pipe.models import MarkerMismatch, Model, load_model
-from kimi_pipe.tokenizers import HFTokenizer, TokenizerNotFound, TokenizerSpec, load_tokenizer
+from kimi_pipe.core.models import MarkerMismatch, Model, load_model
+from kimi_pipe.core.tokenizers import HFTokenizer, TokenizerNotFound, TokenizerSpec, load_tokenizer
 
 
 @pytest.mark.kimi

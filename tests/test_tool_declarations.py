@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers.utils.chat_template_utils import render_jinja_template
 
-from kimi_pipe.tool_declarations import (
+from kimi_pipe.core.tool_declarations import (
     as_vllm_tool_dicts,
     declare_tools,
     deep_sort,

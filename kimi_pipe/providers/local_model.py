@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kimi_pipe.config import CONF_DIR
+
 CACHE_ENV = "KIMI_PIPE_CACHE"
 MARKER = "kimi_pipe_local_model.json"  # written last: its presence means the directory is whole
 
@@ -167,10 +169,10 @@ def _say(log: Any, message: str) -> None:
 
 
 def main() -> None:
-    """`python -m kimi_pipe.local_model`: convert the default local model (used by `make demo`)."""
+    """`python -m kimi_pipe.providers.local_model`: convert the demo's local model."""
     from omegaconf import OmegaConf
 
-    conf = Path(__file__).resolve().parent.parent / "conf" / "model" / "smollm2.yaml"
+    conf = CONF_DIR / "model" / "smollm2.yaml"
     name = sys.argv[1] if len(sys.argv) > 1 else str(conf)
     cfg = OmegaConf.load(name)
     print(ensure_local_model(LocalModelSpec.from_cfg(cfg.local_model)))

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kimi_pipe.hidden_store import default_layer_ids
+from kimi_pipe.store.hidden_store import default_layer_ids
 
 # The single statement of the mapping: SGLang captures at the input of the next layer.
 CAPTURE_OFFSET = 1

@@ -98,7 +98,7 @@ def resolve_tokenizer_dir(spec: TokenizerSpec) -> Path:
     if spec.path_env and os.environ.get(spec.path_env):
         candidates.append(Path(os.environ[spec.path_env]).expanduser())
     if spec.shared_dir:
-        for base in (Path(__file__).resolve().parent.parent, Path.cwd()):
+        for base in (Path(__file__).resolve().parents[2], Path.cwd()):  # the checkout, the cwd
             candidates.append(base.parent / "shared" / "tokenizers" / spec.shared_dir)
     for candidate in candidates:
         tried.append(str(candidate))

@@ -19,7 +19,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from kimi_pipe.reconstruction import LENGTH_REASONS
+from kimi_pipe.core.reconstruction import LENGTH_REASONS
 
 log = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from kimi_pipe.formats import Marker, ModelFormat, Piece, parse_format
-from kimi_pipe.tokenizers import Tokenizer, TokenizerSpec, load_tokenizer
+from kimi_pipe.core.formats import Marker, ModelFormat, Piece, parse_format
+from kimi_pipe.core.tokenizers import Tokenizer, TokenizerSpec, load_tokenizer
 
 
 class MarkerMismatch(ValueError):

@@ -11,9 +11,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kimi_pipe.formats import Marker, Piece, split_markers
-from kimi_pipe.models import Model
-from kimi_pipe.render import PromptError, content_and_tool_calls, message_text, prompt_ids
+from kimi_pipe.core.formats import Marker, Piece, split_markers
+from kimi_pipe.core.models import Model
+from kimi_pipe.core.prompt_render import (
+    PromptError,
+    content_and_tool_calls,
+    message_text,
+    prompt_ids,
+)
 
 # Issue codes. Errors make `ok` false; notes are listed but leave `ok` as it is.
 ERRORS = frozenset(

@@ -43,7 +43,22 @@ from typing import Any, Protocol, TypeVar
 import torch
 from safetensors import safe_open
 
-from kimi_pipe.hidden_store import IDENTITY_KEYS, INDEX, MANIFEST, SHARDS, write_tokens_dataset
+from kimi_pipe.extraction.token_samples import (
+    apply_max_len,
+    loss_mask_convention,
+    output_path,
+    read_token_records,
+    records_path,
+)
+from kimi_pipe.store.hidden_store import (
+    IDENTITY_KEYS,
+    INDEX,
+    MANIFEST,
+    SHARDS,
+    StoreWriter,
+    make_manifest,
+    write_tokens_dataset,
+)
 
 log = logging.getLogger(__name__)
 
@@ -527,21 +542,11 @@ def run_sharded(cfg: Any, backend: Any) -> dict[str, Any]:
     """Extract work shard `extract.shard` of `extract.num_shards` with `backend` into its part
     of the store, with OOM halving and NaN/inf marking; merge when the last part finishes.
 
-    `backend` follows `kimi_pipe.extract.Backend` (store_fields, forward, close). Optional
+    `backend` follows `token_samples.Backend` (store_fields, forward, close). Optional
     attributes: `packed` (True: a batch costs the sum of its lengths, no padding),
     `max_batch_tokens` / `max_batch_samples` (engine limits that cap the budget).
     """
     from omegaconf import OmegaConf
-
-    # Record reading, max_len handling and manifest fields are the stage's shared logic.
-    from kimi_pipe.extract import (
-        apply_max_len,
-        loss_mask_convention,
-        output_path,
-        read_token_records,
-        records_path,
-    )
-    from kimi_pipe.hidden_store import StoreWriter, make_manifest
 
     ecfg = cfg.extract
     shard = int(OmegaConf.select(cfg, "extract.shard", default=0) or 0)
@@ -609,10 +614,10 @@ def run_sharded(cfg: Any, backend: Any) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m kimi_pipe.extract_sharding STORE NUM_SHARDS`: merge finished parts by hand."""
+    """`python -m kimi_pipe.extraction.sharding STORE NUM_SHARDS`: merge finished parts by hand."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2:
-        print("usage: python -m kimi_pipe.extract_sharding STORE NUM_SHARDS", file=sys.stderr)
+        print("usage: python -m kimi_pipe.extraction.sharding STORE NUM_SHARDS", file=sys.stderr)
         return 2
     store, n = args[0], int(args[1])
     _, missing = parts_status(store, n)

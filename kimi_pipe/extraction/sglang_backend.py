@@ -11,7 +11,7 @@ lists (SGLang issue #8003: 4x-15x slower). Here, per tensor-parallel rank:
 * `ModelRunner` is built as `sglang.bench_one_batch.load_model` does (radix cache off, CUDA
   graphs off, chunked prefill off: one extend pass per batch sees every token);
 * `set_eagle3_layers_to_capture` selects the auxiliary layers; the resulting capture ids are
-  checked against `kimi_pipe.layers` (SGLang's DeepSeek model only adds 1 when the first id
+  checked against `extraction.layers` (SGLang's DeepSeek model only adds 1 when the first id
   is 1, so the ids are set explicitly when its rule disagrees);
 * every `LogitsProcessor` is replaced by `_StatesOnlyHead`, which returns the auxiliary states
   and the post-norm final state and never multiplies by the LM head (no [T, vocab] logits);
@@ -38,7 +38,7 @@ from typing import Any, Protocol
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from kimi_pipe.layers import output_to_capture_ids, resolve_output_ids
+from kimi_pipe.extraction.layers import output_to_capture_ids, resolve_output_ids
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +221,7 @@ def _follower_main(
 
 
 class SGLangBackend:
-    """`kimi_pipe.extract` backend: `forward(batch) -> [(aux [L, k*H], final [L, H]), ...]`."""
+    """Extraction backend: `forward(batch) -> [(aux [L, k*H], final [L, H]), ...]`."""
 
     packed = True  # SGLang packs a batch without padding: its cost is the sum of lengths
 
@@ -434,11 +434,11 @@ def open_backend(cfg: DictConfig, rank_factory: RankFactory | None = None) -> SG
 def run_extract(cfg: DictConfig, rank_factory: RankFactory | None = None) -> dict[str, Any]:
     """The extract stage with this backend (`python -m kimi_pipe.extract extract=sglang`);
     `rank_factory` swaps the engine rank (tests)."""
-    from kimi_pipe.extract import run_extract as run_stage
+    from kimi_pipe.extraction.sharding import run_sharded
 
     backend = open_backend(cfg, rank_factory)
     try:
-        return run_stage(cfg, backend)
+        return run_sharded(cfg, backend)
     finally:
         backend.close()
 

@@ -10,8 +10,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kimi_pipe.formats import Marker, ModelFormat, OutputFormat, Piece, PromptFormat
-from kimi_pipe.models import Model
+from kimi_pipe.core.formats import Marker, ModelFormat, OutputFormat, Piece, PromptFormat
+from kimi_pipe.core.models import Model
 
 
 class PromptError(ValueError):
@@ -123,7 +123,7 @@ def render_prompt(
     ):
         raise PromptError("tools must be a list of objects")
     if tools and p.tools is not None:
-        from kimi_pipe.tool_declarations import render_tools
+        from kimi_pipe.core.tool_declarations import render_tools
 
         declared = render_tools(list(tools), p.tools_style)
         if "system" in p.tools.fields:

@@ -1,0 +1,182 @@
+"""What extraction reads: token records -> samples, length limits, paths and the backend.
+
+Shared by the extract stage and the engine-agnostic capture loop (`sharding`). A backend is
+the module `kimi_pipe.extraction.<backend>_backend` (chosen by `extract.backend`) with
+`open_backend(cfg) -> Backend`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from kimi_pipe.store.records import ReadStats, iter_records
+
+log = logging.getLogger("kimi_pipe.extract")
+
+RECORDS_FILE = "records.jsonl"
+
+
+class Backend(Protocol):
+    store_fields: dict[str, Any]
+
+    def forward(self, batch: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class TokenSample:
+    """One sequence to run: the record's ids, never re-tokenised."""
+
+    id: str
+    input_ids: list[int]
+    loss_mask: list[int]
+
+
+# --------------------------------------------------------------------------- records
+
+
+def _record_problem(rec: Any) -> str | None:
+    """Why a record cannot be used (None when it can)."""
+    if not isinstance(rec, dict):
+        return "not_an_object"
+    if rec.get("id") is None:
+        return "no_id"
+    prompt, output, mask = rec.get("prompt_ids"), rec.get("output_ids"), rec.get("loss_mask")
+    if not isinstance(prompt, list) or not isinstance(output, list) or not isinstance(mask, list):
+        return "no_ids"
+    if not prompt and not output:
+        return "no_ids"
+    if len(mask) != len(prompt) + len(output):
+        return "loss_mask_length"
+    if not all(isinstance(t, int) and t >= 0 for t in prompt + output):
+        return "bad_token_id"
+    return None
+
+
+def read_token_records(
+    path: str | os.PathLike[str], only_ok: bool = True
+) -> tuple[list[TokenSample], Counter[str]]:
+    """Read token records; bad lines/records are reported and counted, never fatal.
+
+    A later record with the same id replaces an earlier one (a retried sample).
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"token records {path} not found: run `python -m kimi_pipe.generate` (records.jsonl "
+            "in its run dir) or `python -m kimi_pipe.reconstruct` first"
+        )
+    counts: Counter[str] = Counter()
+    by_id: dict[str, TokenSample] = {}
+    read = ReadStats()
+    for rec in iter_records(path, read):  # bad and torn lines are logged and counted there
+        if only_ok and not rec.get("ok", False):
+            counts["skipped_not_ok"] += 1
+            continue
+        problem = _record_problem(rec)
+        if problem:
+            counts[f"skipped_{problem}"] += 1
+            log.warning("%s: record %r unusable (%s), skipped", path, rec.get("id"), problem)
+            continue
+        sid = str(rec["id"])
+        if sid in by_id:
+            counts["replaced_duplicate_id"] += 1
+            del by_id[sid]  # keep file order of the surviving record
+        by_id[sid] = TokenSample(
+            sid, list(rec["prompt_ids"]) + list(rec["output_ids"]), list(rec["loss_mask"])
+        )
+    bad = len(read.bad_lines) + int(read.torn_tail)
+    counts["lines"] = read.records + bad
+    if bad:
+        counts["skipped_bad_json"] = bad
+    counts["usable"] = len(by_id)
+    return list(by_id.values()), counts
+
+
+def apply_max_len(
+    samples: Iterable[TokenSample], max_len: int | None, over_max_len: str
+) -> tuple[list[TokenSample], Counter[str]]:
+    """Truncate or skip samples longer than max_len; count what happened."""
+    if over_max_len not in ("truncate", "skip"):
+        raise ValueError(f"extract.over_max_len must be 'truncate' or 'skip', not {over_max_len!r}")
+    counts: Counter[str] = Counter()
+    kept: list[TokenSample] = []
+    for s in samples:
+        if max_len is None or len(s.input_ids) <= max_len:
+            kept.append(s)
+        elif over_max_len == "skip":
+            counts["skipped_over_max_len"] += 1
+        elif not any(s.loss_mask[:max_len]):
+            # Nothing left to learn from: the cut removed every loss token.
+            counts["skipped_no_loss_after_truncation"] += 1
+        else:
+            counts["truncated"] += 1
+            counts["tokens_dropped_by_truncation"] += len(s.input_ids) - max_len
+            kept.append(TokenSample(s.id, s.input_ids[:max_len], s.loss_mask[:max_len]))
+    return kept, counts
+
+
+# --------------------------------------------------------------------------- config
+
+
+def _select(cfg: DictConfig, *keys: str) -> Any:
+    for key in keys:
+        value = OmegaConf.select(cfg, key, default=None)
+        if value is not None:
+            return value
+    return None
+
+
+def records_path(cfg: DictConfig) -> Path:
+    """Records file from `records` / `extract.records`, or `<run_dir>/records.jsonl`."""
+    records = _select(cfg, "records", "extract.records")
+    if records is not None:
+        return Path(records)
+    run_dir = _select(cfg, "run_dir", "extract.run_dir")
+    if run_dir is not None:
+        return Path(run_dir) / RECORDS_FILE
+    raise ValueError(
+        "no input: pass extract.run_dir=RUN_DIR (a generate run) or "
+        "extract.records=FILE (token records JSONL)"
+    )
+
+
+def output_path(cfg: DictConfig, records: Path) -> Path:
+    out = _select(cfg, "extract.output_dir")
+    if out is not None:
+        return Path(out)
+    return records.parent / f"hidden_{cfg.extract.backend}"
+
+
+def loss_mask_convention(cfg: DictConfig) -> str:
+    """How the stored loss_mask was made: taken from the records, built per model.loss_mask."""
+    spec = OmegaConf.select(cfg, "model.loss_mask", default=None)
+    name = OmegaConf.select(cfg, "model.name", default="?")
+    if spec is None:
+        return "from token records"
+    parts = ", ".join(f"{k}={v}" for k, v in OmegaConf.to_container(spec, resolve=True).items())
+    return f"from token records ({name} model.loss_mask: {parts}; 1 = trained on)"
+
+
+def load_backend(cfg: DictConfig) -> Backend:
+    name = str(cfg.extract.backend)
+    try:
+        module = importlib.import_module(f"kimi_pipe.extraction.{name}_backend")
+    except ModuleNotFoundError as exc:
+        if exc.name != f"kimi_pipe.extraction.{name}_backend":
+            raise
+        raise ValueError(
+            f"unknown extract.backend {name!r} (no module kimi_pipe.extraction.{name}_backend)"
+        ) from None
+    return module.open_backend(cfg)

@@ -1,0 +1,1 @@
+"""The generic runner: the stage protocol, pipelines from `conf/pipeline/*.yaml`, progress."""

@@ -1,0 +1,1 @@
+"""Buying answers: the LiteLLM call and its retries, the USD budget, the embedded local model."""

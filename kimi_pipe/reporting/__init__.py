@@ -1,0 +1,1 @@
+"""Provider reports over finished runs: their data and their charts."""

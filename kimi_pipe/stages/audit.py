@@ -1,0 +1,716 @@
+"""Stage `audit`: measured reconstruction fidelity against ids an engine really produced.
+
+    python -m kimi_pipe.audit model=smollm2 audit.run_dir=runs/demo/local
+    python -m kimi_pipe.audit model=M audit.records=R.jsonl audit.truth=replies \
+        audit.replies=engine_replies.jsonl
+
+For every token record, the ids the engine produced ("truth") are set beside the
+reconstructed ids. Equal: exact. Different: the first difference is located and the
+mismatch classified (`MISMATCH_CLASSES`). Where truth comes from (`audit.truth`):
+
+* `hf_greedy`   greedy generation in-process with transformers and the same weights the
+                engine served (the demo: `transformers serve` asked for temperature 0).
+* `replies`     a JSONL of engine replies, `{"id", "reply"}` or the reply itself with an
+                `id`: SGLang `/generate` (`output_ids` at the top level) or an
+                OpenAI-compatible answer with `return_token_ids` (vLLM/SGLang:
+                `choices[0].token_ids`, `prompt_token_ids`).
+* `response`    the record's own `response`, when the provider was such an engine.
+
+Outputs (next to the records unless `audit.output_dir`): `audit_truth.jsonl` (truth ids,
+appended as they are made: a crash loses nothing, a rerun reuses them), `audit.json`
+(summary and one row per sample) and `audit.md` (a short table).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from kimi_pipe.store.records import RecordWriter, iter_records
+
+log = logging.getLogger("kimi_pipe.audit")
+
+MISMATCH_CLASSES = (
+    "non_canonical_split",  # same text, other token split (the engine sampled a non-BPE split)
+    "lost_whitespace",  # texts differ only in whitespace (a parser stripped or added it)
+    "tool_call_reserialised",  # differ only inside JSON (arguments re-serialised by the server)
+    "end_token",  # differ only in the trailing end-of-turn token(s)
+    # The answer holds bytes that are no whole character (cut by max_tokens inside a
+    # multi-byte character): the API text carries U+FFFD, the bytes are lost.
+    "partial_utf8",
+    "other",
+)
+BILLING_ISSUE = "billing_mismatch"  # the reconstruction's length check against usage
+TRUTH_FILE = "audit_truth.jsonl"
+AUDIT_JSON = "audit.json"
+AUDIT_MD = "audit.md"
+
+
+class AuditError(RuntimeError):
+    """A start-up problem (missing file, bad setting) with a message for the user."""
+
+
+# ---------------------------------------------------------------------------------------
+# Truth ids from engine replies
+
+
+@dataclass(frozen=True)
+class TruthIds:
+    output_ids: list[int]
+    prompt_ids: list[int] | None = None
+    source: str = ""
+
+
+def _int_list(value: Any) -> list[int] | None:
+    if isinstance(value, list) and all(type(v) is int for v in value):  # bool is not an id
+        return list(value)
+    return None
+
+
+def _extra(obj: Mapping[str, Any], key: str) -> Any:
+    """A key of `obj`, or of its `provider_specific_fields` (where LiteLLM moves extras)."""
+    if key in obj:
+        return obj[key]
+    extra = obj.get("provider_specific_fields")
+    return extra.get(key) if isinstance(extra, Mapping) else None
+
+
+def truth_from_reply(reply: Any) -> TruthIds | None:
+    """Token ids out of an engine reply; None when it carries none.
+
+    SGLang `/generate`: `{"text", "output_ids", "meta_info"}`. OpenAI-compatible with
+    `return_token_ids`: `choices[0].token_ids` (chat and completions), `prompt_token_ids` at
+    the top level (chat) or in the choice (completions).
+    """
+    if not isinstance(reply, Mapping):
+        return None
+    output = _int_list(reply.get("output_ids"))
+    if output is not None:
+        meta = reply.get("meta_info") if isinstance(reply.get("meta_info"), Mapping) else {}
+        prompt = _int_list(reply.get("input_ids")) or _int_list(meta.get("input_ids"))
+        return TruthIds(output, prompt, "sglang_generate")
+    choices = reply.get("choices")
+    if isinstance(choices, list) and choices and isinstance(choices[0], Mapping):
+        choice = choices[0]
+        message = choice.get("message") if isinstance(choice.get("message"), Mapping) else {}
+        output = _int_list(_extra(choice, "token_ids")) or _int_list(_extra(message, "token_ids"))
+        if output is not None:
+            prompt = _int_list(_extra(reply, "prompt_token_ids")) or _int_list(
+                _extra(choice, "prompt_token_ids")
+            )
+            return TruthIds(output, prompt, "return_token_ids")
+    return None
+
+
+# ---------------------------------------------------------------------------------------
+# Comparison (pure)
+
+
+@dataclass
+class Comparison:
+    exact: bool
+    klass: str | None  # one of MISMATCH_CLASSES, None when exact
+    first_diff: int | None  # index of the first differing id
+    truth_len: int
+    recon_len: int
+    end_token_differs: bool = False
+    detail: str = ""
+
+
+_WS = re.compile(r"\s+")
+_FFFD = "\ufffd"  # what a decoder puts where bytes are no valid UTF-8
+_FFFD_RUN = re.compile("\ufffd+")
+
+
+def _strip_end(ids: Sequence[int], end_ids: frozenset[int]) -> list[int]:
+    out = list(ids)
+    while out and out[-1] in end_ids:
+        out.pop()
+    return out
+
+
+def _first_diff(a: Sequence[int], b: Sequence[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def json_spans(text: str) -> list[tuple[int, int, Any]]:
+    """Every JSON object or array in `text` (outermost only), as (start, end, value)."""
+    decoder = json.JSONDecoder()
+    spans: list[tuple[int, int, Any]] = []
+    i = 0
+    while i < len(text):
+        if text[i] in "{[":
+            try:
+                value, end = decoder.raw_decode(text, i)
+            except ValueError:
+                i += 1
+                continue
+            if isinstance(value, dict | list):
+                spans.append((i, end, value))
+                i = end
+                continue
+        i += 1
+    return spans
+
+
+def _json_skeleton(text: str) -> tuple[str, list[Any]]:
+    """Text with every JSON value replaced by a placeholder, and the parsed values."""
+    parts: list[str] = []
+    values: list[Any] = []
+    last = 0
+    for start, end, value in json_spans(text):
+        parts.append(text[last:start])
+        parts.append("\x00JSON\x00")
+        values.append(value)
+        last = end
+    parts.append(text[last:])
+    return "".join(parts), values
+
+
+def classify(
+    truth: Sequence[int],
+    recon: Sequence[int],
+    decode: Callable[[Sequence[int]], str],
+    end_ids: Iterable[int] = (),
+) -> Comparison:
+    """Compare truth ids with reconstructed ids and name the kind of difference.
+
+    The end token is set aside first, then the texts are compared: the same text means a
+    different split; whitespace-only or JSON-only differences get their own class.
+    """
+    ends = frozenset(end_ids)
+    first = _first_diff(truth, recon)
+    base = Comparison(first is None, None, first, len(truth), len(recon))
+    if first is None:
+        return base
+    t_body, r_body = _strip_end(truth, ends), _strip_end(recon, ends)
+    base.end_token_differs = list(truth[len(t_body) :]) != list(recon[len(r_body) :])
+    if t_body == r_body:
+        base.klass = "end_token"
+        t_end, r_end = list(truth[len(t_body) :]), list(recon[len(r_body) :])
+        base.detail = f"truth ends {t_end}, reconstruction ends {r_end}"
+        return base
+    t_text, r_text = decode(t_body), decode(r_body)
+    t_skel, t_vals = _json_skeleton(t_text)
+    r_skel, r_vals = _json_skeleton(r_text)
+    if _FFFD in t_text and _FFFD_RUN.sub(_FFFD, t_text) == _FFFD_RUN.sub(_FFFD, r_text):
+        base.klass = "partial_utf8"
+        base.detail = "bytes of an incomplete character; the text has U+FFFD in their place"
+    elif t_text == r_text:
+        base.klass = "non_canonical_split"
+        base.detail = f"same text, {len(t_body)} truth ids vs {len(r_body)} reconstructed"
+    elif t_vals and t_skel == r_skel and t_vals == r_vals:
+        # Checked before whitespace: re-serialised JSON often differs only in separators.
+        base.klass = "tool_call_reserialised"
+        base.detail = f"{len(t_vals)} JSON value(s) equal once parsed, serialised differently"
+    elif _WS.sub("", t_text) == _WS.sub("", r_text):
+        base.klass = "lost_whitespace"
+        t_ws, r_ws = _ws_chars(t_text), _ws_chars(r_text)
+        change = "lost" if t_ws > r_ws else "gained" if t_ws < r_ws else "moved"
+        base.detail = f"whitespace characters: truth {t_ws}, reconstruction {r_ws} ({change})"
+    else:
+        base.klass = "other"
+        base.detail = f"texts differ from character {_first_char_diff(t_text, r_text)}"
+    if base.end_token_differs:
+        base.detail += "; end token differs too"
+    return base
+
+
+def _ws_chars(text: str) -> int:
+    return sum(len(m) for m in _WS.findall(text))
+
+
+def _first_char_diff(a: str, b: str) -> int:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+# ---------------------------------------------------------------------------------------
+# Truth sources
+
+
+@dataclass
+class AuditSettings:
+    truth: str = "hf_greedy"  # hf_greedy | replies | response
+    run_dir: str | None = None
+    records: str | None = None
+    replies: str | None = None
+    output_dir: str | None = None
+    model_path: str | None = None
+    device: str = "cpu"
+    dtype: str = "float32"
+    threads: int | None = None
+    max_new_tokens: int = 256  # hf_greedy, when a record does not say what it asked for
+    limit: int | None = None
+    examples: int = 8  # mismatches shown in audit.md
+    end_markers: list[str] = field(default_factory=list)  # extra end-of-turn marker names
+
+    @classmethod
+    def from_cfg(cls, cfg: Mapping[str, Any] | None) -> AuditSettings:
+        data = dict(cfg or {})
+        known = set(cls.__dataclass_fields__)
+        unknown = set(data) - known
+        if unknown:
+            raise AuditError(f"unknown audit keys: {sorted(unknown)} (known: {sorted(known)})")
+        settings = cls(**data)
+        if settings.truth not in ("hf_greedy", "replies", "response"):
+            raise AuditError(f"audit.truth={settings.truth!r}: use hf_greedy, replies or response")
+        return settings
+
+
+def requested_max_tokens(record: Mapping[str, Any]) -> int | None:
+    request = record.get("request")
+    if isinstance(request, Mapping):
+        for key in ("max_completion_tokens", "max_tokens", "max_new_tokens"):
+            if isinstance(request.get(key), int):
+                return int(request[key])
+    return None
+
+
+class HFGreedyTruth:
+    """Greedy generation with transformers, as `transformers serve` does at temperature 0:
+    the prompt is the tokenizer's own chat template over the record's messages."""
+
+    def __init__(self, model_dir: Path, device: str, dtype: str, threads: int | None) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if threads:
+            torch.set_num_threads(int(threads))
+        if not (model_dir / "config.json").is_file():
+            raise AuditError(
+                f"{model_dir} is not a model directory; set audit.model_path (for the demo "
+                "model run `python -m kimi_pipe.providers.local_model`)"
+            )
+        self.model_dir = model_dir
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.model = AutoModelForCausalLM.from_pretrained(
+            str(model_dir), dtype=getattr(torch, dtype), device_map=device
+        )
+        self.model.eval()
+        self._torch = torch
+
+    def __call__(self, record: Mapping[str, Any], max_new_tokens: int) -> TruthIds:
+        import copy
+
+        inputs = self.tokenizer.apply_chat_template(
+            record["messages"],
+            tools=record.get("tools") or None,
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+            return_tensors="pt",
+        ).to(self.model.device)
+        config = copy.deepcopy(self.model.generation_config)
+        config.do_sample = False  # what temperature=0 means to the server
+        config.max_new_tokens = max_new_tokens
+        with self._torch.inference_mode():
+            out = self.model.generate(**inputs, generation_config=config)
+        n = inputs["input_ids"].shape[-1]
+        return TruthIds(
+            output_ids=out[0, n:].tolist(),
+            prompt_ids=inputs["input_ids"][0].tolist(),
+            source="hf_greedy",
+        )
+
+
+def load_replies(path: Path) -> dict[str, TruthIds]:
+    """`{"id", "reply"}` lines, or replies with their own `id`; lines without ids are counted."""
+    if not path.is_file():
+        raise AuditError(f"audit.replies={path}: file not found (JSONL of engine replies)")
+    out: dict[str, TruthIds] = {}
+    unusable = 0
+    for line in iter_records(path):
+        rid = line.get("id")
+        truth = truth_from_reply(line.get("reply", line))
+        if rid is None or truth is None:
+            unusable += 1
+            continue
+        out[str(rid)] = truth
+    if unusable:
+        log.warning("%s: %d lines without an id or token ids were skipped", path, unusable)
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# The stage
+
+
+@dataclass
+class SampleRow:
+    id: str
+    exact: bool
+    output_exact: bool
+    prompt_exact: bool | None  # None: the truth has no prompt ids
+    output_class: str | None
+    prompt_class: str | None
+    first_diff: int | None
+    truth_len: int
+    recon_len: int
+    reconstruction_ok: bool
+    issues: list[str]
+    detail: str
+    context: dict[str, str] | None = None  # pieces around the first difference
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _context(
+    truth: Sequence[int], recon: Sequence[int], at: int, piece: Callable[[int], str]
+) -> dict[str, str]:
+    def show(token: int) -> str:
+        text = piece(token)
+        return f"#{token}" if _FFFD in text else text  # a lone byte token: show its id
+
+    lo = max(0, at - 3)
+    return {
+        "truth": " | ".join(show(i) for i in truth[lo : at + 4]),
+        "reconstructed": " | ".join(show(i) for i in recon[lo : at + 4]),
+    }
+
+
+def _records_path(s: AuditSettings) -> Path:
+    if s.records:
+        path = Path(s.records)
+    elif s.run_dir:
+        path = Path(s.run_dir) / "records.jsonl"
+    else:
+        raise AuditError("give audit.run_dir=RUN_DIR (a generate run) or audit.records=FILE.jsonl")
+    if not path.is_file():
+        raise AuditError(f"{path}: records file not found (run the generate stage first)")
+    return path
+
+
+def latest_by_id(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One record per id, the last one (a resumed run may hold a sample twice; extract and
+    report count the last too), in the file order of the surviving records."""
+    by_id: dict[Any, dict[str, Any]] = {}
+    for i, rec in enumerate(records):
+        rid = rec.get("id", f"line-{i}")
+        by_id.pop(rid, None)  # keep the file order of the surviving record
+        by_id[rid] = rec
+    return list(by_id.values())
+
+
+def end_ids_of(model: Any, extra_markers: Sequence[str] = ()) -> frozenset[int]:
+    """Ids of the markers in the model's output `end` template (plus configured extras)."""
+    ids = {
+        model.markers[value]
+        for kind, value in model.format.output.end.parts
+        if kind == "marker" and value in model.markers
+    }
+    for name in extra_markers:
+        token = model.tokenizer.marker_id(name)
+        if token is None:
+            raise AuditError(f"audit.end_markers: {name!r} is not a token of this model")
+        ids.add(token)
+    return frozenset(ids)
+
+
+def audit_records(
+    records: Iterable[Mapping[str, Any]],
+    truth_for: Callable[[Mapping[str, Any]], TruthIds | None],
+    decode: Callable[[Sequence[int]], str],
+    piece: Callable[[int], str],
+    end_ids: frozenset[int],
+    progress: Callable[[int, SampleRow | None, str], None] | None = None,
+) -> tuple[list[SampleRow], Counter[str]]:
+    """Compare every usable record with its truth; returns rows and skip counts by reason.
+    A record that cannot be audited is counted and the batch goes on."""
+    rows: list[SampleRow] = []
+    skipped: Counter[str] = Counter()
+    for n, rec in enumerate(records, 1):
+        rid = str(rec.get("id"))
+        if rec.get("error"):
+            skipped["provider_error"] += 1
+            continue
+        recon_out = rec.get("output_ids") or []
+        if not recon_out:
+            skipped["no_reconstructed_ids"] += 1
+            continue
+        try:
+            truth = truth_for(rec)
+        except Exception as exc:  # noqa: BLE001 - one bad sample must not stop the audit
+            log.warning("%s: no truth ids: %s", rid, exc)
+            skipped["truth_failed"] += 1
+            if progress:
+                progress(n, None, rid)
+            continue
+        if truth is None:
+            skipped["no_truth"] += 1
+            continue
+        out_cmp = classify(truth.output_ids, recon_out, decode, end_ids)
+        prompt_exact: bool | None = None
+        prompt_class: str | None = None
+        if truth.prompt_ids is not None:
+            p_cmp = classify(truth.prompt_ids, rec.get("prompt_ids") or [], decode, ())
+            prompt_exact, prompt_class = p_cmp.exact, p_cmp.klass
+        row = SampleRow(
+            id=rid,
+            exact=out_cmp.exact and prompt_exact is not False,
+            output_exact=out_cmp.exact,
+            prompt_exact=prompt_exact,
+            output_class=out_cmp.klass,
+            prompt_class=prompt_class,
+            first_diff=out_cmp.first_diff,
+            truth_len=out_cmp.truth_len,
+            recon_len=out_cmp.recon_len,
+            reconstruction_ok=bool(rec.get("ok")),
+            issues=list(rec.get("issues") or []),
+            detail=out_cmp.detail,
+        )
+        if out_cmp.first_diff is not None:
+            row.context = _context(truth.output_ids, recon_out, out_cmp.first_diff, piece)
+        rows.append(row)
+        if progress:
+            progress(n, row, rid)
+    return rows, skipped
+
+
+def summarise(rows: Sequence[SampleRow], skipped: Mapping[str, int], truth: str) -> dict[str, Any]:
+    n = len(rows)
+    exact = sum(r.exact for r in rows)
+    out_exact = sum(r.output_exact for r in rows)
+    with_prompt = [r for r in rows if r.prompt_exact is not None]
+    mismatches = [r for r in rows if not r.output_exact]
+    # How well the reconstruction's own length check against usage predicts a mismatch.
+    caught = sum(BILLING_ISSUE in r.issues for r in mismatches)
+    false_alarms = sum(BILLING_ISSUE in r.issues for r in rows if r.output_exact)
+    return {
+        "truth": truth,
+        "audited": n,
+        "skipped": dict(skipped),
+        "exact": exact,
+        "exact_match_rate": exact / n if n else None,
+        "output_exact": out_exact,
+        "output_exact_rate": out_exact / n if n else None,
+        "prompt_checked": len(with_prompt),
+        "prompt_exact": sum(bool(r.prompt_exact) for r in with_prompt),
+        "output_mismatch_classes": {
+            k: sum(r.output_class == k for r in mismatches) for k in MISMATCH_CLASSES
+        },
+        "prompt_mismatch_classes": dict(
+            Counter(r.prompt_class for r in with_prompt if r.prompt_class)
+        ),
+        "mismatches_caught_by_billing_check": caught,
+        "exact_but_billing_mismatch": false_alarms,
+        "reconstruction_issues": dict(Counter(i for r in rows for i in r.issues)),
+        "tokens": {
+            "truth": sum(r.truth_len for r in rows),
+            "reconstructed": sum(r.recon_len for r in rows),
+        },
+    }
+
+
+def format_table(summary: Mapping[str, Any], rows: Sequence[SampleRow], examples: int) -> str:
+    def pct(x: float | None) -> str:
+        return "n/a" if x is None else f"{100 * x:.1f}%"
+
+    lines = [
+        f"# Fidelity audit (truth: {summary['truth']})",
+        "",
+        "| measure | value |",
+        "| --- | --- |",
+        f"| samples audited | {summary['audited']} |",
+        f"| exact match (prompt + output ids) | {summary['exact']} "
+        f"({pct(summary['exact_match_rate'])}) |",
+        f"| output ids exact | {summary['output_exact']} ({pct(summary['output_exact_rate'])}) |",
+        f"| prompt ids exact | {summary['prompt_exact']} of {summary['prompt_checked']} |",
+        "| mismatches caught by the billing check | "
+        f"{summary['mismatches_caught_by_billing_check']} |",
+        f"| exact but billing mismatch | {summary['exact_but_billing_mismatch']} |",
+        f"| tokens truth / reconstructed | {summary['tokens']['truth']} / "
+        f"{summary['tokens']['reconstructed']} |",
+    ]
+    for reason, count in sorted(summary["skipped"].items()):
+        lines.append(f"| skipped: {reason} | {count} |")
+    lines += ["", "| output mismatch class | samples |", "| --- | --- |"]
+    lines += [f"| {k} | {v} |" for k, v in summary["output_mismatch_classes"].items()]
+    shown = [r for r in rows if not r.exact][:examples]
+    if shown:
+        lines += ["", "| id | class | first diff | truth | reconstructed |"]
+        lines += ["| --- | --- | --- | --- | --- |"]
+        for r in shown:
+            ctx = r.context or {"truth": "", "reconstructed": ""}
+            klass = r.output_class or f"prompt:{r.prompt_class}"
+            lines.append(
+                f"| {r.id} | {klass} | {r.first_diff} | {_cell(ctx['truth'])} "
+                f"| {_cell(ctx['reconstructed'])} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def _cell(text: str) -> str:
+    return "`" + text.replace("|", "\\|").replace("\n", "\\n").replace("`", "'") + "`"
+
+
+class TruthCache:
+    """Truth ids already made (`audit_truth.jsonl`), keyed by (id, source key)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.known: dict[tuple[str, str], TruthIds] = {}
+        for line in iter_records(path):
+            ids = _int_list(line.get("output_ids"))
+            if ids is None or not isinstance(line.get("key"), str):
+                continue
+            prompt = _int_list(line.get("prompt_ids"))
+            self.known[(str(line.get("id")), line["key"])] = TruthIds(ids, prompt, line["key"])
+        self._writer: RecordWriter | None = None
+
+    def get(self, rid: str, key: str) -> TruthIds | None:
+        return self.known.get((rid, key))
+
+    def put(self, rid: str, key: str, truth: TruthIds, seconds: float) -> None:
+        if self._writer is None:
+            self._writer = RecordWriter(self.path)
+        self._writer.append(
+            {"id": rid, "key": key, "prompt_ids": truth.prompt_ids,
+             "output_ids": truth.output_ids, "seconds": round(seconds, 3)}
+        )  # fmt: skip
+        self.known[(rid, key)] = truth
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+
+
+def _model_path(cfg: DictConfig, s: AuditSettings) -> Path:
+    path = s.model_path or OmegaConf.select(cfg, "model.hf_weights", default=None)
+    if not path:
+        raise AuditError("audit.truth=hf_greedy needs audit.model_path (or model.hf_weights)")
+    return Path(str(path)).expanduser()
+
+
+def run_audit(cfg: DictConfig) -> dict[str, Any]:
+    """Audit the records named by `cfg.audit`; writes audit.json/audit.md, returns the summary."""
+    from kimi_pipe.core.models import load_model
+
+    s = AuditSettings.from_cfg(_audit_cfg(cfg))
+    records_path = _records_path(s)
+    out_dir = Path(s.output_dir) if s.output_dir else records_path.parent
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model = load_model(cfg.model)
+    end_ids = end_ids_of(model, s.end_markers)
+    records = latest_by_id(iter_records(records_path))
+    if s.limit is not None:
+        records = records[: s.limit]
+    cache = TruthCache(out_dir / TRUTH_FILE)
+    truth_for = _truth_source(cfg, s, cache)
+    started = time.monotonic()
+
+    def progress(n: int, row: SampleRow | None, rid: str) -> None:
+        state = "truth failed" if row is None else ("exact" if row.exact else row.output_class)
+        print(f"[audit] {n}/{len(records)} {rid}: {state} ({time.monotonic() - started:.0f}s)",
+              file=sys.stderr, flush=True)  # fmt: skip
+
+    try:
+        rows, skipped = audit_records(
+            records, truth_for, model.tokenizer.decode, model.tokenizer.piece, end_ids, progress
+        )
+    finally:
+        cache.close()
+    summary = summarise(rows, skipped, s.truth)
+    summary.update(
+        records=str(records_path),
+        truth_cache=str(out_dir / TRUTH_FILE),
+        model=str(cfg.model.name),
+        wall_s=round(time.monotonic() - started, 3),
+    )
+    # Summary keys at the top level (the export's dataset card reads them), rows under samples.
+    _write_atomic(out_dir / AUDIT_JSON, json.dumps(
+        {**summary, "samples": [r.to_json() for r in rows]}, indent=1, ensure_ascii=False
+    ) + "\n")  # fmt: skip
+    _write_atomic(out_dir / AUDIT_MD, format_table(summary, rows, s.examples))
+    summary["audit_json"] = str(out_dir / AUDIT_JSON)
+    summary["audit_md"] = str(out_dir / AUDIT_MD)
+    return summary
+
+
+def _audit_cfg(cfg: DictConfig) -> dict[str, Any]:
+    node = OmegaConf.select(cfg, "audit", default=None)
+    if node is None:
+        return {}
+    return OmegaConf.to_container(node, resolve=True)  # type: ignore[return-value]
+
+
+def _truth_source(
+    cfg: DictConfig, s: AuditSettings, cache: TruthCache
+) -> Callable[[Mapping[str, Any]], TruthIds | None]:
+    if s.truth == "response":
+        return lambda rec: truth_from_reply(rec.get("response"))
+    if s.truth == "replies":
+        if not s.replies:
+            raise AuditError("audit.truth=replies needs audit.replies=FILE.jsonl")
+        replies = load_replies(Path(s.replies))
+        return lambda rec: replies.get(str(rec.get("id")))
+    engine: HFGreedyTruth | None = None
+    model_dir = _model_path(cfg, s)
+
+    def greedy(rec: Mapping[str, Any]) -> TruthIds | None:
+        nonlocal engine
+        if not isinstance(rec.get("messages"), list):
+            return None
+        max_new = requested_max_tokens(rec) or s.max_new_tokens
+        # What the truth depends on: model, length, and the numerics (device, dtype, threads).
+        key = (
+            f"hf_greedy:{model_dir}:max_new_tokens={max_new}:device={s.device}"
+            f":dtype={s.dtype}:threads={s.threads}"
+        )
+        rid = str(rec.get("id"))
+        known = cache.get(rid, key)
+        if known is not None:
+            return known
+        if engine is None:  # loaded only when some truth is not cached yet
+            engine = HFGreedyTruth(model_dir, s.device, s.dtype, s.threads)
+        t0 = time.monotonic()
+        truth = engine(rec, max_new)
+        cache.put(rid, key, truth, time.monotonic() - t0)
+        return truth
+
+    return greedy
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".partial")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from hydra.errors import HydraException
+
+    from kimi_pipe.config import compose
+    from kimi_pipe.core.tokenizers import TokenizerNotFound
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    overrides = list(sys.argv[1:] if argv is None else argv)
+    try:
+        cfg = compose(overrides)
+        summary = run_audit(cfg)
+    except (HydraException, AuditError, TokenizerNotFound, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(Path(summary["audit_md"]).read_text(encoding="utf-8"))
+    print(f"audit: {summary['audit_json']}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

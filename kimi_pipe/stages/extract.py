@@ -1,0 +1,83 @@
+"""Stage: EAGLE-3 hidden states for the token records of a run.
+
+    python -m kimi_pipe.extract extract.run_dir=runs/B5/openrouter          # reads records.jsonl
+    python -m kimi_pipe.extract extract.records=out/reconstructed.jsonl extract.max_len=4096
+    python -m kimi_pipe.extract extract=sglang extract.run_dir=...           # another backend
+
+(`records=` / `run_dir=` at the top level work too once conf/config.yaml declares them.)
+
+Ids are taken from the records (`prompt_ids + output_ids`), never re-tokenised. The states
+go to a sharded store (`kimi_pipe.store.hidden_store`), default `<run dir>/hidden_<backend>/`.
+Running the same command again resumes after the last committed shard.
+
+Backend interface (module `kimi_pipe.extraction.<backend>_backend`, chosen by `extract.backend`)::
+
+    def open_backend(cfg: DictConfig) -> Backend      # cfg = the whole composed config
+
+    class Backend(Protocol):
+        store_fields: dict   # make_manifest() keyword args: model, num_layers, layer_ids,
+                             # hidden_size, dtype (of the stored states), layer_convention,
+                             # final_state, extra
+        def forward(self, batch: list[list[int]]) -> list[tuple[Tensor, Tensor]]:
+            # one (aux [L, 3H], final [L, H]) per sequence, L = len(sequence)
+        def close(self) -> None
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+from omegaconf import DictConfig
+
+from kimi_pipe.config import CONF_DIR
+from kimi_pipe.extraction.sharding import run_sharded
+from kimi_pipe.extraction.token_samples import Backend, load_backend
+
+log = logging.getLogger("kimi_pipe.extract")
+
+SUMMARY_FILE = "extract_summary.json"
+
+
+# --------------------------------------------------------------------------- run
+
+
+def run_extract(cfg: DictConfig, backend: Backend | None = None) -> dict[str, Any]:
+    """Extract every usable record not yet in the store; return the summary.
+
+    The capture loop (length-sorted batches under `extract.batch_tokens`, OOM halving, NaN
+    marking, progress, work shards + merge) is `extraction.sharding.run_sharded`, shared by all
+    backends; this function only picks and closes the backend.
+    """
+    own_backend = backend is None
+    backend = backend or load_backend(cfg)
+    try:
+        summary = run_sharded(cfg, backend)
+    finally:
+        if own_backend:
+            backend.close()
+    skipped = {k: v for k, v in summary["counts"].items() if k.startswith("skipped")}
+    print(
+        f"[extract] store {summary['store']}: {summary['capture']['written']} written now, "
+        f"{summary['capture']['skipped_done']} already there; truncated "
+        f"{summary['counts'].get('truncated', 0)}, skipped {skipped or 0}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return summary
+
+
+def main() -> None:
+    import hydra
+
+    @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
+    def extract_stage(cfg: DictConfig) -> None:
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+        run_extract(cfg)
+
+    extract_stage()
+
+
+if __name__ == "__main__":
+    main()

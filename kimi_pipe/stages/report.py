@@ -1,0 +1,246 @@
+"""Provider report: per-run fidelity, cost and speed from finished generate runs.
+
+    python -m kimi_pipe.report sweep_dir=runs/sweep/B5 [out_dir=...] [min_ok_rate=0.95] ...
+
+`sweep_dir` is one generate run directory (it holds `records.jsonl`) or any directory
+above several of them (a Hydra multirun sweep, or `runs/<dataset>`). Writes `report.md`
+and PNG charts into `out_dir` (default: `sweep_dir`) and ends with a recommended OpenRouter
+`provider` routing block. Reads only what generate wrote; needs no network and no model.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from kimi_pipe.reporting.charts import write_charts
+from kimi_pipe.reporting.data import (
+    Policy,
+    Recommendation,
+    RunStats,
+    _counter_text,
+    _pct,
+    find_run_dirs,
+    fmt_num,
+    fmt_pct,
+    fmt_usd,
+    load_run,
+    recommend,
+    report_data,
+    routing_block,
+    routing_overrides,
+    summarize,
+)
+
+
+@dataclass(frozen=True)
+class Args:
+    sweep_dir: Path
+    out_dir: Path
+    policy: Policy
+
+
+USAGE = (
+    "usage: python -m kimi_pipe.report sweep_dir=PATH [out_dir=PATH] [min_ok_rate=0.95] "
+    "[max_error_rate=0.10] [min_tool_valid_rate=0.95] "
+    "[ignore_quantizations=fp4,nvfp4,mxfp4,fp6] [rank_step=0.02]"
+)
+
+
+def parse_args(argv: list[str]) -> Args:
+    """Hydra-style `key=value` arguments (the report needs no composed config)."""
+    if any(a in ("-h", "--help") for a in argv):
+        raise SystemExit(USAGE)
+    values: dict[str, str] = {}
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if not sep:
+            raise SystemExit(f"bad argument {arg!r}: expected key=value\n{USAGE}")
+        values[key.lstrip("+")] = value
+    known = {"sweep_dir", "out_dir"} | {f.name for f in fields(Policy)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise SystemExit(f"unknown argument(s) {unknown}; known: {sorted(known)}\n{USAGE}")
+    if "sweep_dir" not in values:
+        raise SystemExit(f"sweep_dir=PATH is required\n{USAGE}")
+    policy_kwargs: dict[str, Any] = {}
+    for f in fields(Policy):
+        if f.name not in values:
+            continue
+        raw = values[f.name]
+        if f.name == "ignore_quantizations":
+            policy_kwargs[f.name] = tuple(q.strip() for q in raw.split(",") if q.strip())
+        else:
+            try:
+                policy_kwargs[f.name] = float(raw)
+            except ValueError:
+                raise SystemExit(f"{f.name}={raw!r} is not a number") from None
+    sweep_dir = Path(values["sweep_dir"])
+    return Args(
+        sweep_dir=sweep_dir,
+        out_dir=Path(values.get("out_dir") or sweep_dir),
+        policy=Policy(**policy_kwargs),
+    )
+
+# --------------------------------------------------------------------------- markdown
+
+
+def render_markdown(
+    stats: list[RunStats], rec: Recommendation, charts: list[Path], sweep_dir: Path, policy: Policy
+) -> str:
+    lines = [
+        "# Provider report",
+        "",
+        f"Runs read from `{sweep_dir.as_posix()}`: {len(stats)}. "
+        "Rows are in recommended order (ignored providers last).",
+        "",
+        "| provider | run | quant. | requests | ok rate | billing drift | drifting samples | "
+        "tool calls valid | USD / M out | p50 s | p95 s | out tok/s | errors | retries |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
+        "---: | ---: |",
+    ]
+    for s in stats:
+        tool = f"{fmt_pct(_pct(s.tool_valid_rate))} of {s.tool_calls}" if s.tool_calls else "n/a"
+        lines.append(
+            f"| {s.provider} | {s.name} | {s.quantization} | {s.requests} | "
+            f"{fmt_pct(_pct(s.ok_rate))} | {fmt_pct(s.drift_total_pct, 2)} | "
+            f"{s.drift_samples}/{len(s.drift_pct)} | {tool} | {fmt_usd(s.usd_per_mtok)} | "
+            f"{fmt_num(s.p50_latency, 2)} | {fmt_num(s.p95_latency, 2)} | "
+            f"{fmt_num(s.median_tokens_per_s)} | {fmt_pct(_pct(s.error_rate))} | "
+            f"{fmt_pct(_pct(s.retry_rate))} |"
+        )
+    lines += ["", "## Details per provider", ""]
+    for s in stats:
+        lines += [
+            f"### {s.provider}",
+            "",
+            f"- answers served by: {s.served_by}; quantisation: {s.quantization}",
+            f"- requests {s.requests}, answered {s.answered}, reconstruction ok {s.ok}; "
+            f"run ended: {s.stop_reason}",
+            f"- issue codes: {_counter_text(s.issues)}",
+            f"- billing drift: {s.drift_tokens:+d} tokens over {s.reported_tokens} reported "
+            f"({fmt_pct(s.drift_total_pct, 2)}); per sample min/median/max "
+            f"{_spread(s.drift_pct)}",
+            f"- tool calls: {s.tool_calls_valid}/{s.tool_calls} valid; problems: "
+            f"{_counter_text(s.tool_problems)}",
+            f"- cost: {fmt_usd(s.cost_usd)} in total, {fmt_usd(s.usd_per_mtok)} per million "
+            "output tokens",
+            f"- errors: {_counter_text(s.error_classes)}; mean attempts per request "
+            f"{s.mean_attempts:.2f}; failed attempts {s.failed_attempts} "
+            f"({fmt_pct(_pct(s.attempt_failure_rate))} of all attempts)",
+        ]
+        if s.bad_lines:
+            lines.append(f"- {s.bad_lines} unreadable line(s) in records.jsonl were skipped")
+        lines.append("")
+    lines += ["## Charts", ""]
+    lines += [f"![{p.stem.replace('_', ' ')}]({p.name})" for p in charts]
+    lines += [
+        "",
+        "## Recommended routing",
+        "",
+        "OpenRouter's `provider` routing object for the generate requests:",
+        "",
+        "```yaml",
+        routing_block(rec),
+        "```",
+        "",
+        "The same as overrides of generate (`conf/provider/openrouter.yaml` keeps it under "
+        "`routing:`):",
+        "",
+        "```",
+        routing_overrides(rec),
+        "```",
+        "",
+        "Why:",
+        "",
+    ]
+    lines += [f"- `{p}`: {why}" for p, why in rec.reasons.items()]
+    lines += [
+        "",
+        "Policy: a provider is ignored when its reconstruction ok rate is below "
+        f"{policy.min_ok_rate:.0%}, its error rate above {policy.max_error_rate:.0%}, its "
+        f"tool-call validity below {policy.min_tool_valid_rate:.0%}, or its quantisation is "
+        f"one of {', '.join(policy.ignore_quantizations) or 'none'} or outside the run's "
+        "`provider.routing.quantizations`. The rest are ordered "
+        f"by ok rate (within {policy.rank_step:.0%} of the best counts as equal), tool-call "
+        "validity (same), share of samples without issue codes (same), error rate, "
+        "retry rate, USD per million output tokens, then output tokens/s.",
+        "",
+        "## How each figure is measured",
+        "",
+        "- *ok rate*: records with `ok: true` / records without `error`.",
+        "- *billing drift*: sum(`completion_tokens_reconstructed`) - "
+        "sum(`completion_tokens_reported`), as % of reported; per sample the same ratio.",
+        "- *tool calls valid*: calls in `response.choices[0].message.tool_calls` whose "
+        "function is declared in the record's `tools` and whose `arguments` parse as a JSON "
+        "object that validates against that function's `parameters` (JSON Schema).",
+        "- *USD / M out*: total `cost` of all records plus the cost of failed attempts "
+        "(`attempt_errors.jsonl`) / reported output tokens x 1e6.",
+        "- *p50/p95 s*: `latency_s` of answered records (the attempt that answered; retries "
+        "show in the retry rate).",
+        "- *out tok/s*: median over answered records of reported output tokens / `latency_s`.",
+        "- *errors*: records with an `error`, plus samples whose retries ran out (only in "
+        "`attempt_errors.jsonl`); *retries*: requests that needed more than one attempt.",
+        "- *quant.*: the quantisation the response reports, else the run's provider "
+        "config, else unknown.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _spread(values: list[float]) -> str:
+    if not values:
+        return "n/a"
+    return f"{min(values):+.2f}% / {statistics.median(values):+.2f}% / {max(values):+.2f}%"
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def build_report(sweep_dir: Path, out_dir: Path, policy: Policy | None = None) -> Path:
+    """Read every run below `sweep_dir`, write report.md and charts; returns report.md."""
+    policy = policy or Policy()
+    run_dirs = find_run_dirs(sweep_dir)
+    stats: list[RunStats] = []
+    for i, path in enumerate(run_dirs, start=1):
+        print(f"[report] {i}/{len(run_dirs)} reading {path}", file=sys.stderr, flush=True)
+        stats.append(summarize(load_run(path, sweep_dir)))
+    rec = recommend(stats, policy)
+    position = {p: i for i, p in enumerate(rec.order + rec.ignore)}
+    stats.sort(key=lambda s: (position.get(s.provider, len(position)), s.name))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    charts = write_charts(stats, out_dir, rec.ignore)
+    _write_atomic(out_dir / "report.json", json.dumps(report_data(stats, rec), indent=2) + "\n")
+    report = out_dir / "report.md"
+    _write_atomic(report, render_markdown(stats, rec, charts, sweep_dir, policy))
+    print(
+        f"[report] wrote {report}, report.json and {len(charts)} charts",
+        file=sys.stderr,
+        flush=True,
+    )
+    return report
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    # Write-then-rename: an interrupted report never leaves a half file behind.
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        build_report(args.sweep_dir, args.out_dir, args.policy)
+    except FileNotFoundError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

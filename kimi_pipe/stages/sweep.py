@@ -1,0 +1,188 @@
+"""Provider sweep: one Hydra multirun of the generate stage, one job per OpenRouter provider.
+
+    python -m kimi_pipe.sweep dataset=B5 providers=moonshotai,fireworks,novita n=50 usd=6 \
+        [sweep_dir=runs/sweep/B5] [report=true] [dry_run=false] [ANY.HYDRA=OVERRIDE ...]
+
+Every job pins one provider (`provider.routing.order=[<slug>]`,
+`provider.routing.allow_fallbacks=false`), answers the same first `n` prompts of the dataset,
+and writes `<sweep_dir>/<slug>/` (records.jsonl, summary.json, .hydra/). The shared budget
+`usd` is split evenly, so every provider gets the same cap on the same prompts and no job
+can spend another's share. Running the same command again resumes every job (generate
+skips answered ids and counts money already spent). Then `kimi_pipe.stages.report` writes
+`<sweep_dir>/report.md` and its charts.
+
+Every other argument (`provider.params.max_tokens=4096`, `dataset.path=p.jsonl`,
+`model=...`) goes to generate unchanged, except `budget.usd=X`, which is the same as `usd=X`
+(the shared total).
+The API key comes from the environment, as for generate.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# Where the provider group keeps the pinned order and the fallback switch.
+ORDER_KEY = "provider.routing.order"
+FALLBACKS_KEY = "provider.routing.allow_fallbacks"
+# The dataset keys that cap how many prompts a source yields, in order of preference.
+LIMIT_KEYS = ("num_samples", "limit")
+SLUG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]*$")  # OpenRouter slugs, e.g. deepinfra/fp8
+
+USAGE = (
+    "usage: python -m kimi_pipe.sweep dataset=NAME providers=a,b,c n=50 usd=5 "
+    "[sweep_dir=PATH] [report=true|false] [dry_run=true|false] [group.key=value ...]"
+)
+
+
+@dataclass(frozen=True)
+class SweepArgs:
+    dataset: str
+    providers: list[str]
+    n: int
+    usd: float
+    sweep_dir: Path | None = None
+    report: bool = True
+    dry_run: bool = False
+    overrides: list[str] = field(default_factory=list)
+
+    @property
+    def usd_each(self) -> float:
+        # Rounded down to a micro-dollar so the shares never add up to more than `usd`.
+        return int(self.usd / len(self.providers) * 1e6) / 1e6
+
+
+def _bool(key: str, value: str) -> bool:
+    if value.lower() in ("true", "1", "yes"):
+        return True
+    if value.lower() in ("false", "0", "no"):
+        return False
+    raise SystemExit(f"{key}={value!r}: expected true or false")
+
+
+def parse_args(argv: list[str]) -> SweepArgs:
+    if any(a in ("-h", "--help") for a in argv):
+        raise SystemExit(USAGE)
+    mine: dict[str, str] = {}
+    overrides: list[str] = []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if not sep:
+            raise SystemExit(f"bad argument {arg!r}: expected key=value\n{USAGE}")
+        if key == "budget.usd":
+            # The shared budget, never one job's: passed through, it would give every
+            # provider the whole amount.
+            if mine.get("usd") not in (None, value):
+                raise SystemExit(f"usd={mine['usd']} and budget.usd={value} disagree")
+            mine["usd"] = value
+        elif key in ("dataset", "providers", "n", "usd", "sweep_dir", "report", "dry_run"):
+            if key == "usd" and mine.get("usd") not in (None, value):
+                raise SystemExit(f"usd={value} and budget.usd={mine['usd']} disagree")
+            mine[key] = value
+        else:
+            overrides.append(arg)  # a Hydra override for generate (checked when composed)
+    missing = [k for k in ("dataset", "providers", "n", "usd") if not mine.get(k)]
+    if missing:
+        raise SystemExit(f"missing {', '.join(f'{k}=' for k in missing)}\n{USAGE}")
+    providers = [p.strip() for p in mine["providers"].split(",") if p.strip()]
+    bad = [p for p in providers if not SLUG.match(p)]
+    if not providers or bad:
+        raise SystemExit(
+            f"providers={mine['providers']!r}: give OpenRouter provider slugs separated by "
+            f"commas (bad: {bad or 'none given'})"
+        )
+    if len(set(providers)) != len(providers):
+        raise SystemExit(f"providers={mine['providers']!r} names a provider twice")
+    try:
+        n, usd = int(mine["n"]), float(mine["usd"])
+    except ValueError:
+        raise SystemExit(
+            f"n={mine['n']!r} must be an integer, usd={mine['usd']!r} a number"
+        ) from None
+    if n < 1 or usd <= 0:
+        raise SystemExit("n must be >= 1 and usd > 0")
+    return SweepArgs(
+        dataset=mine["dataset"],
+        providers=providers,
+        n=n,
+        usd=usd,
+        sweep_dir=Path(mine["sweep_dir"]) if mine.get("sweep_dir") else None,
+        report=_bool("report", mine.get("report", "true")),
+        dry_run=_bool("dry_run", mine.get("dry_run", "false")),
+        overrides=overrides,
+    )
+
+
+def resolve_dataset(args: SweepArgs) -> tuple[str, str]:
+    """(dataset name, the key that limits its prompt count), from the composed config."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from kimi_pipe.config import compose
+
+    try:
+        cfg = compose([f"dataset={args.dataset}", *args.overrides])
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise SystemExit(f"bad dataset or override: {exc}\n{USAGE}") from None
+    for key in LIMIT_KEYS:
+        if key in cfg.dataset:
+            return str(cfg.dataset.name), key
+    raise SystemExit(
+        f"dataset={args.dataset} has none of {LIMIT_KEYS}; the sweep cannot give every "
+        "provider the same n prompts"
+    )
+
+
+def build_command(args: SweepArgs, dataset_name: str, limit_key: str) -> list[str]:
+    sweep_dir = args.sweep_dir or Path("runs") / "sweep" / dataset_name
+    return [
+        sys.executable,
+        "-m",
+        "kimi_pipe.generate",
+        "--multirun",
+        f"dataset={args.dataset}",
+        # One job per slug; the job's directory is hydra.sweep.subdir = ${provider.name}.
+        f"provider.name={','.join(args.providers)}",
+        f"{ORDER_KEY}=[${{provider.name}}]",
+        f"{FALLBACKS_KEY}=false",
+        f"dataset.{limit_key}={args.n}",
+        f"budget.usd={args.usd_each}",
+        *args.overrides,
+        f"hydra.sweep.dir={sweep_dir.as_posix()}",
+    ]
+
+
+def sweep_dir_of(command: list[str]) -> Path:
+    return Path(next(a for a in command if a.startswith("hydra.sweep.dir=")).split("=", 1)[1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    name, limit_key = resolve_dataset(args)
+    command = build_command(args, name, limit_key)
+    sweep_dir = sweep_dir_of(command)
+    print(
+        f"[sweep] {len(args.providers)} providers x {args.n} prompts of {name}, "
+        f"${args.usd_each} each (of ${args.usd:g}) -> {sweep_dir}",
+        file=sys.stderr,
+        flush=True,
+    )
+    print("[sweep] " + shlex.join(command), file=sys.stderr, flush=True)
+    if args.dry_run:
+        return 0
+    status = subprocess.run(command, check=False).returncode
+    if status:
+        print(f"[sweep] generate exited with status {status}", file=sys.stderr, flush=True)
+    if args.report and any(sweep_dir.rglob("records.jsonl")):
+        from kimi_pipe.stages.report import build_report
+
+        build_report(sweep_dir, sweep_dir)  # also reports a partly finished sweep
+    return status
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""What stages read and write: run records (JSONL), the hidden-state store, prompt datasets."""
