@@ -1,5 +1,6 @@
 # kimi_pipe: every target sets up the virtual environment first (pinned, hashed lock).
 #   make demo                      # the whole pipeline offline on a bundled small model
+#   make run pipeline=openrouter_sglang ARGS="dataset=B5 budget.usd=20 extract.model_path=DIR"
 #   make test                      # the test suite (CI runs exactly this)
 #   make generate dataset=B5 ARGS="budget.usd=20 provider.concurrency=64"
 #   make sweep dataset=B5 providers=a,b,c n=50 usd=6
@@ -9,7 +10,7 @@ BIN := $(VENV)/bin
 PYTHON := $(BIN)/python
 STAMP := $(VENV)/.installed-$(shell cat requirements.lock pyproject.toml | sha256sum | cut -c1-12)
 
-.PHONY: setup test lint snapshots reconstruct-sample generate sweep report demo bench lock clean
+.PHONY: setup test lint snapshots reconstruct-sample generate sweep report demo run bench lock clean
 
 setup: $(STAMP)
 
@@ -39,6 +40,11 @@ reconstruct-sample: setup
 # The whole pipeline offline on SmolLM2 (docs/demo.md); config overrides in ARGS.
 demo: setup
 	$(PYTHON) -m kimi_pipe.demo $(ARGS)
+
+# A whole job from conf/pipeline/NAME.yaml (demo, openrouter_sglang, sweep); a second run skips
+# finished stages and resumes a half-done one.
+run: setup
+	$(PYTHON) -m kimi_pipe.run pipeline=$(pipeline) $(ARGS)
 
 generate: setup
 	$(PYTHON) -m kimi_pipe.generate $(if $(dataset),dataset=$(dataset)) $(ARGS)

@@ -5,11 +5,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 REPO_DIR = PACKAGE_DIR.parent
 CONF_DIR = REPO_DIR / "conf"
+DATA_DIR = REPO_DIR / "data"
+
+# `${kimi_pipe_data:demo_prompts.jsonl}` in a config: a file bundled with the project.
+OmegaConf.register_new_resolver("kimi_pipe_data", lambda name: str(DATA_DIR / name), replace=True)
 
 
 def compose(overrides: Sequence[str]) -> DictConfig:

@@ -97,4 +97,5 @@ def test_demo_end_to_end_and_resume(tmp_path: Path) -> None:
     assert len((run_dir / "records.jsonl").read_text().splitlines()) == N
     assert len((run_dir / "audit_truth.jsonl").read_text().splitlines()) == N
     assert "all answered already" in again.stderr  # the server was not even started
+    assert again.stderr.count("complete, skipped") == 6  # the runner skipped every stage
     assert len(HiddenStore(run_dir / "hidden_hf")) == N

@@ -29,16 +29,23 @@ def render(s: Snapshot, elapsed_s: float, width: int = 24) -> str:
     bar = "#" * filled + "-" * (width - filled)
     cap = f"${s.cap_usd:.2f}" if s.cap_usd is not None else "no cap"
     tps = s.output_tokens / elapsed_s if elapsed_s > 0 else 0.0
-    return (f"[{bar}] {s.done}/{s.total} | ${s.spent_usd:.4f} of {cap} | {tps:,.0f} out tok/s"
-            f" | in flight {s.in_flight} | retries {s.retries} | failed {s.failures}")
+    return (
+        f"[{bar}] {s.done}/{s.total} | ${s.spent_usd:.4f} of {cap} | {tps:,.0f} out tok/s"
+        f" | in flight {s.in_flight} | retries {s.retries} | failed {s.failures}"
+    )
 
 
 class Progress:
     """Call `update` as often as you like: a TTY is redrawn at most `tty_every_s`, a log
     gets one line every `log_every_s`. `close` prints the final state."""
 
-    def __init__(self, stream: TextIO | None = None, tty_every_s: float = 0.2,
-                 log_every_s: float = 10.0, force_tty: bool | None = None) -> None:
+    def __init__(
+        self,
+        stream: TextIO | None = None,
+        tty_every_s: float = 0.2,
+        log_every_s: float = 10.0,
+        force_tty: bool | None = None,
+    ) -> None:
         self.stream = stream or sys.stderr
         self.tty = self.stream.isatty() if force_tty is None else force_tty
         self.every = tty_every_s if self.tty else log_every_s
