@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
-from kimi_pipe.pipeline.progress import Progress, Snapshot
+from kimi_pipe.progress import Progress, Snapshot
 from kimi_pipe.providers.budget import Budget, BudgetGate, Pricing
 from kimi_pipe.providers.litellm_calls import (
     ProviderConfigError,
@@ -293,7 +293,7 @@ def test_progress_redraws_one_line_on_a_terminal() -> None:
 def test_progress_logs_plain_lines_elsewhere(caplog: pytest.LogCaptureFixture) -> None:
     out = io.StringIO()
     p = Progress(out, log_every_s=3600, force_tty=False)
-    with caplog.at_level(logging.INFO, logger="kimi_pipe.pipeline.progress"):
+    with caplog.at_level(logging.INFO, logger="kimi_pipe.progress"):
         p.update(_snap(1))
         p.update(_snap(2))  # within the interval: not logged
         p.close()

@@ -34,7 +34,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from kimi_pipe.config import CONF_DIR
-from kimi_pipe.pipeline.progress import Progress, Snapshot
+from kimi_pipe.progress import Progress, Snapshot
 from kimi_pipe.providers.budget import Budget, BudgetGate, Pricing, Reservation
 from kimi_pipe.providers.litellm_calls import (
     NO_BUDGET,
