@@ -159,11 +159,25 @@ def test_main_prints_the_counts(
     assert f"{target}.summary.json" in err
 
 
-HOSTILE = {
-    "nested_200000_deep": b"[" * 200_000 + b"]" * 200_000,
-    "invalid_utf8": b'{"id": "x", "messages": [{"role": "user", "content": "caf\xe9"}]}',
-    "lone_surrogate": _line(_with_content("x", "x")).replace(b'"x"}]', b'"\\udc00"}]').strip(),
-    "deep_messages": b'{"id": "x", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+def _deep_tool_schema(depth: int) -> bytes:
+    """Valid JSON (under the reader's depth limit) whose tool schema is too deep to render."""
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+    return json.dumps({**GOOD, "id": "deep_tools", "tools": tools}).encode()
+
+
+# line -> the id its record keeps (None: the line could not be read at all)
+HOSTILE: dict[str, tuple[bytes, str | None]] = {
+    "nested_200000_deep": (b"[" * 200_000 + b"]" * 200_000, None),
+    "invalid_utf8": (b'{"id": "x", "messages": [{"role": "user", "content": "caf\xe9"}]}', None),
+    "lone_surrogate": (
+        _line(_with_content("x", "x")).replace(b'"x"}]', b'"\\udc00"}]').strip(),
+        None,
+    ),
+    "deep_messages": (b'{"id": "x", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None),
+    "deep_tool_schema": (_deep_tool_schema(300), "deep_tools"),
 }
 
 
@@ -171,10 +185,11 @@ HOSTILE = {
 @pytest.mark.parametrize("name", sorted(HOSTILE))
 def test_each_hostile_line_alone(kimi: Model, tmp_path: Path, name: str) -> None:
     source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    source.write_bytes(_line(GOOD) + HOSTILE[name] + b"\n" + _line({**GOOD, "id": "after"}))
+    line, kept_id = HOSTILE[name]
+    source.write_bytes(_line(GOOD) + line + b"\n" + _line({**GOOD, "id": "after"}))
     counts = run(kimi, source, target, 0)
     records = [json.loads(line) for line in target.read_text(encoding="utf-8").splitlines()]
-    assert [r["id"] for r in records] == ["good", None, "after"]
+    assert [r["id"] for r in records] == ["good", kept_id, "after"]
     assert records[1]["issues"] == ["malformed_record"] and records[1]["ok"] is False
     assert records[0]["ok"] and records[2]["ok"]
     assert counts["flagged"] == 1 and counts["exact"] == 2
