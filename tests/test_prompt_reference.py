@@ -178,3 +178,19 @@ def test_null_tool_arguments_render_as_the_template_does(kimi: Model, kimi_dir: 
     ids = prompt_ids(kimi, messages)
     assert ids == reference_prompt_ids(kimi, kimi_dir, messages)
     assert "<|tool_call_argument_begin|>null<|tool_call_end|>" in kimi.tokenizer.decode(ids)
+
+
+@pytest.mark.parametrize(
+    ("chunking", "message"),
+    [
+        ({"max_chars": 0, "max_run": 5}, ">= 1"),
+        ({"max_chars": 10}, "needs integer max_chars and max_run"),
+        ({"max_chars": "many", "max_run": 5}, "needs integer max_chars and max_run"),
+        ({"max_chars": 10, "max_run": 5, "step": 1}, "unknown model.tokenizer.chunking keys"),
+    ],
+)
+def test_bad_chunking_config_is_refused_clearly(chunking: dict[str, Any], message: str) -> None:
+    from kimi_pipe.core.tokenizers import TokenizerSpec
+
+    with pytest.raises(ValueError, match=message):
+        TokenizerSpec.from_config({"backend": "tiktoken", "chunking": chunking})
