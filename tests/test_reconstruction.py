@@ -10,9 +10,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-import jinja2
 import pytest
 from conftest import expected_output_ids
+from kimi_reference import reference_prompt_ids
 
 from kimi_pipe.core.models import Model
 from kimi_pipe.core.reconstruction import ERRORS, reconstruct
@@ -20,17 +20,8 @@ from kimi_pipe.core.reconstruction import ERRORS, reconstruct
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 
-def _reference_prompt_ids(model: Model, case: dict[str, Any]) -> list[int]:
-    env = jinja2.Environment(undefined=jinja2.ChainableUndefined)
-    env.filters["tojson"] = lambda v: json.dumps(v, ensure_ascii=False)
-    template = env.from_string((FIXTURES / "kimi_k25_reference_template.jinja").read_text())
-    tools_text = None
-    if case.get("tools"):
-        from kimi_pipe.core.tool_declarations import render_tools
-
-        tools_text = render_tools(case["tools"], "typescript")
-    text = template.render(messages=case["messages"], tools_text=tools_text)
-    return model.tokenizer.encode_with_markers(text)
+def _reference_prompt_ids(model: Model, tokenizer_dir: Path, case: dict[str, Any]) -> list[int]:
+    return reference_prompt_ids(model, tokenizer_dir, case["messages"], case.get("tools"))
 
 
 def _case_ids(cases: list[dict[str, Any]]) -> list[str]:
@@ -61,9 +52,11 @@ def test_output_ids_match_raw_model_text(kimi: Model, case: dict[str, Any]) -> N
 
 @pytest.mark.kimi
 @pytest.mark.parametrize("case", PROMPT_CASES, ids=_case_ids(PROMPT_CASES))
-def test_prompt_ids_match_reference_template(kimi: Model, case: dict[str, Any]) -> None:
+def test_prompt_ids_match_reference_template(
+    kimi: Model, kimi_dir: Path, case: dict[str, Any]
+) -> None:
     result = reconstruct(kimi, case["messages"], case.get("tools"), case["response"])
-    assert result.prompt_ids == _reference_prompt_ids(kimi, case)
+    assert result.prompt_ids == _reference_prompt_ids(kimi, kimi_dir, case)
     mask = result.loss_mask
     assert len(mask) == len(result.prompt_ids) + len(result.output_ids)
     assert set(mask[: len(result.prompt_ids)]) <= {0}

@@ -144,6 +144,11 @@ class PromptFormat:
     tool_group_start: Template | None = None  # opens a run of consecutive tool results
     tool_group_end: Template | None = None  # closes it
     tools_system: Template | None = None  # a leading system message inside `tools` ({system})
+    # Message fields read for a kept history reasoning, first one present wins, and the text a
+    # null value renders as (a Jinja template prints None as "None"). The default keeps
+    # accepting both spellings for models whose config does not say.
+    history_reasoning_fields: tuple[str, ...] = ("reasoning_content", "reasoning")
+    history_reasoning_null: str = ""
 
 
 @dataclass(frozen=True)
@@ -223,6 +228,10 @@ def parse_format(cfg: Mapping[str, Any], marker_names: Sequence[str]) -> ModelFo
         tool_group_start=opt(p.get("tool_group_start")),
         tool_group_end=opt(p.get("tool_group_end")),
         tools_system=opt(p.get("tools_system")),
+        history_reasoning_fields=tuple(
+            p.get("history_reasoning_fields") or ("reasoning_content", "reasoning")
+        ),
+        history_reasoning_null=str(p.get("history_reasoning_null") or ""),
     )
     if prompt.tools is not None and "system" in prompt.tools.fields and prompt.tools_system is None:
         raise ValueError("model.prompt.tools has a {system} field: set model.prompt.tools_system")

@@ -9,7 +9,13 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from kimi_pipe.core.formats import Marker, ModelFormat, Piece, parse_format
-from kimi_pipe.core.tokenizers import Tokenizer, TokenizerSpec, load_tokenizer
+from kimi_pipe.core.tokenizers import (
+    TextChunking,
+    Tokenizer,
+    TokenizerSpec,
+    load_tokenizer,
+    split_for_bpe,
+)
 
 
 class MarkerMismatch(ValueError):
@@ -22,25 +28,43 @@ class Model:
     tokenizer: Tokenizer
     markers: Mapping[str, int]  # marker name -> id, confirmed by the tokenizer
     format: ModelFormat
+    chunking: TextChunking | None = None  # how the reference tokenizer cuts prompt text
 
     def encode(self, pieces: Iterable[Piece]) -> list[int]:
         """Encode rendered pieces: adjacent text is joined first, markers are hard ids.
 
-        Joining matters: BPE of "a" and "b" apart differs from BPE of "ab".
+        Joining matters: BPE of "a" and "b" apart differs from BPE of "ab". This is the
+        output side: the model sampled its answer token by token, nothing cut its text.
         """
+        return self._encode(pieces, None)
+
+    def encode_prompt(self, pieces: Iterable[Piece]) -> list[int]:
+        """Encode a rendered prompt as the serving stack does: like `encode`, but each text
+        segment between markers is first cut the way the reference tokenizer cuts it
+        (`model.tokenizer.chunking`; servers encode the text between special tokens one
+        segment at a time, so the cuts restart after every marker)."""
+        return self._encode(pieces, self.chunking)
+
+    def _encode(self, pieces: Iterable[Piece], chunking: TextChunking | None) -> list[int]:
         ids: list[int] = []
         pending: list[str] = []
         for piece in pieces:
             if isinstance(piece, Marker):
                 if pending:
-                    ids.extend(self.tokenizer.encode_ordinary("".join(pending)))
+                    ids.extend(self._encode_text("".join(pending), chunking))
                     pending.clear()
                 ids.append(self.markers[piece.name])
             else:
                 pending.append(piece)
         if pending:
-            ids.extend(self.tokenizer.encode_ordinary("".join(pending)))
+            ids.extend(self._encode_text("".join(pending), chunking))
         return ids
+
+    def _encode_text(self, text: str, chunking: TextChunking | None) -> list[int]:
+        if chunking is None:
+            return self.tokenizer.encode_ordinary(text)
+        encode = self.tokenizer.encode_ordinary
+        return [token for part in split_for_bpe(text, chunking) for token in encode(part)]
 
 
 def _as_dict(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
@@ -72,8 +96,15 @@ def validate_markers(tokenizer: Tokenizer, expected: Mapping[str, int]) -> dict[
 def load_model(cfg: DictConfig | Mapping[str, Any]) -> Model:
     """Load the tokenizer named by `cfg.tokenizer`, validate `cfg.markers`, parse the format."""
     data = _as_dict(cfg)
-    tokenizer = load_tokenizer(TokenizerSpec.from_config(data["tokenizer"]))
+    spec = TokenizerSpec.from_config(data["tokenizer"])
+    tokenizer = load_tokenizer(spec)
     expected = {str(k): int(v) for k, v in (data.get("markers") or {}).items()}
     markers = validate_markers(tokenizer, expected)
     model_format = parse_format(data, tuple(markers))
-    return Model(name=data["name"], tokenizer=tokenizer, markers=markers, format=model_format)
+    return Model(
+        name=data["name"],
+        tokenizer=tokenizer,
+        markers=markers,
+        format=model_format,
+        chunking=spec.chunking,
+    )

@@ -97,11 +97,20 @@ def _keep_reasoning_from(fmt: PromptFormat, messages: Sequence[Mapping[str, Any]
     return last + 1
 
 
-def _history_reasoning(message: Mapping[str, Any]) -> str:
-    for key in ("reasoning_content", "reasoning"):
-        value = message.get(key)
+def _history_reasoning(fmt: PromptFormat, message: Mapping[str, Any]) -> str:
+    """The reasoning an earlier assistant turn shows in the prompt: the first configured
+    field the message has (`model.prompt.history_reasoning_fields`), a null one rendered as
+    the template renders null; a field the template would print some other way is refused
+    rather than guessed."""
+    for key in fmt.history_reasoning_fields:
+        if key not in message:
+            continue
+        value = message[key]
+        if value is None:
+            return fmt.history_reasoning_null
         if isinstance(value, str):
             return value
+        raise PromptError(f"assistant {key} must be a string or null, not {type(value).__name__}")
     return ""
 
 
@@ -212,10 +221,10 @@ def _assistant_body(
 ) -> list[Piece]:
     p, out = fmt.prompt, fmt.output
     if keep_reasoning:
-        body = p.history_reasoning.render(reasoning=_trim(p, _history_reasoning(message)))
+        body = p.history_reasoning.render(reasoning=_trim(p, _history_reasoning(p, message)))
     else:
         body = p.history_no_reasoning.render()
-    calls = message.get("tool_calls") or []
+    calls = [_history_call(c) for c in message.get("tool_calls") or []]
     ids = [str(c.get("id") or "") for c in calls]
     section, _ = content_and_tool_calls(out, [content] if content else [], calls, ids)
     body += section
@@ -223,9 +232,18 @@ def _assistant_body(
     return body
 
 
+def _history_call(call: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A tool call of the prompt as the templates print it: arguments that are not a string
+    go through `tojson`, so null arguments are the text `null` (not an empty object)."""
+    function = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(function, Mapping) or function.get("arguments", "") is not None:
+        return call
+    return {**call, "function": {**function, "arguments": _json(None)}}
+
+
 def prompt_ids(
     model: Model,
     messages: Sequence[Mapping[str, Any]],
     tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> list[int]:
-    return model.encode(render_prompt(model.format, messages, tools))
+    return model.encode_prompt(render_prompt(model.format, messages, tools))

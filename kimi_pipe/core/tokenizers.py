@@ -11,6 +11,7 @@ import base64
 import importlib.util
 import json
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -48,6 +49,69 @@ class Tokenizer(Protocol):
 
 
 @dataclass(frozen=True)
+class TextChunking:
+    """How a model's reference tokenizer cuts long text before BPE (`model.tokenizer.chunking`).
+
+    Some reference tokenizers (tiktoken-based ones, to stay clear of tiktoken's stack limit on
+    huge inputs) encode a string as consecutive slices of `max_chars` characters, each
+    further cut wherever a run of whitespace or of non-whitespace characters grows longer
+    than `max_run`. Where a cut falls inside what would be one BPE token the ids differ
+    from a whole-string encode, so the prompt side must cut the same way to get the ids
+    the server saw.
+    """
+
+    max_chars: int
+    max_run: int
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any]) -> TextChunking:
+        data = dict(cfg)
+        unknown = set(data) - {"max_chars", "max_run"}
+        if unknown:
+            raise ValueError(f"unknown model.tokenizer.chunking keys: {sorted(unknown)}")
+        try:
+            chunking = cls(max_chars=int(data["max_chars"]), max_run=int(data["max_run"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(
+                f"model.tokenizer.chunking needs integer max_chars and max_run, got {data!r}"
+            ) from exc
+        if chunking.max_chars < 1 or chunking.max_run < 1:
+            raise ValueError(f"model.tokenizer.chunking values must be >= 1, got {data!r}")
+        return chunking
+
+
+def split_for_bpe(text: str, chunking: TextChunking | None) -> list[str]:
+    """The slices the reference tokenizer encodes one by one (see `TextChunking`).
+
+    Runs are whitespace as `str.isspace` sees it (the same class as `re`'s `\\s`), restart at
+    each `max_chars` slice, and a run is cut before its (max_run + 1)-th character, then
+    every max_run characters after. The slices join back to `text`.
+    """
+    if chunking is None or not text:
+        return [text] if text else []
+    if len(text) <= min(chunking.max_run, chunking.max_chars):
+        return [text]  # nothing to cut: the common case costs one comparison
+    long_run = _long_run_pattern(chunking.max_run)
+    pieces: list[str] = []
+    for offset in range(0, len(text), chunking.max_chars):
+        part = text[offset : offset + chunking.max_chars]
+        cut = 0
+        # Anchored at run starts (lookbehind), so the scan stays linear in the text.
+        for run in long_run.finditer(part):
+            for at in range(run.start() + chunking.max_run, run.end(), chunking.max_run):
+                pieces.append(part[cut:at])
+                cut = at
+        pieces.append(part[cut:])
+    return pieces
+
+
+@lru_cache(maxsize=8)
+def _long_run_pattern(max_run: int) -> re.Pattern[str]:
+    longer = f"{{{max_run + 1},}}"
+    return re.compile(rf"(?<!\S)\S{longer}|(?<!\s)\s{longer}")
+
+
+@dataclass(frozen=True)
 class TokenizerSpec:
     """Where a tokenizer comes from (`model.tokenizer` in the model config)."""
 
@@ -67,6 +131,7 @@ class TokenizerSpec:
     reserved_name: str = "<|reserved_token_{id}|>"
     trust_remote_code: bool = False
     how_to_get: str = ""
+    chunking: TextChunking | None = None  # how the reference encode cuts long text
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> TokenizerSpec:
@@ -77,6 +142,8 @@ class TokenizerSpec:
         if isinstance(data.get("pat_str"), list | tuple):
             # Written as a list of alternatives in YAML for readability.
             data["pat_str"] = "|".join(data["pat_str"])
+        if data.get("chunking") is not None:
+            data["chunking"] = TextChunking.from_config(data["chunking"])
         known = set(cls.__dataclass_fields__)
         unknown = set(data) - known
         if unknown:

@@ -6,6 +6,8 @@
 Input lines: {"id", "messages", "tools"?, "response"}. Output lines, same order:
 {"id", "ok", "issues", "prompt_ids", "output_ids", "loss_mask",
  "completion_tokens_reported", "completion_tokens_reconstructed"}.
+Beside the output, `OUT.jsonl.summary.json` counts the records that are exact, repaired
+(ok with notes) and flagged (ok false), by code; the same counts are printed.
 Exit 0 once the file is processed (bad records are reported in their own line);
 exit 2 with a message for a missing file, an unknown model or a bad tokenizer.
 """
@@ -13,31 +15,89 @@ exit 2 with a message for a missing file, an unknown model or a bad tokenizer.
 from __future__ import annotations
 
 import json
+import os
+import re
 import sys
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, BinaryIO
 
 from kimi_pipe.core.models import Model, load_model
-from kimi_pipe.core.reconstruction import reconstruct
+from kimi_pipe.core.reconstruction import ERRORS, reconstruct
+
+MALFORMED = "malformed_record"
+# Codes that make a record flagged: the reconstruction errors and the stage's own.
+FLAG_CODES = ERRORS | {MALFORMED}
+UTF8_BOM = b"\xef\xbb\xbf"
+# A \uD800-\uDFFF escape: the only way a JSON line can carry a lone surrogate. Pairs (emoji
+# written as two escapes) also match, so a hit is confirmed on the parsed value.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
-def reconstruct_line(model: Model, line: str, line_no: int, tolerance: int) -> dict[str, Any]:
-    """One input line to one output record; never raises on bad data."""
+class BadLine(ValueError):
+    """An input line that cannot become a sample; the message says where and why."""
+
+
+def parse_line(raw: bytes, where: str) -> dict[str, Any]:
+    """One input line (bytes, no BOM) to a sample object, or BadLine naming the cause."""
     try:
-        sample = json.loads(line)
-        if not isinstance(sample, dict):
-            raise ValueError("not a JSON object")
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BadLine(
+            f"{where}: not UTF-8 (byte {exc.start} is {raw[exc.start : exc.start + 1]!r}); "
+            "re-encode the file as UTF-8"
+        ) from None
+    try:
+        sample = json.loads(text)
+    except RecursionError:
+        raise BadLine(f"{where}: JSON nested too deep to read") from None
     except ValueError as exc:
-        return _bad_record(None, "malformed_record", f"line {line_no}: {exc}")
+        raise BadLine(f"{where}: not JSON ({exc})") from None
+    if not isinstance(sample, dict):
+        raise BadLine(f"{where}: not a JSON object")
+    if _SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(sample):
+        # Not text any model or tokenizer produced: the provider saw something else (or
+        # nothing), so no id sequence can be proven for it.
+        raise BadLine(
+            f"{where}: a \\uD800-\\uDFFF escape that is not half of a surrogate pair; "
+            "fix the text that produced it"
+        )
+    return sample
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def reconstruct_line(
+    model: Model, line: str | bytes, line_no: int, tolerance: int, source: str = "input"
+) -> dict[str, Any]:
+    """One input line to one output record; never raises on bad data."""
+    raw = line.encode("utf-8", "surrogatepass") if isinstance(line, str) else line
+    where = f"{source}:{line_no}"
+    try:
+        sample = parse_line(raw, where)
+    except BadLine as exc:
+        return _bad_record(None, MALFORMED, str(exc))
     sample_id = sample.get("id", f"line-{line_no}")
     messages = sample.get("messages")
     if not isinstance(messages, list):
-        return _bad_record(sample_id, "bad_prompt", "messages must be a list")
-    result = reconstruct(
-        model, messages, sample.get("tools"), sample.get("response"), billing_tolerance=tolerance
-    )
+        return _bad_record(sample_id, "bad_prompt", f"{where}: messages must be a list")
+    try:
+        result = reconstruct(
+            model,
+            messages,
+            sample.get("tools"),
+            sample.get("response"),
+            billing_tolerance=tolerance,
+        )
+    except RecursionError:
+        return _bad_record(sample_id, MALFORMED, f"{where}: nested too deep to reconstruct")
     return {"id": sample_id, **result.to_record()}
 
 
@@ -55,25 +115,89 @@ def _bad_record(sample_id: Any, code: str, why: str) -> dict[str, Any]:
     }
 
 
-def _lines(handle: TextIO) -> Iterator[tuple[int, str]]:
-    for line_no, line in enumerate(handle, 1):
-        if line.strip():
-            yield line_no, line
+def _lines(handle: BinaryIO) -> Iterator[tuple[int, bytes]]:
+    for line_no, raw in enumerate(handle, 1):
+        if line_no == 1 and raw.startswith(UTF8_BOM):
+            raw = raw[len(UTF8_BOM) :]  # editors on Windows write one; it is not data
+        if raw.strip():
+            yield line_no, raw
+
+
+def summary_path(target: Path) -> Path:
+    return target.with_name(target.name + ".summary.json")
 
 
 def run(model: Model, source: Path, target: Path, tolerance: int) -> Counter[str]:
+    """Reconstruct every line of `source` into `target` and write the summary beside it.
+
+    Returns counts: records, ok, not_ok, exact, repaired, flagged, `issue:CODE`,
+    `flagged:CODE` (flagging codes of flagged records), `repaired:CODE` (notes of ok ones).
+    """
     counts: Counter[str] = Counter()
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(target.name + ".partial")
-    with source.open(encoding="utf-8") as src, tmp.open("w", encoding="utf-8") as dst:
+    with source.open("rb") as src, tmp.open("w", encoding="utf-8") as dst:
         for line_no, line in _lines(src):
-            record = reconstruct_line(model, line, line_no, tolerance)
+            record = reconstruct_line(model, line, line_no, tolerance, str(source))
             dst.write(json.dumps(record, ensure_ascii=False) + "\n")
-            counts["records"] += 1
-            counts["ok" if record["ok"] else "not_ok"] += 1
-            counts.update(f"issue:{code}" for code in record["issues"])
+            count_record(counts, record)
     tmp.replace(target)  # the output appears whole or not at all
+    write_summary(summary_path(target), source, target, counts)
     return counts
+
+
+def count_record(counts: Counter[str], record: dict[str, Any]) -> None:
+    issues = list(record["issues"])
+    counts["records"] += 1
+    counts["ok" if record["ok"] else "not_ok"] += 1
+    counts.update(f"issue:{code}" for code in issues)
+    if not record["ok"]:
+        counts["flagged"] += 1
+        counts.update(f"flagged:{code}" for code in issues if code in FLAG_CODES)
+    elif issues:
+        counts["repaired"] += 1
+        counts.update(f"repaired:{code}" for code in issues)
+    else:
+        counts["exact"] += 1
+
+
+def _by(counts: Counter[str], prefix: str) -> dict[str, int]:
+    return {k[len(prefix) :]: v for k, v in sorted(counts.items()) if k.startswith(prefix)}
+
+
+def summary_data(source: Path, target: Path, counts: Counter[str]) -> dict[str, Any]:
+    return {
+        "input": str(source),
+        "output": str(target),
+        "records": counts["records"],
+        "exact": counts["exact"],
+        "repaired": counts["repaired"],
+        "flagged": counts["flagged"],
+        "flagged_by_code": _by(counts, "flagged:"),
+        "repaired_by_code": _by(counts, "repaired:"),
+        "issues": _by(counts, "issue:"),
+    }
+
+
+def write_summary(path: Path, source: Path, target: Path, counts: Counter[str]) -> None:
+    tmp = path.with_name(path.name + ".partial")
+    tmp.write_text(
+        json.dumps(summary_data(source, target, counts), indent=2) + "\n", encoding="utf-8"
+    )
+    os.replace(tmp, path)
+
+
+def summary_lines(counts: Counter[str], target: Path) -> list[str]:
+    def listed(prefix: str) -> str:
+        return ", ".join(f"{code}={n}" for code, n in _by(counts, prefix).items()) or "-"
+
+    return [
+        f"reconstructed {counts['records']} records -> {target}: {counts['exact']} exact, "
+        f"{counts['repaired']} repaired (ok with notes), {counts['flagged']} flagged (ok false)",
+        f"  flagged by code:  {listed('flagged:')}",
+        f"  repaired by code: {listed('repaired:')}",
+        f"  summary: {summary_path(target)}",
+    ]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -100,13 +224,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (TokenizerNotFound, ValueError) as exc:
         print(f"error: cannot load model {cfg.model.name!r}: {exc}", file=sys.stderr)
         return 2
-    counts = run(model, source, Path(cfg.output), int(cfg.validation.billing_tolerance))
-    issues = ", ".join(f"{k[6:]}={v}" for k, v in sorted(counts.items()) if k.startswith("issue:"))
-    print(
-        f"reconstructed {counts['records']} records: {counts['ok']} ok, "
-        f"{counts['not_ok']} not ok" + (f" ({issues})" if issues else "") + f" -> {cfg.output}",
-        file=sys.stderr,
-    )
+    target = Path(cfg.output)
+    counts = run(model, source, target, int(cfg.validation.billing_tolerance))
+    print("\n".join(summary_lines(counts, target)), file=sys.stderr)
     return 0
 
 
