@@ -34,9 +34,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from kimi_pipe.config import REPO_DIR
+from kimi_pipe.config import DATA_DIR
 
-DEMO_PROMPTS = REPO_DIR / "data" / "demo_prompts.jsonl"
+DEMO_PROMPTS = DATA_DIR / "demo_prompts.jsonl"
 # Nothing in the demo may reach the network: no Hub, no price map, no update checks.
 OFFLINE_ENV = {
     "HF_HUB_OFFLINE": "1",
