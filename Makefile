@@ -104,7 +104,7 @@ wheel: setup
 # Install the wheel like a user (fresh venv outside the checkout, INSTALL_PY, default
 # Python 3.12) and run `kimi-pipe reconstruct` on the bundled sample from another directory.
 check-install: wheel
-	$(PYTHON) scripts/check_install.py --python $(or $(INSTALL_PY),python3.12) --wheel-dir dist
+	$(PYTHON) scripts/check_install.py --python $(or $(INSTALL_PY),3.12) --wheel-dir dist
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache build dist
