@@ -82,7 +82,10 @@ def find_python(wanted: str) -> str | None:
 
 def run(cmd: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+    try:
+        return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+    except FileNotFoundError as exc:  # e.g. a wheel without the console command
+        return subprocess.CompletedProcess(cmd, 127, "", f"{exc}\n")
 
 
 def must(done: subprocess.CompletedProcess[str], what: str) -> None:
@@ -190,10 +193,11 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    args.tokenizer_dir = args.tokenizer_dir.resolve()  # used from other folders
     cases = read_jsonl(args.cases)
     work = Path(tempfile.mkdtemp(prefix="kimi-pipe-install-"))
     try:
-        return check(args, wheels[0], cases, work)
+        return check(args, wheels[0].resolve(), cases, work)
     finally:
         if args.keep:
             print(f"kept {work}", file=sys.stderr)
