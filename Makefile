@@ -88,10 +88,12 @@ lock: setup
 
 # torch's two locks. The CPU one needs PyTorch's index to be reachable (the machines this
 # project was built on reach only PyPI: there the file holds the hashes that index publishes,
-# and the local wheel's sha256 equals the cp311 one; docs/install.md).
+# and the local wheel's sha256 equals the cp311 one; docs/install.md). The index line is
+# written into the file so that pip and uv look there for torch.
 lock-torch: setup
-	$(UV_COMPILE) --no-deps --index-url $(TORCH_CPU_INDEX) --emit-index-url \
-	  requirements-torch-cpu.in > requirements-torch-cpu.lock.new
+	{ echo "--extra-index-url $(TORCH_CPU_INDEX)"; \
+	  $(UV_COMPILE) --no-deps --extra-index-url $(TORCH_CPU_INDEX) requirements-torch-cpu.in; \
+	} > requirements-torch-cpu.lock.new
 	mv requirements-torch-cpu.lock.new requirements-torch-cpu.lock
 	$(UV_COMPILE) --constraint requirements.lock requirements-torch-cuda.in > requirements-torch-cuda.lock.new
 	mv requirements-torch-cuda.lock.new requirements-torch-cuda.lock
