@@ -3,9 +3,13 @@
 #   make test                      # the test suite (CI runs exactly this)
 #   make generate dataset=B5 ARGS="budget.usd=20 provider.concurrency=64"
 #   make sweep dataset=B5 providers=a,b,c n=50 usd=6
-# Python 3.11, 3.12 or 3.13: PY=python3.12 (or a path) picks one, else the first found.
-SUPPORTED_PY := python3.11 python3.12 python3.13
-PY ?= $(firstword $(foreach p,$(SUPPORTED_PY),$(shell command -v $(p) >/dev/null 2>&1 && $(p) -c 'import sys' >/dev/null 2>&1 && echo $(p))))
+# Python 3.11, 3.12 or 3.13: PY=python3.12 (or a path) picks one, else the first that runs
+# (on PATH, then pyenv's installed versions: a pyenv shim of an unselected version fails).
+SUPPORTED_PY := python3.11 python3.12 python3.13 \
+	$(sort $(wildcard $(HOME)/.pyenv/versions/3.1[123].*/bin/python3.1[123]))
+ifndef PY
+PY := $(firstword $(foreach p,$(SUPPORTED_PY),$(shell command -v $(p) >/dev/null 2>&1 && $(p) -c 'import sys' >/dev/null 2>&1 && echo $(p))))
+endif
 # torch: cpu (PyTorch's CPU index, the default), cuda (a GPU host: PyPI's CUDA build) or
 # none (the host provides torch itself, e.g. a CUDA image's; the venv then sees system packages).
 TORCH ?= cpu
@@ -28,6 +32,8 @@ $(STAMP): requirements.lock $(TORCH_LOCK) pyproject.toml setup.py
 	@$(PY) -c '$(PY_OK)' 2>/dev/null || { echo "error: PY=$(PY) is not Python 3.11-3.13 ($$($(PY) --version 2>&1)); run make PY=/path/to/python3.12"; exit 2; }
 	@if test -x $(PYTHON) && [ "$$($(PYTHON) -c 'import sys; print(sys.version_info[:2])')" != "$$($(PY) -c 'import sys; print(sys.version_info[:2])')" ]; then \
 	  echo "$(VENV) was made with another Python than $(PY): making it again"; rm -rf $(VENV); fi
+	@if test -f $(VENV)/pyvenv.cfg && [ "$$(grep -c 'include-system-site-packages = true' $(VENV)/pyvenv.cfg)" != "$(if $(filter none,$(TORCH)),1,0)" ]; then \
+	  echo "$(VENV) sees $(if $(filter none,$(TORCH)),no,the) system packages; TORCH=$(TORCH) wants the opposite: making it again"; rm -rf $(VENV); fi
 	@echo "setup: $$($(PY) --version) in $(VENV), torch from $(or $(TORCH_LOCK),the host (TORCH=none))"
 	test -x $(PYTHON) || $(PY) -m venv $(if $(filter none,$(TORCH)),--system-site-packages) $(VENV)
 	$(PYTHON) -m pip install --quiet --require-hashes --no-deps -r requirements.lock
