@@ -4,20 +4,41 @@
 #   make test                      # the test suite (CI runs exactly this)
 #   make generate dataset=B5 ARGS="budget.usd=20 provider.concurrency=64"
 #   make sweep dataset=B5 providers=a,b,c n=50 usd=6
-PY ?= python3.11
+# Python 3.11, 3.12 or 3.13: PY=python3.12 (or a path) picks one, else the first that runs
+# (on PATH, then pyenv's installed versions: a pyenv shim of an unselected version fails).
+SUPPORTED_PY := python3.11 python3.12 python3.13 \
+	$(sort $(wildcard $(HOME)/.pyenv/versions/3.1[123].*/bin/python3.1[123]))
+ifndef PY
+PY := $(firstword $(foreach p,$(SUPPORTED_PY),$(shell command -v $(p) >/dev/null 2>&1 && $(p) -c 'import sys' >/dev/null 2>&1 && echo $(p))))
+endif
+# torch: cpu (PyTorch's CPU index, the default), cuda (a GPU host: PyPI's CUDA build) or
+# none (the host provides torch itself, e.g. a CUDA image's; the venv then sees system packages).
+TORCH ?= cpu
+ifeq ($(filter cpu cuda none,$(TORCH)),)
+$(error TORCH=$(TORCH): use cpu, cuda or none)
+endif
 VENV := .venv
 BIN := $(VENV)/bin
 PYTHON := $(BIN)/python
-STAMP := $(VENV)/.installed-$(shell cat requirements.lock pyproject.toml | sha256sum | cut -c1-12)
+TORCH_LOCK := $(if $(filter-out none,$(TORCH)),requirements-torch-$(TORCH).lock)
+STAMP := $(VENV)/.installed-$(TORCH)-$(shell cat requirements.lock $(TORCH_LOCK) pyproject.toml setup.py 2>/dev/null | sha256sum | cut -c1-12)
+PY_OK := import sys; v = sys.version_info[:2]; sys.exit(0 if (3, 11) <= v <= (3, 13) else 1)
 
-.PHONY: setup test lint snapshots reconstruct-sample generate sweep report demo run bench lock clean
+.PHONY: setup test lint snapshots reconstruct-sample generate sweep report demo run bench lock lock-torch wheel check-install clean
 
 setup: $(STAMP)
 
-$(STAMP): requirements.lock pyproject.toml
-	@command -v $(PY) >/dev/null || { echo "error: $(PY) not found; install Python 3.11 or run make PY=/path/to/python3.11"; exit 2; }
-	test -x $(PYTHON) || $(PY) -m venv $(VENV)
+$(STAMP): requirements.lock $(TORCH_LOCK) pyproject.toml setup.py
+	@test -n "$(PY)" || { echo "error: no Python 3.11, 3.12 or 3.13 found (tried $(SUPPORTED_PY)); install one or run make PY=/path/to/python3.12"; exit 2; }
+	@$(PY) -c '$(PY_OK)' 2>/dev/null || { echo "error: PY=$(PY) is not Python 3.11-3.13 ($$($(PY) --version 2>&1)); run make PY=/path/to/python3.12"; exit 2; }
+	@if test -x $(PYTHON) && [ "$$($(PYTHON) -c 'import sys; print(sys.version_info[:2])')" != "$$($(PY) -c 'import sys; print(sys.version_info[:2])')" ]; then \
+	  echo "$(VENV) was made with another Python than $(PY): making it again"; rm -rf $(VENV); fi
+	@if test -f $(VENV)/pyvenv.cfg && [ "$$(grep -c 'include-system-site-packages = true' $(VENV)/pyvenv.cfg)" != "$(if $(filter none,$(TORCH)),1,0)" ]; then \
+	  echo "$(VENV) sees $(if $(filter none,$(TORCH)),no,the) system packages; TORCH=$(TORCH) wants the opposite: making it again"; rm -rf $(VENV); fi
+	@echo "setup: $$($(PY) --version) in $(VENV), torch from $(or $(TORCH_LOCK),the host (TORCH=none))"
+	test -x $(PYTHON) || $(PY) -m venv $(if $(filter none,$(TORCH)),--system-site-packages) $(VENV)
 	$(PYTHON) -m pip install --quiet --require-hashes --no-deps -r requirements.lock
+	$(if $(TORCH_LOCK),$(PYTHON) -m pip install --quiet --require-hashes --no-deps -r $(TORCH_LOCK))
 	$(PYTHON) -m pip install --quiet --no-deps --no-build-isolation -e .
 	rm -f $(VENV)/.installed-* && touch $@
 
@@ -63,11 +84,41 @@ bench: setup
 	$(PYTHON) scripts/bench_reconstruct.py
 	$(PYTHON) scripts/bench_generate.py
 
-UV_COMPILE := $(PYTHON) -m uv pip compile --generate-hashes --python-version 3.11 \
-	  --python-platform x86_64-manylinux_2_28 --find-links /opt/wheels --no-header
+# Locks (uv, from PyPI): one universal requirements.lock for Python 3.11-3.13 and Linux,
+# with torch's own dependencies but not torch (its metadata comes from PyTorch's CPU index,
+# or from this machine's copy of the same wheel in /opt/wheels when that folder exists).
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
+UV_COMPILE := $(PYTHON) -m uv pip compile --generate-hashes --universal --python-version 3.11 \
+	  --no-header --index-url https://pypi.org/simple
+TORCH_METADATA := $(if $(wildcard /opt/wheels/torch-*.whl),--find-links /opt/wheels,\
+	  --extra-index-url $(TORCH_CPU_INDEX) --index-strategy unsafe-best-match)
 
-lock:
-	{ $(UV_COMPILE) requirements.in && $(UV_COMPILE) --no-deps requirements-nodeps.in; } > requirements.lock
+lock: setup
+	{ $(UV_COMPILE) $(TORCH_METADATA) --no-emit-package torch requirements.in \
+	  && $(UV_COMPILE) --no-deps requirements-nodeps.in; } > requirements.lock.new
+	mv requirements.lock.new requirements.lock
+
+# torch's two locks. The CPU one needs PyTorch's index to be reachable (the machines this
+# project was built on reach only PyPI: there the file holds the hashes that index publishes,
+# and the local wheel's sha256 equals the cp311 one; docs/install.md). The index line is
+# written into the file so that pip and uv look there for torch.
+lock-torch: setup
+	{ echo "--extra-index-url $(TORCH_CPU_INDEX)"; \
+	  $(UV_COMPILE) --no-deps --extra-index-url $(TORCH_CPU_INDEX) requirements-torch-cpu.in; \
+	} > requirements-torch-cpu.lock.new
+	mv requirements-torch-cpu.lock.new requirements-torch-cpu.lock
+	$(UV_COMPILE) --constraint requirements.lock requirements-torch-cuda.in > requirements-torch-cuda.lock.new
+	mv requirements-torch-cuda.lock.new requirements-torch-cuda.lock
+
+# The wheel a user installs (configs and demo prompts inside): dist/kimi_pipe-*.whl
+wheel: setup
+	rm -rf dist build
+	$(PYTHON) -m pip wheel --quiet --no-deps --no-build-isolation -w dist .
+
+# Install the wheel like a user (fresh venv outside the checkout, INSTALL_PY, default
+# Python 3.12) and run `kimi-pipe reconstruct` on the bundled sample from another directory.
+check-install: wheel
+	$(PYTHON) scripts/check_install.py --python $(or $(INSTALL_PY),3.12) --wheel-dir dist
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache build dist

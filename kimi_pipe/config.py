@@ -1,4 +1,11 @@
-"""Composing the one Hydra config outside `@hydra.main` (for stages that write no run dir)."""
+"""Where the Hydra configs and bundled data live, and composing the config outside
+`@hydra.main` (for stages that write no run dir).
+
+A checkout keeps `conf/` and `data/` at the repository root; a built wheel carries copies
+inside the package (`kimi_pipe/conf`, `kimi_pipe/data`, written by setup.py at build time).
+The packaged copy wins when it exists, so an installed wheel never reads a stray `conf/`
+that some other distribution left in site-packages.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +15,33 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 PACKAGE_DIR = Path(__file__).resolve().parent
-REPO_DIR = PACKAGE_DIR.parent
-CONF_DIR = REPO_DIR / "conf"
-DATA_DIR = REPO_DIR / "data"
+REPO_DIR = PACKAGE_DIR.parent  # the checkout; in an installed wheel this is site-packages
+
+
+def bundled_dir(name: str, package_dir: Path = PACKAGE_DIR) -> Path:
+    """The package's own copy of `name` (an installed wheel), else the checkout's."""
+    packaged = package_dir / name
+    if packaged.is_dir():
+        return packaged
+    return package_dir.parent / name
+
+
+CONF_DIR = bundled_dir("conf")
+DATA_DIR = bundled_dir("data")
+
+
+class ConfigDirMissing(FileNotFoundError):
+    """Neither the package nor a checkout holds the Hydra configs."""
+
+
+def require_conf_dir() -> Path:
+    if not (CONF_DIR / "config.yaml").is_file():
+        raise ConfigDirMissing(
+            f"kimi_pipe configs not found: neither {PACKAGE_DIR / 'conf'} (an installed wheel) "
+            f"nor {REPO_DIR / 'conf'} (a checkout) holds config.yaml. Reinstall the wheel "
+            "(built with `pip wheel .` or `make wheel`), or run from a checkout."
+        )
+    return CONF_DIR
 
 # `${kimi_pipe_data:demo_prompts.jsonl}` in a config: a file bundled with the project.
 OmegaConf.register_new_resolver("kimi_pipe_data", lambda name: str(DATA_DIR / name), replace=True)
@@ -20,5 +51,5 @@ def compose(overrides: Sequence[str]) -> DictConfig:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(require_conf_dir()), version_base="1.3"):
         return hydra_compose(config_name="config", overrides=list(overrides))

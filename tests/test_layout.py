@@ -1,7 +1,7 @@
 """The house: subpackages import downwards only and no module imports itself round a cycle.
 
 Layers, lowest first: config, progress -> core -> store -> providers / extraction -> reporting ->
-stages -> pipeline. A module may import its own layer or lower ones (imports inside
+stages -> pipeline -> cli. A module may import its own layer or lower ones (imports inside
 functions included), never a higher one; the top-level alias modules (`kimi_pipe.generate`
 ...) may import anything.
 """
@@ -24,6 +24,7 @@ LAYERS = {
     "reporting": 4,
     "stages": 5,
     "pipeline": 6,
+    "cli": 7,
 }
 
 
