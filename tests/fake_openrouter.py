@@ -284,6 +284,13 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True  # a hanging request must not block shutdown
     block_on_close = False
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client killed mid-request (kill loops) leaves a broken pipe: not a server error.
+        import sys
+
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
 
 class FakeOpenRouter:
     def __init__(

@@ -15,7 +15,14 @@ torn last line, which is ignored and cut):
     {"k": "g", "n": SEQ, "gen": GENERATION_ID}                         answer arrived
     {"k": "s", "n": SEQ, "usd": COST, "b": BILLED, "how": HOW}          settled
 `b` is false only for an attempt the provider refused before generating (HTTP 4xx/5xx
-with no cost): those do not count against `retry.max_attempts` across runs.
+with no cost).
+
+An id counts against `retry.max_attempts` over all runs for each attempt that was billed
+and failed in its own run (an unreadable answer, a timeout), and for each request open at a
+kill *whose answer had arrived* (its generation id is journalled: handling that answer may
+be what killed the process). A request merely in flight when the process was killed is
+booked but not held against its id: a kill is not the sample's fault, and counting it would
+give up the first `concurrency` ids after a few kills at start-up.
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ class Intent:
     generation_id: str | None = None
     cost: float | None = None  # set once settled
     billed: bool = True
+    how: str = SETTLED
 
 
 def _finite_usd(value: object) -> float | None:
@@ -97,6 +105,7 @@ class SpendJournal:
             # A settle line that does not hold a valid cost cannot lower the booking.
             intent.cost = cost if cost is not None else intent.usd
             intent.billed = bool(line.get("b", True))
+            intent.how = str(line.get("how") or SETTLED)
 
     def _write(self, line: dict) -> None:
         data = json.dumps(line, separators=(",", ":")).encode() + b"\n"
@@ -119,7 +128,7 @@ class SpendJournal:
         intent = self.intents[seq]
         if intent.cost is not None:
             return
-        intent.cost, intent.billed = cost, billed
+        intent.cost, intent.billed, intent.how = cost, billed, how
         self._write({"k": "s", "n": seq, "usd": cost, "b": billed, "how": how})
 
     # --- resume ---------------------------------------------------------------------
@@ -152,8 +161,14 @@ class SpendJournal:
         return sum(i.usd if i.cost is None else i.cost for i in self.intents.values())
 
     def billed_attempts(self) -> Counter[str]:
-        """Per id, the attempts that were (or may have been) billed, over all runs."""
-        return Counter(i.id for i in self.intents.values() if i.billed or i.cost is None)
+        """Per id, the attempts held against it over all runs (see the module doc)."""
+        counted: Counter[str] = Counter()
+        for i in self.intents.values():
+            if i.cost is None or i.how != SETTLED:  # open at a kill
+                counted[i.id] += i.generation_id is not None
+            elif i.billed:
+                counted[i.id] += 1
+        return counted
 
     def close(self) -> None:
         if self._fd >= 0:
