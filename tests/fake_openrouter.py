@@ -48,8 +48,9 @@ of the bill), ``no_usage`` (no usage object); ``finish_list``, ``tool_calls_str`
 ``message_null`` (an answer that does not parse); ``other_model``, ``dated_model``,
 ``finish_null``, ``finish_unknown``, ``content_filter``; ``surrogate`` (a lone ``\ud800``
 in the content), ``badutf8`` (raw invalid UTF-8 bytes in the content), ``echo_key`` (the
-request's API key inside the content). ``overbill`` multiplies every bill (and the
-usage.cost it reports); ``listed_prices`` replaces the prices ``/models`` lists.
+request's API key inside the content), ``huge`` (50 MB of content). ``overbill``
+multiplies every bill (and the usage.cost it reports); ``listed_prices`` replaces the
+prices ``/models`` lists.
 
 Run standalone (for a reviewer or the benchmark), from the repository root:
     PYTHONPATH=. python tests/fake_openrouter.py --port 8765 [--delay 0.05] \
@@ -392,7 +393,7 @@ class FakeOpenRouter:
 HOSTILE = frozenset({
     "cost_nan", "cost_inf", "cost_neg", "cost_true", "cost_under", "no_usage", "finish_list",
     "tool_calls_str", "message_null", "other_model", "dated_model", "finish_null",
-    "finish_unknown", "content_filter", "surrogate", "badutf8", "echo_key",
+    "finish_unknown", "content_filter", "surrogate", "badutf8", "echo_key", "huge",
 })
 _BAD_UTF8_MARK = "@@BAD-UTF8@@"
 
@@ -434,6 +435,8 @@ def _hostile(mode: str, answer: dict, headers_of_request: Any) -> dict:
         message["content"] = (message.get("content") or "") + "\ud800 lone"
     elif mode == "badutf8":
         message["content"] = (message.get("content") or "") + _BAD_UTF8_MARK
+    elif mode == "huge":  # 50 MB of content
+        message["content"] = "x" * (50 << 20)
     elif mode == "echo_key":
         auth = headers_of_request.get("Authorization") or ""
         message["content"] = f"{message.get('content') or ''} your key is {auth[7:]}"

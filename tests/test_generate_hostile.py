@@ -274,3 +274,19 @@ def test_unsettled_intents_of_a_killed_process_are_booked_on_resume(
     lines = read_jsonl(out / JOURNAL)
     assert {line.get("how") for line in lines if line["k"] == "s"} >= {
         "recovered_worst_case", "recovered_lookup"}
+
+
+def test_an_answer_above_max_response_mb_is_cut_off_booked_and_failed(
+    tmp_path: Path, fake_openrouter, kimi_dir: Path, api_key_env: str
+) -> None:
+    srv = fake_openrouter(default=Behaviour(script={"Question s0:": ["huge"]}))
+    status, summary, out, _ = _run(tmp_path, srv.url(), kimi_dir, n=2,
+                                   extra=["provider.max_response_mb=1"])
+    assert status == 0 and summary is not None
+    records = _by_id(out / "records.jsonl")
+    assert records["s0"]["error"]["class"] == "response_too_large"
+    assert records["s1"]["ok"]
+    failed = read_jsonl(out / "attempt_errors.jsonl")
+    assert failed[0]["cost"] > 0  # booked at its worst case: it may have been billed
+    assert summary["spend_usd"] >= srv.total_cost() - 1e-12
+    assert "max_response_mb" in records["s0"]["error"]["message"]

@@ -86,7 +86,7 @@ class ProviderSettings:
     fallback_output_usd_per_mtok: float | None = None
     models_path: str = "/models"
     key_path: str = "/key"
-    max_response_mb: float = 64.0
+    max_response_mb: float | None = None
     extra_headers: dict[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -140,7 +140,8 @@ class ProviderSettings:
             fallback_output_usd_per_mtok=pricing.get("fallback_output_usd_per_mtok"),
             models_path=str(data.get("models_path") or "/models"),
             key_path=str(data.get("key_path") or "/key"),
-            max_response_mb=float(data.get("max_response_mb") or 64.0),
+            max_response_mb=(float(data["max_response_mb"])
+                             if data.get("max_response_mb") is not None else None),
             extra_headers=dict(data.get("headers") or {}),
         )
 
@@ -194,6 +195,7 @@ class ErrorInfo:
 
 # LiteLLM's words for an HTTP-200 body it could not turn into a response.
 _UNPARSABLE_ANSWER = ("Invalid response object", "codec can't decode")
+TOO_LARGE = "exceeds provider.max_response_mb"
 _FAIL_STATUS = {400: "bad_request", 403: "forbidden", 404: "not_found", 413: "too_large",
                 422: "unprocessable"}
 _STOP_STATUS = {401: "auth", 402: "payment_required"}
@@ -242,6 +244,8 @@ def classify_exception(exc: BaseException, key: str | None = None) -> ErrorInfo:
         return ErrorInfo("rate_limited", status, message, "retry", retry_after)
     if status in _FAIL_STATUS:
         return ErrorInfo(_FAIL_STATUS[status], status, message, "fail")
+    if TOO_LARGE in message:  # cut off unread: may still have been billed
+        return ErrorInfo("response_too_large", status, message, "fail")
     if any(sign in message for sign in _UNPARSABLE_ANSWER):
         # An answer arrived (and was billed) but does not have the shape of one: buying it
         # again would be billed again for the same garbage.
@@ -358,9 +362,59 @@ def generation_id_of(response: Mapping[str, Any] | None, hidden: Mapping[str, An
     return rid if isinstance(rid, str) and rid.startswith("gen-") else None
 
 
+class ResponseTooLarge(Exception):
+    pass
+
+
+def size_limited_client(settings: ProviderSettings) -> Any:
+    """A LiteLLM HTTP client that stops reading an answer after `provider.max_response_mb`
+    (a hostile or broken provider can send gigabytes). LiteLLM takes a `client` for the
+    providers it calls through its own HTTP handler (OpenRouter); None for the others,
+    which then read whole answers; None as well when no limit is set (LiteLLM's own client,
+    which also re-sends a request whose pooled connection dropped). Create it inside the
+    running event loop."""
+    if settings.max_response_mb is None or not settings.model.startswith("openrouter/"):
+        return None
+    import httpx
+    from litellm.llms.custom_httpx.http_handler import AsyncHTTPHandler
+
+    limit = int(settings.max_response_mb * (1 << 20))
+
+    class Limited(httpx.AsyncByteStream):
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        async def __aiter__(self) -> Any:
+            seen = 0
+            async for chunk in self.inner:
+                seen += len(chunk)
+                if seen > limit:
+                    raise ResponseTooLarge(f"the answer {TOO_LARGE} ({settings.max_response_mb}"
+                                           " MB); raise it if such answers are expected")
+                yield chunk
+
+        async def aclose(self) -> None:
+            await self.inner.aclose()
+
+    class LimitedTransport(httpx.AsyncBaseTransport):
+        def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+            self.inner = inner
+
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            response = await self.inner.handle_async_request(request)
+            response.stream = Limited(response.stream)
+            return response
+
+        async def aclose(self) -> None:
+            await self.inner.aclose()
+
+    inner = AsyncHTTPHandler._create_async_transport() or httpx.AsyncHTTPTransport()
+    return AsyncHTTPHandler(timeout=settings.timeout_s, transport=LimitedTransport(inner))
+
+
 async def attempt_once(
     settings: ProviderSettings, key: str, messages: list[dict], tools: list[dict] | None,
-    price_fallback: Callable[[int, int], float] | None = None,
+    price_fallback: Callable[[int, int], float] | None = None, http_client: Any = None,
 ) -> Attempt:
     """One HTTP request; never raises for provider trouble (returns it as `error`)."""
     litellm = get_litellm()
@@ -379,6 +433,8 @@ async def attempt_once(
         kwargs["extra_body"] = settings.extra_body
     if settings.extra_headers:
         kwargs["extra_headers"] = settings.extra_headers
+    if http_client is not None:
+        kwargs["client"] = http_client
     start = time.monotonic()
     try:
         # LiteLLM has its own timeout; wait_for is the backstop for a hanging transport.
@@ -419,7 +475,7 @@ OnFailed = Callable[[ErrorInfo, int, float, int], None]
 
 # Failures after which the provider may have generated (and billed) an answer we never saw
 # or could not read: booked at the attempt's worst case.
-BILLED_UNSEEN = frozenset({"timeout", "malformed_response", "bad_body"})
+BILLED_UNSEEN = frozenset({"timeout", "malformed_response", "bad_body", "response_too_large"})
 # Billing flags after which the answer's own cost cannot be trusted.
 UNTRUSTED_COST = frozenset({"cost_invalid", "no_usage", "usage_invalid"})
 OVERBILLED = "billed_above_reservation"
@@ -451,6 +507,7 @@ async def call_with_retries(
     on_failed: OnFailed | None = None,
     stop_event: asyncio.Event | None = None,
     max_attempts: int | None = None,
+    http_client: Any = None,
 ) -> CallResult:
     """Attempts until an answer, a non-retryable error, `max_attempts` (default
     `retry.max_attempts`), no budget, or `stop_event`. Backoff is exponential with jitter
@@ -466,8 +523,8 @@ async def call_with_retries(
         if reservation is None:
             return CallResult(None, 0.0, 0, 0.0, attempts, NO_BUDGET, errors)
         attempts += 1
-        last = book(await attempt_once(settings, key, messages, tools, price_fallback),
-                    reservation)
+        last = book(await attempt_once(settings, key, messages, tools, price_fallback,
+                                       http_client), reservation)
         ok = last.error is None
         settle(reservation, last, ok)
         if ok:

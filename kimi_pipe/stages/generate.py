@@ -59,6 +59,7 @@ from kimi_pipe.providers.litellm_calls import (
     get_litellm,
     key_status,
     scrub,
+    size_limited_client,
 )
 from kimi_pipe.store.records import RecordWriter, iter_records, load_resume_index, record_cost
 from kimi_pipe.store.run_lock import RunDirLocked, RunLock
@@ -229,6 +230,7 @@ class Generator:
                         used_output_tokens=index.output_tokens)
         self.budget = budget
         self.key_start = await self._check_key()
+        self.http_client = size_limited_client(self.settings)
         gate = BudgetGate(budget)
         max_per_sample = b.get("max_usd_per_sample")
         log.info("generate: %d prompts, %d already done; provider %s (%s), concurrency %d, "
@@ -317,6 +319,8 @@ class Generator:
                     poller.cancel()
                 self.progress.close()
         await self._read_key_usage()
+        if self.http_client is not None:
+            await self.http_client.close()
         self.stats.stop_reason = self.stats.stop_reason or "done"
         if self.stats.skipped_over_budget and not self.stats.stop_message:
             self.stats.stop_message = (
@@ -433,7 +437,8 @@ class Generator:
             result = await call_with_retries(
                 self.settings, self.key, prompt.messages, prompt.tools, reserve, settle,
                 self.rng, self._price_fallback, on_failed, self.stop_event,
-                max_attempts=max(1, self.settings.retry.max_attempts - prior_attempts))
+                max_attempts=max(1, self.settings.retry.max_attempts - prior_attempts),
+                http_client=self.http_client)
         finally:
             if pending:  # never used: give the first reservation back
                 gate.settle(first, 0.0, 0, False)
