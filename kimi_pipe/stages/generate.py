@@ -679,6 +679,8 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # Header names that carry credentials.
 _SECRET_HEADERS = ("authorization", "api-key", "api_key", "apikey", "x-api-key", "token",
                    "cookie", "secret")
+# Environment variables that hold secrets (OPENROUTER_API_KEY, HF_TOKEN, ...).
+_SECRET_VAR = re.compile(r"(?:API_?KEY|_TOKEN|_SECRET|ACCESS_KEY)$")
 # What API keys look like (OpenRouter sk-or-v1-..., OpenAI sk-..., bearer tokens).
 _KEY_SHAPE = re.compile(r"(?:\bsk-[A-Za-z0-9_-]{16,}|\bBearer\s+\S{8,})")
 
@@ -687,7 +689,7 @@ def key_in_overrides(argv: list[str], environ: dict[str, str] | None = None) -> 
     """Why an override would put a secret into the saved config (None: it would not)."""
     environ = dict(os.environ) if environ is None else environ
     secrets = [v for k, v in environ.items()
-               if len(v) >= 12 and any(w in k.upper() for w in ("API_KEY", "TOKEN", "SECRET"))]
+               if _SECRET_VAR.search(k.upper()) and len(v) >= 12 and not v.startswith("/")]
     for arg in argv:
         if "=" not in arg:
             continue
