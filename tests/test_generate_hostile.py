@@ -116,6 +116,7 @@ def test_f3_lone_surrogates_and_bad_bytes_are_replaced_flagged_and_written(
     assert "prompt_text_replaced" in records["s3"]["issues"] and not records["s3"]["ok"]
     assert "\ufffd" in records["s3"]["messages"][1]["content"]
     assert summary["prompt_rows_skipped"] == {"too_deeply_nested": 1}
+    assert summary["prompt_rows_skipped_examples"] == {"too_deeply_nested": ["line-5"]}
     (out / "records.jsonl").read_bytes().decode("utf-8")  # strict UTF-8 throughout
 
 

@@ -177,6 +177,7 @@ class Generator:
         self.key_delta = 0.0  # USD the key's usage grew by during this run
         self.recovered: tuple[int, float] = (0, 0.0)
         self.spent_before = 0.0
+        self.skipped_examples: dict[str, list[str]] = {}
 
     # --- budget -------------------------------------------------------------------------
     def _price_fallback(self, prompt_tokens: int, completion_tokens: int) -> float:
@@ -270,8 +271,8 @@ class Generator:
                         sem.release()
                         break
                     repair = TextRepair()
-                    prompt = _repaired(prompt, repair)
                     try:
+                        prompt = _repaired(prompt, repair)
                         n_prompt = core.prompt_len(prompt.messages, prompt.tools)
                     except Exception as exc:  # noqa: BLE001 - a bad row, not a bad run
                         sem.release()
@@ -330,6 +331,8 @@ class Generator:
         if prompts.skipped:
             log.warning("dataset rows that could not become prompts (skipped): %s; first rows: "
                         "%s", dict(prompts.skipped), dict(prompts.skipped_examples))
+        # Which rows (line-N of dataset.path) were skipped, so they can be found and fixed.
+        self.skipped_examples = {k: list(v) for k, v in prompts.skipped_examples.items()}
         summary = self.summary(records_path, errors_path, prompts.skipped)
         tmp = self.run_dir / (SUMMARY + ".partial")
         tmp.write_text(json.dumps(summary, indent=2) + "\n")
@@ -454,7 +457,14 @@ class Generator:
         err = result.error
         if err is None:
             repair = TextRepair()
-            resp = clean_text(result.response, self.key, repair)
+            try:
+                resp = clean_text(result.response, self.key, repair)
+            except RecursionError:  # nested too deeply to walk: unusable, cost already booked
+                err = ErrorInfo("malformed_response", 200, "the answer is nested too deeply",
+                                "fail")
+                writer.append(_error_record(prompt, self.request, err, result.attempts))
+                self.stats.failed[err.cls] += 1
+                return
             assert resp is not None
             try:
                 rec = core.reconstruct(prompt.messages, prompt.tools, resp)
@@ -555,6 +565,7 @@ class Generator:
             "stop_message": s.stop_message,
             "prompts": self.total,
             "prompt_rows_skipped": dict(skipped_rows),
+            "prompt_rows_skipped_examples": self.skipped_examples,
             "counts": {"records": counts["records"], "answered": counts["answered"],
                        "ok": counts["ok"], "flagged": counts["flagged"],
                        "failed": sum(failed.values())},
