@@ -390,11 +390,28 @@ class FakeOpenRouter:
             return True
 
 
-HOSTILE = frozenset({
-    "cost_nan", "cost_inf", "cost_neg", "cost_true", "cost_under", "no_usage", "finish_list",
-    "tool_calls_str", "message_null", "other_model", "dated_model", "finish_null",
-    "finish_unknown", "content_filter", "surrogate", "badutf8", "echo_key", "huge",
-})
+HOSTILE = frozenset(
+    {
+        "cost_nan",
+        "cost_inf",
+        "cost_neg",
+        "cost_true",
+        "cost_under",
+        "no_usage",
+        "finish_list",
+        "tool_calls_str",
+        "message_null",
+        "other_model",
+        "dated_model",
+        "finish_null",
+        "finish_unknown",
+        "content_filter",
+        "surrogate",
+        "badutf8",
+        "echo_key",
+        "huge",
+    }
+)
 _BAD_UTF8_MARK = "@@BAD-UTF8@@"
 
 
@@ -509,8 +526,17 @@ def _make_handler(server: FakeOpenRouter) -> type[BaseHTTPRequestHandler]:
                 used = server.total_cost(name or "")
                 limit = beh.key_limit
                 remaining = None if limit is None else max(0.0, limit - used)
-                return self._send(200, {"data": {"label": "fake", "usage": used, "limit": limit,
-                                                 "limit_remaining": remaining}})
+                return self._send(
+                    200,
+                    {
+                        "data": {
+                            "label": "fake",
+                            "usage": used,
+                            "limit": limit,
+                            "limit_remaining": remaining,
+                        }
+                    },
+                )
             if path == "/generation":
                 gid = parse_qs(urlparse(self.path).query).get("id", [""])[0]
                 gen = server.generations.get(gid)

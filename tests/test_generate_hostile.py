@@ -19,13 +19,22 @@ def _by_id(path: Path) -> dict[str, dict]:
     return {r["id"]: r for r in read_jsonl(path)}
 
 
-def _run(tmp_path: Path, url: str, kimi_dir: Path, n: int = 4, extra: list[str] | None = None,
-         usd: float = 10.0, name: str = "run", **kw) -> tuple[int, dict | None, Path, list[str]]:
+def _run(
+    tmp_path: Path,
+    url: str,
+    kimi_dir: Path,
+    n: int = 4,
+    extra: list[str] | None = None,
+    usd: float = 10.0,
+    name: str = "run",
+    **kw,
+) -> tuple[int, dict | None, Path, list[str]]:
     prompts = tmp_path / f"{name}.jsonl"
     ids = write_prompts(prompts, n, **kw)
     out = tmp_path / name
     status, summary = run_inprocess(
-        base_overrides(prompts, url, out, kimi_dir, usd=usd) + (extra or []), out)
+        base_overrides(prompts, url, out, kimi_dir, usd=usd) + (extra or []), out
+    )
     return status, summary, out, ids
 
 
@@ -33,13 +42,19 @@ def test_f4_invalid_costs_book_the_reservation_and_flag_the_sample(
     tmp_path: Path, fake_openrouter, kimi_dir: Path, api_key_env: str
 ) -> None:
     modes = ["cost_nan", "cost_inf", "cost_neg", "cost_true", "no_usage"]
-    srv = fake_openrouter(default=Behaviour(script={f"Question s{i}:": [m]
-                                                    for i, m in enumerate(modes)}))
+    srv = fake_openrouter(
+        default=Behaviour(script={f"Question s{i}:": [m] for i, m in enumerate(modes)})
+    )
     status, summary, out, ids = _run(tmp_path, srv.url(), kimi_dir, n=6)
     assert status == 0 and summary is not None
     records = _by_id(out / "records.jsonl")
-    expected = {"cost_nan": "cost_invalid", "cost_inf": "cost_invalid",
-                "cost_neg": "cost_invalid", "cost_true": "cost_invalid", "no_usage": "no_usage"}
+    expected = {
+        "cost_nan": "cost_invalid",
+        "cost_inf": "cost_invalid",
+        "cost_neg": "cost_invalid",
+        "cost_true": "cost_invalid",
+        "no_usage": "no_usage",
+    }
     for i, mode in enumerate(modes):
         rec = records[f"s{i}"]
         assert expected[mode] in rec["issues"] and not rec["ok"], (mode, rec["issues"])
@@ -70,8 +85,7 @@ def test_f5_an_answer_that_does_not_parse_is_booked_failed_and_never_bought_agai
     failed = read_jsonl(out / "attempt_errors.jsonl")
     assert len(failed) == 3 and all(f["cost"] > 0 for f in failed)
     n = len(srv.requests)
-    status, _ = run_inprocess(base_overrides(tmp_path / "run.jsonl", srv.url(), out, kimi_dir),
-                              out)
+    status, _ = run_inprocess(base_overrides(tmp_path / "run.jsonl", srv.url(), out, kimi_dir), out)
     assert len(srv.requests) == n  # nothing bought again on resume
 
 
@@ -79,8 +93,9 @@ def test_f10_answers_from_another_model_or_without_a_known_finish_are_errors(
     tmp_path: Path, fake_openrouter, kimi_dir: Path, api_key_env: str
 ) -> None:
     modes = ["other_model", "finish_null", "finish_unknown", "content_filter", "dated_model"]
-    srv = fake_openrouter(default=Behaviour(script={f"Question s{i}:": [m]
-                                                    for i, m in enumerate(modes)}))
+    srv = fake_openrouter(
+        default=Behaviour(script={f"Question s{i}:": [m] for i, m in enumerate(modes)})
+    )
     status, summary, out, ids = _run(tmp_path, srv.url(), kimi_dir, n=6)
     assert status == 0 and summary is not None
     records = _by_id(out / "records.jsonl")
@@ -94,8 +109,9 @@ def test_f10_answers_from_another_model_or_without_a_known_finish_are_errors(
 def test_f3_lone_surrogates_and_bad_bytes_are_replaced_flagged_and_written(
     tmp_path: Path, fake_openrouter, kimi_dir: Path, api_key_env: str
 ) -> None:
-    srv = fake_openrouter(default=Behaviour(script={"Question s1:": ["surrogate"],
-                                                    "Question s2:": ["badutf8"]}))
+    srv = fake_openrouter(
+        default=Behaviour(script={"Question s1:": ["surrogate"], "Question s2:": ["badutf8"]})
+    )
     prompts = tmp_path / "p.jsonl"
     write_prompts(prompts, 4)
     lines = prompts.read_bytes().splitlines()
@@ -123,8 +139,15 @@ def test_f3_lone_surrogates_and_bad_bytes_are_replaced_flagged_and_written(
 def test_f6_unusable_listed_prices_are_refused(
     tmp_path: Path, fake_openrouter, kimi_dir: Path, api_key_env: str, capsys
 ) -> None:
-    for i, prices in enumerate([("0", "0"), ("-0.000001", "0.000002"), ("NaN", "NaN"),
-                                ("0.000000000001", "0.000000000001"), (None, "1")]):
+    for i, prices in enumerate(
+        [
+            ("0", "0"),
+            ("-0.000001", "0.000002"),
+            ("NaN", "NaN"),
+            ("0.000000000001", "0.000000000001"),
+            (None, "1"),
+        ]
+    ):
         srv = fake_openrouter(default=Behaviour(listed_prices=prices))
         status, summary, out, _ = _run(tmp_path, srv.url(), kimi_dir, n=2, name=f"r{i}")
         assert status == 2 and summary is None, prices
@@ -138,15 +161,24 @@ def test_f8_a_provider_billing_3x_its_prices_cannot_push_spend_past_the_cap(
     srv = fake_openrouter(default=Behaviour(overbill=3.0, delay_s=0.05))
     cap = 0.01
     status, summary, out, ids = _run(
-        tmp_path, srv.url(), kimi_dir, n=120, usd=cap,
-        extra=["provider.params.max_tokens=40", "budget.reserve_factor=1.0",
-               "provider.concurrency=8"])
+        tmp_path,
+        srv.url(),
+        kimi_dir,
+        n=120,
+        usd=cap,
+        extra=[
+            "provider.params.max_tokens=40",
+            "budget.reserve_factor=1.0",
+            "provider.concurrency=8",
+        ],
+    )
     assert status == 0 and summary is not None
     assert srv.total_cost() <= cap
     assert summary["budget"]["overbill_ratio"] > 2.5
     assert summary["spend_usd"] >= srv.total_cost() - 1e-12
-    flagged = [r for r in read_jsonl(out / "records.jsonl")
-               if "billed_above_reservation" in r["issues"]]
+    flagged = [
+        r for r in read_jsonl(out / "records.jsonl") if "billed_above_reservation" in r["issues"]
+    ]
     assert flagged and not any(r["ok"] for r in flagged)
 
 
@@ -156,8 +188,13 @@ def test_f7_a_sample_too_big_for_the_budget_is_skipped_and_the_run_goes_on(
     srv = fake_openrouter()
     big = "word " * 20_000
     status, summary, out, ids = _run(
-        tmp_path, srv.url(), kimi_dir, n=5, usd=0.01,
-        text=lambda i: big if i == 1 else f"Question s{i}: what is {i}+{i}?")
+        tmp_path,
+        srv.url(),
+        kimi_dir,
+        n=5,
+        usd=0.01,
+        text=lambda i: big if i == 1 else f"Question s{i}: what is {i}+{i}?",
+    )
     assert status == 0 and summary is not None
     records = _by_id(out / "records.jsonl")
     assert sorted(records) == ["s0", "s2", "s3", "s4"]  # after the big one, the run went on
@@ -166,8 +203,14 @@ def test_f7_a_sample_too_big_for_the_budget_is_skipped_and_the_run_goes_on(
     # A per-sample cap skips it the same way.
     srv2 = fake_openrouter()
     status, summary, out, _ = _run(
-        tmp_path, srv2.url(), kimi_dir, n=3, name="cap", extra=["budget.max_usd_per_sample=0.005"],
-        text=lambda i: big if i == 0 else f"Question s{i}: what is {i}+{i}?")
+        tmp_path,
+        srv2.url(),
+        kimi_dir,
+        n=3,
+        name="cap",
+        extra=["budget.max_usd_per_sample=0.005"],
+        text=lambda i: big if i == 0 else f"Question s{i}: what is {i}+{i}?",
+    )
     assert sorted(_by_id(out / "records.jsonl")) == ["s1", "s2"]
     assert summary is not None and summary["this_run"]["skipped_over_budget"] == 1
 
@@ -197,8 +240,11 @@ def test_key_limit_below_the_budget_refuses_to_start_and_key_usage_is_counted(
     assert status == 2 and srv.requests == []
     assert "cannot cover" in capsys.readouterr().err
     # A provider that reports a tenth of what it bills: the key's own usage is counted.
-    srv2 = fake_openrouter(default=Behaviour(key_endpoint=True, script={
-        f"Question s{i}:": ["cost_under"] for i in range(4)}))
+    srv2 = fake_openrouter(
+        default=Behaviour(
+            key_endpoint=True, script={f"Question s{i}:": ["cost_under"] for i in range(4)}
+        )
+    )
     status, summary, out, _ = _run(tmp_path, srv2.url(), kimi_dir, n=4, usd=1.0, name="under")
     assert status == 0 and summary is not None
     assert summary["key"]["usage_delta_this_run"] == pytest.approx(srv2.total_cost())
@@ -222,8 +268,9 @@ def test_a_run_where_every_request_failed_exits_4_with_the_cause(
     tmp_path: Path, fake_openrouter, kimi_dir: Path, api_key_env: str, capsys
 ) -> None:
     srv = fake_openrouter(default=Behaviour(error_rate=1.0, error_mode="503"))
-    status, summary, out, _ = _run(tmp_path, srv.url(), kimi_dir, n=3,
-                                   extra=["provider.retry.max_attempts=2"])
+    status, summary, out, _ = _run(
+        tmp_path, srv.url(), kimi_dir, n=3, extra=["provider.retry.max_attempts=2"]
+    )
     assert status == 4 and summary is not None
     assert "every request of this run failed" in capsys.readouterr().err
 
@@ -241,7 +288,8 @@ def test_torn_attempt_errors_line_keeps_its_cost_and_attempts_count_over_runs(
     data = errors.read_bytes()
     errors.write_bytes(data[: len(data) - len(data.splitlines()[-1]) // 2 - 1])
     status, summary = run_inprocess(
-        base_overrides(tmp_path / "run.jsonl", srv.url(), out, kimi_dir) + extra, out)
+        base_overrides(tmp_path / "run.jsonl", srv.url(), out, kimi_dir) + extra, out
+    )
     assert summary is not None
     assert summary["spend_usd"] >= srv.total_cost() - 1e-12
     # s0 was bought 3 times (max_attempts) over the first run: never again.
@@ -274,15 +322,18 @@ def test_unsettled_intents_of_a_killed_process_are_booked_on_resume(
     assert summary["journal"]["recovered_usd"] == pytest.approx(0.5 + srv.bills[0].cost)
     lines = read_jsonl(out / JOURNAL)
     assert {line.get("how") for line in lines if line["k"] == "s"} >= {
-        "recovered_worst_case", "recovered_lookup"}
+        "recovered_worst_case",
+        "recovered_lookup",
+    }
 
 
 def test_an_answer_above_max_response_mb_is_cut_off_booked_and_failed(
     tmp_path: Path, fake_openrouter, kimi_dir: Path, api_key_env: str
 ) -> None:
     srv = fake_openrouter(default=Behaviour(script={"Question s0:": ["huge"]}))
-    status, summary, out, _ = _run(tmp_path, srv.url(), kimi_dir, n=2,
-                                   extra=["provider.max_response_mb=1"])
+    status, summary, out, _ = _run(
+        tmp_path, srv.url(), kimi_dir, n=2, extra=["provider.max_response_mb=1"]
+    )
     assert status == 0 and summary is not None
     records = _by_id(out / "records.jsonl")
     assert records["s0"]["error"]["class"] == "response_too_large"

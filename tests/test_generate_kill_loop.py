@@ -26,11 +26,19 @@ KILLS = 10
 
 class ForkServer:
     def __init__(self) -> None:
-        env = {**os.environ, "OPENROUTER_API_KEY": FAKE_KEY,
-               "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        env = {
+            **os.environ,
+            "OPENROUTER_API_KEY": FAKE_KEY,
+            "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        }
         self.proc = subprocess.Popen(
-            [sys.executable, str(REPO / "tests" / "generate_forkserver.py")], cwd=REPO,
-            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            [sys.executable, str(REPO / "tests" / "generate_forkserver.py")],
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert self._read() == "ready"
 
     def _read(self) -> str:
@@ -105,8 +113,10 @@ def test_kill_9_loop_keeps_every_id_once_and_the_spend_above_the_bill(
     assert all(r["error"] is None for r in records)
     summary = json.loads((out / "summary.json").read_text())
     time.sleep(0.5)
-    print(f"kills {kills}, requests {len(srv.requests)}, billed ${srv.total_cost():.5f} "
-          f"(${billed_capped:.5f} under the cap ${cap}), spend ${summary['spend_usd']:.5f}")
+    print(
+        f"kills {kills}, requests {len(srv.requests)}, billed ${srv.total_cost():.5f} "
+        f"(${billed_capped:.5f} under the cap ${cap}), spend ${summary['spend_usd']:.5f}"
+    )
     assert summary["spend_usd"] >= srv.total_cost() - 1e-12
     journal = read_jsonl(out / "spend_journal.jsonl")
     recovered = [j for j in journal if str(j.get("how", "")).startswith("recovered")]

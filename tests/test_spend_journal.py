@@ -54,10 +54,12 @@ def test_journal_books_open_intents_at_worst_case_or_looked_up_cost(tmp_path: Pa
 
 def test_journal_never_lowers_a_booking_from_a_bad_settle_line(tmp_path: Path) -> None:
     path = tmp_path / "j.jsonl"
-    path.write_text('{"k":"i","n":1,"id":"x","a":1,"usd":0.5}\n'
-                    '{"k":"s","n":1,"usd":NaN,"b":true}\n'
-                    '{"k":"i","n":2,"id":"y","a":1,"usd":0.25}\n'
-                    '{"k":"s","n":2,"usd":-3,"b":true}\n')
+    path.write_text(
+        '{"k":"i","n":1,"id":"x","a":1,"usd":0.5}\n'
+        '{"k":"s","n":1,"usd":NaN,"b":true}\n'
+        '{"k":"i","n":2,"id":"y","a":1,"usd":0.25}\n'
+        '{"k":"s","n":2,"usd":-3,"b":true}\n'
+    )
     with SpendJournal(path) as j:
         assert j.spent() == pytest.approx(0.75)
 
@@ -73,11 +75,14 @@ def test_failed_billed_attempts_count_against_the_id_over_runs(tmp_path: Path) -
 
 
 def test_run_lock_is_exclusive_and_names_the_holder(tmp_path: Path) -> None:
-    code = ("import sys,time; sys.path.insert(0, sys.argv[2]);"
-            "from kimi_pipe.store.run_lock import RunLock;"
-            "l = RunLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(30)")
-    holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path), str(REPO)],
-                              stdout=subprocess.PIPE, text=True)
+    code = (
+        "import sys,time; sys.path.insert(0, sys.argv[2]);"
+        "from kimi_pipe.store.run_lock import RunLock;"
+        "l = RunLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(30)"
+    )
+    holder = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path), str(REPO)], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
         with pytest.raises(RunDirLocked, match=f"pid {holder.pid} on host"):
@@ -118,8 +123,10 @@ def test_missing_usage_is_flagged_and_a_valid_cost_kept() -> None:
     assert response_cost({"usage": {"cost": 0.25}}, {}, None) == (0.25, [])
 
 
-@pytest.mark.parametrize("prices", [(0, 1e-6), (-1e-6, 1e-6), (math.nan, 1e-6),
-                                    (1e-12, 1e-12), (math.inf, 1e-6), ("x", 1e-6)])
+@pytest.mark.parametrize(
+    "prices",
+    [(0, 1e-6), (-1e-6, 1e-6), (math.nan, 1e-6), (1e-12, 1e-12), (math.inf, 1e-6), ("x", 1e-6)],
+)
 def test_unusable_listed_prices_are_refused(prices: tuple) -> None:
     with pytest.raises(PriceError):
         _checked_prices(prices, "listing", 0.001)
@@ -134,8 +141,15 @@ def test_answer_checks() -> None:
     assert not same_model("moonshotai/kimi-k2.5-evil", asked)
 
     def resp(finish: object, model: str = "moonshotai/kimi-k2.5") -> dict:
-        return {"model": model, "choices": [{"finish_reason": "stop", "provider_specific_fields":
-                                             {"native_finish_reason": finish}}]}
+        return {
+            "model": model,
+            "choices": [
+                {
+                    "finish_reason": "stop",
+                    "provider_specific_fields": {"native_finish_reason": finish},
+                }
+            ],
+        }
 
     assert answer_issues(resp("stop"), asked) == []
     assert answer_issues(resp(None), asked) == ["finish_reason_null"]
@@ -146,8 +160,9 @@ def test_answer_checks() -> None:
 
 def test_clean_text_repairs_surrogates_non_finite_numbers_and_echoed_keys() -> None:
     repair = TextRepair()
-    out = clean_text({"a": ["x\ud800y", float("nan")], "b": "key sk" "-or-v1-SECRET"},
-                     "sk" "-or-v1-SECRET", repair)
+    out = clean_text(
+        {"a": ["x\ud800y", float("nan")], "b": "key sk" "-or-v1-SECRET"}, "sk" "-or-v1-SECRET", repair
+    )
     assert out == {"a": ["x\ufffdy", "nan"], "b": "key ***"}
     assert repair.surrogates and repair.non_finite and repair.key_echoed
     assert clean_text("plain", "k", TextRepair()) == "plain"
@@ -159,12 +174,13 @@ def test_keys_in_any_override_are_refused() -> None:
     assert key_in_overrides(["budget.usd=3", "provider.concurrency=8"], env) is None
     # A tokenizer path in KIMI_TOKENIZER_DIR is not a secret.
     env["KIMI_TOKENIZER_DIR"] = "/work/shared/tokenizers/kimi-k2.5"
-    assert key_in_overrides(["model.tokenizer.path=/work/shared/tokenizers/kimi-k2.5"],
-                            env) is None
-    for bad in ["provider.api_key_env=sk" "-or-v1-abcdefabcdef0123456789",
-                "+provider.headers.Authorization=Bearer abcdefghijkl",
-                "provider.headers.X-Api-Key=whatever",
-                "+provider.api_key=x",
-                "dataset.path=sk" "-or-v1-abcdefabcdef0123456789",
-                "provider.api_key_env=not a variable name"]:
+    assert key_in_overrides(["model.tokenizer.path=/work/shared/tokenizers/kimi-k2.5"], env) is None
+    for bad in [
+        "provider.api_key_env=sk" "-or-v1-abcdefabcdef0123456789",
+        "+provider.headers.Authorization=Bearer abcdefghijkl",
+        "provider.headers.X-Api-Key=whatever",
+        "+provider.api_key=x",
+        "dataset.path=sk" "-or-v1-abcdefabcdef0123456789",
+        "provider.api_key_env=not a variable name",
+    ]:
         assert key_in_overrides([bad], env), bad

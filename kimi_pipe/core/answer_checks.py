@@ -18,23 +18,38 @@ from typing import Any
 
 # finish_reason values a provider really sends for a completed answer (OpenAI's and the
 # native ones OpenRouter passes on in `native_finish_reason`), lower-cased.
-KNOWN_FINISH_REASONS = frozenset({
-    "stop", "length", "tool_calls", "function_call", "eos", "end_turn", "stop_sequence",
-    "max_tokens", "max_output_tokens", "tool_use", "model_length",
-})
+KNOWN_FINISH_REASONS = frozenset(
+    {
+        "stop",
+        "length",
+        "tool_calls",
+        "function_call",
+        "eos",
+        "end_turn",
+        "stop_sequence",
+        "max_tokens",
+        "max_output_tokens",
+        "tool_use",
+        "model_length",
+    }
+)
 CONTENT_FILTER = "content_filter"
 
-ANSWER_CODES = frozenset({
-    "other_model",  # the answer names another model than the one requested
-    "finish_reason_null",  # the provider said nothing about why the answer ended
-    "finish_reason_unknown",  # a finish reason no provider documents
-    CONTENT_FILTER,  # the provider's filter cut or replaced the answer
-})
-TEXT_CODES = frozenset({
-    "prompt_text_replaced",  # the prompt held lone surrogates / invalid UTF-8 (now U+FFFD)
-    "answer_text_replaced",  # the answer did
-    "api_key_echoed",  # the answer contained the API key (redacted before writing)
-})
+ANSWER_CODES = frozenset(
+    {
+        "other_model",  # the answer names another model than the one requested
+        "finish_reason_null",  # the provider said nothing about why the answer ended
+        "finish_reason_unknown",  # a finish reason no provider documents
+        CONTENT_FILTER,  # the provider's filter cut or replaced the answer
+    }
+)
+TEXT_CODES = frozenset(
+    {
+        "prompt_text_replaced",  # the prompt held lone surrogates / invalid UTF-8 (now U+FFFD)
+        "answer_text_replaced",  # the answer did
+        "api_key_echoed",  # the answer contained the API key (redacted before writing)
+    }
+)
 
 _DATED = re.compile(r"-\d{4}(?:-?\d{2}){0,2}$")  # -0127, -2025-01-27, -20250127
 _SURROGATE = re.compile("[\ud800-\udfff]")

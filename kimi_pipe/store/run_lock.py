@@ -34,7 +34,8 @@ class RunLock:
             os.close(fd)
             raise RunDirLocked(
                 f"{self.path.parent} is in use by another process ({holder}); wait for it to "
-                "finish or stop it, or use another output_dir") from None
+                "finish or stop it, or use another output_dir"
+            ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
         self._fd = fd

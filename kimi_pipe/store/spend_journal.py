@@ -92,8 +92,9 @@ class SpendJournal:
             return
         if kind == "i":
             usd = _finite_usd(line.get("usd"))
-            self.intents[seq] = Intent(seq, str(line.get("id")), int(line.get("a") or 0),
-                                       usd if usd is not None else 0.0)
+            self.intents[seq] = Intent(
+                seq, str(line.get("id")), int(line.get("a") or 0), usd if usd is not None else 0.0
+            )
             return
         intent = self.intents.get(seq)
         if intent is None:
@@ -152,8 +153,12 @@ class SpendJournal:
                 self.settle(intent.seq, cost, True, RECOVERED_LOOKUP)
             booked += intent.cost or 0.0
         if open_intents:
-            log.warning("%d requests of an earlier process were never settled (killed?): "
-                        "booked $%.6f for them", len(open_intents), booked)
+            log.warning(
+                "%d requests of an earlier process were never settled (killed?): "
+                "booked $%.6f for them",
+                len(open_intents),
+                booked,
+            )
         return len(open_intents), booked
 
     def spent(self) -> float:
