@@ -121,6 +121,8 @@ def test_missing_usage_is_flagged_and_a_valid_cost_kept() -> None:
     zeros = {"usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}}
     assert response_cost(zeros, {}, None) == (None, ["no_usage"])
     assert response_cost({"usage": {"cost": 0.25}}, {}, None) == (0.25, [])
+    negative = {"usage": {"prompt_tokens": 3, "completion_tokens": -2, "cost": 0.25}}
+    assert response_cost(negative, {}, None) == (None, ["usage_invalid"])
 
 
 @pytest.mark.parametrize(

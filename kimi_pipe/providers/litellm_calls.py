@@ -329,16 +329,19 @@ def response_cost(response: Mapping[str, Any], hidden: Mapping[str, Any] | None,
     """usage.cost (OpenRouter), else LiteLLM's response_cost, else tokens x prices; with
     the billing flags of the answer. None: no trustworthy cost (book the reservation)."""
     usage = _usage(response)
+    # LiteLLM fills a missing usage with zeros: no cost key and no tokens means none came.
+    if "cost" not in usage and not any(
+        usage.get(k) for k in ("prompt_tokens", "completion_tokens", "total_tokens")
+    ):
+        return None, ["no_usage"]
+    raw = [usage.get(k) for k in ("prompt_tokens", "completion_tokens")]
+    tokens = [_count(value) for value in raw]
+    if any(value is not None and count is None for value, count in zip(raw, tokens, strict=True)):
+        return None, ["usage_invalid"]  # a bill whose token counts are nonsense: no trust
     if "cost" in usage:
         cost = valid_usd(usage.get("cost"))
         return cost, ([] if cost is not None else ["cost_invalid"])
-    # LiteLLM fills a missing usage with zeros: no cost key and no tokens means none came.
-    if not any(usage.get(k) for k in ("prompt_tokens", "completion_tokens", "total_tokens")):
-        return None, ["no_usage"]
-    tokens = [_count(usage.get(k)) for k in ("prompt_tokens", "completion_tokens")]
-    if None in tokens:
-        return None, ["usage_invalid"]
-    if "response_cost" in (hidden or {}) and (hidden or {}).get("response_cost") is not None:
+    if (hidden or {}).get("response_cost") is not None:
         cost = valid_usd((hidden or {})["response_cost"])
         return cost, ([] if cost is not None else ["cost_invalid"])
     if fallback is not None:
