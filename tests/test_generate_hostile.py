@@ -249,6 +249,11 @@ def test_key_limit_below_the_budget_refuses_to_start_and_key_usage_is_counted(
     assert status == 0 and summary is not None
     assert summary["key"]["usage_delta_this_run"] == pytest.approx(srv2.total_cost())
     assert summary["spend_usd"] >= srv2.total_cost() - 1e-12
+    # A resume starts from the key's count, kept in the journal, not from the lower reports.
+    status, again = run_inprocess(
+        base_overrides(tmp_path / "under.jsonl", srv2.url(), out, kimi_dir, usd=1.0), out
+    )
+    assert again is not None and again["spend_usd"] >= srv2.total_cost() - 1e-12
 
 
 def test_an_echoed_key_is_redacted_and_flagged(

@@ -64,6 +64,19 @@ def test_journal_never_lowers_a_booking_from_a_bad_settle_line(tmp_path: Path) -
         assert j.spent() == pytest.approx(0.75)
 
 
+def test_an_outside_count_above_the_bookings_is_kept_for_resumes(tmp_path: Path) -> None:
+    path = tmp_path / "j.jsonl"
+    with SpendJournal(path) as j:
+        j.settle(j.intent("a", 1, 0.5), 0.1, True)
+        j.raise_floor(0.4)  # the key's usage says 0.4 was spent, we booked 0.1
+        j.raise_floor(0.2)  # never lowers it
+        assert j.spent() == pytest.approx(0.4)
+    with SpendJournal(path) as j:
+        assert j.spent() == pytest.approx(0.4)
+        j.settle(j.intent("b", 1, 0.5), 0.2, True)
+        assert j.spent() == pytest.approx(0.6)  # later bookings add on top
+
+
 def test_failed_billed_attempts_count_against_the_id_over_runs(tmp_path: Path) -> None:
     path = tmp_path / "j.jsonl"
     with SpendJournal(path) as j:

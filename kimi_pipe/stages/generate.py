@@ -369,6 +369,8 @@ class Generator:
             return
         self.key_delta = max(self.key_delta, status.usage - self.key_start.usage)
         self.budget.raise_floor(self.spent_before + self.key_delta)
+        # Kept in the journal: a resumed run starts from it, not from our lower count.
+        self.journal.raise_floor(self.spent_before + self.key_delta)
 
     async def _poll_key(self) -> None:
         every = float(OmegaConf.select(self.cfg, "budget.key_poll_s", default=10.0) or 10.0)

@@ -14,6 +14,8 @@ torn last line, which is ignored and cut):
     {"k": "i", "n": SEQ, "id": ID, "a": ATTEMPT, "usd": RESERVED}     intent
     {"k": "g", "n": SEQ, "gen": GENERATION_ID}                         answer arrived
     {"k": "s", "n": SEQ, "usd": COST, "b": BILLED, "how": HOW}          settled
+    {"k": "x", "usd": EXTRA}              an outside count (the key's usage) proved EXTRA
+                                          more spent than the intents book
 `b` is false only for an attempt the provider refused before generating (HTTP 4xx/5xx
 with no cost).
 
@@ -77,6 +79,7 @@ class SpendJournal:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.intents: dict[int, Intent] = {}
+        self.extra_usd = 0.0  # spend proven by an outside count beyond the intents
         self.bad_lines = 0
         for line in iter_records(self.path):
             self._apply(line)
@@ -87,6 +90,9 @@ class SpendJournal:
     def _apply(self, line: dict) -> None:
         seq = line.get("n")
         kind = line.get("k")
+        if kind == "x":
+            self.extra_usd += _finite_usd(line.get("usd")) or 0.0
+            return
         if not isinstance(seq, int):
             self.bad_lines += 1
             return
@@ -132,6 +138,14 @@ class SpendJournal:
         intent.cost, intent.billed, intent.how = cost, billed, how
         self._write({"k": "s", "n": seq, "usd": cost, "b": billed, "how": how})
 
+    def raise_floor(self, total_usd: float) -> None:
+        """Record that the directory's spend is at least `total_usd` now (never lowers it);
+        the difference stays added to everything booked later."""
+        extra = total_usd - self.spent()
+        if extra > 1e-12:
+            self.extra_usd += extra
+            self._write({"k": "x", "usd": extra})
+
     # --- resume ---------------------------------------------------------------------
     def unsettled(self) -> list[Intent]:
         return [i for i in self.intents.values() if i.cost is None]
@@ -162,8 +176,10 @@ class SpendJournal:
         return len(open_intents), booked
 
     def spent(self) -> float:
-        """USD booked: settled costs, and reservations of requests still open."""
-        return sum(i.usd if i.cost is None else i.cost for i in self.intents.values())
+        """USD booked: settled costs, reservations of requests still open, and what an
+        outside count proved beyond them."""
+        booked = sum(i.usd if i.cost is None else i.cost for i in self.intents.values())
+        return booked + self.extra_usd
 
     def billed_attempts(self) -> Counter[str]:
         """Per id, the attempts held against it over all runs (see the module doc)."""
