@@ -7,6 +7,10 @@ retry bookkeeping + reconstruction with the real tokenizer + flushed JSONL recor
 bare arm only sends the request and parses the JSON answer. Prints samples/s of each
 and the ratio stage / bare (no timing thresholds: a ratio measured in one run).
 
+The stage is also run without its write-ahead spend journal (a null journal swapped in,
+which the stage never allows itself): the ratio with / without is what the journal costs.
+Arms alternate (with, without, with, without) so drift on a shared machine hits both.
+
     .venv/bin/python scripts/bench_generate.py --n 1000 --concurrency 64 [--tokenizer DIR]
 """
 
@@ -20,6 +24,7 @@ import os
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -30,7 +35,54 @@ from fake_openrouter import Behaviour, FakeOpenRouter  # noqa: E402
 
 from kimi_pipe.config import compose  # noqa: E402
 from kimi_pipe.providers.litellm_calls import ProviderSettings, get_litellm  # noqa: E402
+from kimi_pipe.stages import generate as generate_stage  # noqa: E402
 from kimi_pipe.stages.generate import generate  # noqa: E402
+
+
+class NullJournal:
+    """The spend journal's interface with no file and no bookkeeping (benchmark only)."""
+
+    def __init__(self, path: Path) -> None:
+        self.seq = 0
+
+    def __enter__(self) -> NullJournal:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    async def recover(self, lookup: object = None) -> tuple[int, float]:
+        return 0, 0.0
+
+    def spent(self) -> float:
+        return 0.0
+
+    def billed_attempts(self) -> Counter[str]:
+        return Counter()
+
+    def intent(self, rid: str, attempt: int, usd: float) -> int:
+        self.seq += 1
+        return self.seq
+
+    def generation(self, seq: int, generation_id: str) -> None:
+        pass
+
+    def settle(self, seq: int, cost: float, billed: bool, how: str = "") -> None:
+        pass
+
+
+def journal_arm(overrides: list[str], out: Path, n: int, journal: bool) -> float:
+    """Samples/s of the stage's dispatch phase, with or without the spend journal."""
+    real = generate_stage.SpendJournal
+    if not journal:
+        generate_stage.SpendJournal = NullJournal  # type: ignore[misc,assignment]
+    try:
+        status, summary = generate(compose(overrides + [f"output_dir={out}"]), out)
+    finally:
+        generate_stage.SpendJournal = real  # type: ignore[misc]
+    assert status == 0 and summary is not None, "the stage failed"
+    assert summary["counts"]["answered"] == n, summary["counts"]
+    return n / summary["this_run"]["wall_s"]
 
 
 def write_prompts(path: Path, n: int) -> list[dict]:
@@ -98,6 +150,8 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=1000)
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--tokenizer", default=None, help="Kimi tokenizer dir (default: ../shared)")
+    ap.add_argument("--journal-pairs", type=int, default=3,
+                    help="alternating runs with and without the spend journal")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     key = "sk-or-v1-BENCHMARK"
@@ -142,6 +196,19 @@ def main() -> None:
               f"{stage_total_s:.2f} s with start-up)")
         print(f"ratio stage / bare httpx: {stage_rate / bare_rate:.2f}")
         print(f"ratio stage / bare aiohttp: {stage_rate / (args.n / aio_s):.2f}")
+        with_j, without_j = [], []
+        for rep in range(args.journal_pairs):
+            with_j.append(journal_arm(overrides, tmp / f"with{rep}", args.n, True))
+            without_j.append(journal_arm(overrides, tmp / f"without{rep}", args.n, False))
+        ratio = sum(with_j) / sum(without_j)
+        pairs = sorted(w / wo for w, wo in zip(with_j, without_j, strict=True))
+        print(f"generate with spend journal   : {sum(with_j) / len(with_j):8.1f} samples/s "
+              f"({', '.join(f'{r:.1f}' for r in with_j)})")
+        print(f"generate without spend journal: {sum(without_j) / len(without_j):8.1f} "
+              f"samples/s ({', '.join(f'{r:.1f}' for r in without_j)})")
+        print(f"per-pair ratios with / without: {', '.join(f'{r:.3f}' for r in pairs)} "
+              f"(median {pairs[len(pairs) // 2]:.3f})")
+        print(f"ratio with / without journal: {ratio:.3f}")
     finally:
         srv.stop()
 

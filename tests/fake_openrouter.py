@@ -18,7 +18,9 @@ API
         srv.requests              # list[SeenRequest]: every chat request (body, headers, time)
 
 Endpoints (under each base url): ``POST /chat/completions`` (non-streaming),
-``GET /models`` (model listing with per-token ``pricing``), ``GET /generation?id=``.
+``GET /models`` (model listing with per-token ``pricing``), ``GET /generation?id=``,
+``GET /key`` (the key's ``usage`` = what this behaviour billed, ``limit``,
+``limit_remaining``; 404 unless ``key_limit`` or ``key_endpoint`` is set).
 
 A ``Behaviour`` is one simulated upstream provider:
   - ``reasoning_field``: how reasoning comes back: ``reasoning`` (OpenRouter: ``reasoning``
@@ -39,6 +41,16 @@ Failure modes: ``ok``, ``429`` (with ``Retry-After: retry_after``), ``408``, ``5
 ``502``, ``503``, ``400``, ``401``, ``402``, ``403``, ``200error`` (HTTP 200 with an
 error body), ``empty`` (HTTP 200, empty message, prompt billed), ``emptybody`` (HTTP 200,
 zero-length body), ``hang`` (no answer for ``hang_s``), ``reset`` (socket closed, no reply).
+
+Hostile modes (each answer is billed at its true cost in the ledger, whatever it says):
+``cost_nan``, ``cost_inf``, ``cost_neg``, ``cost_true``, ``cost_under`` (usage.cost a tenth
+of the bill), ``no_usage`` (no usage object); ``finish_list``, ``tool_calls_str``,
+``message_null`` (an answer that does not parse); ``other_model``, ``dated_model``,
+``finish_null``, ``finish_unknown``, ``content_filter``; ``surrogate`` (a lone ``\ud800``
+in the content), ``badutf8`` (raw invalid UTF-8 bytes in the content), ``echo_key`` (the
+request's API key inside the content), ``huge`` (50 MB of content). ``overbill``
+multiplies every bill (and the usage.cost it reports); ``listed_prices`` replaces the
+prices ``/models`` lists.
 
 Run standalone (for a reviewer or the benchmark), from the repository root:
     PYTHONPATH=. python tests/fake_openrouter.py --port 8765 [--delay 0.05] \
@@ -125,6 +137,10 @@ class Behaviour:
     counter: TokenCounter = field(default_factory=ApproxCounter)
     seed: int = 0
     list_models: bool = True  # False: GET /models answers 404 (a server without a listing)
+    overbill: float = 1.0  # bill (and report) this multiple of the listed prices
+    listed_prices: tuple[Any, Any] | None = None  # what /models lists instead of the prices
+    key_limit: float | None = None  # the key's credit limit shown by GET /key
+    key_endpoint: bool = False  # GET /key answers even without a limit
 
 
 @dataclass
@@ -219,6 +235,7 @@ def build_completion(body: dict, behaviour: Behaviour) -> tuple[dict, float, int
     if calls:
         message["tool_calls"] = calls
     cost = prompt_tokens * behaviour.input_price + completion_tokens * behaviour.output_price
+    cost *= behaviour.overbill
     gen_id = f"gen-{uuid.uuid4().hex[:20]}"
     out = {
         "id": gen_id,
@@ -267,6 +284,13 @@ class _Server(ThreadingHTTPServer):
     request_queue_size = 512  # the default backlog of 5 resets bursts of 64+ connects
     daemon_threads = True  # a hanging request must not block shutdown
     block_on_close = False
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client killed mid-request (kill loops) leaves a broken pipe: not a server error.
+        import sys
+
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
 
 
 class FakeOpenRouter:
@@ -366,6 +390,76 @@ class FakeOpenRouter:
             return True
 
 
+HOSTILE = frozenset(
+    {
+        "cost_nan",
+        "cost_inf",
+        "cost_neg",
+        "cost_true",
+        "cost_under",
+        "no_usage",
+        "finish_list",
+        "tool_calls_str",
+        "message_null",
+        "other_model",
+        "dated_model",
+        "finish_null",
+        "finish_unknown",
+        "content_filter",
+        "surrogate",
+        "badutf8",
+        "echo_key",
+        "huge",
+    }
+)
+_BAD_UTF8_MARK = "@@BAD-UTF8@@"
+
+
+def _hostile(mode: str, answer: dict, headers_of_request: Any) -> dict:
+    """Turn a correct answer (already billed at its true cost) into a hostile one."""
+    choice = answer["choices"][0]
+    message = choice["message"]
+    usage = answer["usage"]
+    if mode == "cost_nan":
+        usage["cost"] = float("nan")
+    elif mode == "cost_inf":
+        usage["cost"] = float("inf")
+    elif mode == "cost_neg":
+        usage["cost"] = -abs(usage["cost"]) - 1.0
+    elif mode == "cost_true":
+        usage["cost"] = True
+    elif mode == "cost_under":
+        usage["cost"] = usage["cost"] / 10
+    elif mode == "no_usage":
+        del answer["usage"]
+    elif mode == "finish_list":
+        choice["finish_reason"] = ["stop"]
+    elif mode == "tool_calls_str":
+        message["tool_calls"] = "not a list"
+    elif mode == "message_null":
+        choice["message"] = None
+    elif mode == "other_model":
+        answer["model"] = "openai/gpt-4o-mini"
+    elif mode == "dated_model":
+        answer["model"] = MODEL_ID + "-0127"
+    elif mode == "finish_null":
+        choice["finish_reason"] = choice["native_finish_reason"] = None
+    elif mode == "finish_unknown":
+        choice["finish_reason"] = choice["native_finish_reason"] = "banana"
+    elif mode == "content_filter":
+        choice["finish_reason"] = choice["native_finish_reason"] = "content_filter"
+    elif mode == "surrogate":
+        message["content"] = (message.get("content") or "") + "\ud800 lone"
+    elif mode == "badutf8":
+        message["content"] = (message.get("content") or "") + _BAD_UTF8_MARK
+    elif mode == "huge":  # 50 MB of content
+        message["content"] = "x" * (50 << 20)
+    elif mode == "echo_key":
+        auth = headers_of_request.get("Authorization") or ""
+        message["content"] = f"{message.get('content') or ''} your key is {auth[7:]}"
+    return answer
+
+
 def _make_handler(server: FakeOpenRouter) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive, like the real API
@@ -418,9 +512,29 @@ def _make_handler(server: FakeOpenRouter) -> type[BaseHTTPRequestHandler]:
                                 "pricing": {
                                     "prompt": f"{beh.input_price:.12f}",
                                     "completion": f"{beh.output_price:.12f}",
+                                }
+                                if beh.listed_prices is None
+                                else {
+                                    "prompt": beh.listed_prices[0],
+                                    "completion": beh.listed_prices[1],
                                 },
                             }
                         ]
+                    },
+                )
+            if path == "/key" and (beh.key_limit is not None or beh.key_endpoint):
+                used = server.total_cost(name or "")
+                limit = beh.key_limit
+                remaining = None if limit is None else max(0.0, limit - used)
+                return self._send(
+                    200,
+                    {
+                        "data": {
+                            "label": "fake",
+                            "usage": used,
+                            "limit": limit,
+                            "limit_remaining": remaining,
+                        }
                     },
                 )
             if path == "/generation":
@@ -488,13 +602,18 @@ def _make_handler(server: FakeOpenRouter) -> type[BaseHTTPRequestHandler]:
                 msg["content"] = ""
                 c, cost = 0, p * beh.input_price
                 answer["usage"].update(completion_tokens=0, total_tokens=p, cost=cost)
+            elif mode in HOSTILE:
+                answer = _hostile(mode, answer, headers_of_request=self.headers)
             elif mode != "ok":
                 raise ValueError(f"unknown mode {mode!r}")
             if not server.bill(bname, beh, body, answer["id"], cost, p, c, answer):
                 seen.mode = "402"  # the credit ran out while this request was being answered
                 status, msg = _ERRORS["402"]
                 return self._send(status, {"error": {"code": status, "message": msg}}, seen=seen)
-            self._send(200, answer, {"X-Generation-Id": answer["id"]}, seen=seen)
+            payload = json.dumps(answer).encode()
+            if mode == "badutf8":  # raw bytes that are not UTF-8 inside the content string
+                payload = payload.replace(_BAD_UTF8_MARK.encode(), b"\xff\xfe")
+            self._send(200, payload, {"X-Generation-Id": answer["id"]}, seen=seen)
 
     return Handler
 

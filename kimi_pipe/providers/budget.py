@@ -3,8 +3,11 @@
 Before a request goes out its worst case is reserved (prompt tokens x input price +
 max_tokens x output price); when it returns, the reservation is settled to what it really
 cost. `spent + reserved` never exceeds the cap, so the money spent cannot exceed it either,
-however many requests are in flight (as long as no answer costs more than its worst case;
-one that does is logged and stops further dispatch once the cap is reached).
+however many requests are in flight. An answer billed above its reservation raises
+`overbill_ratio`: every reservation still in flight, and every new one, then counts at that
+multiple, so dispatch pauses instead of running past the cap at a provider that bills more
+than its prices say. `floor_spent_usd` lets an outside count (the key's usage at the
+provider) raise the spend the caps see.
 All methods are synchronous and hold a lock: safe from asyncio tasks and from threads.
 """
 
@@ -55,6 +58,8 @@ class Budget:
         self.used_output_tokens = used_output_tokens
         self.reserved_output_tokens = 0
         self.overruns = 0  # answers that cost more than their reservation
+        self.overbill_ratio = 1.0  # largest cost / reservation seen (>= 1)
+        self.floor_spent_usd = 0.0  # spend proven by an outside count (the key's usage)
         self._lock = threading.Lock()
 
     def blocker(self, usd: float, output_tokens: int, sample: bool) -> str | None:
@@ -62,8 +67,14 @@ class Budget:
         with self._lock:
             return self._blocker(usd, output_tokens, sample)
 
+    @property
+    def counted_spent_usd(self) -> float:
+        """The spend the caps see: ours, or the outside count when that is higher."""
+        return max(self.spent_usd, self.floor_spent_usd)
+
     def _blocker(self, usd: float, output_tokens: int, sample: bool) -> str | None:
-        if self.cap_usd is not None and self.spent_usd + self.reserved_usd + usd > self.cap_usd:
+        held = (self.reserved_usd + usd) * self.overbill_ratio
+        if self.cap_usd is not None and self.counted_spent_usd + held > self.cap_usd:
             return "budget_usd"
         if (
             sample
@@ -106,9 +117,17 @@ class Budget:
             self.done_samples += int(sample_done)
             if cost_usd > res.usd + 1e-12:
                 self.overruns += 1
+                if res.usd > 0:
+                    self.overbill_ratio = max(self.overbill_ratio, cost_usd / res.usd)
                 log.warning(
-                    "an answer cost $%.6f, more than its reserved worst case $%.6f; "
-                    "check provider.pricing and budget.reserve_factor", cost_usd, res.usd)
+                    "an answer cost $%.6f, more than its reserved worst case $%.6f; requests "
+                    "now reserve %.2fx their worst case; check provider.pricing and "
+                    "budget.reserve_factor", cost_usd, res.usd, self.overbill_ratio)
+
+    def raise_floor(self, spent_usd: float) -> None:
+        """An outside count proves at least this much was spent (never lowers it)."""
+        with self._lock:
+            self.floor_spent_usd = max(self.floor_spent_usd, spent_usd)
 
     def outstanding(self) -> int:
         """Reservations not settled yet (requests in flight)."""
@@ -118,7 +137,7 @@ class Budget:
     def exhausted(self) -> str | None:
         """A cap already reached with nothing reserved: no further request can fit."""
         with self._lock:
-            if self.cap_usd is not None and self.spent_usd >= self.cap_usd:
+            if self.cap_usd is not None and self.counted_spent_usd >= self.cap_usd:
                 return "budget_usd"
             if self.max_samples is not None and self.done_samples >= self.max_samples:
                 return "max_samples"

@@ -12,9 +12,11 @@ are skipped and money already spent counts against `budget.usd`.
 
 Run directory: `records.jsonl` (one record per answered or permanently failed id),
 `attempt_errors.jsonl` (every failed attempt with what it cost; samples given up after
-their retries are tried again on the next run), `summary.json`, `.hydra/`.
-Exit status: 0 done or a budget cap reached, 2 bad config/input, 3 stopped by the provider
-(402 out of credits, 401 bad key).
+their retries are tried again on the next run), `spend_journal.jsonl` (write-ahead: every
+request before it is sent, and what it cost; see store/spend_journal.py), `.lock` (one
+process per directory), `summary.json`, `.hydra/`.
+Exit status: 0 done or a budget cap reached, 2 bad config/input or the directory is in use,
+3 stopped by the provider (402 out of credits, 401 bad key), 4 every request failed.
 """
 
 from __future__ import annotations
@@ -22,42 +24,54 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import random
+import re
 import sys
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from kimi_pipe.config import CONF_DIR
+from kimi_pipe.core.answer_checks import TextRepair, answer_issues, clean_text
 from kimi_pipe.progress import Progress, Snapshot
 from kimi_pipe.providers.budget import Budget, BudgetGate, Pricing, Reservation
 from kimi_pipe.providers.litellm_calls import (
+    BILLED_UNSEEN,
     NO_BUDGET,
     STOPPED,
+    Attempt,
     CallResult,
     ErrorInfo,
+    KeyStatus,
     MissingApiKey,
     ProviderConfigError,
     ProviderSettings,
     api_key,
     call_with_retries,
     fetch_pricing,
+    generation_cost,
     get_litellm,
+    key_status,
     scrub,
+    size_limited_client,
 )
-from kimi_pipe.store.records import RecordWriter, iter_records, load_resume_index
+from kimi_pipe.store.records import RecordWriter, iter_records, load_resume_index, record_cost
+from kimi_pipe.store.run_lock import RunDirLocked, RunLock
+from kimi_pipe.store.spend_journal import JOURNAL, SpendJournal
 
 log = logging.getLogger("kimi_pipe.generate")
 
 RECORDS = "records.jsonl"
 ATTEMPT_ERRORS = "attempt_errors.jsonl"
 SUMMARY = "summary.json"
-EXIT_CONFIG, EXIT_STOPPED, EXIT_INTERRUPTED = 2, 3, 130
+REMAINING = "the remaining budget"
+EXIT_CONFIG, EXIT_STOPPED, EXIT_ALL_FAILED, EXIT_INTERRUPTED = 2, 3, 4, 130
 
 
 class GenerateError(RuntimeError):
@@ -74,7 +88,7 @@ class TokenCore:
     reconstruct: Callable[[list[dict], list[dict] | None, dict], dict[str, Any]]
 
     @classmethod
-    def load(cls, cfg: DictConfig) -> TokenCore:
+    def load(cls, cfg: DictConfig, asked_model: str = "") -> TokenCore:
         from kimi_pipe.core.models import load_model
         from kimi_pipe.core.prompt_render import prompt_ids
         from kimi_pipe.core.reconstruction import reconstruct
@@ -87,9 +101,17 @@ class TokenCore:
 
         def rebuild(messages: list[dict], tools: list[dict] | None, resp: dict) -> dict[str, Any]:
             rec = reconstruct(model, messages, tools, resp, billing_tolerance=tolerance)
-            return rec.to_record()
+            return _with_issues(rec.to_record(), answer_issues(resp, asked_model))
 
         return cls(prompt_len, rebuild)
+
+
+def _with_issues(record: dict[str, Any], issues: list[str]) -> dict[str, Any]:
+    """Add error codes to a reconstructed record: it is no longer `ok`."""
+    if issues:
+        record["issues"] = list(dict.fromkeys([*record.get("issues", []), *issues]))
+        record["ok"] = False
+    return record
 
 
 # ---------------------------------------------------------------------------------------
@@ -110,6 +132,16 @@ class RunStats:
     stop_reason: str | None = None
     stop_message: str | None = None
     consecutive_failures: int = 0  # samples in a row that failed without retry
+    skipped_over_budget: int = 0  # samples whose worst case alone cannot fit (tried next run)
+    attempts_exhausted: int = 0  # ids bought retry.max_attempts times over all runs
+
+
+def _repaired(prompt: Any, repair: TextRepair) -> Any:
+    """The prompt with lone surrogates (a `\\ud800` escape, invalid UTF-8) replaced: what
+    is sent, rendered and written is valid text; the record is flagged."""
+    messages = clean_text(prompt.messages, None, repair)
+    tools = clean_text(prompt.tools, None, repair)
+    return replace(prompt, messages=messages, tools=tools) if repair.surrogates else prompt
 
 
 def _error_record(prompt: Any, request: dict, err: ErrorInfo, attempts: int) -> dict[str, Any]:
@@ -141,6 +173,11 @@ class Generator:
         self.rng = random.Random(int(OmegaConf.select(cfg, "dataset.seed", default=0) or 0))
         self.stop_event = asyncio.Event()
         self.total = 0
+        self.key_start: KeyStatus | None = None
+        self.key_delta = 0.0  # USD the key's usage grew by during this run
+        self.recovered: tuple[int, float] = (0, 0.0)
+        self.spent_before = 0.0
+        self.skipped_examples: dict[str, list[str]] = {}
 
     # --- budget -------------------------------------------------------------------------
     def _price_fallback(self, prompt_tokens: int, completion_tokens: int) -> float:
@@ -158,13 +195,9 @@ class Generator:
         records_path = self.run_dir / RECORDS
         errors_path = self.run_dir / ATTEMPT_ERRORS
         index = load_resume_index(records_path, errors_path)
-        if index.records or index.cost:
-            log.info("resuming %s: %d ids done, $%.4f already spent%s", self.run_dir,
-                     len(index.ids), index.cost, " (torn last line ignored)" if index.torn_tail
-                     else "")
         t0 = time.monotonic()
         try:
-            core = TokenCore.load(self.cfg)
+            core = TokenCore.load(self.cfg, self.settings.model)
             t1 = time.monotonic()
             prompts = load_prompts(self.cfg.dataset)
             self.total = len(prompts)
@@ -176,33 +209,70 @@ class Generator:
                  time.monotonic() - t2)
         in_price, out_price, self.price_source = await fetch_pricing(self.settings, self.key)
         self.pricing = Pricing(in_price, out_price)
+        with SpendJournal(self.run_dir / JOURNAL) as journal:
+            self.journal = journal
+            # Requests a killed process sent and never booked: their true cost where the
+            # provider can say, else their worst case.
+            self.recovered = await journal.recover(
+                lambda gen: generation_cost(self.settings, self.key, gen))
+            self.spent_before = max(index.cost, journal.spent())
+            if index.records or self.spent_before:
+                log.info("resuming %s: %d ids done, $%.4f already spent%s", self.run_dir,
+                         len(index.ids), self.spent_before, " (torn last line ignored)"
+                         if index.torn_tail else "")
+            self.attempts_before = journal.billed_attempts()
+            return await self._run(core, prompts, index, records_path, errors_path)
+
+    async def _run(self, core: TokenCore, prompts: Any, index: Any, records_path: Path,
+                   errors_path: Path) -> dict[str, Any]:
         b = self.cfg.budget
         budget = Budget(b.get("usd"), b.get("max_samples"), b.get("max_output_tokens"),
-                        spent_usd=index.cost, done_samples=index.answered,
+                        spent_usd=self.spent_before, done_samples=index.answered,
                         used_output_tokens=index.output_tokens)
         self.budget = budget
+        self.key_start = await self._check_key()
+        self.http_client = size_limited_client(self.settings)
         gate = BudgetGate(budget)
+        max_per_sample = b.get("max_usd_per_sample")
         log.info("generate: %d prompts, %d already done; provider %s (%s), concurrency %d, "
                  "budget $%s (spent $%.4f), prices $%.3f/$%.3f per Mtok (%s)", self.total,
                  len(index.ids), self.settings.name, self.settings.api_base,
-                 self.settings.concurrency, b.get("usd"), index.cost, in_price * 1e6,
-                 out_price * 1e6, self.price_source)
+                 self.settings.concurrency, b.get("usd"), self.spent_before,
+                 self.pricing.input_per_token * 1e6, self.pricing.output_per_token * 1e6,
+                 self.price_source)
 
         self.startup_s = time.monotonic() - self.stats.started
         self.stats.started = time.monotonic()  # throughput counts from the first dispatch
         sem = asyncio.Semaphore(self.settings.concurrency)
         tasks: set[asyncio.Task] = set()
+        poller = asyncio.create_task(self._poll_key()) if self.key_start else None
+        max_attempts = self.settings.retry.max_attempts
         with RecordWriter(records_path) as writer, RecordWriter(errors_path) as err_writer:
             try:
                 for prompt in prompts:
                     if prompt.id in index.ids:
                         self.stats.skipped_done += 1
                         continue
+                    if self.stop_event.is_set():
+                        break
+                    prior = self.attempts_before[prompt.id]
+                    if prior >= max_attempts:
+                        # Bought max_attempts times over all runs (kills, unreadable answers):
+                        # recorded as failed, never bought again.
+                        err = ErrorInfo("attempts_exhausted", None, (
+                            f"{prior} attempts billed over earlier runs "
+                            f"(provider.retry.max_attempts={max_attempts})"), "fail")
+                        writer.append(_error_record(prompt, self.request, err, 0))
+                        self.stats.failed[err.cls] += 1
+                        self.stats.attempts_exhausted += 1
+                        continue
                     await sem.acquire()
                     if self.stop_event.is_set():
                         sem.release()
                         break
+                    repair = TextRepair()
                     try:
+                        prompt = _repaired(prompt, repair)
                         n_prompt = core.prompt_len(prompt.messages, prompt.tools)
                     except Exception as exc:  # noqa: BLE001 - a bad row, not a bad run
                         sem.release()
@@ -211,14 +281,28 @@ class Generator:
                         self.stats.failed["bad_prompt"] += 1
                         continue
                     worst = self._worst_case(n_prompt)
+                    if max_per_sample is not None and worst > float(max_per_sample):
+                        sem.release()
+                        self._skip_over_budget(prompt.id, worst, "budget.max_usd_per_sample",
+                                               float(max_per_sample))
+                        continue
                     res = await gate.reserve(worst, self.max_tokens)
                     if res is None:
                         sem.release()
-                        if not self.stop_event.is_set():  # else the provider stopped us
-                            self._stop_for_budget(worst)
+                        if self.stop_event.is_set():
+                            break  # the provider stopped us
+                        blocker = budget.blocker(worst, self.max_tokens, True)
+                        if blocker == "budget_usd" and budget.exhausted() is None:
+                            # This sample alone is too big for what is left; smaller ones
+                            # after it may still fit.
+                            left = (budget.cap_usd or 0.0) - budget.counted_spent_usd
+                            self._skip_over_budget(prompt.id, worst, REMAINING, left)
+                            continue
+                        self._stop_for_budget(worst)
                         break
-                    task = asyncio.create_task(
-                        self._one(prompt, worst, res, gate, core, writer, err_writer, sem))
+                    task = asyncio.create_task(self._one(
+                        prompt, worst, res, gate, core, writer, err_writer, sem, prior,
+                        ["prompt_text_replaced"] if repair.surrogates else []))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
                     self._show()
@@ -232,16 +316,77 @@ class Generator:
                 await asyncio.gather(*list(tasks), return_exceptions=True)
                 raise
             finally:
+                if poller is not None:
+                    poller.cancel()
                 self.progress.close()
+        await self._read_key_usage()
+        if self.http_client is not None:
+            await self.http_client.close()
         self.stats.stop_reason = self.stats.stop_reason or "done"
+        if self.stats.skipped_over_budget and not self.stats.stop_message:
+            self.stats.stop_message = (
+                f"{self.stats.skipped_over_budget} samples skipped: their worst case alone "
+                "exceeds budget.max_usd_per_sample or the remaining budget (they are tried "
+                "again on the next run); raise budget.usd or lower provider.params.max_tokens")
         if prompts.skipped:
-            log.warning("dataset rows that could not become prompts (skipped): %s",
-                        dict(prompts.skipped))
+            log.warning("dataset rows that could not become prompts (skipped): %s; first rows: "
+                        "%s", dict(prompts.skipped), dict(prompts.skipped_examples))
+        # Which rows (line-N of dataset.path) were skipped, so they can be found and fixed.
+        self.skipped_examples = {k: list(v) for k, v in prompts.skipped_examples.items()}
         summary = self.summary(records_path, errors_path, prompts.skipped)
         tmp = self.run_dir / (SUMMARY + ".partial")
         tmp.write_text(json.dumps(summary, indent=2) + "\n")
         tmp.replace(self.run_dir / SUMMARY)
         return summary
+
+    # --- the key's own account (OpenRouter GET /key) ----------------------------------
+    async def _check_key(self) -> KeyStatus | None:
+        """Read the key's usage and limit; refuse to start when its limit cannot cover what
+        is left of budget.usd (the provider would stop us half-way, or worse, another
+        client shares it)."""
+        status = await key_status(self.settings, self.key)
+        if status is None:
+            return None
+        left = None if self.budget.cap_usd is None else self.budget.cap_usd - self.spent_before
+        if status.limit is None:
+            log.warning("the API key has no credit limit: give the run's key a limit on "
+                        "OpenRouter (the one cap that holds whatever a client does)")
+        elif left is not None and status.limit_remaining is not None and (
+                status.limit_remaining < left):
+            raise GenerateError(
+                f"the API key's remaining credit limit ${status.limit_remaining:.4f} cannot "
+                f"cover the run's remaining budget ${max(left, 0.0):.4f} (budget.usd="
+                f"{self.budget.cap_usd}); lower budget.usd or raise the key's limit")
+        log.info("API key: $%.4f used, limit %s", status.usage, status.limit)
+        return status
+
+    async def _read_key_usage(self) -> None:
+        """Count what the key says this run spent, when that is more than we counted."""
+        if self.key_start is None:
+            return
+        status = await key_status(self.settings, self.key)
+        if status is None:
+            return
+        self.key_delta = max(self.key_delta, status.usage - self.key_start.usage)
+        self.budget.raise_floor(self.spent_before + self.key_delta)
+        # Kept in the journal: a resumed run starts from it, not from our lower count.
+        self.journal.raise_floor(self.spent_before + self.key_delta)
+
+    async def _poll_key(self) -> None:
+        every = float(OmegaConf.select(self.cfg, "budget.key_poll_s", default=10.0) or 10.0)
+        while True:
+            await asyncio.sleep(every)
+            await self._read_key_usage()
+
+    def _skip_over_budget(self, rid: str, worst: float, limit_name: str, limit: float) -> None:
+        self.stats.skipped_over_budget += 1
+        if limit_name == REMAINING:
+            self.stats.stop_reason = self.stats.stop_reason or "budget_usd"
+        # The first few say why; the rest (a nearly spent budget skips every sample) are
+        # counted in the summary.
+        level = logging.WARNING if self.stats.skipped_over_budget <= 3 else logging.DEBUG
+        log.log(level, "%s skipped: its worst case $%.4f exceeds %s ($%.4f); the run goes on",
+                rid, worst, limit_name, limit)
 
     def _stop_for_budget(self, worst: float) -> None:
         reason = self.budget.blocker(worst, self.max_tokens, True) or "budget_usd"
@@ -254,19 +399,35 @@ class Generator:
 
     async def _one(self, prompt: Any, worst: float, first: Reservation, gate: BudgetGate,
                    core: TokenCore, writer: RecordWriter, err_writer: RecordWriter,
-                   sem: asyncio.Semaphore) -> None:
+                   sem: asyncio.Semaphore, prior_attempts: int, flags: list[str]) -> None:
         self.stats.in_flight += 1
         pending: list[Reservation] = [first]
+        journal = self.journal
+        seqs: dict[int, int] = {}  # id(reservation) -> journal sequence number
+        answered: list[int] = []  # the sequence number settled once the record is written
 
         async def reserve() -> Reservation | None:
-            if pending:
-                return pending.pop()
-            return await gate.reserve(worst, self.max_tokens)
+            res = pending.pop() if pending else await gate.reserve(worst, self.max_tokens)
+            if res is not None:
+                # Write-ahead: on disk before the request leaves, at the multiple of its worst
+                # case the budget holds for it.
+                seqs[id(res)] = journal.intent(prompt.id, prior_attempts + len(seqs) + 1,
+                                               res.usd * self.budget.overbill_ratio)
+            return res
 
-        def settle(res: Reservation, cost: float, tokens: int, done: bool) -> None:
+        def settle(res: Reservation, attempt: Attempt, done: bool) -> None:
             self.stats.attempts += 1
-            self.stats.output_tokens += tokens
-            gate.settle(res, cost, tokens, done)
+            self.stats.output_tokens += attempt.completion_tokens
+            gate.settle(res, attempt.cost, attempt.completion_tokens, done)
+            seq = seqs[id(res)]
+            if done:
+                if attempt.generation_id:
+                    journal.generation(seq, attempt.generation_id)
+                answered.append(seq)
+            else:
+                billed = attempt.cost > 0 or (
+                    attempt.error is not None and attempt.error.cls in BILLED_UNSEEN)
+                journal.settle(seq, attempt.cost, billed)
 
         def on_failed(err: ErrorInfo, attempt: int, cost: float, tokens: int) -> None:
             # Logged at once with what it cost: money billed for a failed attempt is kept
@@ -280,20 +441,32 @@ class Generator:
         try:
             result = await call_with_retries(
                 self.settings, self.key, prompt.messages, prompt.tools, reserve, settle,
-                self.rng, self._price_fallback, on_failed, self.stop_event)
+                self.rng, self._price_fallback, on_failed, self.stop_event,
+                max_attempts=max(1, self.settings.retry.max_attempts - prior_attempts),
+                http_client=self.http_client)
         finally:
             if pending:  # never used: give the first reservation back
                 gate.settle(first, 0.0, 0, False)
             self.stats.in_flight -= 1
             sem.release()
-        self._finish(prompt, result, core, writer, gate)
+        self._finish(prompt, result, core, writer, gate, flags)
+        for seq in answered:  # booked only now that the answer is on disk
+            journal.settle(seq, result.cost, True)
         self._show()
 
     def _finish(self, prompt: Any, result: CallResult, core: TokenCore, writer: RecordWriter,
-                gate: BudgetGate) -> None:
+                gate: BudgetGate, flags: list[str]) -> None:
         err = result.error
         if err is None:
-            resp = result.response
+            repair = TextRepair()
+            try:
+                resp = clean_text(result.response, self.key, repair)
+            except RecursionError:  # nested too deeply to walk: unusable, cost already booked
+                err = ErrorInfo("malformed_response", 200, "the answer is nested too deeply",
+                                "fail")
+                writer.append(_error_record(prompt, self.request, err, result.attempts))
+                self.stats.failed[err.cls] += 1
+                return
             assert resp is not None
             try:
                 rec = core.reconstruct(prompt.messages, prompt.tools, resp)
@@ -302,12 +475,15 @@ class Generator:
                 rec = {"ok": False, "issues": ["reconstruction_crashed"], "prompt_ids": [],
                        "output_ids": [], "loss_mask": [], "completion_tokens_reported": None,
                        "completion_tokens_reconstructed": 0, "reconstruction_error": str(exc)}
+            extra = [*flags, *result.billing_flags]
+            extra += ["answer_text_replaced"] if repair.surrogates else []
+            extra += ["api_key_echoed"] if repair.key_echoed else []
             record = {
-                "id": prompt.id, **rec, "messages": prompt.messages, "tools": prompt.tools,
-                "request": self.request, "response": resp, "usage": resp.get("usage"),
-                "cost": result.cost, "provider": resp.get("provider"),
-                "latency_s": round(result.latency_s, 4), "attempts": result.attempts,
-                "error": None,
+                "id": prompt.id, **_with_issues(rec, extra), "messages": prompt.messages,
+                "tools": prompt.tools, "request": self.request, "response": resp,
+                "usage": resp.get("usage"), "cost": result.cost,
+                "provider": resp.get("provider"), "latency_s": round(result.latency_s, 4),
+                "attempts": result.attempts, "error": None,
             }
             writer.append(record)
             self.stats.answered += 1
@@ -365,7 +541,7 @@ class Generator:
         spend = prompt_tokens = reported = rebuilt = 0
         for rec in iter_records(records_path):
             counts["records"] += 1
-            spend += float(rec.get("cost") or 0.0)
+            spend += record_cost(rec)
             if rec.get("error"):
                 failed[rec["error"].get("class", "unknown")] += 1
                 continue
@@ -378,7 +554,11 @@ class Generator:
             if isinstance(rec.get("completion_tokens_reported"), int):
                 reported += rec["completion_tokens_reported"]
                 rebuilt += int(rec.get("completion_tokens_reconstructed") or 0)
-        failed_attempts_cost = sum(float(r.get("cost") or 0.0) for r in iter_records(errors_path))
+        failed_attempts_cost = sum(record_cost(r) for r in iter_records(errors_path))
+        journal_spend = self.journal.spent()
+        # Every count is a lower bound of what was billed: the spend is the largest.
+        total_spend = max(spend + failed_attempts_cost, journal_spend,
+                          self.spent_before + self.key_delta)
         wall = time.monotonic() - self.stats.started
         s = self.stats
         return {
@@ -387,22 +567,31 @@ class Generator:
             "stop_message": s.stop_message,
             "prompts": self.total,
             "prompt_rows_skipped": dict(skipped_rows),
+            "prompt_rows_skipped_examples": self.skipped_examples,
             "counts": {"records": counts["records"], "answered": counts["answered"],
                        "ok": counts["ok"], "flagged": counts["flagged"],
                        "failed": sum(failed.values())},
             "flagged_by_issue": dict(flagged),
             "failed_by_class": dict(failed),
             "providers": dict(providers),
-            "spend_usd": spend + failed_attempts_cost,
+            "spend_usd": total_spend,
             "spend_usd_records": spend,
             "spend_usd_failed_attempts": failed_attempts_cost,
+            "spend_usd_journal": journal_spend,
+            "key": None if self.key_start is None else {
+                "usage_at_start": self.key_start.usage, "limit": self.key_start.limit,
+                "usage_delta_this_run": self.key_delta},
+            "journal": {"recovered_requests": self.recovered[0],
+                        "recovered_usd": self.recovered[1]},
             "budget": {"usd": self.budget.cap_usd, "max_samples": self.budget.max_samples,
                        "max_output_tokens": self.budget.max_output_tokens,
                        "reserve_factor": self.reserve_factor,
                        "price_in_usd_per_mtok": self.pricing.input_per_token * 1e6,
                        "price_out_usd_per_mtok": self.pricing.output_per_token * 1e6,
                        "price_source": self.price_source,
-                       "overruns": self.budget.overruns},
+                       "overruns": self.budget.overruns,
+                       "overbill_ratio": self.budget.overbill_ratio,
+                       "max_usd_per_sample": self.cfg.budget.get("max_usd_per_sample")},
             "tokens": {"prompt": prompt_tokens, "completion_reported": reported,
                        "completion_reconstructed": rebuilt},
             "billing_drift": {"reconstructed_minus_reported": rebuilt - reported,
@@ -411,6 +600,8 @@ class Generator:
                 "startup_s": round(self.startup_s, 3), "wall_s": round(wall, 3),
                 "answered": s.answered, "failed": dict(s.failed),
                 "given_up_retry_next_run": s.given_up, "skipped_already_done": s.skipped_done,
+                "skipped_over_budget": s.skipped_over_budget,
+                "attempts_exhausted": s.attempts_exhausted,
                 "attempts": s.attempts, "retries": s.retries,
                 "output_tokens_billed": s.output_tokens,
                 "samples_per_s": s.answered / wall if wall > 0 else None,
@@ -461,14 +652,15 @@ def generate(cfg: DictConfig, run_dir: Path | None = None) -> tuple[int, dict[st
 
     run_dir = run_dir or run_dir_of(cfg)
     try:
-        # provider=local: its server is started around the run, reached like any provider.
-        with provider_endpoint(cfg, run_dir) as endpoint:
+        # One process per run directory, held until the summary is written.
+        with RunLock(run_dir), provider_endpoint(cfg, run_dir) as endpoint:
+            # provider=local: its server is started around the run, reached like any other.
             if endpoint.get("server") is not None:
                 cfg = _pointed_at(cfg, endpoint)
             gen = Generator(cfg, run_dir)
             summary = asyncio.run(gen.run())
     except (MissingApiKey, GenerateError, ProviderConfigError, TokenizerNotFound,
-            FileNotFoundError, ServerError) as exc:
+            FileNotFoundError, ServerError, RunDirLocked) as exc:
         log.error("%s", exc)
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_CONFIG, None
@@ -484,19 +676,60 @@ def generate(cfg: DictConfig, run_dir: Path | None = None) -> tuple[int, dict[st
     if summary["stop_message"]:
         print(f"generate: {summary['stop_message']}", file=sys.stderr)
     stopped = summary["stop_reason"] in ("payment_required", "auth", "too_many_failures")
+    this_run = summary["this_run"]
+    failed_now = sum(this_run["failed"].values()) + this_run["given_up_retry_next_run"]
+    if not stopped and this_run["answered"] == 0 and failed_now:
+        # Nothing bought at all: a total outage or a wrong setting, never a quiet success.
+        causes = ", ".join(f"{k}: {v}" for k, v in Counter(this_run["failed"]).most_common(3))
+        print(f"generate: every request of this run failed ({causes}); see "
+              f"{run_dir / ATTEMPT_ERRORS} and {run_dir / RECORDS}", file=sys.stderr)
+        return EXIT_ALL_FAILED, summary
     return (EXIT_STOPPED if stopped else 0), summary
 
 
-def _refuse_keys_on_the_command_line(argv: list[str]) -> None:
-    """Hydra saves every override in .hydra/ before the task runs: refuse a key there."""
+# An environment variable name: what `*api_key_env` must hold (not a key itself).
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# Header names that carry credentials.
+_SECRET_HEADERS = ("authorization", "api-key", "api_key", "apikey", "x-api-key", "token",
+                   "cookie", "secret")
+# Environment variables that hold secrets (OPENROUTER_API_KEY, HF_TOKEN, ...).
+_SECRET_VAR = re.compile(r"(?:API_?KEY|_TOKEN|_SECRET|ACCESS_KEY)$")
+# What API keys look like (OpenRouter sk-or-v1-..., OpenAI sk-..., bearer tokens).
+_KEY_SHAPE = re.compile(r"(?:\bsk-[A-Za-z0-9_-]{16,}|\bBearer\s+\S{8,})")
+
+
+def key_in_overrides(argv: list[str], environ: dict[str, str] | None = None) -> str | None:
+    """Why an override would put a secret into the saved config (None: it would not)."""
+    environ = dict(os.environ) if environ is None else environ
+    secrets = [v for k, v in environ.items()
+               if _SECRET_VAR.search(k.upper()) and len(v) >= 12 and not v.startswith("/")]
     for arg in argv:
-        name = arg.split("=", 1)[0].lstrip("+~")
-        if "=" in arg and name.rsplit(".", 1)[-1].lower().replace("-", "_").endswith(
-                ("api_key", "apikey")):
-            print(f"error: {name} must not be in the config (Hydra would save it in .hydra/); "
-                  "export the provider's key variable (e.g. OPENROUTER_API_KEY) instead",
-                  file=sys.stderr)
-            raise SystemExit(EXIT_CONFIG)
+        if "=" not in arg:
+            continue
+        name, value = arg.split("=", 1)
+        name = name.lstrip("+~")
+        leaf = name.rsplit(".", 1)[-1].lower().replace("-", "_")
+        if leaf.endswith(("api_key", "apikey")):
+            return f"{name} must not be in the config"
+        if leaf.endswith("api_key_env") and value not in ("", "null") and not _ENV_NAME.fullmatch(
+                value):
+            return (f"{name} must name an environment variable (e.g. OPENROUTER_API_KEY), "
+                    "not hold the key")
+        if ".headers" in name.lower() and any(w in leaf for w in _SECRET_HEADERS):
+            return f"{name} would carry a credential in a header"
+        if _KEY_SHAPE.search(value) or any(secret in value for secret in secrets):
+            return f"the value of {name} looks like an API key"
+    return None
+
+
+def _refuse_keys_on_the_command_line(argv: list[str]) -> None:
+    """Hydra saves every override in .hydra/ (and the log) before the task runs: refuse a
+    key there, whatever the key it is given under."""
+    why = key_in_overrides(argv)
+    if why:
+        print(f"error: {why} (Hydra would save it in .hydra/ and the log); export the "
+              "provider's key variable (e.g. OPENROUTER_API_KEY) instead", file=sys.stderr)
+        raise SystemExit(EXIT_CONFIG)
 
 
 def main() -> None:

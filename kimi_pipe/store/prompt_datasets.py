@@ -81,6 +81,9 @@ class PromptSet:
             except SkipRow as skip:
                 self._skip(skip.reason, fallback_id, str(skip))
                 continue
+            except RecursionError:  # a row nested too deeply to walk: that row, not the run
+                self._skip("too_deeply_nested", fallback_id, "nesting too deep")
+                continue
             seen.add(prompt.id)
             yield prompt
             count += 1
@@ -248,14 +251,21 @@ def _cfg_get(cfg: DictConfig, key: str, default: Any = None) -> Any:
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
-    with path.open(encoding="utf-8") as handle:
-        for line_no, line in enumerate(handle, start=1):
+    with path.open("rb") as handle:
+        for line_no, raw in enumerate(handle, start=1):
+            if line_no == 1:
+                raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 BOM (Windows editors)
+            # Invalid UTF-8 becomes lone surrogates: the run replaces and flags them
+            # instead of refusing the whole file for one bad byte.
+            line = raw.decode("utf-8", errors="surrogateescape")
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
-            except json.JSONDecodeError:
-                row = SkipRow("invalid_json", f"line {line_no}")  # e.g. a torn last line
+            except json.JSONDecodeError as exc:  # e.g. a torn last line
+                row = SkipRow("invalid_json", f"{path}:{line_no}: {exc}")
+            except RecursionError:
+                row = SkipRow("too_deeply_nested", f"{path}:{line_no}")
             yield f"line-{line_no}", row
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Iterator
@@ -119,7 +120,11 @@ class RecordWriter:
 
     def append(self, record: dict[str, Any]) -> None:
         # One write call per line: the line is either whole in the file or torn at the end.
-        data = json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+        text = json.dumps(record, ensure_ascii=False, separators=(",", ":"))
+        try:
+            data = text.encode() + b"\n"
+        except UnicodeEncodeError:  # a lone surrogate the caller did not repair: never lose
+            data = text.encode("utf-8", "replace") + b"\n"  # the line for one character
         self._fh.write(data)
         self._fh.flush()
         now = time.monotonic()
@@ -155,7 +160,9 @@ class ResumeIndex:
 
 def record_cost(record: dict[str, Any]) -> float:
     value = record.get("cost")
-    return float(value) if isinstance(value, int | float) else 0.0
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return 0.0
+    return float(value) if math.isfinite(value) and value > 0 else 0.0
 
 
 def record_output_tokens(record: dict[str, Any]) -> int:
