@@ -16,13 +16,11 @@ stage (and the final summary) can read the result of a stage that was skipped.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import importlib
 import json
 import logging
 import os
-import socket
 import sys
 import time
 import uuid
@@ -35,9 +33,9 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from kimi_pipe.pipeline.registry import resolve_stage
 from kimi_pipe.pipeline.stage import Stage, StageContext
+from kimi_pipe.store.run_lock import RunDirLocked, RunLock
 
 MARKER_DIR = ".pipeline"
-LOCK_FILE = "lock"
 RUN_SUMMARY = "pipeline_summary.json"
 
 log = logging.getLogger("kimi_pipe.run")
@@ -177,25 +175,16 @@ def write_marker(run_dir: Path, name: str, data: dict[str, Any]) -> None:
 
 @contextlib.contextmanager
 def run_dir_lock(run_dir: Path) -> Iterator[None]:
-    """One runner per run directory: an OS lock, released by the kernel if we die."""
-    path = run_dir / MARKER_DIR / LOCK_FILE
-    handle = path.open("a+", encoding="utf-8")
+    """One runner per run directory (`store.run_lock`, in `.pipeline/`: the generate stage
+    holds its own lock on the run directory while it runs inside the pipeline)."""
     try:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().strip() or "another process"
-            raise RunDirBusy(
-                f"{run_dir} is in use by {holder}; wait for it, or use another output_dir"
-            ) from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-        handle.flush()
+        lock = RunLock(run_dir / MARKER_DIR).acquire()
+    except RunDirLocked as exc:
+        raise RunDirBusy(str(exc)) from None
+    try:
         yield
     finally:
-        handle.close()
+        lock.release()
 
 
 def run_pipeline(cfg: DictConfig, *, say: Any = None) -> PipelineRun:
