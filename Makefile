@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 PYTHON := $(BIN)/python
 STAMP := $(VENV)/.installed-$(shell cat requirements.lock pyproject.toml | sha256sum | cut -c1-12)
 
-.PHONY: setup test lint snapshots reconstruct-sample generate sweep report demo bench lock clean
+.PHONY: setup test lint snapshots reconstruct-sample generate sweep report demo bench interop lock clean
 
 setup: $(STAMP)
 
@@ -56,6 +56,11 @@ report: setup
 bench: setup
 	$(PYTHON) scripts/bench_reconstruct.py
 	$(PYTHON) scripts/bench_generate.py
+
+# Every export format loaded by the trainers' own code (SpecForge, speculators, ModelOpt from
+# PyPI, in their own venv), with numeric checks; figures in README (docs/export.md).
+interop: setup
+	PY=$(PYTHON) bash scripts/interop.sh
 
 UV_COMPILE := $(PYTHON) -m uv pip compile --generate-hashes --python-version 3.11 \
 	  --python-platform x86_64-manylinux_2_28 --find-links /opt/wheels --no-header
