@@ -314,3 +314,24 @@ def test_card_names_per_engine_layer_ids(tmp_path: Path) -> None:
     card = (out / "README.md").read_text()
     assert "| SGLang | [2, 4, 5] |" in card and "| vLLM | [2, 4, 5] |" in card
     assert "[1, 3, 4] is off by one" in card
+
+
+def test_run_export_reads_format_model_path_and_max_length(tmp_path: Path) -> None:
+    from omegaconf import OmegaConf
+
+    from kimi_pipe.stages.export import run_export
+
+    tied = write_index(tmp_path / "tied", ["model.embed_tokens.weight"])
+    store = make_store(tmp_path / "run" / "store", final_state="pre_norm")
+    cfg = {"stores": [str(store)], "seed": 0, "target_model_path": str(tied), "max_length": 64}
+    summary = run_export(
+        OmegaConf.create({**cfg, "format": "specforge", "output": str(tmp_path / "a")})
+    )
+    assert summary["max_length"] == 64
+    assert summary["weight_keys"]["lm_head_key"] == "model.embed_tokens.weight"
+    summary = run_export(
+        OmegaConf.create({**cfg, "format": "speculators", "output": str(tmp_path / "b")})
+    )
+    assert summary["conventions"]["final_state_conversion"] == "as_is"
+    with pytest.raises(ValueError, match="another export"):  # same directory, other format
+        run_export(OmegaConf.create({**cfg, "format": "modelopt", "output": str(tmp_path / "b")}))
