@@ -312,8 +312,15 @@ def test_card_names_per_engine_layer_ids(tmp_path: Path) -> None:
     out = tmp_path / "sf"
     export([store], out, "specforge")
     card = (out / "README.md").read_text()
-    assert "| SGLang | [2, 4, 5] |" in card and "| vLLM | [2, 4, 5] |" in card
-    assert "[1, 3, 4] is off by one" in card
+    # 8 layers: [1, 3, 4] is the default rule, so naming none is right in both engines.
+    assert "| SGLang | [2, 4, 5] | [1, 3, 4] (SGLang adds 1 when the first id is 1); none" in card
+    assert "| vLLM | [2, 4, 5] | none (its default" in card
+    assert "never [1, 3, 4]: vLLM would read them off by one" in card
+    custom = make_store(tmp_path / "run2" / "store", layers=(2, 3, 4))
+    export([custom], tmp_path / "sf2", "specforge")
+    card = (tmp_path / "sf2" / "README.md").read_text()
+    assert "| SGLang | [3, 4, 5] | - |" in card  # not the default: the ids must be named
+    assert "none" not in card.split("## Serve")[1].split("## Counts")[0]
 
 
 def test_run_export_reads_format_model_path_and_max_length(tmp_path: Path) -> None:

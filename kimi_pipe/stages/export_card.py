@@ -133,9 +133,18 @@ def _training(summary: dict[str, Any]) -> list[str]:
     ]
 
 
-def _serving(c: dict[str, Any]) -> list[str]:
+def _serving(c: dict[str, Any], num_layers: int) -> list[str]:
     output_ids = c["output_layer_ids"]
     engines = c["drafter_config_ids"]
+    is_default = output_ids == [1, num_layers // 2 - 1, num_layers - 4]
+    sglang_or = []
+    if output_ids and output_ids[0] == 1:
+        sglang_or.append(f"{output_ids} (SGLang adds 1 when the first id is 1)")
+    vllm_or = []
+    if is_default:
+        sglang_or.append("none (its default is these layers)")
+        vllm_or.append("none (its default [2, N//2, N-3] is these layers)")
+    vllm_or.append(f"never {output_ids}: vLLM would read them off by one")
     return [
         "A drafter trained on these states reads the auxiliary layers "
         f'{output_ids} ("output of layer") = {c["capture_layer_ids"]} (input of layer).',
@@ -143,10 +152,8 @@ def _serving(c: dict[str, Any]) -> list[str]:
         "",
         "| engine | name these ids | or |",
         "| --- | --- | --- |",
-        f"| SGLang | {_fmt(engines['sglang'])} | {output_ids} (SGLang adds 1 when the first id is"
-        " 1) or none (its default is right) |",
-        f"| vLLM | {_fmt(engines['vllm'])} | none (its default [2, N//2, N-3] is right); "
-        f"{output_ids} is off by one |",
+        f"| SGLang | {_fmt(engines['sglang'])} | {'; '.join(sglang_or) or '-'} |",
+        f"| vLLM | {_fmt(engines['vllm'])} | {'; '.join(vllm_or)} |",
     ]
 
 
@@ -169,7 +176,7 @@ def dataset_card(summary: dict[str, Any]) -> str:
         "",
         "## Serve",
         "",
-        *_serving(c),
+        *_serving(c, int(m["num_layers"])),
         "",
         "## Counts",
         "",
