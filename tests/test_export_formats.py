@@ -342,3 +342,14 @@ def test_run_export_reads_format_model_path_and_max_length(tmp_path: Path) -> No
     assert summary["conventions"]["final_state_conversion"] == "as_is"
     with pytest.raises(ValueError, match="another export"):  # same directory, other format
         run_export(OmegaConf.create({**cfg, "format": "modelopt", "output": str(tmp_path / "b")}))
+
+
+def test_pre_norm_is_refused_for_a_norm_export_could_not_recompute(tmp_path: Path) -> None:
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+
+    backend = HFBackend(make_tiny_model(tmp_path / "tiny"))
+    assert backend._final_norm() is backend.decoder.norm  # Llama's RMSNorm: the formula holds
+    gemma = GemmaRMSNorm(TINY_HIDDEN, eps=1e-6)  # x * (1 + weight): same name, other formula
+    backend.decoder.norm = gemma
+    with pytest.raises(ValueError, match="could not recompute"):
+        backend._final_norm()

@@ -23,7 +23,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from kimi_pipe.extraction.layers import resolve_output_ids
-from kimi_pipe.store.conventions import POST_NORM, PRE_NORM, final_norm_spec
+from kimi_pipe.store.conventions import POST_NORM, PRE_NORM, final_norm_spec, rms_norm
 from kimi_pipe.store.hidden_store import torch_dtype
 
 
@@ -119,10 +119,19 @@ class HFBackend:
                 f"extract.final_state=pre_norm: {type(self.decoder).__name__} has no final "
                 "RMSNorm at `.norm` (weight + eps) to record; use extract.final_state=post_norm"
             )
-        if "rms" not in type(norm).__name__.lower():
+        # Export recomputes the norm from (weight, eps): prove on random rows that the formula
+        # is this module's (a Gemma-style (1 + weight) norm, a LayerNorm ... would not be).
+        probe = torch.randn(4, weight.numel(), generator=torch.Generator().manual_seed(0))
+        spec = final_norm_spec(weight, float(eps), "norm")
+        with torch.no_grad():
+            expected = norm(probe.to(weight.device, weight.dtype)).float().cpu()
+        if not torch.allclose(
+            rms_norm(probe.to(weight.dtype), spec), expected, rtol=1e-2, atol=1e-3
+        ):
             raise ValueError(
-                f"extract.final_state=pre_norm: the final norm {type(norm).__name__} is not an "
-                "RMSNorm, so export could not recompute it; use extract.final_state=post_norm"
+                f"extract.final_state=pre_norm: the final norm {type(norm).__name__} is not "
+                "x * rsqrt(mean(x^2) + eps) * weight, so export could not recompute it; use "
+                "extract.final_state=post_norm"
             )
         return norm
 
