@@ -224,6 +224,7 @@ def check_specforge(out: Path, summary: dict, records: dict, target: Target) -> 
 
 
 def check_speculators(out: Path, summary: dict, records: dict, target: Target) -> dict[str, Any]:
+    from speculators.train.config import TrainConfig
     from speculators.train.data import ArrowDataset
 
     layers = summary["conventions"]["capture_layer_ids"]  # --target-layer-ids, as the card says
@@ -255,14 +256,43 @@ def check_speculators(out: Path, summary: dict, records: dict, target: Target) -
         )
     result = tally.result(post_norm_claimed=True)
     result["loader"] = "speculators.train.data.ArrowDataset (file backend, on_missing=raise)"
-    result["target_layer_ids"] = layers
+    # The card's `speculators train` command, parsed by speculators' own TrainConfig.
+    train = TrainConfig.resolve(card_command(out, "speculators train"))
+    result["card_command_resolves_to"] = {
+        "target_layer_ids": train.draft.target_layer_ids,
+        "data_path": train.data.data_path,
+        "on_missing": train.generation.on_missing,
+        "total_seq_len": train.data.total_seq_len,
+    }
+    result["checks"]["card_command"] = (
+        train.draft.target_layer_ids == layers
+        and Path(train.data.data_path) == out
+        and train.generation.on_missing == "raise"
+        and train.data.total_seq_len >= longest
+    )
+    result["pass"] = all(result["checks"].values())
     return result
+
+
+def card_command(out: Path, prefix: str) -> list[str]:
+    """The arguments of the card's shell command starting with `prefix` (continuations joined)."""
+    import shlex
+
+    text = (out / "README.md").read_text().replace("\\\n", " ")
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            return shlex.split(line)[len(prefix.split()) :]
+    raise ValueError(f"no `{prefix}` command in {out / 'README.md'}")
 
 
 def check_modelopt(out: Path, summary: dict, records: dict, target: Target) -> dict[str, Any]:
     from modelopt.torch.speculative.eagle.utils import (
         EagleOfflineDataCollator,
         OfflineSupervisedDataset,
+    )
+    from modelopt.torch.speculative.plugins.hf_training_args import (
+        DataArguments,
+        TrainingArguments,
     )
 
     layers = [i + 1 for i in summary["conventions"]["output_layer_ids"]]
@@ -291,6 +321,13 @@ def check_modelopt(out: Path, summary: dict, records: dict, target: Target) -> d
         )
     collated = EagleOfflineDataCollator(train_len=summary["tokens"]["max_len"])(batch)
     result = tally.result(post_norm_claimed=True)
+    # The card's recipe overrides, through ModelOpt's own argument models.
+    data_args = DataArguments(offline_data_path=str(out))
+    train_args = TrainingArguments(
+        answer_only_loss=True, training_seq_len=summary["tokens"]["max_len"]
+    )
+    result["checks"]["recipe_args"] = data_args.mode == "offline" and train_args.answer_only_loss
+    result["pass"] = all(result["checks"].values())
     result["loader"] = "OfflineSupervisedDataset(answer_only_loss=True) + EagleOfflineDataCollator"
     result["answer_only_loss_false_gives_all_ones"] = f"{ones}/{len(ds)}"
     result["collated_keys"] = sorted(collated)
