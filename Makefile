@@ -24,7 +24,7 @@ TORCH_LOCK := $(if $(filter-out none,$(TORCH)),requirements-torch-$(TORCH).lock)
 STAMP := $(VENV)/.installed-$(TORCH)-$(shell cat requirements.lock $(TORCH_LOCK) pyproject.toml setup.py 2>/dev/null | sha256sum | cut -c1-12)
 PY_OK := import sys; v = sys.version_info[:2]; sys.exit(0 if (3, 11) <= v <= (3, 13) else 1)
 
-.PHONY: setup test lint snapshots reconstruct-sample generate sweep report demo run bench lock lock-torch wheel check-install clean
+.PHONY: setup test lint snapshots reconstruct-sample generate sweep report demo run bench interop lock lock-torch wheel check-install clean
 
 setup: $(STAMP)
 
@@ -83,6 +83,11 @@ report: setup
 bench: setup
 	$(PYTHON) scripts/bench_reconstruct.py
 	$(PYTHON) scripts/bench_generate.py
+
+# Every export format loaded by the trainers' own code (SpecForge, speculators, ModelOpt from
+# PyPI, in their own venv), with numeric checks; figures in README (docs/export.md).
+interop: setup
+	PY=$(PYTHON) bash scripts/interop.sh
 
 # Locks (uv, from PyPI): one universal requirements.lock for Python 3.11-3.13 and Linux,
 # with torch's own dependencies but not torch (its metadata comes from PyTorch's CPU index,

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from kimi_pipe.store.conventions import final_state_as
+
 REPO = Path(__file__).resolve().parent.parent
 PROMPTS = REPO / "data" / "demo_prompts.jsonl"
 N = 3
@@ -85,7 +87,10 @@ def test_demo_end_to_end_and_resume(tmp_path: Path) -> None:
         length = len(ids)
         assert sample["hidden_state"].shape == (1, length, 576)
         assert sample["aux_hidden_state"].shape == (1, length, 3 * 576)
-        assert torch.equal(store[row["id"]]["hidden_state"], sample["hidden_state"][0])
+        # The store keeps the pre-norm state; SpecForge gets it through the recorded norm.
+        assert store.manifest["final_state"] == "pre_norm"
+        post = final_state_as(store.manifest, store[row["id"]]["hidden_state"], "post_norm")
+        assert torch.equal(post, sample["hidden_state"][0])
     card = (export / "README.md").read_text()
     assert "exact_match_rate" in card
 

@@ -234,7 +234,9 @@ def test_stage_writes_store_with_record_ids_and_counts(tmp_path: Path, tiny_dir:
     m = store.manifest
     assert m["layer_ids"] == [1, 3, 4]
     assert m["layer_convention"] == "output_of_layer"
-    assert m["final_state"] == "post_norm"
+    # conf default: the final norm's input, with the norm recorded so export can apply it.
+    assert m["final_state"] == "pre_norm"
+    assert m["final_norm"]["type"] == "rms_norm" and len(m["final_norm"]["weight"]) == TINY_HIDDEN
     assert m["source_runs"] == [str(records.parent.resolve())]
     assert "loss_mask" in m and "model.loss_mask" in m["loss_mask"]
     assert len(list((tmp_path / "hidden_hf" / SHARDS).glob("*.safetensors"))) == 3

@@ -3,7 +3,10 @@
 Captured per token:
 * aux_hidden_state [L, 3H]: "output of layer" ids (default [1, N//2 - 1, N - 4]) taken from
   `output_hidden_states`, where hidden_states[i + 1] is what decoder layer i returns;
-* hidden_state [L, H]: the base model's `last_hidden_state`, i.e. after the final norm.
+* hidden_state [L, H]: `final_state=pre_norm` (conf default): the input of the final norm (the
+  last layer's output), with the norm's weight and eps in the manifest (`final_norm`) so that
+  export computes the post-norm state exactly (kimi_pipe.store.conventions);
+  `final_state=post_norm`: the base model's `last_hidden_state`, i.e. after the final norm.
 
 Only the decoder (`model.base_model`) runs: the LM head's [L, vocab] logits are never built.
 Batches are right-padded with an attention mask; padding never changes the real rows of a
@@ -20,6 +23,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from kimi_pipe.extraction.layers import resolve_output_ids
+from kimi_pipe.store.conventions import POST_NORM, PRE_NORM, final_norm_spec, rms_norm
 from kimi_pipe.store.hidden_store import torch_dtype
 
 
@@ -65,6 +69,7 @@ class HFBackend:
         model_cfg: dict[str, Any] | None = None,
         trust_remote_code: bool = False,
         model_name: str | None = None,
+        final_state: str = POST_NORM,
     ) -> None:
         from transformers import AutoModelForCausalLM  # heavy import, only when used
 
@@ -80,6 +85,19 @@ class HFBackend:
         self.hidden_size = int(config.hidden_size)
         self.layer_ids = resolve_output_ids(layer_ids, self.num_layers, model_cfg)
         self.pad_id = 0  # any valid id: padded positions are masked out and cut off
+        if final_state not in (PRE_NORM, POST_NORM):
+            raise ValueError(
+                f"extract.final_state must be pre_norm or post_norm, not {final_state!r}"
+            )
+        self.final_state = final_state
+        extra: dict[str, Any] = {"compute_dtype": dtype, "model_path": str(model_path)}
+        self._pre_norm: torch.Tensor | None = None
+        if final_state == PRE_NORM:
+            norm = self._final_norm()
+            eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+            extra["final_norm"] = final_norm_spec(norm.weight, float(eps), "norm")
+            # The norm's input is the last layer's output: keep it as the final state.
+            norm.register_forward_pre_hook(self._keep_pre_norm)
         self.store_fields: dict[str, Any] = {
             "model": model_name or Path(model_path).name,
             "num_layers": self.num_layers,
@@ -87,9 +105,38 @@ class HFBackend:
             "hidden_size": self.hidden_size,
             "dtype": store_dtype or dtype,
             "layer_convention": "output_of_layer",
-            "final_state": "post_norm",
-            "extra": {"compute_dtype": dtype, "model_path": str(model_path)},
+            "final_state": final_state,
+            "extra": extra,
         }
+
+    def _final_norm(self) -> torch.nn.Module:
+        """The decoder's final norm, which must be an RMSNorm (weight + eps) to be stored."""
+        norm = getattr(self.decoder, "norm", None)
+        eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+        weight = getattr(norm, "weight", None)
+        if norm is None or eps is None or not isinstance(weight, torch.Tensor):
+            raise ValueError(
+                f"extract.final_state=pre_norm: {type(self.decoder).__name__} has no final "
+                "RMSNorm at `.norm` (weight + eps) to record; use extract.final_state=post_norm"
+            )
+        # Export recomputes the norm from (weight, eps): prove on random rows that the formula
+        # is this module's (a Gemma-style (1 + weight) norm, a LayerNorm ... would not be).
+        probe = torch.randn(4, weight.numel(), generator=torch.Generator().manual_seed(0))
+        spec = final_norm_spec(weight, float(eps), "norm")
+        with torch.no_grad():
+            expected = norm(probe.to(weight.device, weight.dtype)).float().cpu()
+        if not torch.allclose(
+            rms_norm(probe.to(weight.dtype), spec), expected, rtol=1e-2, atol=1e-3
+        ):
+            raise ValueError(
+                f"extract.final_state=pre_norm: the final norm {type(norm).__name__} is not "
+                "x * rsqrt(mean(x^2) + eps) * weight, so export could not recompute it; use "
+                "extract.final_state=post_norm"
+            )
+        return norm
+
+    def _keep_pre_norm(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        self._pre_norm = args[0]
 
     @torch.inference_mode()
     def forward(self, batch: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -109,6 +156,10 @@ class HFBackend:
         )
         aux = torch.cat([out.hidden_states[i + 1] for i in self.layer_ids], dim=-1)
         final = out.last_hidden_state
+        if self.final_state == PRE_NORM:
+            if self._pre_norm is None:
+                raise RuntimeError("the final norm did not run; cannot take its input")
+            final, self._pre_norm = self._pre_norm, None
         return [
             (aux[row, :n].float().cpu(), final[row, :n].float().cpu())
             for row, n in enumerate(lengths)
@@ -140,4 +191,5 @@ def open_backend(cfg: DictConfig) -> HFBackend:
         model_cfg=model_cfg,  # type: ignore[arg-type]
         trust_remote_code=bool(ecfg.get("trust_remote_code", False)),
         model_name=OmegaConf.select(cfg, "model.name", default=None),
+        final_state=str(ecfg.get("final_state") or POST_NORM),
     )

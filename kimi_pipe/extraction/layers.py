@@ -11,7 +11,19 @@ Three names for the same captured tensor (N = number of decoder layers, 0-based 
 So capture id == hidden_states index == output-of-layer id + 1. For Kimi K2.5 (N = 61) the
 default output-of-layer ids ``[1, 29, 57]`` are SGLang capture ids ``[2, 30, 58]``.
 The output of the last layer (i = N - 1) has no "input of layer N" and is not capturable as
-an auxiliary state: the final state is taken after the last norm instead.
+an auxiliary state: the final state is the last layer's output before (pre_norm) or after
+(post_norm) the final norm, as the store's manifest says.
+
+What a drafter config's `eagle_aux_hidden_state_layer_ids` means depends on the serving engine:
+
+* SGLang (since PR 25454): ids whose first element is 1 are "output of layer" ids and get + 1;
+  any other list is taken as capture (input of layer) ids as given.
+* vLLM (and speculators' `--target-layer-ids`): the ids are capture (input of layer) ids, as
+  given; vLLM's default is ``[2, N//2, N - 3]``.
+
+So for Kimi K2.5 (output ids ``[1, 29, 57]``) a config naming ``[1, 29, 57]`` is right in
+SGLang and off by one in vLLM; naming the capture ids ``[2, 30, 58]`` is right in both (SGLang
+leaves a list not starting with 1 alone); naming none uses each engine's default, also right.
 """
 
 from __future__ import annotations
@@ -67,3 +79,64 @@ def resolve_output_ids(
     if ids is None:
         ids = default_layer_ids(num_layers)
     return validate_output_ids(list(ids), num_layers)
+
+
+# --------------------------------------------------------------------------- serving engines
+
+ENGINES = ("sglang", "vllm")
+
+
+def sglang_config_to_capture_ids(config_ids: Sequence[int]) -> list[int]:
+    """What SGLang captures for a drafter config's ids: + 1 only when the first id is 1."""
+    ids = [int(i) for i in config_ids]
+    if ids and ids[0] == 1:
+        return [i + CAPTURE_OFFSET for i in ids]
+    return ids
+
+
+def vllm_config_to_capture_ids(config_ids: Sequence[int]) -> list[int]:
+    """What vLLM captures for a drafter config's ids: the ids as given (input of layer)."""
+    return [int(i) for i in config_ids]
+
+
+def engine_capture_ids(config_ids: Sequence[int], engine: str) -> list[int]:
+    """Capture (input of layer) ids an engine uses for the ids a drafter config names."""
+    if engine == "sglang":
+        return sglang_config_to_capture_ids(config_ids)
+    if engine == "vllm":
+        return vllm_config_to_capture_ids(config_ids)
+    raise ValueError(f"unknown serving engine {engine!r}; choose one of {list(ENGINES)}")
+
+
+def drafter_config_ids(output_ids: Sequence[int], engine: str) -> list[int]:
+    """The ids a drafter config must name so `engine` captures the outputs of `output_ids`."""
+    want = output_to_capture_ids(output_ids)
+    # Capture ids are right for both engines unless they start with 1 (SGLang would add 1).
+    if engine == "sglang" and want and want[0] == 1:
+        raise ValueError(
+            f"SGLang cannot be told to capture the output of layer 0 ({list(output_ids)}): "
+            "a config list starting with 1 is read as 'output of layer' ids"
+        )
+    if engine not in ENGINES:
+        raise ValueError(f"unknown serving engine {engine!r}; choose one of {list(ENGINES)}")
+    return want
+
+
+def manifest_output_ids(manifest: Mapping[str, Any]) -> list[int]:
+    """A store's aux layer ids in the "output of layer" convention, whatever it recorded."""
+    ids = [int(i) for i in manifest["layer_ids"]]
+    convention = manifest.get("layer_convention")
+    if convention == "output_of_layer":
+        return ids
+    if convention == "input_of_layer":
+        out = capture_to_output_ids(ids)
+        if min(out, default=0) < 0:
+            raise ValueError(
+                f"layer_ids {ids} (input_of_layer) include layer 0's input, the embeddings: "
+                "no EAGLE-3 trainer names that as an auxiliary layer"
+            )
+        return out
+    raise ValueError(
+        f"unknown layer_convention {convention!r} in the store manifest; expected "
+        "'output_of_layer' or 'input_of_layer' (re-extract with python -m kimi_pipe.extract)"
+    )

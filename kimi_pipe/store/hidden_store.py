@@ -80,7 +80,10 @@ LAYER_CONVENTIONS = {
 }
 FINAL_STATES = {
     "post_norm": "hidden_state is the last layer's output after the final norm (SpecForge)",
-    "pre_norm": "hidden_state is the last layer's residual before the final norm (speculators)",
+    "pre_norm": (
+        "hidden_state is the last layer's output before the final norm (speculators); with "
+        "final_norm (weight, eps) in the manifest the post-norm state is computed at export"
+    ),
 }
 
 DTYPES: dict[str, torch.dtype] = {

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# make interop: export the demo's hidden states in every trainer format and load each export
+# with the trainer's OWN data-loading code (SpecForge, speculators, ModelOpt from PyPI), with
+# numeric checks (scripts/interop_check.py). About 8 minutes on 2 CPU cores, model cached.
+#   INTEROP_RUN=runs/interop INTEROP_VENV=~/.cache/kimi_pipe/interop-venv bash scripts/interop.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+BASE_PY=${INTEROP_BASE_PYTHON:-python3.11}
+VENV=${INTEROP_VENV:-$HOME/.cache/kimi_pipe/interop-venv}
+RUN=${INTEROP_RUN:-runs/interop}
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
+
+# 1. The trainers' environment. Their pins disagree with each other (SpecForge 0.2.0 wants
+# torch 2.11 / transformers 5.8.1, speculators transformers <= 5.19) and with ours, so they get
+# their own venv; only their data-loading code runs, which these versions serve.
+STAMP="$VENV/.interop-v2"
+if [ ! -f "$STAMP" ]; then
+  "$BASE_PY" -m venv "$VENV"
+  "$VENV/bin/pip" install -q torch==2.13.0 datasets==5.1.0 transformers==5.19.0 \
+    safetensors==0.8.0 pydantic==2.14.4 openai==3.57.0 httpx==0.28.1 requests==2.34.2 \
+    PyYAML==6.0.4 omegaconf==2.4.0 PuLP==3.3.2 scipy==1.17.1 pydantic-settings==2.16.3
+  "$VENV/bin/pip" install -q --no-deps specforge==0.2.0 speculators==0.9.0 \
+    hs-connectors==0.9.0 nvidia-modelopt==0.47.0
+  touch "$STAMP"
+fi
+
+# 2. Demo data: 8 prompts, up to 64 answer tokens, greedy, real SmolLM2 weights. The demo's
+# store (hidden_hf) is pre-norm with its final norm (the extract default); hidden_post is the
+# same records extracted post-norm (for the disk and exactness figures and a refusal).
+"$PY" -m kimi_pipe.demo dataset.limit=8 provider.params.max_tokens=64 "output_dir=$RUN"
+"$PY" -m kimi_pipe.extract model=smollm2 "extract.run_dir=$RUN" extract.only_ok=false \
+  extract.final_state=post_norm "extract.output_dir=$RUN/hidden_post" "hydra.run.dir=$RUN"
+MODEL=$("$PY" -c "from kimi_pipe.config import compose; print(compose(['model=smollm2']).model.hf_weights)")
+
+# 3. Exports (project code), 4. checks (trainers' code, never imports kimi_pipe).
+"$PY" scripts/interop_export.py --run "$RUN" --out "$RUN/interop"
+"$VENV/bin/python" scripts/interop_check.py --exports "$RUN/interop" \
+  --records "$RUN/records.jsonl" --model "$MODEL"
