@@ -125,6 +125,7 @@ class Behaviour:
     counter: TokenCounter = field(default_factory=ApproxCounter)
     seed: int = 0
     list_models: bool = True  # False: GET /models answers 404 (a server without a listing)
+    stack: Any = None  # an imitated serving stack that writes the answer (tests/fake_stacks.py)
 
 
 @dataclass
@@ -182,6 +183,8 @@ def make_answer(messages: list[dict], tools: list[dict] | None, behaviour: Behav
 
 def build_completion(body: dict, behaviour: Behaviour) -> tuple[dict, float, int, int]:
     """The OpenRouter JSON body for a successful answer, and what it bills."""
+    if behaviour.stack is not None:
+        return behaviour.stack.completion(body, behaviour)
     messages = body.get("messages") or []
     tools = body.get("tools")
     ans = make_answer(messages, tools, behaviour)

@@ -19,11 +19,14 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from kimi_pipe.core.logprobs import LogprobPolicy, apply_logprobs, policy_from_config, record_fields
 from kimi_pipe.core.models import Model, load_model
 from kimi_pipe.core.reconstruction import reconstruct
 
 
-def reconstruct_line(model: Model, line: str, line_no: int, tolerance: int) -> dict[str, Any]:
+def reconstruct_line(
+    model: Model, line: str, line_no: int, tolerance: int, policy: LogprobPolicy | None = None
+) -> dict[str, Any]:
     """One input line to one output record; never raises on bad data."""
     try:
         sample = json.loads(line)
@@ -35,10 +38,13 @@ def reconstruct_line(model: Model, line: str, line_no: int, tolerance: int) -> d
     messages = sample.get("messages")
     if not isinstance(messages, list):
         return _bad_record(sample_id, "bad_prompt", "messages must be a list")
+    response = sample.get("response")
     result = reconstruct(
-        model, messages, sample.get("tools"), sample.get("response"), billing_tolerance=tolerance
+        model, messages, sample.get("tools"), response, billing_tolerance=tolerance
     )
-    return {"id": sample_id, **result.to_record()}
+    if policy is not None:
+        result = apply_logprobs(model, result, response, policy)  # the engine's ids, if sent
+    return {"id": sample_id, **result.to_record(), **record_fields(result)}
 
 
 def _bad_record(sample_id: Any, code: str, why: str) -> dict[str, Any]:
@@ -61,13 +67,15 @@ def _lines(handle: TextIO) -> Iterator[tuple[int, str]]:
             yield line_no, line
 
 
-def run(model: Model, source: Path, target: Path, tolerance: int) -> Counter[str]:
+def run(
+    model: Model, source: Path, target: Path, tolerance: int, policy: LogprobPolicy | None = None
+) -> Counter[str]:
     counts: Counter[str] = Counter()
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(target.name + ".partial")
     with source.open(encoding="utf-8") as src, tmp.open("w", encoding="utf-8") as dst:
         for line_no, line in _lines(src):
-            record = reconstruct_line(model, line, line_no, tolerance)
+            record = reconstruct_line(model, line, line_no, tolerance, policy)
             dst.write(json.dumps(record, ensure_ascii=False) + "\n")
             counts["records"] += 1
             counts["ok" if record["ok"] else "not_ok"] += 1
@@ -100,7 +108,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (TokenizerNotFound, ValueError) as exc:
         print(f"error: cannot load model {cfg.model.name!r}: {exc}", file=sys.stderr)
         return 2
-    counts = run(model, source, Path(cfg.output), int(cfg.validation.billing_tolerance))
+    tolerance = int(cfg.validation.billing_tolerance)
+    counts = run(model, source, Path(cfg.output), tolerance, policy_from_config(cfg))
     issues = ", ".join(f"{k[6:]}={v}" for k, v in sorted(counts.items()) if k.startswith("issue:"))
     print(
         f"reconstructed {counts['records']} records: {counts['ok']} ok, "
