@@ -110,6 +110,7 @@ class Stack:
     bad_logprobs: str | None = None  # "not_a_token" (two tokens glued into one entry)
     only_when_asked: bool = True  # logprobs only when the request says logprobs: true
     seen_bodies: list[dict] = field(default_factory=list)
+    emitted: dict[str, list[int]] = field(default_factory=dict)  # last user text -> true ids
 
     # ---------------------------------------------------------------------------------
     def true_ids(self, ans: ModelAnswer) -> tuple[list[int], int]:
@@ -245,6 +246,7 @@ class Stack:
         tools = body.get("tools")
         ans = scripted_answer(messages, tools)
         ids, content_start = self.true_ids(ans)
+        self.emitted[_last_user_text(messages)] = ids
         reasoning, content, calls = self.server_fields(ans, messages)
         prompt_tokens = behaviour.counter.prompt(messages, tools)
         completion_tokens = len(ids)

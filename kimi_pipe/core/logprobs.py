@@ -129,6 +129,10 @@ def _token_at(pieces: Sequence[bytes], offset: int) -> int:
     return len(pieces)
 
 
+def _piece(model: Model, ids: Sequence[int], at: int) -> str | None:
+    return model.tokenizer.piece(ids[at]) if at < len(ids) else None  # None: past the end
+
+
 def _show(model: Model, ids: Sequence[int], at: int) -> list[str]:
     lo, hi = max(0, at - CONTEXT_TOKENS), min(len(ids), at + CONTEXT_TOKENS + 1)
     return [model.tokenizer.piece(t) for t in ids[lo:hi]]
@@ -204,8 +208,10 @@ def apply_logprobs(
             "byte": at,
             "engine_token": e_at,
             "output_token": o_at,
-            "engine_pieces": _show(model, engine, e_at),
-            "reencoded_pieces": _show(model, output, o_at),
+            "engine_piece": _piece(model, engine, e_at),
+            "reencoded_piece": _piece(model, output, o_at),
+            "engine_context": _show(model, engine, e_at),
+            "reencoded_context": _show(model, output, o_at),
         }
         issues = _unique([*rec.issues, "logprob_mismatch"])
         return replace(rec, ok=_ok(issues), issues=issues, details=details)
@@ -222,8 +228,8 @@ def apply_logprobs(
             summary["mismatch"] = {
                 "output_token": start + a0,
                 "engine_token": b0,
-                "engine_pieces": [model.tokenizer.piece(t) for t in engine[b0:b1]],
-                "reencoded_pieces": [model.tokenizer.piece(t) for t in covered[a0:a1]],
+                "engine_piece": "".join(model.tokenizer.piece(t) for t in engine[b0:b1]),
+                "reencoded_piece": "".join(model.tokenizer.piece(t) for t in covered[a0:a1]),
                 "why": "a marker on one side is text on the other",
             }
             issues = _unique([*rec.issues, "logprob_mismatch"])
