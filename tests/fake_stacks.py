@@ -318,3 +318,37 @@ def stacks(model: Model) -> dict[str, Stack]:
 
 
 __all__ = ["ModelAnswer", "Stack", "scripted_answer", "stacks"]
+
+
+def routed_fake(default: Any, behaviours: dict[str, Any]) -> Any:
+    """A started FakeOpenRouter whose single base URL routes by `provider.order[0]`."""
+    import io
+    import threading
+    from http.server import ThreadingHTTPServer
+
+    from fake_openrouter import FakeOpenRouter, _make_handler
+
+    srv = FakeOpenRouter(default, behaviours)
+    base = _make_handler(srv)
+
+    class Routed(base):  # type: ignore[valid-type,misc]
+        def do_POST(self) -> None:
+            raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            try:
+                order = (json.loads(raw).get("provider") or {}).get("order") or []
+            except (ValueError, AttributeError):
+                order = []
+            if order and not self.path.startswith("/p/"):
+                self.path = f"/p/{order[0]}{self.path}"
+            sock_file, self.rfile = self.rfile, io.BytesIO(raw)
+            try:
+                super().do_POST()
+            finally:
+                self.rfile = sock_file
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Routed)
+    httpd.daemon_threads = True
+    srv._httpd, srv.port = httpd, httpd.server_address[1]
+    srv._thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    srv._thread.start()
+    return srv

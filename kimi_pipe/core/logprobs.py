@@ -210,6 +210,9 @@ def apply_logprobs(
             "output_token": o_at,
             "engine_piece": _piece(model, engine, e_at),
             "reencoded_piece": _piece(model, output, o_at),
+            # The text from the first differing byte on, both ways.
+            "engine_text": eng_text[at : at + 24].decode("utf-8", "replace"),
+            "reencoded_text": out_text[at : at + 24].decode("utf-8", "replace"),
             "engine_context": _show(model, engine, e_at),
             "reencoded_context": _show(model, output, o_at),
         }

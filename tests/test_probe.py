@@ -1,0 +1,145 @@
+"""Conformance probes against imitated stacks over real HTTP (tests/fake_stacks.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fake_openrouter import Behaviour, KimiCounter
+from fake_stacks import Stack, routed_fake, stacks
+
+from kimi_pipe.core.models import Model
+from kimi_pipe.stages.probe import (
+    CLEAN,
+    SEEN,
+    UNKNOWN,
+    ProbeError,
+    check_answer,
+    default_battery,
+    load_battery,
+    main,
+    run_probes,
+)
+
+
+@pytest.fixture
+def stack_server(kimi: Model) -> Any:
+    counter = KimiCounter(kimi)
+    behaviours = {
+        name: Behaviour(provider_name=name, counter=counter, stack=stack)
+        for name, stack in stacks(kimi).items()
+    }
+    # A stack the battery has no profile for beyond the ids: SGLang ids and vLLM spacing.
+    behaviours["spaced_foreign"] = Behaviour(
+        provider_name="spaced_foreign",
+        counter=counter,
+        stack=Stack(kimi, "spaced_foreign", marker_spacing=True, foreign_ids=True),
+    )
+    behaviours["vllm_033_logprobs"] = Behaviour(
+        provider_name="vllm_033_logprobs",
+        counter=counter,
+        stack=Stack(kimi, "vllm_033_logprobs", strip_reasoning_end=True, logprobs="whole"),
+    )
+    srv = routed_fake(Behaviour(counter=counter), behaviours)
+    yield srv, behaviours
+    srv.stop()
+
+
+def test_verdicts_per_imitated_stack(
+    stack_server: Any, kimi_dir: Path, tmp_path: Path, api_key_env: str
+) -> None:
+    srv, behaviours = stack_server
+    battery = load_battery(default_battery("kimi_k25"))
+    overrides = [
+        f"provider.api_base={srv.url()}",
+        f"model.tokenizer.path={kimi_dir}",
+        "provider.retry.base_delay_s=0.01",
+        "provider.concurrency=6",
+    ]
+    results = {
+        r.provider: r for r in run_probes(list(behaviours), tmp_path, battery, 1.6, overrides)
+    }
+    # Every probe pinned to its provider, logprobs asked for but not required.
+    for seen in srv.requests:
+        assert seen.body["provider"]["order"] == [seen.behaviour]
+        assert seen.body["provider"]["allow_fallbacks"] is False
+        assert seen.body["logprobs"] is True
+        assert seen.body["provider"]["require_parameters"] is False
+    expect_seen = {
+        "exact_whole": set(),
+        "vllm_spaced": {"marker_spacing"},
+        "vllm_033": {"argument_reserialised", "dotted_name_truncated"},
+        "sglang_0514": {"tool_index_rule"},
+        "stripping": {"content_whitespace_stripped"},
+        "dropped_think": {"think_end_dropped"},
+        "spaced_foreign": {"marker_spacing", "foreign_tool_ids"},
+        # The engine's tokens show the whitespace the text lost.
+        "vllm_033_logprobs": {"reasoning_whitespace_stripped"},
+    }
+    for name, seen_quirks in expect_seen.items():
+        got = {q for q, v in results[name].quirks.items() if v == SEEN}
+        assert got == seen_quirks, name
+    exact = results["exact_whole"]
+    assert set(exact.quirks.values()) == {CLEAN}
+    assert exact.logprobs == "whole" and exact.logprob_agree == exact.answered == 6
+    assert exact.noncanonical_splits >= 6  # one sampled split per answer, recovered
+    assert results["vllm_spaced"].logprobs == "content"
+    assert results["vllm_033"].logprobs == "none"
+    # Whitespace the model wrote is lost at the same token count: no evidence either way.
+    assert results["vllm_033"].quirks["reasoning_whitespace_stripped"] == UNKNOWN
+    profiles = {name: (r.profile, r.usable) for name, r in results.items()}
+    assert profiles == {
+        "exact_whole": ("exact", True),
+        "vllm_spaced": ("vllm_spaced", True),
+        "vllm_033": (None, False),
+        "sglang_0514": ("rebuilt_tool_ids", True),
+        "stripping": (None, False),
+        "dropped_think": (None, False),
+        "spaced_foreign": ("vllm_spaced_rebuilt_ids", True),
+        "vllm_033_logprobs": (None, False),
+    }
+    table = (tmp_path / "conformance.md").read_text()
+    assert "| vllm_033 |" in table and "argument_reserialised" in table
+    assert (tmp_path / "conformance.json").is_file()
+
+
+def _record(message: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    return {"response": {"choices": [{"message": message}]}, "issues": [], **extra}
+
+
+def test_checks_say_unknown_when_the_model_did_not_comply() -> None:
+    probe = {"id": "b", "check": {"kind": "begins_with", "word": "Paris"}}
+    # The model answered something else: nothing can be said about spacing.
+    assert "marker_spacing" not in check_answer(probe, _record({"content": "Lyon is nice."}))
+    assert check_answer(probe, _record({"content": " Paris!"}))["marker_spacing"][0] == SEEN
+    assert check_answer(probe, {"error": {"class": "timeout"}, "response": None}) == {}
+    tool = {"id": "t", "check": {"kind": "string_argument", "tool": "f", "key": "s", "value": "30"}}
+    call = {"id": "functions.f:0", "function": {"name": "f", "arguments": '{"s": "31"}'}}
+    assert check_answer(tool, _record({"content": "", "tool_calls": [call]})) == {}
+    call["function"]["arguments"] = '{"s": 30}'
+    got = check_answer(tool, _record({"content": "", "tool_calls": [call]}))
+    assert got["argument_reserialised"][0] == SEEN
+    ws = {"id": "w", "check": {"kind": "reasoning_trailing_whitespace"}}
+    rec = _record(
+        {"content": "OK", "reasoning": "done."},
+        issues=["billing_mismatch"],
+        completion_tokens_reported=9,
+        completion_tokens_reconstructed=8,
+    )
+    assert check_answer(ws, rec)["reasoning_whitespace_stripped"][0] == SEEN
+    rec["completion_tokens_reconstructed"] = 10  # more tokens than billed: not this quirk
+    assert check_answer(ws, rec) == {}
+
+
+def test_bad_battery_names_the_file_and_probe(tmp_path: Path) -> None:
+    bad = tmp_path / "b.yaml"
+    bad.write_text(
+        "quirks: {}\nprobes:\n  - id: a\n    messages: [{role: user, content: x}]\n"
+        "    check: {kind: nonsense}\n"
+    )
+    with pytest.raises(ProbeError, match=r"b.yaml: probe 0 \(a\): check.kind 'nonsense'"):
+        load_battery(bad)
+    with pytest.raises(ProbeError, match="not found"):
+        load_battery(tmp_path / "missing.yaml")
+    assert main(["usd=1"]) == 2  # no providers
