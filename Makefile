@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 PYTHON := $(BIN)/python
 STAMP := $(VENV)/.installed-$(shell cat requirements.lock pyproject.toml | sha256sum | cut -c1-12)
 
-.PHONY: setup test lint snapshots reconstruct-sample generate sweep report demo run bench lock clean
+.PHONY: setup test lint snapshots reconstruct-sample generate sweep probe report demo run bench lock clean
 
 setup: $(STAMP)
 
@@ -54,6 +54,11 @@ generate: setup
 #   make sweep dataset=B5 providers=moonshotai,fireworks,novita n=50 usd=6
 sweep: setup
 	$(PYTHON) -m kimi_pipe.sweep dataset=$(dataset) providers=$(providers) n=$(or $(n),50) $(if $(usd),usd=$(usd)) $(ARGS)
+
+# Conformance probes (docs/provider-truth.md): conf/probes/<model>.yaml pinned to each provider,
+# then runs/probe/conformance.md.   make probe providers=moonshotai,fireworks [usd=0.3]
+probe: setup
+	$(PYTHON) -m kimi_pipe.probe providers=$(providers) $(if $(usd),usd=$(usd)) $(ARGS)
 
 # Report over finished runs: make report sweep_dir=runs/sweep/B5 (a single run dir works too)
 report: setup

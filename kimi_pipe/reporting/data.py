@@ -19,6 +19,7 @@ import yaml
 from omegaconf import DictConfig
 
 RECORDS_FILE = "records.jsonl"
+PROBES_DIR = "probes"  # where the probe stage writes inside a sweep directory
 ATTEMPT_ERRORS_FILE = "attempt_errors.jsonl"  # every failed attempt, with what it cost
 UNKNOWN = "unknown"
 
@@ -63,7 +64,10 @@ def find_run_dirs(root: Path) -> list[Path]:
             f"{root} does not exist; pass sweep_dir= a generate run directory or a sweep "
             "directory (made by `make sweep` or `python -m kimi_pipe.generate`)"
         )
-    found = sorted({p.parent for p in root.rglob(RECORDS_FILE)})
+    # The probe stage's runs (<sweep_dir>/probes/<slug>/) are probes, not provider runs.
+    found = sorted(
+        {p.parent for p in root.rglob(RECORDS_FILE) if PROBES_DIR not in p.relative_to(root).parts}
+    )
     if not found:
         raise FileNotFoundError(
             f"no {RECORDS_FILE} at or below {root}; run the generate stage or `make sweep` first"
@@ -515,6 +519,27 @@ def recommend(stats: list[RunStats], policy: Policy) -> Recommendation:
     return Recommendation(
         order=_unique(s.provider for s in kept), ignore=_unique(ignore), reasons=reasons
     )
+
+
+def apply_conformance(rec: Recommendation, conformance: dict[str, Any] | None) -> Recommendation:
+    """Leave out providers whose probes saw a quirk no serving profile can undo; name the
+    profile for the rest (`conformance.json` of the probe stage)."""
+    if not conformance:
+        return rec
+    verdicts = {str(p["provider"]): p for p in conformance.get("providers") or []}
+    order, ignore, reasons = [], list(rec.ignore), dict(rec.reasons)
+    for provider in rec.order:
+        probe = verdicts.get(provider)
+        if probe is None:
+            order.append(provider)
+            reasons[provider] += "; not probed"
+        elif not probe.get("usable"):
+            ignore.append(provider)
+            reasons[provider] = f"ignored: conformance probes: {probe.get('why')}"
+        else:
+            order.append(provider)
+            reasons[provider] += f"; serving profile {probe.get('profile')}"
+    return Recommendation(order=order, ignore=_unique(ignore), reasons=reasons)
 
 
 def _strengths(s: RunStats, better: RunStats | None, key: Any) -> str:
