@@ -143,3 +143,42 @@ def test_bad_battery_names_the_file_and_probe(tmp_path: Path) -> None:
     with pytest.raises(ProbeError, match="not found"):
         load_battery(tmp_path / "missing.yaml")
     assert main(["usd=1"]) == 2  # no providers
+
+
+def test_report_routes_only_to_faithful_providers(
+    stack_server: Any, kimi_dir: Path, tmp_path: Path, api_key_env: str
+) -> None:
+    """Probes, then a small generate run per provider, then report.md: the conformance
+    table, logprob agreement, share per code, and a routing without the unfaithful ones."""
+    import json
+
+    from conftest_generate import base_overrides, run_inprocess, write_prompts
+
+    from kimi_pipe.stages.report import build_report
+
+    srv, _ = stack_server
+    chosen = ["exact_whole", "vllm_033", "sglang_0514", "stripping"]
+    battery = load_battery(default_battery("kimi_k25"))
+    common = [f"provider.api_base={srv.url()}", f"model.tokenizer.path={kimi_dir}"]
+    run_probes(chosen, tmp_path / "probes", battery, 0.8, common)
+    prompts = tmp_path / "prompts.jsonl"
+    write_prompts(prompts, 3, text=lambda i: f"Question {i}: what is {i}+{i}?")
+    for slug in chosen:
+        out = tmp_path / slug
+        overrides = [
+            *base_overrides(prompts, srv.url(), out, kimi_dir),
+            f"provider.routing.order=[{slug}]",
+            "provider.logprobs=true" if slug != "vllm_033" else "provider.logprobs=false",
+        ]
+        status, _ = run_inprocess(overrides, out)
+        assert status == 0
+    md = build_report(tmp_path, tmp_path).read_text()
+    assert "## Conformance and token-level evidence" in md
+    assert "| sglang_0514 |" in md and "rebuilt_tool_ids" in md
+    assert "noncanonical_split" in md  # share of answers per code
+    routing = json.loads((tmp_path / "report.json").read_text())["routing"]
+    assert set(routing["order"]) == {"exact_whole", "sglang_0514"}
+    assert set(routing["ignore"]) >= {"vllm_033", "stripping"}
+    assert "conformance probes: quirks that cannot be inverted: content_whitespace_stripped" in md
+    # The probe runs are not provider runs of the report.
+    assert "probes/" not in md.split("## Details per provider")[0]

@@ -261,20 +261,19 @@ def add_conformance(text: str, stats: list[RunStats], conformance: dict[str, Any
             body.rstrip(),
             "",
         ]
-    codes = sorted({code for s in stats for code in s.issues})
-    if codes:
+    if any(s.issues for s in stats):
         lines += [
             "Share of answered samples flagged with each code (`logprob_mismatch`: the engine's "
             "tokens disagree with the text; `noncanonical_split`: the engine's ids kept where "
-            "re-encoding differs):",
+            "re-encoding differs; `logprobs_missing`: asked for, not sent):",
             "",
-            "| provider | " + " | ".join(codes) + " |",
-            "| --- | " + " | ".join("---:" for _ in codes) + " |",
         ]
         for s in stats:
-            shares = [fmt_pct(_pct(s.issues[c] / s.answered)) if s.answered else "n/a"
-                      for c in codes]
-            lines.append(f"| {s.provider} | " + " | ".join(shares) + " |")
+            shares = ", ".join(
+                f"{code} {fmt_pct(_pct(n / s.answered))}" for code, n in s.issues.most_common()
+            )
+            lines.append(f"- `{s.provider}`: {shares or 'none'}" if s.answered else
+                         f"- `{s.provider}`: no answers")
         lines.append("")
     marker = "## Recommended routing"
     block = "\n".join(lines) + "\n"
