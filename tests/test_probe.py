@@ -148,27 +148,33 @@ def test_bad_battery_names_the_file_and_probe(tmp_path: Path) -> None:
 def test_report_routes_only_to_faithful_providers(
     stack_server: Any, kimi_dir: Path, tmp_path: Path, api_key_env: str
 ) -> None:
-    """Probes, then a small generate run per provider, then report.md: the conformance
-    table, logprob agreement, share per code, and a routing without the unfaithful ones."""
+    """Probes, then a small generate run per imitated stack, then report.md: the conformance
+    table, logprob agreement, share per code, and a routing without the unfaithful ones.
+    KIMI_PIPE_SWEEP_EXAMPLE=DIR copies the report there (docs/example-sweep)."""
     import json
+    import os
+    import shutil
 
     from conftest_generate import base_overrides, run_inprocess, write_prompts
 
     from kimi_pipe.stages.report import build_report
 
     srv, _ = stack_server
-    chosen = ["exact_whole", "vllm_033", "sglang_0514", "stripping"]
+    chosen = list(stacks_names())
     battery = load_battery(default_battery("kimi_k25"))
     common = [f"provider.api_base={srv.url()}", f"model.tokenizer.path={kimi_dir}"]
-    run_probes(chosen, tmp_path / "probes", battery, 0.8, common)
+    run_probes(chosen, tmp_path / "probes", battery, 0.1 * len(chosen), common)
     prompts = tmp_path / "prompts.jsonl"
-    write_prompts(prompts, 3, text=lambda i: f"Question {i}: what is {i}+{i}?")
+    write_prompts(prompts, 4, tools_every=2, text=lambda i: f"Question {i}: call calc for {i}.")
     for slug in chosen:
         out = tmp_path / slug
         overrides = [
             *base_overrides(prompts, srv.url(), out, kimi_dir),
             f"provider.routing.order=[{slug}]",
-            "provider.logprobs=true" if slug != "vllm_033" else "provider.logprobs=false",
+            "provider.routing.allow_fallbacks=false",
+            # Ask every provider for logprobs without requiring them, as the probes do.
+            "+provider.params.logprobs=true",
+            "provider.routing.require_parameters=false",
         ]
         status, _ = run_inprocess(overrides, out)
         assert status == 0
@@ -177,8 +183,25 @@ def test_report_routes_only_to_faithful_providers(
     assert "| sglang_0514 |" in md and "rebuilt_tool_ids" in md
     assert "noncanonical_split" in md  # share of answers per code
     routing = json.loads((tmp_path / "report.json").read_text())["routing"]
-    assert set(routing["order"]) == {"exact_whole", "sglang_0514"}
-    assert set(routing["ignore"]) >= {"vllm_033", "stripping"}
+    # Faithful (exact, or quirks a profile undoes) and not failing billing on these prompts.
+    assert set(routing["order"]) <= {"exact_whole", "sglang_0514", "vllm_spaced"}
+    assert "exact_whole" in routing["order"] and "sglang_0514" in routing["order"]
+    assert set(routing["ignore"]) >= {"vllm_033", "stripping", "dropped_think"}
     assert "conformance probes: quirks that cannot be inverted: content_whitespace_stripped" in md
     # The probe runs are not provider runs of the report.
     assert "probes/" not in md.split("## Details per provider")[0]
+    example = os.environ.get("KIMI_PIPE_SWEEP_EXAMPLE")
+    if example:
+        dest = Path(example)
+        dest.mkdir(parents=True, exist_ok=True)
+        for path in [tmp_path / "report.md", tmp_path / "report.json", *tmp_path.glob("*.png")]:
+            shutil.copy2(path, dest / path.name)
+        probes_dest = dest / "probes"
+        probes_dest.mkdir(exist_ok=True)
+        for name in ("conformance.md", "conformance.json"):
+            shutil.copy2(tmp_path / "probes" / name, probes_dest / name)
+
+
+def stacks_names() -> list[str]:
+    return ["exact_whole", "vllm_spaced", "vllm_033", "sglang_0514", "stripping",
+            "dropped_think"]  # fmt: skip

@@ -20,6 +20,8 @@ from omegaconf import DictConfig
 
 RECORDS_FILE = "records.jsonl"
 PROBES_DIR = "probes"  # where the probe stage writes inside a sweep directory
+# Notes that prove a record exact rather than doubt it (core/logprobs.py).
+EXACTNESS_EVIDENCE = frozenset({"noncanonical_split"})
 ATTEMPT_ERRORS_FILE = "attempt_errors.jsonl"  # every failed attempt, with what it cost
 UNKNOWN = "unknown"
 
@@ -396,7 +398,8 @@ def summarize(run: Run) -> RunStats:
         stats.ok += bool(rec.get("ok"))
         codes = [str(i) for i in rec.get("issues") or []]
         stats.issues.update(codes)
-        stats.with_issues += bool(codes)
+        # A recovered split is evidence of exact ids, not a fault: it does not count here.
+        stats.with_issues += bool(set(codes) - EXACTNESS_EVIDENCE)
         if isinstance(rec.get("provider"), str) and rec["provider"]:
             served[rec["provider"]] += 1
         reported = _num(rec.get("completion_tokens_reported"))
@@ -521,25 +524,38 @@ def recommend(stats: list[RunStats], policy: Policy) -> Recommendation:
     )
 
 
-def apply_conformance(rec: Recommendation, conformance: dict[str, Any] | None) -> Recommendation:
-    """Leave out providers whose probes saw a quirk no serving profile can undo; name the
-    profile for the rest (`conformance.json` of the probe stage)."""
-    if not conformance:
-        return rec
-    verdicts = {str(p["provider"]): p for p in conformance.get("providers") or []}
-    order, ignore, reasons = [], list(rec.ignore), dict(rec.reasons)
+def conformance_exclusions(conformance: dict[str, Any] | None) -> dict[str, str]:
+    """Providers whose probes saw a quirk no serving profile can undo -> why
+    (`conformance.json` of the probe stage)."""
+    return {
+        str(p["provider"]): f"ignored: conformance probes: {p.get('why')}"
+        for p in (conformance or {}).get("providers") or []
+        if not p.get("usable")
+    }
+
+
+def recommend_with_conformance(
+    stats: list[RunStats], policy: Policy, conformance: dict[str, Any] | None
+) -> Recommendation:
+    """The recommendation over the providers the probes allow; the serving profile named
+    for the rest. Without probes it is `recommend` unchanged."""
+    if conformance is None:
+        return recommend(stats, policy)
+    excluded = conformance_exclusions(conformance)
+    profiles = {
+        str(p["provider"]): p.get("profile") for p in conformance.get("providers") or []
+    }
+    rec = recommend([s for s in stats if s.provider not in excluded], policy)
+    reasons = dict(rec.reasons)
     for provider in rec.order:
-        probe = verdicts.get(provider)
-        if probe is None:
-            order.append(provider)
-            reasons[provider] += "; not probed"
-        elif not probe.get("usable"):
-            ignore.append(provider)
-            reasons[provider] = f"ignored: conformance probes: {probe.get('why')}"
-        else:
-            order.append(provider)
-            reasons[provider] += f"; serving profile {probe.get('profile')}"
-    return Recommendation(order=order, ignore=_unique(ignore), reasons=reasons)
+        profile = profiles.get(provider)
+        reasons[provider] += f"; serving profile {profile}" if profile else "; not probed"
+    ignore = list(rec.ignore)
+    for s in stats:
+        if s.provider in excluded:
+            ignore.append(s.provider)
+            reasons[s.provider] = excluded[s.provider]
+    return Recommendation(order=rec.order, ignore=_unique(ignore), reasons=reasons)
 
 
 def _strengths(s: RunStats, better: RunStats | None, key: Any) -> str:

@@ -25,13 +25,12 @@ from kimi_pipe.reporting.data import (
     RunStats,
     _counter_text,
     _pct,
-    apply_conformance,
     find_run_dirs,
     fmt_num,
     fmt_pct,
     fmt_usd,
     load_run,
-    recommend,
+    recommend_with_conformance,
     report_data,
     routing_block,
     routing_overrides,
@@ -212,7 +211,7 @@ def build_report(sweep_dir: Path, out_dir: Path, policy: Policy | None = None) -
         print(f"[report] {i}/{len(run_dirs)} reading {path}", file=sys.stderr, flush=True)
         stats.append(summarize(load_run(path, sweep_dir)))
     conformance = _read_conformance(sweep_dir)
-    rec = apply_conformance(recommend(stats, policy), conformance)
+    rec = recommend_with_conformance(stats, policy, conformance)
     position = {p: i for i, p in enumerate(rec.order + rec.ignore)}
     stats.sort(key=lambda s: (position.get(s.provider, len(position)), s.name))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -256,7 +255,9 @@ def add_conformance(text: str, stats: list[RunStats], conformance: dict[str, Any
             "Probe verdicts per quirk (clean: the probe saw the model's text intact; seen: the "
             "server changed it; unknown: no usable evidence). *logprobs*: what the provider's "
             "`logprobs.content[]` covers; *token agreement*: probe answers whose engine tokens "
-            "join to the answer text.",
+            "join to the answer text. The recommended routing leaves out every provider "
+            "whose probes saw a quirk marked not invertible, and names the serving profile of "
+            "the others.",
             "",
             body.rstrip(),
             "",
