@@ -91,6 +91,23 @@ def test_entries_map_to_ids_by_bytes_and_markers_by_text(kimi: Model) -> None:
         engine_ids(kimi, [{"token": "12345 first", "bytes": glued}])
 
 
+def test_text_only_entries_and_an_empty_end_entry(kimi: Model) -> None:
+    """No `bytes` (the token text is used) and a trailing empty entry (an end of turn a
+    server decoded with special tokens skipped) still give the engine's ids."""
+    truth = _split_digits(kimi, _truth(kimi))
+    entries = [{"token": e["token"], "logprob": -1.0} for e in _entries(kimi, truth[:-1])]
+    entries.append({"token": "", "bytes": [], "logprob": -0.1})
+    resp = _response(REASONING, CONTENT, len(truth), entries)
+    rec = apply_logprobs(kimi, reconstruct(kimi, MESSAGES, None, resp), resp, LogprobPolicy())
+    assert rec.ok and rec.output_ids == truth and "noncanonical_split" in rec.issues
+    assert record_fields(rec)["logprobs"]["empty_tail"] == 1
+    # An empty entry inside the sequence cannot be identified: ignored, flagged.
+    entries.insert(2, {"token": "", "bytes": []})
+    resp = _response(REASONING, CONTENT, len(truth), entries)
+    rec = apply_logprobs(kimi, reconstruct(kimi, MESSAGES, None, resp), resp, LogprobPolicy())
+    assert "logprobs_invalid" in rec.issues and rec.output_ids != truth
+
+
 def test_whole_output_noncanonical_split_recovered(kimi: Model) -> None:
     truth = _split_digits(kimi, _truth(kimi))
     canonical = _truth(kimi)

@@ -73,6 +73,12 @@ def logprob_entries(response: Any) -> list[Any] | None:
     return content if isinstance(content, list) and content else None
 
 
+def _empty(entry: Any) -> bool:
+    return (
+        isinstance(entry, Mapping) and entry.get("token") == "" and entry.get("bytes") in (None, [])
+    )
+
+
 def engine_ids(model: Model, entries: Sequence[Any]) -> list[int]:
     """Each entry's id: a special token by its text, any other by its exact bytes."""
     tokenizer = model.tokenizer
@@ -180,6 +186,11 @@ def apply_logprobs(
     summary: dict[str, Any] = {"present": True, "tokens": len(entries)}
     details["logprobs"] = summary
     details["id_sources"] = reencoded_only
+    # A server that skips special tokens when decoding sends the end of turn as an empty
+    # entry: it carries no bytes to identify, so it is left out (the end stays re-encoded).
+    while entries and _empty(entries[-1]):
+        entries = entries[:-1]
+        summary["empty_tail"] = summary.get("empty_tail", 0) + 1
     try:
         engine = engine_ids(model, entries)
     except BadLogprobs as exc:
