@@ -120,6 +120,16 @@ def test_checks_say_unknown_when_the_model_did_not_comply() -> None:
     call["function"]["arguments"] = '{"s": 30}'
     got = check_answer(tool, _record({"content": "", "tool_calls": [call]}))
     assert got["argument_reserialised"][0] == SEEN
+    # Compact JSON with a billing check that fails: re-serialised, even with "30" kept.
+    call["function"]["arguments"] = '{"s":"30"}'
+    compact = _record({"content": "", "tool_calls": [call]}, issues=["billing_mismatch"])
+    assert check_answer(tool, compact)["argument_reserialised"][0] == SEEN
+    compact["issues"] = []  # no evidence the model did not write it so
+    assert check_answer(tool, compact)["argument_reserialised"][0] == CLEAN
+    index = {"id": "i", "check": {"kind": "tool_index", "tool": "f", "index": 2}}
+    call = {"id": " functions.f:2", "function": {"name": "f", "arguments": "{}"}}
+    got = check_answer(index, _record({"content": "", "tool_calls": [call]}))
+    assert got["marker_spacing"][0] == SEEN and got["tool_index_rule"][0] == CLEAN
     ws = {"id": "w", "check": {"kind": "reasoning_trailing_whitespace"}}
     rec = _record(
         {"content": "OK", "reasoning": "done."},

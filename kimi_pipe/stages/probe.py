@@ -183,7 +183,7 @@ def check_answer(probe: Mapping[str, Any], record: Mapping[str, Any]) -> Verdict
     elif kind == "reasoning_trailing_whitespace":
         out |= _reasoning_whitespace(reasoning, record, issues)
     elif kind in ("string_argument", "tool_index", "tool_name"):
-        out |= _tool_checks(kind, spec, _calls(msg))
+        out |= _tool_checks(kind, spec, _calls(msg), issues)
     lp = record.get("logprobs") or {}
     if lp.get("present") and "mismatch" in lp and kind == "begins_with" and not out:
         out["marker_spacing"] = (SEEN, "the engine's tokens differ from the text")
@@ -210,7 +210,9 @@ def _reasoning_whitespace(reasoning: str, record: Mapping[str, Any], issues: set
     return {}
 
 
-def _tool_checks(kind: str, spec: Mapping[str, Any], calls: list[Mapping[str, Any]]) -> Verdicts:
+def _tool_checks(
+    kind: str, spec: Mapping[str, Any], calls: list[Mapping[str, Any]], issues: set[str]
+) -> Verdicts:
     out: Verdicts = {}
     if not calls:
         return out
@@ -234,13 +236,23 @@ def _tool_checks(kind: str, spec: Mapping[str, Any], calls: list[Mapping[str, An
         except (TypeError, ValueError):
             return out
         value = args.get(spec["key"]) if isinstance(args, dict) else None
-        if value == spec["value"]:
+        text = str((call.get("function") or {}).get("arguments"))
+        # The model writes JSON as its template does (", " and ": "); other spacing with a
+        # token count or engine tokens that disagree is a server's re-serialisation.
+        respaced = text != json.dumps(args, ensure_ascii=False)
+        doubted = issues & {"billing_mismatch", "logprob_mismatch"}
+        if value == spec["value"] and respaced and doubted:
+            why = f"arguments {text!r} re-spaced ({', '.join(sorted(doubted))})"
+            out["argument_reserialised"] = (SEEN, why)
+        elif value == spec["value"]:
             out["argument_reserialised"] = (CLEAN, f"{spec['key']} is the string {value!r}")
         elif value is not None and not isinstance(value, str) and str(value) == spec["value"]:
             out["argument_reserialised"] = (SEEN, f"{spec['key']} came back as {value!r}")
     if kind == "tool_index":
         call_id = str(call.get("id") or "")
         match = NATIVE_ID.match(call_id.strip())
+        if match is not None and call_id != call_id.strip():
+            out["marker_spacing"] = (SEEN, f"tool-call id {call_id!r} has spaces around it")
         if match is None:
             out["foreign_tool_ids"] = (SEEN, f"id {call_id!r}")
         else:
