@@ -269,3 +269,21 @@ def test_generate_writes_the_engines_ids_over_http(
         # The limitation logprobs remove: same count, billing agrees, ids are not the truth.
         assert rec["ok"] and rec["output_ids"] != truth and len(rec["output_ids"]) == len(truth)
         assert rec["logprobs"] == {"present": False}
+
+
+def test_reconstruct_stage_uses_logprobs(kimi: Model, kimi_dir: Path, tmp_path: Path) -> None:
+    import json
+
+    from kimi_pipe.stages.reconstruct import main
+
+    truth = _split_digits(kimi, _truth(kimi))
+    resp = _response(REASONING, CONTENT, len(truth), _entries(kimi, truth))
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(json.dumps({"id": "a", "messages": MESSAGES, "response": resp}) + "\n")
+    args = ["model=kimi_k25", f"model.tokenizer.path={kimi_dir}", f"input={src}", f"output={dst}"]
+    assert main(args) == 0
+    rec = json.loads(dst.read_text())
+    assert rec["output_ids"] == truth and rec["id_sources"] == [[0, len(truth), "engine"]]
+    assert main([*args, "validation.record_ids=reencoded"]) == 0
+    rec = json.loads(dst.read_text())
+    assert rec["output_ids"] == _truth(kimi) and "noncanonical_split" in rec["issues"]

@@ -5,7 +5,9 @@
 
 Input lines: {"id", "messages", "tools"?, "response"}. Output lines, same order:
 {"id", "ok", "issues", "prompt_ids", "output_ids", "loss_mask",
- "completion_tokens_reported", "completion_tokens_reconstructed"}.
+ "completion_tokens_reported", "completion_tokens_reconstructed", "id_sources", "logprobs"}.
+Where a response carries `logprobs.content[]`, the engine's ids are used and checked
+(kimi_pipe/core/logprobs.py; `validation.record_ids=reencoded` keeps the canonical ids).
 Exit 0 once the file is processed (bad records are reported in their own line);
 exit 2 with a message for a missing file, an unknown model or a bad tokenizer.
 """
