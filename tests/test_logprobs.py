@@ -268,7 +268,7 @@ def test_generate_writes_the_engines_ids_over_http(
         truth = stack.emitted[f"Question {int(rec['id'][1:])}: call calc?"]
         # The limitation logprobs remove: same count, billing agrees, ids are not the truth.
         assert rec["ok"] and rec["output_ids"] != truth and len(rec["output_ids"]) == len(truth)
-        assert rec["logprobs"] == {"present": False}
+        assert "logprobs" not in rec and "id_sources" not in rec  # not asked, not sent
 
 
 def test_reconstruct_stage_uses_logprobs(kimi: Model, kimi_dir: Path, tmp_path: Path) -> None:

@@ -178,10 +178,11 @@ def apply_logprobs(
     reencoded_only = [[0, len(output), "reencoded"]] if output else []
     entries = logprob_entries(response)
     if entries is None:
+        if not policy.requested:
+            return rec  # nothing asked, nothing sent: the record keeps its plain layout
         details["logprobs"] = {"present": False}
         details["id_sources"] = reencoded_only
-        issues = rec.issues + (["logprobs_missing"] if policy.requested else [])
-        return replace(rec, issues=_unique(issues), details=details)
+        return replace(rec, issues=_unique([*rec.issues, "logprobs_missing"]), details=details)
 
     summary: dict[str, Any] = {"present": True, "tokens": len(entries)}
     details["logprobs"] = summary
