@@ -215,3 +215,44 @@ def test_report_routes_only_to_faithful_providers(
 def stacks_names() -> list[str]:
     return ["exact_whole", "vllm_spaced", "vllm_033", "sglang_0514", "stripping",
             "dropped_think"]  # fmt: skip
+
+
+def test_probe_stage_of_the_sweep_pipeline(
+    stack_server: Any, kimi_dir: Path, tmp_path: Path, api_key_env: str
+) -> None:
+    """The runner's probe stage and `kimi_pipe.sweep`'s own probe step write the same
+    table into <sweep_dir>/probes; dataset and budget overrides stay with the sweep."""
+    from kimi_pipe.config import compose
+    from kimi_pipe.pipeline.registry import ProbeStage
+    from kimi_pipe.pipeline.stage import StageContext
+    from kimi_pipe.stages import sweep
+
+    srv, _ = stack_server
+    extra = [f"provider.api_base={srv.url()}", f"model.tokenizer.path={kimi_dir}"]
+    cfg = compose(
+        [
+            "pipeline=sweep",
+            "dataset=B5",
+            "sweep.providers=[exact_whole,stripping]",
+            "sweep.probe_usd=0.2",
+            "sweep.overrides=[" + ",".join(f"'{o}'" for o in extra) + ",'dataset.num_samples=3']",
+        ]
+    )
+    stage = ProbeStage()
+    ctx = StageContext(cfg, tmp_path / "pipe")
+    assert not stage.is_complete(ctx)
+    result = stage.run(ctx)
+    assert result["usable"] == ["exact_whole"] and result["left_out"] == ["stripping"]
+    assert stage.is_complete(ctx)
+
+    args = sweep.parse_args(
+        ["dataset=B5", "providers=exact_whole,stripping", "n=1", "usd=1", "probe_usd=0.2",
+         *extra, "dataset.num_samples=3"]
+    )  # fmt: skip
+    assert args.probes and args.probe_usd == 0.2
+    sweep.run_probe_stage(args, tmp_path / "cli")
+    table = (tmp_path / "cli" / "probes" / "conformance.md").read_text()
+    assert table == (tmp_path / "pipe" / "probes" / "conformance.md").read_text()
+    assert not sweep.parse_args(
+        ["dataset=B5", "providers=a", "n=1", "usd=1", "probes=false"]
+    ).probes

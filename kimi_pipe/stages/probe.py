@@ -311,7 +311,10 @@ def judge(
     out = ProviderConformance(provider, probes=len(battery.probes))
     verdicts: dict[str, set[str]] = {q: set() for q in battery.quirks}
     coverages: set[str] = set()
-    for rec in records:
+    position = {pid: i for i, pid in enumerate(by_id)}
+    # Battery order, whatever order the answers came back in: the table is reproducible.
+    ordered = sorted(records, key=lambda r: position.get(r.get("id"), len(position)))
+    for rec in ordered:
         probe = by_id.get(rec.get("id"))
         if probe is None or rec.get("error"):
             continue
