@@ -175,6 +175,7 @@ def test_text_changed_by_the_server_is_a_logprob_mismatch(kimi: Model) -> None:
     assert mismatch["engine_piece"] == "Paris" and mismatch["reencoded_piece"] == " Paris"
     assert "Paris" in mismatch["engine_context"]
     assert rec.output_ids == base.output_ids  # never trusted where the texts disagree
+    assert record_fields(rec)["logprobs"]["engine_ids"] == truth[think + 1 :]  # kept to inspect
 
 
 def test_marker_turned_into_text_is_not_a_split(kimi: Model) -> None:

@@ -228,6 +228,8 @@ def apply_logprobs(
             "engine_context": _show(model, engine, e_at),
             "reencoded_context": _show(model, output, o_at),
         }
+        # Kept for inspection, not used: either these or the text were changed.
+        summary["engine_ids"] = engine
         issues = _unique([*rec.issues, "logprob_mismatch"])
         return replace(rec, ok=_ok(issues), issues=issues, details=details)
 
@@ -247,6 +249,7 @@ def apply_logprobs(
                 "reencoded_piece": "".join(model.tokenizer.piece(t) for t in covered[a0:a1]),
                 "why": "a marker on one side is text on the other",
             }
+            summary["engine_ids"] = engine
             issues = _unique([*rec.issues, "logprob_mismatch"])
             return replace(rec, ok=_ok(issues), issues=issues, details=details)
     summary["agree"] = not runs
