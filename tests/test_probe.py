@@ -192,6 +192,9 @@ def test_report_routes_only_to_faithful_providers(
     assert "## Conformance and token-level evidence" in md
     assert "| sglang_0514 |" in md and "rebuilt_tool_ids" in md
     assert "noncanonical_split" in md  # share of answers per code
+    assert "- `exact_whole`: 4/4 answers with logprobs (whole x4); 4/4 agree with the text" in md
+    assert "- `vllm_033`: no logprobs in 4 answers" in md
+    assert "- `vllm_spaced`: 4/4 answers with logprobs (content x4); 2/4 agree" in md
     routing = json.loads((tmp_path / "report.json").read_text())["routing"]
     # Faithful (exact, or quirks a profile undoes) and not failing billing on these prompts.
     assert set(routing["order"]) <= {"exact_whole", "sglang_0514", "vllm_spaced"}

@@ -210,6 +210,10 @@ class RunStats:
     cost_usd: float | None = None
     latencies: list[float] = field(default_factory=list)
     tokens_per_s: list[float] = field(default_factory=list)
+    # Token-level evidence (records' `logprobs`, kimi_pipe/core/logprobs.py)
+    logprob_answers: int = 0  # answers that carried logprobs
+    logprob_agree: int = 0  # ... whose engine tokens join to the answer text
+    logprob_coverage: Counter[str] = field(default_factory=Counter)  # whole / content
     bad_lines: int = 0
 
     @property
@@ -400,6 +404,11 @@ def summarize(run: Run) -> RunStats:
         stats.issues.update(codes)
         # A recovered split is evidence of exact ids, not a fault: it does not count here.
         stats.with_issues += bool(set(codes) - EXACTNESS_EVIDENCE)
+        lp = rec.get("logprobs")
+        if isinstance(lp, dict) and lp.get("present"):
+            stats.logprob_answers += 1
+            stats.logprob_agree += "mismatch" not in lp and "invalid" not in lp
+            stats.logprob_coverage[str(lp.get("coverage") or "invalid")] += 1
         if isinstance(rec.get("provider"), str) and rec["provider"]:
             served[rec["provider"]] += 1
         reported = _num(rec.get("completion_tokens_reported"))
@@ -542,9 +551,7 @@ def recommend_with_conformance(
     if conformance is None:
         return recommend(stats, policy)
     excluded = conformance_exclusions(conformance)
-    profiles = {
-        str(p["provider"]): p.get("profile") for p in conformance.get("providers") or []
-    }
+    profiles = {str(p["provider"]): p.get("profile") for p in conformance.get("providers") or []}
     rec = recommend([s for s in stats if s.provider not in excluded], policy)
     reasons = dict(rec.reasons)
     for provider in rec.order:

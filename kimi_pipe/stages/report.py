@@ -262,6 +262,21 @@ def add_conformance(text: str, stats: list[RunStats], conformance: dict[str, Any
             body.rstrip(),
             "",
         ]
+    lines += [
+        "Token-level evidence in the answers themselves (`logprobs` of each record): answers "
+        "with logprobs, what they cover, and how many agree with the text:",
+        "",
+    ]
+    for s in stats:
+        if not s.logprob_answers:
+            lines.append(f"- `{s.provider}`: no logprobs in {s.answered} answers")
+            continue
+        cover = ", ".join(f"{k} x{v}" for k, v in s.logprob_coverage.most_common())
+        lines.append(
+            f"- `{s.provider}`: {s.logprob_answers}/{s.answered} answers with logprobs ({cover}); "
+            f"{s.logprob_agree}/{s.logprob_answers} agree with the text"
+        )
+    lines.append("")
     if any(s.issues for s in stats):
         lines += [
             "Share of answered samples flagged with each code (`logprob_mismatch`: the engine's "

@@ -82,8 +82,17 @@ def parse_args(argv: list[str]) -> SweepArgs:
             if mine.get("usd") not in (None, value):
                 raise SystemExit(f"usd={mine['usd']} and budget.usd={value} disagree")
             mine["usd"] = value
-        elif key in ("dataset", "providers", "n", "usd", "sweep_dir", "report", "dry_run",
-                     "probes", "probe_usd"):
+        elif key in (
+            "dataset",
+            "providers",
+            "n",
+            "usd",
+            "sweep_dir",
+            "report",
+            "dry_run",
+            "probes",
+            "probe_usd",
+        ):
             if key == "usd" and mine.get("usd") not in (None, value):
                 raise SystemExit(f"usd={value} and budget.usd={mine['usd']} disagree")
             mine[key] = value
@@ -171,8 +180,11 @@ def run_probe_stage(args: SweepArgs, sweep_dir: Path) -> None:
     # Dataset and budget settings belong to the sweep's prompts, not to the probe battery.
     keep = [o for o in args.overrides if not o.lstrip("+~").startswith(("dataset", "budget"))]
     battery = load_battery(default_battery(str(compose(keep).model.name)))
-    print(f"[sweep] conformance probes first ({len(battery.probes)} per provider)",
-          file=sys.stderr, flush=True)
+    print(
+        f"[sweep] conformance probes first ({len(battery.probes)} per provider)",
+        file=sys.stderr,
+        flush=True,
+    )
     run_probes(args.providers, sweep_dir / PROBES_DIR, battery, args.probe_usd, keep)
 
 
