@@ -104,6 +104,7 @@ class Stack:
     foreign_ids: bool = False  # call_<hex> ids instead of the model's
     reserialise_args: bool = False  # typed re-serialisation: "30" -> 30
     truncate_dotted_names: bool = False  # older vLLM: web.search -> search
+    delete_marker_text: bool = False  # literal <think>/<|im_end|> text removed from fields
     # --- logprobs -------------------------------------------------------------------------
     logprobs: str = "none"  # "none" | "whole" (reasoning, markers, content) | "content"
     logprobs_include_end: bool = False  # the end-of-turn token among the entries
@@ -174,6 +175,9 @@ class Stack:
         reasoning, content = ans.reasoning, ans.content
         if self.drop_think_end:
             reasoning, content = reasoning + content, ""
+        if self.delete_marker_text:
+            for literal in ("<think>", "</think>", "<|im_end|>"):
+                reasoning, content = reasoning.replace(literal, ""), content.replace(literal, "")
         if self.marker_spacing:
             reasoning = " " + reasoning
             content = " " + content if content else content
@@ -310,6 +314,7 @@ def stacks(model: Model) -> dict[str, Stack]:
             strip_reasoning_end=True,
             reserialise_args=True,
             truncate_dotted_names=True,
+            delete_marker_text=True,
         ),
         "sglang_0514": Stack(model, "sglang_0514", tool_index="double", logprobs="whole"),
         "stripping": Stack(model, "stripping", strip_whitespace=True),

@@ -69,7 +69,7 @@ def test_verdicts_per_imitated_stack(
     expect_seen = {
         "exact_whole": set(),
         "vllm_spaced": {"marker_spacing"},
-        "vllm_033": {"argument_reserialised", "dotted_name_truncated"},
+        "vllm_033": {"argument_reserialised", "dotted_name_truncated", "marker_text_deleted"},
         "sglang_0514": {"tool_index_rule"},
         "stripping": {"content_whitespace_stripped"},
         "dropped_think": {"think_end_dropped"},
@@ -82,8 +82,8 @@ def test_verdicts_per_imitated_stack(
         assert got == seen_quirks, name
     exact = results["exact_whole"]
     assert set(exact.quirks.values()) == {CLEAN}
-    assert exact.logprobs == "whole" and exact.logprob_agree == exact.answered == 6
-    assert exact.noncanonical_splits >= 6  # one sampled split per answer, recovered
+    assert exact.logprobs == "whole" and exact.logprob_agree == exact.answered == 7
+    assert exact.noncanonical_splits >= 7  # one sampled split per answer, recovered
     assert results["vllm_spaced"].logprobs == "content"
     assert results["vllm_033"].logprobs == "none"
     # Whitespace the model wrote is lost at the same token count: no evidence either way.

@@ -62,6 +62,7 @@ class Battery:
 
 CHECKS = (
     "begins_with",
+    "keeps_text",
     "ends_with_newline",
     "reasoning_trailing_whitespace",
     "string_argument",
@@ -180,6 +181,15 @@ def check_answer(probe: Mapping[str, Any], record: Mapping[str, Any]) -> Verdict
         elif content.strip() == line:
             out["content_whitespace_stripped"] = (SEEN, f"content is {content!r}")
         out |= _think_end(content, reasoning, line)
+    elif kind == "keeps_text":
+        text, line = str(spec["text"]), str(spec["line"])
+        answer = content or reasoning
+        # The asked-for line with the marker text gone (whitespace runs compared as one).
+        without = " ".join(line.replace(text, " ").split())
+        if text in answer:
+            out["marker_text_deleted"] = (CLEAN, f"{text!r} kept in the answer")
+        elif without in " ".join(answer.split()):
+            out["marker_text_deleted"] = (SEEN, f"answer without {text!r}: {answer[:60]!r}")
     elif kind == "reasoning_trailing_whitespace":
         out |= _reasoning_whitespace(reasoning, record, issues)
     elif kind in ("string_argument", "tool_index", "tool_name"):
