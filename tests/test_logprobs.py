@@ -288,3 +288,26 @@ def test_reconstruct_stage_uses_logprobs(kimi: Model, kimi_dir: Path, tmp_path: 
     assert main([*args, "validation.record_ids=reencoded"]) == 0
     rec = json.loads(dst.read_text())
     assert rec["output_ids"] == _truth(kimi) and "noncanonical_split" in rec["issues"]
+
+
+def test_byte_level_hf_tokenizer_maps_entries_by_bytes() -> None:
+    """The same mapping on a Hugging Face byte-level BPE (SmolLM2), including tokens that
+    are half of a UTF-8 character."""
+    from conftest import load_or_skip
+
+    small = load_or_skip("smollm2")
+    ids = small.tokenizer.encode_ordinary("héllo wörld 日本 12345")
+    pieces = [small.tokenizer.token_bytes(t) for t in ids]
+    assert b"".join(pieces) == "héllo wörld 日本 12345".encode()
+    assert any(_not_utf8(p) for p in pieces)  # a token that is part of a character
+    assert engine_ids(small, _entries(small, ids)) == ids
+    im_end = small.markers["<|im_end|>"]
+    assert engine_ids(small, [{"token": "<|im_end|>", "bytes": list(b"<|im_end|>")}]) == [im_end]
+
+
+def _not_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return True
+    return False

@@ -80,7 +80,7 @@ def _empty(entry: Any) -> bool:
 
 
 def engine_ids(model: Model, entries: Sequence[Any]) -> list[int]:
-    """Each entry's id: a special token by its text, any other by its exact bytes."""
+    """Each entry's id: an ordinary token by its exact bytes, else a special one by its text."""
     tokenizer = model.tokenizer
     ids: list[int] = []
     for index, entry in enumerate(entries):
@@ -92,11 +92,10 @@ def engine_ids(model: Model, entries: Sequence[Any]) -> list[int]:
         ):
             raise BadLogprobs(f"entry {index}: bytes {raw!r} is not a list of byte values")
         data = bytes(raw) if raw is not None else text.encode("utf-8")
-        special = tokenizer.marker_id(text)
-        if special is not None and data == text.encode("utf-8"):
-            ids.append(special)
-            continue
         token_id = tokenizer.id_of_bytes(data) if data else None
+        if token_id is None and data == text.encode("utf-8"):
+            # Not an ordinary token: a marker or other special token, named by its text.
+            token_id = model.markers.get(text, tokenizer.marker_id(text))
         if token_id is None:
             raise BadLogprobs(
                 f"entry {index}: token {text!r} (bytes {list(data)}) is not a "
