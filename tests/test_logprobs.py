@@ -311,3 +311,12 @@ def _not_utf8(data: bytes) -> bool:
     except UnicodeDecodeError:
         return True
     return False
+
+
+def test_only_empty_entries_change_nothing(kimi: Model) -> None:
+    truth = _truth(kimi)
+    resp = _response(REASONING, CONTENT, len(truth), [{"token": "", "bytes": []}])
+    base = reconstruct(kimi, MESSAGES, None, resp)
+    rec = apply_logprobs(kimi, base, resp, LogprobPolicy())
+    assert rec.output_ids == base.output_ids and rec.issues == base.issues
+    assert record_fields(rec)["id_sources"] == [[0, len(truth), "reencoded"]]

@@ -196,6 +196,9 @@ def apply_logprobs(
     except BadLogprobs as exc:
         summary["invalid"] = str(exc)
         return replace(rec, issues=_unique([*rec.issues, "logprobs_invalid"]), details=details)
+    if not engine:  # e.g. content-only logprobs of an empty content: nothing to compare
+        summary["coverage"] = "none"
+        return replace(rec, details=details)
     if not output:  # nothing was reconstructed to compare with (a malformed answer)
         summary["invalid"] = "no reconstructed output to place the tokens in"
         return replace(rec, issues=_unique([*rec.issues, "logprobs_invalid"]), details=details)
