@@ -183,7 +183,7 @@ def test_report_routes_only_to_faithful_providers(
             f"provider.routing.order=[{slug}]",
             "provider.routing.allow_fallbacks=false",
             # Ask every provider for logprobs without requiring them, as the probes do.
-            "+provider.params.logprobs=true",
+            "++provider.params.logprobs=true",
             "provider.routing.require_parameters=false",
         ]
         status, _ = run_inprocess(overrides, out)
@@ -259,3 +259,19 @@ def test_probe_stage_of_the_sweep_pipeline(
     assert not sweep.parse_args(
         ["dataset=B5", "providers=a", "n=1", "usd=1", "probes=false"]
     ).probes
+
+
+def test_probe_cli(stack_server: Any, kimi_dir: Path, tmp_path: Path, api_key_env: str) -> None:
+    srv, _ = stack_server
+    out = tmp_path / "probe"
+    args = [
+        "providers=exact_whole",
+        f"output_dir={out}",
+        "usd=0.1",
+        f"provider.api_base={srv.url()}",
+        f"model.tokenizer.path={kimi_dir}",
+        "dataset=B5",  # a sweep's dataset setting: not the probes' business, left out
+    ]
+    assert main(args) == 0
+    assert "| exact_whole |" in (out / "conformance.md").read_text()
+    assert main([*args[:-1], f"battery={tmp_path / 'none.yaml'}"]) == 2

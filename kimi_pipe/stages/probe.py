@@ -432,7 +432,7 @@ def provider_overrides(
         f"provider.routing.order=[{slug}]",
         "provider.routing.allow_fallbacks=false",
         # Ask for logprobs without requiring them: a provider without them must still answer.
-        "+provider.params.logprobs=true",
+        "++provider.params.logprobs=true",
         "provider.routing.require_parameters=false",
         "provider.logprobs=false",
         f"provider.params.max_tokens={battery.max_tokens}",
@@ -452,6 +452,8 @@ def run_probes(
     from kimi_pipe.stages.generate import RECORDS, generate
     from kimi_pipe.store.records import iter_records
 
+    # The battery is the dataset and has its own budget: such overrides are not the probes'.
+    overrides = [o for o in overrides if not o.lstrip("+~").startswith(("dataset", "budget"))]
     prompts = out_dir / "prompts.jsonl"
     write_probe_prompts(battery, prompts)
     each = (
