@@ -81,9 +81,16 @@ def test_entries_map_to_ids_by_bytes_and_markers_by_text(kimi: Model) -> None:
     truth = _split_digits(kimi, _truth(kimi))
     assert engine_ids(kimi, _entries(kimi, truth)) == truth
     # A byte-level token that is not valid UTF-8 alone is still found by its bytes.
-    head = kimi.tokenizer.encode_ordinary("日本語です")
+    head = kimi.tokenizer.encode_ordinary("日本語です 🦜")
     pieces = [kimi.tokenizer.token_bytes(t) for t in head]
     assert engine_ids(kimi, _entries(kimi, head)) == head and b"".join(pieces).decode()
+    # Without `bytes`: vLLM spells a part of a character as "bytes:\xe6\x97"; a U+FFFD
+    # stands for lost bytes and cannot be trusted.
+    part = next(p for p in pieces if _not_utf8(p))
+    spelled = "bytes:" + "".join(f"\\x{b:02x}" for b in part)
+    assert engine_ids(kimi, [{"token": spelled}]) == [kimi.tokenizer.id_of_bytes(part)]
+    with pytest.raises(BadLogprobs, match="not whole characters"):
+        engine_ids(kimi, [{"token": part.decode("utf-8", "replace")}])
     with pytest.raises(BadLogprobs, match="entry 1"):
         engine_ids(kimi, [{"token": "a", "bytes": [97]}, {"token": "?", "bytes": [300]}])
     glued = list(b"12345 first")  # not one token of the vocabulary

@@ -79,6 +79,22 @@ def _empty(entry: Any) -> bool:
     )
 
 
+def _text_bytes(index: int, text: str) -> bytes:
+    """The bytes of an entry that has no `bytes`: its text, or vLLM's `bytes:\\xe6\\x97`
+    spelling of a token that is part of a character."""
+    if text.startswith("bytes:"):
+        try:
+            return (
+                text[len("bytes:") :].encode("latin-1").decode("unicode_escape").encode("latin-1")
+            )
+        except (UnicodeDecodeError, UnicodeEncodeError):
+            raise BadLogprobs(f"entry {index}: cannot read {text!r} as bytes") from None
+    if "\ufffd" in text:
+        # A replacement character stands for bytes that were lost: the token is unknown.
+        raise BadLogprobs(f"entry {index}: token {text!r} without bytes is not whole characters")
+    return text.encode("utf-8")
+
+
 def engine_ids(model: Model, entries: Sequence[Any]) -> list[int]:
     """Each entry's id: an ordinary token by its exact bytes, else a special one by its text."""
     tokenizer = model.tokenizer
@@ -91,7 +107,7 @@ def engine_ids(model: Model, entries: Sequence[Any]) -> list[int]:
             not isinstance(raw, list) or not all(isinstance(b, int) and 0 <= b < 256 for b in raw)
         ):
             raise BadLogprobs(f"entry {index}: bytes {raw!r} is not a list of byte values")
-        data = bytes(raw) if raw is not None else text.encode("utf-8")
+        data = bytes(raw) if raw is not None else _text_bytes(index, text)
         token_id = tokenizer.id_of_bytes(data) if data else None
         if token_id is None and data == text.encode("utf-8"):
             # Not an ordinary token: a marker or other special token, named by its text.
