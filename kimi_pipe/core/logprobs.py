@@ -103,11 +103,15 @@ def engine_ids(model: Model, entries: Sequence[Any]) -> list[int]:
         if not isinstance(entry, Mapping) or not isinstance(entry.get("token"), str):
             raise BadLogprobs(f"entry {index}: not an object with a token string")
         text, raw = entry["token"], entry.get("bytes")
-        if raw is not None and (
-            not isinstance(raw, list) or not all(isinstance(b, int) and 0 <= b < 256 for b in raw)
-        ):
+        if raw is None:
+            data = _text_bytes(index, text)
+        elif isinstance(raw, list):
+            try:
+                data = bytes(raw)  # checks every value is an int in 0..255
+            except (TypeError, ValueError):
+                raise BadLogprobs(f"entry {index}: bytes {raw!r} are not byte values") from None
+        else:
             raise BadLogprobs(f"entry {index}: bytes {raw!r} is not a list of byte values")
-        data = bytes(raw) if raw is not None else _text_bytes(index, text)
         token_id = tokenizer.id_of_bytes(data) if data else None
         if token_id is None and data == text.encode("utf-8"):
             # Not an ordinary token: a marker or other special token, named by its text.

@@ -197,6 +197,8 @@ class TiktokenTokenizer:
         )
         self._specials = specials
         self._special_names = {v: k for k, v in specials.items()}
+        self._ranks = ranks  # bytes -> id of every ordinary token
+        self._bytes_of: list[bytes] | None = None  # id -> bytes, built on first use
         self.vocab_size = first_special + count
 
     def encode_ordinary(self, text: str) -> list[int]:
@@ -219,17 +221,20 @@ class TiktokenTokenizer:
 
     def token_bytes(self, token_id: int) -> bytes:
         """The exact bytes of one id (a special id: its name)."""
-        if token_id in self._special_names:
-            return self._special_names[token_id].encode()
-        return self._encoding.decode_single_token_bytes(token_id)
+        if self._bytes_of is None:
+            # One table for the whole vocabulary: per-id calls into tiktoken cost more than
+            # the rest of the logprob check together.
+            table = [b""] * self.vocab_size
+            for data, rank in self._ranks.items():
+                table[rank] = data
+            for name, special in self._specials.items():
+                table[special] = name.encode()
+            self._bytes_of = table
+        return self._bytes_of[token_id]
 
     def id_of_bytes(self, data: bytes) -> int | None:
         """The ordinary (BPE) id whose bytes are exactly `data`; None when none is."""
-        try:
-            token_id = self._encoding.encode_single_token(data)
-        except KeyError:
-            return None
-        return None if token_id in self._special_names else token_id
+        return self._ranks.get(data)
 
 
 @lru_cache(maxsize=8)
