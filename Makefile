@@ -24,7 +24,7 @@ TORCH_LOCK := $(if $(filter-out none,$(TORCH)),requirements-torch-$(TORCH).lock)
 STAMP := $(VENV)/.installed-$(TORCH)-$(shell cat requirements.lock $(TORCH_LOCK) pyproject.toml setup.py 2>/dev/null | sha256sum | cut -c1-12)
 PY_OK := import sys; v = sys.version_info[:2]; sys.exit(0 if (3, 11) <= v <= (3, 13) else 1)
 
-.PHONY: setup test lint snapshots reconstruct-sample generate sweep report demo run bench interop lock lock-torch wheel check-install clean
+.PHONY: setup test lint snapshots reconstruct-sample generate sweep probe report demo run bench interop lock lock-torch wheel check-install clean
 
 setup: $(STAMP)
 
@@ -75,6 +75,11 @@ generate: setup
 #   make sweep dataset=B5 providers=moonshotai,fireworks,novita n=50 usd=6
 sweep: setup
 	$(PYTHON) -m kimi_pipe.sweep dataset=$(dataset) providers=$(providers) n=$(or $(n),50) $(if $(usd),usd=$(usd)) $(ARGS)
+
+# Conformance probes (docs/provider-truth.md): conf/probes/<model>.yaml pinned to each provider,
+# then runs/probe/conformance.md.   make probe providers=moonshotai,fireworks [usd=0.3]
+probe: setup
+	$(PYTHON) -m kimi_pipe.probe providers=$(providers) $(if $(usd),usd=$(usd)) $(ARGS)
 
 # Report over finished runs: make report sweep_dir=runs/sweep/B5 (a single run dir works too)
 report: setup

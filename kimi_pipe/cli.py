@@ -45,6 +45,9 @@ STAGES: dict[str, Stage] = {
         "kimi_pipe.stages.sweep", "generate,report", "compare providers", _GENERATE + _REPORT
     ),
     "report": Stage("kimi_pipe.stages.report", "report", "report over finished runs", _REPORT),
+    "probe": Stage(
+        "kimi_pipe.stages.probe", "generate", "conformance probes per provider", _GENERATE
+    ),
     "demo": Stage(
         "kimi_pipe.pipeline.demo",
         "all",

@@ -141,6 +141,7 @@ class Behaviour:
     listed_prices: tuple[Any, Any] | None = None  # what /models lists instead of the prices
     key_limit: float | None = None  # the key's credit limit shown by GET /key
     key_endpoint: bool = False  # GET /key answers even without a limit
+    stack: Any = None  # an imitated serving stack that writes the answer (tests/fake_stacks.py)
 
 
 @dataclass
@@ -198,6 +199,8 @@ def make_answer(messages: list[dict], tools: list[dict] | None, behaviour: Behav
 
 def build_completion(body: dict, behaviour: Behaviour) -> tuple[dict, float, int, int]:
     """The OpenRouter JSON body for a successful answer, and what it bills."""
+    if behaviour.stack is not None:
+        return behaviour.stack.completion(body, behaviour)
     messages = body.get("messages") or []
     tools = body.get("tools")
     ans = make_answer(messages, tools, behaviour)

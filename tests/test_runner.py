@@ -146,7 +146,7 @@ def test_a_stage_whose_input_is_missing_says_so(tmp_path: Path) -> None:
     [
         ("demo", ["model", "generate", "reconstruct", "audit", "extract", "export"]),
         ("openrouter_sglang", ["generate", "reconstruct", "extract", "export"]),
-        ("sweep", ["sweep"]),
+        ("sweep", ["probe", "sweep"]),
     ],
 )
 def test_shipped_pipelines_compose_to_builtin_stages(name: str, stages: list[str]) -> None:
@@ -178,6 +178,9 @@ def test_sweep_stage_builds_the_sweep_command(tmp_path: Path) -> None:
     ctx = StageContext(cfg, tmp_path)
     argv = SweepStage().argv(ctx)
     assert argv[:4] == ["dataset=B5", "providers=a,b", "n=50", "usd=2.0"]
+    assert "probes=false" not in argv  # run alone, the sweep probes first itself
+    after_probe = SweepStage().argv(StageContext(cfg, tmp_path, {"probe": {"usable": ["a"]}}))
+    assert "probes=false" in after_probe
     missing = compose(["pipeline=sweep", "dataset=B5"])
     with pytest.raises(Exception, match="sweep.providers"):
         SweepStage().argv(StageContext(missing, tmp_path))

@@ -154,6 +154,7 @@ def swept(tmp_path_factory: pytest.TempPathFactory, kimi: Model, kimi_dir: Path)
                 f"provider.api_base={srv.url()}", "provider.concurrency=8",
                 "provider.params.max_tokens=512", "provider.timeout_s=60",
                 "provider.retry.max_attempts=3", "provider.retry.base_delay_s=0.05",
+                "probes=false",  # the probe stage has its own tests (tests/test_probe.py)
             ],
             cwd=work, env=env, capture_output=True, text=True, timeout=600, check=False,
         )  # fmt: skip

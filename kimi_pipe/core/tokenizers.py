@@ -47,6 +47,14 @@ class Tokenizer(Protocol):
         """Human-readable text of one id (for snapshots and error messages)."""
         ...
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The exact bytes of one id (a special id: its name)."""
+        ...
+
+    def id_of_bytes(self, data: bytes) -> int | None:
+        """The ordinary id whose bytes are exactly `data`, or None."""
+        ...
+
 
 @dataclass(frozen=True)
 class TextChunking:
@@ -256,6 +264,8 @@ class TiktokenTokenizer:
         )
         self._specials = specials
         self._special_names = {v: k for k, v in specials.items()}
+        self._ranks = ranks  # bytes -> id of every ordinary token
+        self._bytes_of: list[bytes] | None = None  # id -> bytes, built on first use
         self.vocab_size = first_special + count
 
     def encode_ordinary(self, text: str) -> list[int]:
@@ -275,6 +285,23 @@ class TiktokenTokenizer:
         if token_id in self._special_names:
             return self._special_names[token_id]
         return self._encoding.decode_single_token_bytes(token_id).decode("utf-8", "replace")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The exact bytes of one id (a special id: its name)."""
+        if self._bytes_of is None:
+            # One table for the whole vocabulary: per-id calls into tiktoken cost more than
+            # the rest of the logprob check together.
+            table = [b""] * self.vocab_size
+            for data, rank in self._ranks.items():
+                table[rank] = data
+            for name, special in self._specials.items():
+                table[special] = name.encode()
+            self._bytes_of = table
+        return self._bytes_of[token_id]
+
+    def id_of_bytes(self, data: bytes) -> int | None:
+        """The ordinary (BPE) id whose bytes are exactly `data`; None when none is."""
+        return self._ranks.get(data)
 
 
 @lru_cache(maxsize=8)
@@ -317,6 +344,7 @@ class HFTokenizer:
             raise ValueError(f"{folder}: only fast (tokenizer.json) tokenizers are supported")
         self._backend = backend
         self._added = {t.content: i for i, t in self._tok.added_tokens_decoder.items()}
+        self._by_bytes: dict[bytes, int] | None = None
 
     def encode_ordinary(self, text: str) -> list[int]:
         # Normaliser -> pre-tokeniser -> model, skipping the added-token matcher, so a
@@ -346,3 +374,36 @@ class HFTokenizer:
 
     def piece(self, token_id: int) -> str:
         return self._tok.decode([token_id], skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The exact bytes of one id (byte-level BPE vocabularies; added tokens: their text)."""
+        token = self._tok.convert_ids_to_tokens(token_id)
+        decoder = _byte_decoder()
+        if token in self._added or not all(ch in decoder for ch in token):
+            return self.piece(token_id).encode()
+        return bytes(decoder[ch] for ch in token)
+
+    def id_of_bytes(self, data: bytes) -> int | None:
+        """The ordinary id whose bytes are exactly `data`; None when none is."""
+        if self._by_bytes is None:
+            decoder = _byte_decoder()
+            self._by_bytes = {
+                bytes(decoder[ch] for ch in token): token_id
+                for token, token_id in self._tok.get_vocab().items()
+                if token not in self._added and all(ch in decoder for ch in token)
+            }
+        return self._by_bytes.get(data)
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """Byte-level BPE's printable stand-ins for the 256 byte values, reversed: printable
+    Latin-1 bytes stand for themselves, the others for code points from 256 up, in order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    stand_in = {byte: chr(byte) for byte in printable}
+    extra = 0
+    for byte in range(256):
+        if byte not in stand_in:
+            stand_in[byte] = chr(256 + extra)
+            extra += 1
+    return {ch: byte for byte, ch in stand_in.items()}

@@ -127,13 +127,15 @@ class ReconstructStage(OutputsExist):
         return [ctx.run_dir / "reconstructed.jsonl"]
 
     def run(self, ctx: StageContext) -> dict[str, Any]:
+        from kimi_pipe.core.logprobs import policy_from_config
         from kimi_pipe.core.models import load_model
         from kimi_pipe.stages.reconstruct import run as reconstruct_run
         from kimi_pipe.store.records import iter_records
 
         source, target = ctx.run_dir / "records.jsonl", ctx.run_dir / "reconstructed.jsonl"
         tolerance = int(ctx.cfg.validation.billing_tolerance)
-        counts = reconstruct_run(load_model(ctx.cfg.model), source, target, tolerance)
+        policy = policy_from_config(ctx.cfg)
+        counts = reconstruct_run(load_model(ctx.cfg.model), source, target, tolerance, policy)
         inline = {r["id"]: r for r in iter_records(source) if not r.get("error")}
         same = differ = 0
         for rec in iter_records(target):
@@ -237,6 +239,41 @@ class ExportStage(OutputsExist):
         return run_export(cfg)
 
 
+class ProbeStage(OutputsExist):
+    """Conformance probes pinned to each provider of `sweep.providers` (a small budget of
+    its own, `sweep.probe_usd`), into <run_dir>/probes: the report's conformance table."""
+
+    name = "probe"
+    settings = ("sweep", "model", "provider")
+
+    def writes(self, ctx: StageContext) -> list[Path]:
+        from kimi_pipe.reporting.data import PROBES_DIR
+
+        return [ctx.run_dir / PROBES_DIR / "conformance.json"]
+
+    def run(self, ctx: StageContext) -> dict[str, Any]:
+        from kimi_pipe.reporting.data import PROBES_DIR
+        from kimi_pipe.stages.probe import default_battery, load_battery, run_probes
+
+        providers = SweepStage.providers(ctx)
+        probe_usd = OmegaConf.select(ctx.cfg, "sweep.probe_usd", default=None)
+        overrides = [
+            str(o)
+            for o in OmegaConf.select(ctx.cfg, "sweep.overrides", default=None) or []
+            if not str(o).lstrip("+~").startswith(("dataset", "budget"))
+        ]
+        battery = load_battery(default_battery(str(ctx.cfg.model.name)))
+        out = ctx.run_dir / PROBES_DIR
+        results = run_probes(
+            providers, out, battery, None if probe_usd is None else float(probe_usd), overrides
+        )
+        return {
+            "conformance": str(out / "conformance.md"),
+            "usable": [r.provider for r in results if r.usable],
+            "left_out": [r.provider for r in results if not r.usable],
+        }
+
+
 class SweepStage(OutputsExist):
     """One generate job per provider on the same prompts under one shared budget
     (`sweep.providers`, `sweep.n`, `sweep.usd`), then the report."""
@@ -247,13 +284,19 @@ class SweepStage(OutputsExist):
     def writes(self, ctx: StageContext) -> list[Path]:
         return [ctx.run_dir / "report.md"]
 
-    def argv(self, ctx: StageContext) -> list[str]:
+    @staticmethod
+    def providers(ctx: StageContext) -> list[str]:
         node = OmegaConf.select(ctx.cfg, "sweep", default=None)
         if node is None or not node.get("providers"):
             raise ValueError("sweep.providers=[a,b,c] is required (OpenRouter provider slugs)")
         providers = node.providers
-        if not isinstance(providers, str):
-            providers = ",".join(str(p) for p in providers)
+        if isinstance(providers, str):
+            return [p.strip() for p in providers.split(",") if p.strip()]
+        return [str(p) for p in providers]
+
+    def argv(self, ctx: StageContext) -> list[str]:
+        node = OmegaConf.select(ctx.cfg, "sweep", default=None)
+        providers = ",".join(self.providers(ctx))
         argv = [
             f"dataset={ctx.cfg.dataset.name}",
             f"providers={providers}",
@@ -261,6 +304,8 @@ class SweepStage(OutputsExist):
             f"usd={float(node.usd)}",
             f"sweep_dir={ctx.run_dir}",
         ]
+        if "probe" in ctx.results:  # the pipeline's probe stage ran them already
+            argv.append("probes=false")
         argv += [str(o) for o in node.get("overrides") or []]
         return argv
 
@@ -300,6 +345,7 @@ STAGES: dict[str, type] = {
         AuditStage,
         ExtractStage,
         ExportStage,
+        ProbeStage,
         SweepStage,
         ReportStage,
     )  # fmt: skip

@@ -117,6 +117,12 @@ class ProviderSettings:
             if value not in (None, {}, []):
                 extra[body_key] = value
         extra.update(_drop_nones(data.get("extra_body")) or {})
+        if data.get("logprobs"):
+            # Only providers that honour every parameter return logprobs: route to those.
+            params["logprobs"] = True
+            routing_key = (data.get("extra_body_keys") or {}).get("routing")
+            if routing_key:
+                extra[routing_key] = {**(extra.get(routing_key) or {}), "require_parameters": True}
         pricing = data.get("pricing") or {}
         retry = RetryPolicy(**(data.get("retry") or {}))
         if retry.max_attempts < 1:

@@ -19,6 +19,9 @@ import yaml
 from omegaconf import DictConfig
 
 RECORDS_FILE = "records.jsonl"
+PROBES_DIR = "probes"  # where the probe stage writes inside a sweep directory
+# Notes that prove a record exact rather than doubt it (core/logprobs.py).
+EXACTNESS_EVIDENCE = frozenset({"noncanonical_split"})
 ATTEMPT_ERRORS_FILE = "attempt_errors.jsonl"  # every failed attempt, with what it cost
 UNKNOWN = "unknown"
 
@@ -63,7 +66,10 @@ def find_run_dirs(root: Path) -> list[Path]:
             f"{root} does not exist; pass sweep_dir= a generate run directory or a sweep "
             "directory (made by `make sweep` or `python -m kimi_pipe.generate`)"
         )
-    found = sorted({p.parent for p in root.rglob(RECORDS_FILE)})
+    # The probe stage's runs (<sweep_dir>/probes/<slug>/) are probes, not provider runs.
+    found = sorted(
+        {p.parent for p in root.rglob(RECORDS_FILE) if PROBES_DIR not in p.relative_to(root).parts}
+    )
     if not found:
         raise FileNotFoundError(
             f"no {RECORDS_FILE} at or below {root}; run the generate stage or `make sweep` first"
@@ -204,6 +210,10 @@ class RunStats:
     cost_usd: float | None = None
     latencies: list[float] = field(default_factory=list)
     tokens_per_s: list[float] = field(default_factory=list)
+    # Token-level evidence (records' `logprobs`, kimi_pipe/core/logprobs.py)
+    logprob_answers: int = 0  # answers that carried logprobs
+    logprob_agree: int = 0  # ... whose engine tokens join to the answer text
+    logprob_coverage: Counter[str] = field(default_factory=Counter)  # whole / content
     bad_lines: int = 0
 
     @property
@@ -392,7 +402,13 @@ def summarize(run: Run) -> RunStats:
         stats.ok += bool(rec.get("ok"))
         codes = [str(i) for i in rec.get("issues") or []]
         stats.issues.update(codes)
-        stats.with_issues += bool(codes)
+        # A recovered split is evidence of exact ids, not a fault: it does not count here.
+        stats.with_issues += bool(set(codes) - EXACTNESS_EVIDENCE)
+        lp = rec.get("logprobs")
+        if isinstance(lp, dict) and lp.get("present"):
+            stats.logprob_answers += 1
+            stats.logprob_agree += "mismatch" not in lp and "invalid" not in lp
+            stats.logprob_coverage[str(lp.get("coverage") or "invalid")] += 1
         if isinstance(rec.get("provider"), str) and rec["provider"]:
             served[rec["provider"]] += 1
         reported = _num(rec.get("completion_tokens_reported"))
@@ -515,6 +531,38 @@ def recommend(stats: list[RunStats], policy: Policy) -> Recommendation:
     return Recommendation(
         order=_unique(s.provider for s in kept), ignore=_unique(ignore), reasons=reasons
     )
+
+
+def conformance_exclusions(conformance: dict[str, Any] | None) -> dict[str, str]:
+    """Providers whose probes saw a quirk no serving profile can undo -> why
+    (`conformance.json` of the probe stage)."""
+    return {
+        str(p["provider"]): f"ignored: conformance probes: {p.get('why')}"
+        for p in (conformance or {}).get("providers") or []
+        if not p.get("usable")
+    }
+
+
+def recommend_with_conformance(
+    stats: list[RunStats], policy: Policy, conformance: dict[str, Any] | None
+) -> Recommendation:
+    """The recommendation over the providers the probes allow; the serving profile named
+    for the rest. Without probes it is `recommend` unchanged."""
+    if conformance is None:
+        return recommend(stats, policy)
+    excluded = conformance_exclusions(conformance)
+    profiles = {str(p["provider"]): p.get("profile") for p in conformance.get("providers") or []}
+    rec = recommend([s for s in stats if s.provider not in excluded], policy)
+    reasons = dict(rec.reasons)
+    for provider in rec.order:
+        profile = profiles.get(provider)
+        reasons[provider] += f"; serving profile {profile}" if profile else "; not probed"
+    ignore = list(rec.ignore)
+    for s in stats:
+        if s.provider in excluded:
+            ignore.append(s.provider)
+            reasons[s.provider] = excluded[s.provider]
+    return Recommendation(order=rec.order, ignore=_unique(ignore), reasons=reasons)
 
 
 def _strengths(s: RunStats, better: RunStats | None, key: Any) -> str:

@@ -89,19 +89,23 @@ class TokenCore:
 
     @classmethod
     def load(cls, cfg: DictConfig, asked_model: str = "") -> TokenCore:
+        from kimi_pipe.core.logprobs import apply_logprobs, policy_from_config, record_fields
         from kimi_pipe.core.models import load_model
         from kimi_pipe.core.prompt_render import prompt_ids
         from kimi_pipe.core.reconstruction import reconstruct
 
         model = load_model(cfg.model)
         tolerance = int(OmegaConf.select(cfg, "validation.billing_tolerance", default=0) or 0)
+        policy = policy_from_config(cfg)
 
         def prompt_len(messages: list[dict], tools: list[dict] | None) -> int:
             return len(prompt_ids(model, messages, tools))
 
         def rebuild(messages: list[dict], tools: list[dict] | None, resp: dict) -> dict[str, Any]:
             rec = reconstruct(model, messages, tools, resp, billing_tolerance=tolerance)
-            return _with_issues(rec.to_record(), answer_issues(resp, asked_model))
+            rec = apply_logprobs(model, rec, resp, policy)  # the engine's own ids, if sent
+            record = rec.to_record() | record_fields(rec)
+            return _with_issues(record, answer_issues(resp, asked_model))
 
         return cls(prompt_len, rebuild)
 

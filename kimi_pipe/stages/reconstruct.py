@@ -5,7 +5,9 @@
 
 Input lines: {"id", "messages", "tools"?, "response"}. Output lines, same order:
 {"id", "ok", "issues", "prompt_ids", "output_ids", "loss_mask",
- "completion_tokens_reported", "completion_tokens_reconstructed"}.
+ "completion_tokens_reported", "completion_tokens_reconstructed"}, plus "id_sources" and
+ "logprobs" when the response carries `logprobs.content[]`: the engine's ids are then used and
+ checked (kimi_pipe/core/logprobs.py; `validation.record_ids=reencoded` keeps canonical ids).
 Beside the output, `OUT.jsonl.summary.json` counts the records that are exact, repaired
 (ok with notes) and flagged (ok false), by code; the same counts are printed.
 Exit 0 once the file is processed (bad records are reported in their own line);
@@ -23,6 +25,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from kimi_pipe.core.logprobs import LogprobPolicy, apply_logprobs, policy_from_config, record_fields
 from kimi_pipe.core.models import Model, load_model
 from kimi_pipe.core.reconstruction import ERRORS, reconstruct
 
@@ -75,7 +78,12 @@ def _has_lone_surrogate(value: Any) -> bool:
 
 
 def reconstruct_line(
-    model: Model, line: str | bytes, line_no: int, tolerance: int, source: str = "input"
+    model: Model,
+    line: str | bytes,
+    line_no: int,
+    tolerance: int,
+    source: str = "input",
+    policy: LogprobPolicy | None = None,
 ) -> dict[str, Any]:
     """One input line to one output record; never raises on bad data."""
     raw = line.encode("utf-8", "surrogatepass") if isinstance(line, str) else line
@@ -88,17 +96,16 @@ def reconstruct_line(
     messages = sample.get("messages")
     if not isinstance(messages, list):
         return _bad_record(sample_id, "bad_prompt", f"{where}: messages must be a list")
+    response = sample.get("response")
     try:
         result = reconstruct(
-            model,
-            messages,
-            sample.get("tools"),
-            sample.get("response"),
-            billing_tolerance=tolerance,
+            model, messages, sample.get("tools"), response, billing_tolerance=tolerance
         )
+        if policy is not None:
+            result = apply_logprobs(model, result, response, policy)  # the engine's ids, if sent
     except RecursionError:
         return _bad_record(sample_id, MALFORMED, f"{where}: nested too deep to reconstruct")
-    return {"id": sample_id, **result.to_record()}
+    return {"id": sample_id, **result.to_record(), **record_fields(result)}
 
 
 def _bad_record(sample_id: Any, code: str, why: str) -> dict[str, Any]:
@@ -127,7 +134,9 @@ def summary_path(target: Path) -> Path:
     return target.with_name(target.name + ".summary.json")
 
 
-def run(model: Model, source: Path, target: Path, tolerance: int) -> Counter[str]:
+def run(
+    model: Model, source: Path, target: Path, tolerance: int, policy: LogprobPolicy | None = None
+) -> Counter[str]:
     """Reconstruct every line of `source` into `target` and write the summary beside it.
 
     Returns counts: records, ok, not_ok, exact, repaired, flagged, `issue:CODE`,
@@ -138,7 +147,7 @@ def run(model: Model, source: Path, target: Path, tolerance: int) -> Counter[str
     tmp = target.with_name(target.name + ".partial")
     with source.open("rb") as src, tmp.open("w", encoding="utf-8") as dst:
         for line_no, line in _lines(src):
-            record = reconstruct_line(model, line, line_no, tolerance, str(source))
+            record = reconstruct_line(model, line, line_no, tolerance, str(source), policy)
             dst.write(json.dumps(record, ensure_ascii=False) + "\n")
             count_record(counts, record)
     tmp.replace(target)  # the output appears whole or not at all
@@ -225,7 +234,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: cannot load model {cfg.model.name!r}: {exc}", file=sys.stderr)
         return 2
     target = Path(cfg.output)
-    counts = run(model, source, target, int(cfg.validation.billing_tolerance))
+    tolerance = int(cfg.validation.billing_tolerance)
+    counts = run(model, source, target, tolerance, policy_from_config(cfg))
     print("\n".join(summary_lines(counts, target)), file=sys.stderr)
     return 0
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from kimi_pipe.reporting.charts import write_charts
 from kimi_pipe.reporting.data import (
+    PROBES_DIR,
     Policy,
     Recommendation,
     RunStats,
@@ -29,7 +30,7 @@ from kimi_pipe.reporting.data import (
     fmt_pct,
     fmt_usd,
     load_run,
-    recommend,
+    recommend_with_conformance,
     report_data,
     routing_block,
     routing_overrides,
@@ -209,20 +210,90 @@ def build_report(sweep_dir: Path, out_dir: Path, policy: Policy | None = None) -
     for i, path in enumerate(run_dirs, start=1):
         print(f"[report] {i}/{len(run_dirs)} reading {path}", file=sys.stderr, flush=True)
         stats.append(summarize(load_run(path, sweep_dir)))
-    rec = recommend(stats, policy)
+    conformance = _read_conformance(sweep_dir)
+    rec = recommend_with_conformance(stats, policy, conformance)
     position = {p: i for i, p in enumerate(rec.order + rec.ignore)}
     stats.sort(key=lambda s: (position.get(s.provider, len(position)), s.name))
     out_dir.mkdir(parents=True, exist_ok=True)
     charts = write_charts(stats, out_dir, rec.ignore)
     _write_atomic(out_dir / "report.json", json.dumps(report_data(stats, rec), indent=2) + "\n")
     report = out_dir / "report.md"
-    _write_atomic(report, render_markdown(stats, rec, charts, sweep_dir, policy))
+    text = render_markdown(stats, rec, charts, sweep_dir, policy)
+    _write_atomic(report, add_conformance(text, stats, conformance))
     print(
         f"[report] wrote {report}, report.json and {len(charts)} charts",
         file=sys.stderr,
         flush=True,
     )
     return report
+
+
+def _read_conformance(sweep_dir: Path) -> dict[str, Any] | None:
+    path = sweep_dir / PROBES_DIR / "conformance.json"
+    if not path.is_file():
+        return None
+    data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    table = path.with_name("conformance.md")
+    data["table_md"] = table.read_text(encoding="utf-8") if table.is_file() else ""
+    return data
+
+
+def add_conformance(text: str, stats: list[RunStats], conformance: dict[str, Any] | None) -> str:
+    """The probe verdicts, logprob agreement and share flagged per code, before the routing."""
+    lines = ["## Conformance and token-level evidence", ""]
+    if conformance is None:
+        lines += [
+            "No conformance probes in this sweep (`probes/conformance.json`); run "
+            "`make probe providers=...` into `<sweep_dir>/probes` or `make sweep` (which runs "
+            "them first). Without them the routing below rests on billing alone.",
+            "",
+        ]
+    else:
+        md = str(conformance.get("table_md") or "")
+        body = md.split("\n", 2)[2] if md.count("\n") > 2 else md
+        lines += [
+            "Probe verdicts per quirk (clean: the probe saw the model's text intact; seen: the "
+            "server changed it; unknown: no usable evidence). *logprobs*: what the provider's "
+            "`logprobs.content[]` covers; *token agreement*: probe answers whose engine tokens "
+            "join to the answer text. The recommended routing leaves out every provider "
+            "whose probes saw a quirk marked not invertible, and names the serving profile of "
+            "the others.",
+            "",
+            body.rstrip(),
+            "",
+        ]
+    lines += [
+        "Token-level evidence in the answers themselves (`logprobs` of each record): answers "
+        "with logprobs, what they cover, and how many agree with the text:",
+        "",
+    ]
+    for s in stats:
+        if not s.logprob_answers:
+            lines.append(f"- `{s.provider}`: no logprobs in {s.answered} answers")
+            continue
+        cover = ", ".join(f"{k} x{v}" for k, v in s.logprob_coverage.most_common())
+        lines.append(
+            f"- `{s.provider}`: {s.logprob_answers}/{s.answered} answers with logprobs ({cover}); "
+            f"{s.logprob_agree}/{s.logprob_answers} agree with the text"
+        )
+    lines.append("")
+    if any(s.issues for s in stats):
+        lines += [
+            "Share of answered samples flagged with each code (`logprob_mismatch`: the engine's "
+            "tokens disagree with the text; `noncanonical_split`: the engine's ids kept where "
+            "re-encoding differs; `logprobs_missing`: asked for, not sent):",
+            "",
+        ]
+        for s in stats:
+            shares = ", ".join(
+                f"{code} {fmt_pct(_pct(n / s.answered))}" for code, n in s.issues.most_common()
+            )
+            lines.append(f"- `{s.provider}`: {shares or 'none'}" if s.answered else
+                         f"- `{s.provider}`: no answers")
+        lines.append("")
+    marker = "## Recommended routing"
+    block = "\n".join(lines) + "\n"
+    return text.replace(marker, block + marker, 1) if marker in text else text + "\n" + block
 
 
 def _write_atomic(path: Path, text: str) -> None:

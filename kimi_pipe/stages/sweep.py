@@ -35,7 +35,8 @@ SLUG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]*$")  # OpenRouter slugs, e.g. de
 
 USAGE = (
     "usage: python -m kimi_pipe.sweep dataset=NAME providers=a,b,c n=50 usd=5 "
-    "[sweep_dir=PATH] [report=true|false] [dry_run=true|false] [group.key=value ...]"
+    "[sweep_dir=PATH] [report=true|false] [dry_run=true|false] [probes=true|false] "
+    "[probe_usd=X] [group.key=value ...]"
 )
 
 
@@ -49,6 +50,8 @@ class SweepArgs:
     report: bool = True
     dry_run: bool = False
     overrides: list[str] = field(default_factory=list)
+    probes: bool = True  # conformance probes first (kimi_pipe.stages.probe)
+    probe_usd: float | None = None  # their own small budget; None: the battery's default
 
     @property
     def usd_each(self) -> float:
@@ -79,7 +82,17 @@ def parse_args(argv: list[str]) -> SweepArgs:
             if mine.get("usd") not in (None, value):
                 raise SystemExit(f"usd={mine['usd']} and budget.usd={value} disagree")
             mine["usd"] = value
-        elif key in ("dataset", "providers", "n", "usd", "sweep_dir", "report", "dry_run"):
+        elif key in (
+            "dataset",
+            "providers",
+            "n",
+            "usd",
+            "sweep_dir",
+            "report",
+            "dry_run",
+            "probes",
+            "probe_usd",
+        ):
             if key == "usd" and mine.get("usd") not in (None, value):
                 raise SystemExit(f"usd={value} and budget.usd={mine['usd']} disagree")
             mine[key] = value
@@ -114,6 +127,8 @@ def parse_args(argv: list[str]) -> SweepArgs:
         report=_bool("report", mine.get("report", "true")),
         dry_run=_bool("dry_run", mine.get("dry_run", "false")),
         overrides=overrides,
+        probes=_bool("probes", mine.get("probes", "true")),
+        probe_usd=float(mine["probe_usd"]) if mine.get("probe_usd") else None,
     )
 
 
@@ -156,6 +171,23 @@ def build_command(args: SweepArgs, dataset_name: str, limit_key: str) -> list[st
     ]
 
 
+def run_probe_stage(args: SweepArgs, sweep_dir: Path) -> None:
+    """Conformance probes pinned to each provider, into <sweep_dir>/probes (resumable)."""
+    from kimi_pipe.config import compose
+    from kimi_pipe.reporting.data import PROBES_DIR
+    from kimi_pipe.stages.probe import default_battery, load_battery, run_probes
+
+    # Dataset and budget settings belong to the sweep's prompts, not to the probe battery.
+    keep = [o for o in args.overrides if not o.lstrip("+~").startswith(("dataset", "budget"))]
+    battery = load_battery(default_battery(str(compose(keep).model.name)))
+    print(
+        f"[sweep] conformance probes first ({len(battery.probes)} per provider)",
+        file=sys.stderr,
+        flush=True,
+    )
+    run_probes(args.providers, sweep_dir / PROBES_DIR, battery, args.probe_usd, keep)
+
+
 def sweep_dir_of(command: list[str]) -> Path:
     return Path(next(a for a in command if a.startswith("hydra.sweep.dir=")).split("=", 1)[1])
 
@@ -174,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     print("[sweep] " + shlex.join(command), file=sys.stderr, flush=True)
     if args.dry_run:
         return 0
+    if args.probes:
+        run_probe_stage(args, sweep_dir)
     status = subprocess.run(command, check=False).returncode
     if status:
         print(f"[sweep] generate exited with status {status}", file=sys.stderr, flush=True)

@@ -1,0 +1,525 @@
+"""Stage `probe`: conformance probes, pinned to each provider, and a conformance table.
+
+    python -m kimi_pipe.probe providers=moonshotai,fireworks [usd=0.3] \
+        [output_dir=runs/probe] [battery=conf/probes/kimi_k25.yaml] [group.key=value ...]
+
+A battery (`conf/probes/<model>.yaml`) holds small prompts built so that one server
+transformation (a quirk) shows in the answer, each with a deterministic check. For every
+provider the battery is bought through the generate stage, pinned to it
+(`provider.routing.order=[slug]`, `allow_fallbacks=false`), asking for logprobs without
+requiring them (a provider without logprobs still answers), under `usd` split evenly.
+Then `conformance.json` and `conformance.md` say per provider and quirk: clean (the answer
+shows the model's text intact), seen (changed), unknown (no usable answer); whether the
+provider returns logprobs and whether they agree with the text; the serving profile that
+fits; and whether the provider can be used (no seen quirk that cannot be inverted).
+
+Run directory: `<output_dir>/prompts.jsonl`, `<output_dir>/<slug>/` (generate's run),
+`conformance.json`, `conformance.md`. Running it again resumes (answered probes are kept).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kimi_pipe.config import CONF_DIR
+
+CLEAN, SEEN, UNKNOWN = "clean", "seen", "unknown"
+NATIVE_ID = re.compile(r"^functions\.(?P<name>[^:\s]+):(?P<index>\d+)$")
+USAGE = (
+    "usage: python -m kimi_pipe.probe providers=a,b,c [usd=0.3] [output_dir=DIR] "
+    "[battery=PATH.yaml] [group.key=value ...]"
+)
+
+
+class ProbeError(ValueError):
+    """A bad battery or argument, with a message that says how to fix it."""
+
+
+@dataclass(frozen=True)
+class Quirk:
+    name: str
+    invertible: bool
+    what: str
+
+
+@dataclass(frozen=True)
+class Battery:
+    name: str
+    source: Path
+    max_tokens: int
+    usd_each: float
+    quirks: dict[str, Quirk]
+    profiles: dict[str, tuple[str, ...]]
+    probes: list[dict[str, Any]]
+
+
+CHECKS = (
+    "begins_with",
+    "keeps_text",
+    "ends_with_newline",
+    "reasoning_trailing_whitespace",
+    "string_argument",
+    "tool_index",
+    "tool_name",
+)
+
+
+def load_battery(path: Path) -> Battery:
+    """Read and check a battery file; errors name the file and the probe."""
+    from omegaconf import OmegaConf
+
+    if not path.is_file():
+        raise ProbeError(f"probe battery {path} not found; give battery=PATH.yaml")
+    data = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    if not isinstance(data, dict):
+        raise ProbeError(f"{path}: not a mapping")
+    quirks = {
+        name: Quirk(name, bool(q.get("invertible")), str(q.get("what") or ""))
+        for name, q in (data.get("quirks") or {}).items()
+    }
+    profiles = {str(k): tuple(v or ()) for k, v in (data.get("profiles") or {}).items()}
+    for profile, names in profiles.items():
+        unknown = set(names) - set(quirks)
+        if unknown:
+            raise ProbeError(f"{path}: profile {profile} names unknown quirks {sorted(unknown)}")
+    probes = list(data.get("probes") or [])
+    seen_ids: set[str] = set()
+    for i, probe in enumerate(probes):
+        pid = probe.get("id") if isinstance(probe, dict) else None
+        where = f"{path}: probe {i} ({pid or 'no id'})"
+        if not pid or pid in seen_ids:
+            raise ProbeError(f"{where}: every probe needs a unique id")
+        seen_ids.add(pid)
+        if not isinstance(probe.get("messages"), list) or not probe["messages"]:
+            raise ProbeError(f"{where}: messages must be a non-empty list")
+        kind = (probe.get("check") or {}).get("kind")
+        if kind not in CHECKS:
+            raise ProbeError(f"{where}: check.kind {kind!r} is not one of {CHECKS}")
+    if not probes:
+        raise ProbeError(f"{path}: no probes")
+    return Battery(
+        name=str(data.get("name") or path.stem),
+        source=path,
+        max_tokens=int(data.get("max_tokens") or 2048),
+        usd_each=float(data.get("usd_each") or 0.05),
+        quirks=quirks,
+        profiles=profiles,
+        probes=probes,
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Checks: one answer -> {quirk: (verdict, evidence)}
+
+
+Verdicts = dict[str, tuple[str, str]]
+
+
+def _message(record: Mapping[str, Any]) -> Mapping[str, Any]:
+    resp = record.get("response")
+    try:
+        msg = resp["choices"][0]["message"]  # type: ignore[index]
+    except (KeyError, IndexError, TypeError):
+        return {}
+    return msg if isinstance(msg, Mapping) else {}
+
+
+def _reasoning(msg: Mapping[str, Any]) -> str:
+    for key in ("reasoning", "reasoning_content"):
+        if isinstance(msg.get(key), str) and msg[key]:
+            return msg[key]
+    extra = msg.get("provider_specific_fields") or {}
+    for key in ("reasoning", "reasoning_content"):
+        if isinstance(extra.get(key), str) and extra[key]:
+            return extra[key]
+    return ""
+
+
+def _calls(msg: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    calls = msg.get("tool_calls") or []
+    return [c for c in calls if isinstance(c, Mapping)] if isinstance(calls, list) else []
+
+
+def _think_end(content: str, reasoning: str, expected: str) -> Verdicts:
+    """An empty content with the expected answer inside the reasoning: </think> was lost."""
+    if content.strip():
+        return {"think_end_dropped": (CLEAN, "content is not empty")}
+    if expected and expected in reasoning:
+        return {"think_end_dropped": (SEEN, f"content empty, {expected!r} in the reasoning")}
+    return {}
+
+
+def check_answer(probe: Mapping[str, Any], record: Mapping[str, Any]) -> Verdicts:
+    """Deterministic verdicts from one answered probe (logprobs used where present)."""
+    if record.get("error") or not record.get("response"):
+        return {}
+    spec = probe["check"]
+    kind = spec["kind"]
+    msg = _message(record)
+    content = msg.get("content") if isinstance(msg.get("content"), str) else ""
+    reasoning = _reasoning(msg)
+    issues = set(record.get("issues") or [])
+    out: Verdicts = {}
+    if kind == "begins_with":
+        word = str(spec["word"])
+        if content.startswith(word):
+            out["marker_spacing"] = (CLEAN, f"content starts with {word!r}")
+        elif content[:1].isspace() and content.lstrip().startswith(word):
+            out["marker_spacing"] = (SEEN, f"content starts with {content[: len(word) + 2]!r}")
+        out |= _think_end(content, reasoning, word)
+    elif kind == "ends_with_newline":
+        line = str(spec["line"])
+        if content.endswith(line + "\n"):
+            out["content_whitespace_stripped"] = (CLEAN, "the newline after the line is kept")
+        elif content.strip() == line:
+            out["content_whitespace_stripped"] = (SEEN, f"content is {content!r}")
+        out |= _think_end(content, reasoning, line)
+    elif kind == "keeps_text":
+        text, line = str(spec["text"]), str(spec["line"])
+        answer = content or reasoning
+        # The asked-for line with the marker text gone (whitespace runs compared as one).
+        without = " ".join(line.replace(text, " ").split())
+        if text in answer:
+            out["marker_text_deleted"] = (CLEAN, f"{text!r} kept in the answer")
+        elif without in " ".join(answer.split()):
+            out["marker_text_deleted"] = (SEEN, f"answer without {text!r}: {answer[:60]!r}")
+    elif kind == "reasoning_trailing_whitespace":
+        out |= _reasoning_whitespace(reasoning, record, issues)
+    elif kind in ("string_argument", "tool_index", "tool_name"):
+        out |= _tool_checks(kind, spec, _calls(msg), issues)
+    lp = record.get("logprobs") or {}
+    if lp.get("present") and "mismatch" in lp and kind == "begins_with" and not out:
+        out["marker_spacing"] = (SEEN, "the engine's tokens differ from the text")
+    return out
+
+
+def _reasoning_whitespace(reasoning: str, record: Mapping[str, Any], issues: set[str]) -> Verdicts:
+    name = "reasoning_whitespace_stripped"
+    if not reasoning:
+        return {}
+    if reasoning[-1:].isspace():
+        return {name: (CLEAN, "the reasoning ends with whitespace")}
+    lp = record.get("logprobs") or {}
+    mismatch = lp.get("mismatch") or {}
+    if lp.get("present") and lp.get("coverage") == "whole" and mismatch:
+        text = str(mismatch.get("engine_text") or "")
+        if text[:1].isspace():
+            return {name: (SEEN, f"the engine wrote {text!r} where the reasoning text ends")}
+    reported = record.get("completion_tokens_reported")
+    rebuilt = record.get("completion_tokens_reconstructed")
+    counted = isinstance(reported, int) and isinstance(rebuilt, int)
+    if "billing_mismatch" in issues and counted and rebuilt < reported:  # type: ignore[operator]
+        return {name: (SEEN, f"billing counts {reported - rebuilt} token(s) the text lacks")}
+    return {}
+
+
+def _tool_checks(
+    kind: str, spec: Mapping[str, Any], calls: list[Mapping[str, Any]], issues: set[str]
+) -> Verdicts:
+    out: Verdicts = {}
+    if not calls:
+        return out
+    fn_of = [(c.get("function") or {}) for c in calls]
+    if kind == "tool_name":
+        want = str(spec["name"])
+        names = [str(f.get("name") or "") for f in fn_of]
+        if want in names:
+            out["dotted_name_truncated"] = (CLEAN, f"name {want!r} kept")
+        elif want.rsplit(".", 1)[-1] in names:
+            out["dotted_name_truncated"] = (SEEN, f"name {want!r} came back as {names}")
+        return out
+    call = next(
+        (c for c, f in zip(calls, fn_of, strict=True) if f.get("name") == spec["tool"]), None
+    )
+    if call is None:
+        return out
+    if kind == "string_argument":
+        try:
+            args = json.loads((call.get("function") or {}).get("arguments") or "")
+        except (TypeError, ValueError):
+            return out
+        value = args.get(spec["key"]) if isinstance(args, dict) else None
+        text = str((call.get("function") or {}).get("arguments"))
+        # The model writes JSON as its template does (", " and ": "); other spacing with a
+        # token count or engine tokens that disagree is a server's re-serialisation.
+        respaced = text != json.dumps(args, ensure_ascii=False)
+        doubted = issues & {"billing_mismatch", "logprob_mismatch"}
+        if value == spec["value"] and respaced and doubted:
+            why = f"arguments {text!r} re-spaced ({', '.join(sorted(doubted))})"
+            out["argument_reserialised"] = (SEEN, why)
+        elif value == spec["value"]:
+            out["argument_reserialised"] = (CLEAN, f"{spec['key']} is the string {value!r}")
+        elif value is not None and not isinstance(value, str) and str(value) == spec["value"]:
+            out["argument_reserialised"] = (SEEN, f"{spec['key']} came back as {value!r}")
+    if kind == "tool_index":
+        call_id = str(call.get("id") or "")
+        match = NATIVE_ID.match(call_id.strip())
+        if match is not None and call_id != call_id.strip():
+            out["marker_spacing"] = (SEEN, f"tool-call id {call_id!r} has spaces around it")
+        if match is None:
+            out["foreign_tool_ids"] = (SEEN, f"id {call_id!r}")
+        else:
+            out["foreign_tool_ids"] = (CLEAN, f"id {call_id!r}")
+            index = int(match["index"])
+            verdict = CLEAN if index == int(spec["index"]) else SEEN
+            out["tool_index_rule"] = (verdict, f"index {index}, the model counts {spec['index']}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# A provider's verdicts
+
+
+@dataclass
+class ProviderConformance:
+    provider: str
+    answered: int = 0
+    probes: int = 0
+    quirks: dict[str, str] = field(default_factory=dict)  # quirk -> clean/seen/unknown
+    evidence: dict[str, list[str]] = field(default_factory=dict)
+    logprobs: str = "none"  # none | content | whole | mixed
+    logprob_answers: int = 0
+    logprob_agree: int = 0  # answers whose engine tokens join to the answer text
+    logprob_mismatch: int = 0
+    noncanonical_splits: int = 0
+    issues: Counter[str] = field(default_factory=Counter)
+    profile: str | None = None
+    usable: bool = False
+    why: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "provider": self.provider,
+            "answered": self.answered,
+            "probes": self.probes,
+            "quirks": self.quirks,
+            "evidence": self.evidence,
+            "logprobs": self.logprobs,
+            "logprob_answers": self.logprob_answers,
+            "logprob_agree": self.logprob_agree,
+            "logprob_mismatch": self.logprob_mismatch,
+            "noncanonical_splits": self.noncanonical_splits,
+            "issues": dict(self.issues),
+            "profile": self.profile,
+            "usable": self.usable,
+            "why": self.why,
+        }
+
+
+def judge(
+    battery: Battery, provider: str, records: Sequence[Mapping[str, Any]]
+) -> ProviderConformance:
+    """Verdicts over all answered probes: seen beats clean beats unknown."""
+    by_id = {p["id"]: p for p in battery.probes}
+    out = ProviderConformance(provider, probes=len(battery.probes))
+    verdicts: dict[str, set[str]] = {q: set() for q in battery.quirks}
+    coverages: set[str] = set()
+    position = {pid: i for i, pid in enumerate(by_id)}
+    # Battery order, whatever order the answers came back in: the table is reproducible.
+    ordered = sorted(records, key=lambda r: position.get(r.get("id"), len(position)))
+    for rec in ordered:
+        probe = by_id.get(rec.get("id"))
+        if probe is None or rec.get("error"):
+            continue
+        out.answered += 1
+        out.issues.update(rec.get("issues") or [])
+        for quirk, (verdict, why) in check_answer(probe, rec).items():
+            verdicts.setdefault(quirk, set()).add(verdict)
+            out.evidence.setdefault(quirk, []).append(f"{probe['id']}: {verdict}: {why}")
+        lp = rec.get("logprobs") or {}
+        if lp.get("present"):
+            out.logprob_answers += 1
+            coverages.add(str(lp.get("coverage") or "invalid"))
+            if "mismatch" in lp:
+                out.logprob_mismatch += 1
+            elif "invalid" not in lp:
+                out.logprob_agree += 1
+            out.noncanonical_splits += len(lp.get("splits") or [])
+    for quirk, seen in verdicts.items():
+        out.quirks[quirk] = SEEN if SEEN in seen else CLEAN if CLEAN in seen else UNKNOWN
+    out.logprobs = "none" if not coverages else coverages.pop() if len(coverages) == 1 else "mixed"
+    _decide(battery, out)
+    return out
+
+
+def _decide(battery: Battery, out: ProviderConformance) -> None:
+    seen = {q for q, v in out.quirks.items() if v == SEEN}
+    stuck = sorted(q for q in seen if q in battery.quirks and not battery.quirks[q].invertible)
+    if out.answered == 0:
+        out.why = "no probe was answered"
+        return
+    if stuck:
+        out.why = f"quirks that cannot be inverted: {', '.join(stuck)}"
+        return
+    fits = [(len(qs), name) for name, qs in battery.profiles.items() if seen <= set(qs)]
+    if not fits:
+        out.why = f"no serving profile undoes {', '.join(sorted(seen))}"
+        return
+    out.profile = min(fits)[1]
+    out.usable = True
+    unknown = sorted(q for q, v in out.quirks.items() if v == UNKNOWN)
+    out.why = f"profile {out.profile}" + (
+        f"; not measured: {', '.join(unknown)}" if unknown else ""
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Table
+
+
+def render_table(battery: Battery, results: Sequence[ProviderConformance]) -> str:
+    quirks = list(battery.quirks)
+    head = ["provider", *quirks, "logprobs", "token agreement", "profile", "use"]
+    lines = [
+        f"# Conformance: {battery.name} ({battery.source.name})",
+        "",
+        "| " + " | ".join(head) + " |",
+        "| " + " | ".join("---" for _ in head) + " |",
+    ]
+    for r in results:
+        agree = f"{r.logprob_agree}/{r.logprob_answers}" if r.logprob_answers else "n/a"
+        cells = [
+            r.provider,
+            *(r.quirks.get(q, UNKNOWN) for q in quirks),
+            r.logprobs,
+            agree,
+            r.profile or "none",
+            "yes" if r.usable else "no",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Why:", ""]
+    lines += [f"- `{r.provider}`: {r.why}" for r in results]
+    lines += ["", "Quirks:", ""]
+    lines += [
+        f"- `{q.name}` ({'invertible' if q.invertible else 'not invertible'}): {q.what}"
+        for q in battery.quirks.values()
+    ]
+    lines += ["", "Evidence:", ""]
+    for r in results:
+        for quirk, items in r.evidence.items():
+            lines += [f"- `{r.provider}` {quirk}: " + "; ".join(items)]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------
+# Running
+
+
+def write_probe_prompts(battery: Battery, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as fh:
+        for probe in battery.probes:
+            row = {"id": probe["id"], "messages": probe["messages"]}
+            if probe.get("tools"):
+                row["tools"] = probe["tools"]
+            fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+def provider_overrides(
+    battery: Battery, prompts: Path, slug: str, usd: float, out: Path
+) -> list[str]:
+    """generate's overrides for the battery pinned to one provider."""
+    return [
+        "dataset=jsonl",
+        f"dataset.path={prompts}",
+        f"provider.routing.order=[{slug}]",
+        "provider.routing.allow_fallbacks=false",
+        # Ask for logprobs without requiring them: a provider without them must still answer.
+        "++provider.params.logprobs=true",
+        "provider.routing.require_parameters=false",
+        "provider.logprobs=false",
+        f"provider.params.max_tokens={battery.max_tokens}",
+        f"budget.usd={usd}",
+        f"output_dir={out}",
+    ]
+
+
+def run_probes(
+    providers: Sequence[str],
+    out_dir: Path,
+    battery: Battery,
+    usd: float | None,
+    overrides: Sequence[str] = (),
+) -> list[ProviderConformance]:
+    from kimi_pipe.config import compose
+    from kimi_pipe.stages.generate import RECORDS, generate
+    from kimi_pipe.store.records import iter_records
+
+    # The battery is the dataset and has its own budget: such overrides are not the probes'.
+    overrides = [o for o in overrides if not o.lstrip("+~").startswith(("dataset", "budget"))]
+    prompts = out_dir / "prompts.jsonl"
+    write_probe_prompts(battery, prompts)
+    each = (
+        int((usd if usd is not None else battery.usd_each * len(providers)) / len(providers) * 1e6)
+        / 1e6
+    )
+    results = []
+    for slug in providers:
+        run = out_dir / slug.replace("/", "_")
+        cfg = compose([*overrides, *provider_overrides(battery, prompts, slug, each, run)])
+        status, _ = generate(cfg, run)
+        if status == 2:
+            raise ProbeError(f"generate could not start for {slug} (see the message above)")
+        records = list(iter_records(run / RECORDS)) if (run / RECORDS).exists() else []
+        results.append(judge(battery, slug, records))
+    data = {"battery": str(battery.source), "providers": [r.to_json() for r in results]}
+    (out_dir / "conformance.json").write_text(json.dumps(data, indent=2) + "\n")
+    (out_dir / "conformance.md").write_text(render_table(battery, results))
+    return results
+
+
+def default_battery(model_name: str) -> Path:
+    return CONF_DIR / "probes" / f"{model_name}.yaml"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in args):
+        print(USAGE)
+        return 0
+    mine: dict[str, str] = {}
+    overrides: list[str] = []
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        if not sep:
+            print(f"error: bad argument {arg!r}\n{USAGE}", file=sys.stderr)
+            return 2
+        if key in ("providers", "usd", "output_dir", "battery"):
+            mine[key] = value
+        else:
+            overrides.append(arg)
+    providers = [p.strip() for p in mine.get("providers", "").split(",") if p.strip()]
+    if not providers:
+        print(f"error: give providers=a,b,c (OpenRouter provider slugs)\n{USAGE}", file=sys.stderr)
+        return 2
+    from kimi_pipe.config import compose
+
+    model_name = str(compose(overrides).model.name)
+    try:
+        battery = load_battery(Path(mine.get("battery") or default_battery(model_name)))
+        usd = float(mine["usd"]) if "usd" in mine else None
+        results = run_probes(
+            providers, Path(mine.get("output_dir") or "runs/probe"), battery, usd, overrides
+        )
+    except (ProbeError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    out = Path(mine.get("output_dir") or "runs/probe")
+    usable = [r.provider for r in results if r.usable]
+    print(
+        f"probe: {len(usable)}/{len(results)} providers usable ({', '.join(usable) or 'none'})"
+        f" -> {out / 'conformance.md'}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
