@@ -63,6 +63,7 @@ def test_demo_end_to_end_and_resume(tmp_path: Path) -> None:
 
     records = [json.loads(x) for x in (run_dir / "records.jsonl").read_text().splitlines()]
     assert len(records) == N and all(r["error"] is None for r in records)
+    assert not any("other_model" in r["issues"] for r in records)  # the server's own name
     for r in records:  # the server's own usage agrees with the reconstructed ids
         assert r["usage"]["completion_tokens"] == len(r["output_ids"])
     assert "/v1/chat/completions" in (run_dir / "local_server.log").read_text()

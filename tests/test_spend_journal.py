@@ -154,6 +154,10 @@ def test_answer_checks() -> None:
     assert same_model("moonshotai/kimi-k2.5-2026-01-27", asked)
     assert not same_model("openai/gpt-4o-mini", asked)
     assert not same_model("moonshotai/kimi-k2.5-evil", asked)
+    # A local server answers with the absolute path LiteLLM was given after `openai/`.
+    local = "openai//root/.cache/kimi_pipe/models/SmolLM2"
+    assert same_model("/root/.cache/kimi_pipe/models/SmolLM2", local)
+    assert not same_model("/root/.cache/kimi_pipe/models/Other", local)
 
     def resp(finish: object, model: str = "moonshotai/kimi-k2.5") -> dict:
         return {

@@ -59,7 +59,8 @@ def _names(model: str) -> set[str]:
     """A LiteLLM model string and its tails: openrouter/moonshotai/kimi-k2.5 ->
     {that, moonshotai/kimi-k2.5, kimi-k2.5}."""
     parts = model.lower().split("/")
-    return {"/".join(parts[i:]) for i in range(len(parts)) if parts[i]}
+    # Empty parts kept: `openai//abs/path` (a local server's model) answers as `/abs/path`.
+    return {name for i in range(len(parts)) if (name := "/".join(parts[i:]))}
 
 
 def same_model(answered: str, asked: str) -> bool:
