@@ -21,9 +21,12 @@ from typing import Any, TextIO
 
 from kimi_pipe.core.models import Model, load_model
 from kimi_pipe.core.reconstruction import reconstruct
+from kimi_pipe.core.serving import ServingProfile, serving_profile
 
 
-def reconstruct_line(model: Model, line: str, line_no: int, tolerance: int) -> dict[str, Any]:
+def reconstruct_line(
+    model: Model, line: str, line_no: int, tolerance: int, serving: ServingProfile | None = None
+) -> dict[str, Any]:
     """One input line to one output record; never raises on bad data."""
     try:
         sample = json.loads(line)
@@ -36,7 +39,12 @@ def reconstruct_line(model: Model, line: str, line_no: int, tolerance: int) -> d
     if not isinstance(messages, list):
         return _bad_record(sample_id, "bad_prompt", "messages must be a list")
     result = reconstruct(
-        model, messages, sample.get("tools"), sample.get("response"), billing_tolerance=tolerance
+        model,
+        messages,
+        sample.get("tools"),
+        sample.get("response"),
+        billing_tolerance=tolerance,
+        serving=serving,
     )
     return {"id": sample_id, **result.to_record()}
 
@@ -61,13 +69,15 @@ def _lines(handle: TextIO) -> Iterator[tuple[int, str]]:
             yield line_no, line
 
 
-def run(model: Model, source: Path, target: Path, tolerance: int) -> Counter[str]:
+def run(
+    model: Model, source: Path, target: Path, tolerance: int, serving: ServingProfile | None = None
+) -> Counter[str]:
     counts: Counter[str] = Counter()
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(target.name + ".partial")
     with source.open(encoding="utf-8") as src, tmp.open("w", encoding="utf-8") as dst:
         for line_no, line in _lines(src):
-            record = reconstruct_line(model, line, line_no, tolerance)
+            record = reconstruct_line(model, line, line_no, tolerance, serving)
             dst.write(json.dumps(record, ensure_ascii=False) + "\n")
             counts["records"] += 1
             counts["ok" if record["ok"] else "not_ok"] += 1
@@ -100,7 +110,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (TokenizerNotFound, ValueError) as exc:
         print(f"error: cannot load model {cfg.model.name!r}: {exc}", file=sys.stderr)
         return 2
-    counts = run(model, source, Path(cfg.output), int(cfg.validation.billing_tolerance))
+    try:
+        serving = serving_profile(cfg)
+    except ValueError as exc:
+        print(f"error: conf/serving: {exc}", file=sys.stderr)
+        return 2
+    tolerance = int(cfg.validation.billing_tolerance)
+    counts = run(model, source, Path(cfg.output), tolerance, serving)
     issues = ", ".join(f"{k[6:]}={v}" for k, v in sorted(counts.items()) if k.startswith("issue:"))
     print(
         f"reconstructed {counts['records']} records: {counts['ok']} ok, "
