@@ -75,6 +75,25 @@ VARIANTS: list[dict[str, Any]] = [
         "venv": "venv-sgl0523",
         "settings": {"spaces_between_special_tokens": False},
     },
+    # Streaming, accumulated as a client does (deltas concatenated, tool calls by index).
+    {
+        "server": "vllm",
+        "version": "0.33.0",
+        "venv": "venv-vllm0330",
+        "settings": {"spaces_between_special_tokens": True, "stream": True},
+    },
+    {
+        "server": "sglang",
+        "version": "0.5.14",
+        "venv": "venv-sgl0514",
+        "settings": {"spaces_between_special_tokens": False, "stream": True},
+    },
+    {
+        "server": "sglang",
+        "version": "0.5.23",
+        "venv": "venv-sgl0523",
+        "settings": {"spaces_between_special_tokens": False, "stream": True},
+    },
 ]
 
 # ---------------------------------------------------------------- ground truth (project venv)
@@ -460,11 +479,141 @@ def _sglang_message(tok: Any, answer: dict[str, Any], text: str) -> dict[str, An
     return {"reasoning_content": reasoning, "content": content or None, "tool_calls": calls}
 
 
+def _vllm_deltas(
+    tok: KimiSlowTokenizerView, prompt: list[int], output: list[int], spaces: bool
+) -> list[tuple[str, list[int]]]:
+    """(delta_text, [token id]) per generated token, from vLLM's incremental detokenizer."""
+    from vllm.tokenizers.detokenizer_utils import (
+        convert_prompt_ids_to_tokens,
+        detokenize_incrementally,
+    )
+
+    tokens, prefix_offset, read_offset = convert_prompt_ids_to_tokens(
+        tokenizer=tok, prompt_ids=prompt, skip_special_tokens=True
+    )
+    all_ids, deltas = list(prompt), []
+    for token_id in output:
+        if token_id == tok.eos_token_id:
+            break
+        all_ids.append(token_id)
+        new_tokens, delta, prefix_offset, read_offset = detokenize_incrementally(
+            tokenizer=tok,
+            all_input_ids=all_ids,
+            prev_tokens=tokens,
+            prefix_offset=prefix_offset,
+            read_offset=read_offset,
+            skip_special_tokens=True,
+            spaces_between_special_tokens=spaces,
+        )
+        tokens.extend(new_tokens)
+        deltas.append((delta, [token_id]))
+    return deltas
+
+
+def _accumulate(message: dict[str, Any], delta: dict[str, Any]) -> None:
+    """What a streaming client does: concatenate text, merge tool calls by index."""
+    for key in ("reasoning", "reasoning_content", "content"):
+        if delta.get(key):
+            message[key] = (message.get(key) or "") + delta[key]
+    for call in delta.get("tool_calls") or []:
+        slots = message.setdefault("tool_calls", [])
+        while len(slots) <= call["index"]:
+            empty = {"name": "", "arguments": ""}
+            slots.append({"id": None, "type": "function", "function": empty})
+        slot = slots[call["index"]]
+        if call.get("id"):
+            slot["id"] = call["id"]
+        function = call.get("function") or {}
+        if function.get("name"):
+            slot["function"]["name"] = function["name"]
+        if function.get("arguments"):
+            slot["function"]["arguments"] += function["arguments"]
+
+
+def _vllm_stream_message(tok: Any, answer: dict[str, Any], spaces: bool) -> dict[str, Any]:
+    """vLLM 0.33 streaming: KimiK2Parser.parse_delta per detokenized token, accumulated."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.parser.kimi_k2 import KimiK2Parser
+
+    request = ChatCompletionRequest(model="kimi", stream=True, **_request(answer))
+    parser = KimiK2Parser(tok, request.tools)
+    deltas = _vllm_deltas(tok, answer["prompt_ids"], answer["output_ids"], spaces)
+    message: dict[str, Any] = {}
+    for n, (text, ids) in enumerate(deltas):
+        finished = n == len(deltas) - 1
+        delta = parser.parse_delta(
+            text, ids, request, answer["prompt_ids"] if n == 0 else None, finished=finished
+        )
+        if delta is not None:
+            _accumulate(message, delta.model_dump(exclude_none=True))
+    return {
+        "reasoning": message.get("reasoning"),
+        "content": message.get("content"),
+        "tool_calls": message.get("tool_calls") or [],
+    }
+
+
+def _sglang_stream_message(tok: Any, answer: dict[str, Any]) -> dict[str, Any]:
+    """SGLang streaming: reasoning parser then function-call parser per text delta; ids as
+    serving_chat's streaming path makes them (history count + tool_index)."""
+    from sglang.srt.entrypoints.openai.protocol import Tool
+    from sglang.srt.function_call.function_call_parser import FunctionCallParser
+    from sglang.srt.parser.reasoning_parser import ReasoningParser
+
+    reasoning_parser = ReasoningParser(
+        model_type="kimi_k2", stream_reasoning=True, force_reasoning=True
+    )
+    tool_parser = None
+    if answer["tools"]:
+        tool_parser = FunctionCallParser([Tool(**t) for t in answer["tools"]], "kimi_k2")
+    history = sum(len(m.get("tool_calls") or []) for m in answer["messages"])
+    ids = answer["output_ids"]
+    if tok.eos_token_id in ids:
+        ids = ids[: ids.index(tok.eos_token_id)]
+    message: dict[str, Any] = {}
+    sent = ""
+    for end in range(1, len(ids) + 1):
+        text = tok.decode(ids[:end], skip_special_tokens=True)
+        if text.endswith("\ufffd") and end < len(ids):
+            continue  # the detokenizer holds back an incomplete character
+        delta, sent = text[len(sent) :], text
+        reasoning, normal = reasoning_parser.parse_stream_chunk(delta)
+        if reasoning:
+            _accumulate(message, {"reasoning_content": reasoning})
+        if normal and tool_parser is not None:
+            normal, calls = tool_parser.parse_stream_chunk(normal)
+            for item in calls:
+                piece: dict[str, Any] = {"index": item.tool_index, "function": {}}
+                if item.name:
+                    piece["id"] = f"functions.{item.name}:{history + item.tool_index}"
+                    piece["function"]["name"] = item.name
+                if item.parameters:
+                    piece["function"]["arguments"] = item.parameters
+                _accumulate(message, {"tool_calls": [piece]})
+        if normal:
+            _accumulate(message, {"content": normal})
+    return {
+        "reasoning_content": message.get("reasoning_content"),
+        "content": message.get("content"),
+        "tool_calls": message.get("tool_calls") or [],
+    }
+
+
 def run_worker(server: str, version: str, settings: dict[str, Any], tokenizer_dir: Path) -> None:
     answers = json.load(sys.stdin)
     tok = KimiSlowTokenizerView(tokenizer_dir)
     for answer in answers:
         spaces = bool(settings.get("spaces_between_special_tokens"))
+        if settings.get("stream"):
+            try:
+                if server == "vllm":
+                    message = _vllm_stream_message(tok, answer, spaces)
+                else:
+                    message = _sglang_stream_message(tok, answer)
+            except Exception as exc:  # record the real failure rather than guess its output
+                message = {"error": f"{type(exc).__name__}: {exc}"}
+            print(json.dumps({"id": answer["id"], "decoded_text": None, "message": message}))
+            continue
         if server == "vllm":
             text = _vllm_decode(tok, answer["prompt_ids"], answer["output_ids"], spaces)
             message = _vllm_message(version, tok, answer, text)
@@ -567,7 +716,8 @@ def main() -> None:
         spaces = (
             "spaces" if variant["settings"].get("spaces_between_special_tokens") else "nospaces"
         )
-        stem = f"{variant['server']}-{variant['version']}-{spaces}"
+        stream = "-stream" if variant["settings"].get("stream") else ""
+        stem = f"{variant['server']}-{variant['version']}-{spaces}{stream}"
         rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
         shapes = [("", None)]
         if variant["server"] == "vllm" and variant["version"] == "0.33.0" and spaces == "nospaces":

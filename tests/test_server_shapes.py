@@ -53,6 +53,8 @@ def declared_profile(record: dict[str, Any]) -> ServingProfile:
         overrides["marker_spacing"] = "none"
     if record["settings"].get("ids") == "call_":
         overrides["tool_call_ids"] = "foreign"  # a gateway replaced the ids
+    if record["settings"].get("stream") and record["version"] == "0.5.14":
+        overrides["tool_call_ids"] = "conversation"  # only non-streaming double-counts
     return profile(PROFILE_OF_VERSION[record["version"]], **overrides)
 
 
@@ -77,6 +79,9 @@ def test_corpus_covers_the_four_stacks_and_openrouter_shapes() -> None:
         "sglang-0.5.23-nospaces",
         "vllm-0.33.0-nospaces-openrouter-keep-ids",
         "vllm-0.33.0-nospaces-openrouter-call-ids",
+        "vllm-0.33.0-spaces-stream",
+        "sglang-0.5.14-nospaces-stream",
+        "sglang-0.5.23-nospaces-stream",
     }
     assert min(per_file.values()) >= 60
 

@@ -41,6 +41,7 @@ ERRORS = frozenset(
         "reasoning_without_think_end",  # reasoning only, no think-end: dropped or never written?
         "reasoning_tail_unverifiable",  # a stripped reasoning tail the billed length cannot prove
         "tool_arguments_maybe_coerced",  # typed values a stack may have re-serialised ("30" -> 30)
+        "space_before_tool_section",  # content ends with a space: an argument's, moved?
     }
 )
 NOTES = frozenset(
@@ -384,7 +385,11 @@ def undo_serving(
         reasoning, content = content.split(out.think_end, 1)
         source = "content"
         issues.append("reasoning_from_content")
-    spaced_ids = any(isinstance(c.get("id"), str) and c["id"].startswith(" ") for c in calls)
+    spaced_ids = any(
+        (isinstance(c.get("id"), str) and c["id"].startswith(" "))
+        or str((c.get("function") or {}).get("arguments") or "").startswith(" ")
+        for c in calls
+    )
     if profile.marker_spacing == "spaces":
         changed = mismatch = False
         closed = bool(content or calls) or not truncated
@@ -410,6 +415,12 @@ def undo_serving(
         for call in calls:
             if isinstance(call.get("id"), str) and call["id"] != call["id"].strip(" "):
                 call["id"], changed = call["id"].strip(" "), True
+            # Streaming parsers pass the argument text on raw, with the marker spaces.
+            function = call.get("function")
+            arguments = function.get("arguments") if isinstance(function, Mapping) else None
+            if isinstance(arguments, str) and arguments[:1] == " " and arguments[-1:] == " ":
+                call["function"] = {**function, "arguments": arguments[1:-1]}
+                changed = True
         if changed:
             issues.append("marker_spaces_removed")
         if mismatch:
@@ -424,6 +435,10 @@ def undo_serving(
         )
     ):
         issues.append("leading_space_after_marker")
+    if calls and content.endswith(" "):
+        # A streaming parser can move an argument's leading space into the content (SGLang
+        # 0.5.14): ' {"' and '{"' are one token each, so the billed length does not see it.
+        issues.append("space_before_tool_section")
     # Reasoning only: the model ended inside its reasoning, or a detokenizer dropped the
     # think-end and the reply is in the reasoning (same length). Only a stack that keeps the
     # marker lets the billed length decide (reconstruct).
