@@ -331,3 +331,23 @@ def test_new_codes_are_documented_in_readme() -> None:
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
     for code in sorted(ERRORS | NOTES):
         assert f"`{code}`" in readme, f"README's code table lacks {code}"
+
+
+@pytest.mark.kimi
+def test_reconstruct_stage_reads_the_serving_group(tmp_path: Path) -> None:
+    """`python -m kimi_pipe.reconstruct serving=...` applies the profile; a bad value exits 2."""
+    from kimi_pipe.stages.reconstruct import main
+
+    record = next(r for stem, r in corpus() if stem == "vllm-0.15.1-spaces" and r["id"] == "a001")
+    source = tmp_path / "in.jsonl"
+    source.write_text(json.dumps(record) + "\n", encoding="utf-8")
+    results = {}
+    for name in ("unknown", "vllm_0_15"):
+        target = tmp_path / f"{name}.jsonl"
+        assert main([f"serving={name}", f"input={source}", f"output={target}"]) == 0
+        results[name] = json.loads(target.read_text(encoding="utf-8"))
+    assert not results["unknown"]["ok"]
+    assert results["vllm_0_15"]["ok"]
+    assert results["vllm_0_15"]["output_ids"] == record["ground_truth_output_ids"]
+    bad = ["serving=unknown", "serving.marker_spacing=maybe", f"input={source}"]
+    assert main([*bad, f"output={tmp_path / 'bad.jsonl'}"]) == 2
