@@ -83,6 +83,12 @@ VARIANTS: list[dict[str, Any]] = [
         "settings": {"spaces_between_special_tokens": True, "stream": True},
     },
     {
+        "server": "vllm",
+        "version": "0.33.0",
+        "venv": "venv-vllm0330",
+        "settings": {"spaces_between_special_tokens": False, "stream": True},
+    },
+    {
         "server": "sglang",
         "version": "0.5.14",
         "venv": "venv-sgl0514",
