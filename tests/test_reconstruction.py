@@ -215,9 +215,10 @@ def test_rebuilt_tool_ids_can_count_on_from_the_conversation(kimi: Model) -> Non
             }
         ]
     }
-    per_answer = reconstruct(kimi, history, None, response)
-    assert "functions.g:0" in kimi.tokenizer.decode(per_answer.output_ids)
-    out = replace(kimi.format.output, tool_call_index="conversation")
-    model = replace(kimi, format=replace(kimi.format, output=out))
-    on_from_history = reconstruct(model, history, None, response)
+    # Default (issue 9): the model's own counter runs across the conversation.
+    on_from_history = reconstruct(kimi, history, None, response)
     assert "functions.g:2" in kimi.tokenizer.decode(on_from_history.output_ids)
+    out = replace(kimi.format.output, tool_call_index="response")
+    model = replace(kimi, format=replace(kimi.format, output=out))
+    per_answer = reconstruct(model, history, None, response)
+    assert "functions.g:0" in kimi.tokenizer.decode(per_answer.output_ids)

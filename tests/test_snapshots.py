@@ -16,6 +16,8 @@ from kimi_pipe.core.reconstruction import reconstruct
 CORPORA = [
     ("kimi_k25", "kimi_k25_responses.jsonl"),
     ("qwen3_5", "qwen3_5_responses.jsonl"),
+    # Real server responses (tests/fixtures/server_shapes), one per issue-9 code, unknown profile.
+    ("kimi_k25", "kimi_k25_server_shapes.jsonl"),
 ]
 PARAMS = [
     pytest.param(model, case, id=f"{model}-{case['id']}")

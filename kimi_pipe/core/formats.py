@@ -118,9 +118,13 @@ class OutputFormat:
     # their text inside `content` stands for the marker id. Others (end of turn, role
     # headers) are dropped by servers when decoding: their text in an answer is text.
     content_markers: tuple[str, ...] = ()
-    # Where rebuilt tool-call ids start counting: "response" (0 in each answer) or
-    # "conversation" (after the calls already in the prompt's assistant turns).
-    tool_call_index: str = "response"
+    # How the model numbers its tool calls: "conversation" (after the calls already in the
+    # prompt's assistant turns, as Kimi's template and vLLM do) or "response" (0 in each answer).
+    tool_call_index: str = "conversation"
+    # Servers decode this model with a slow tokenizer whose spaces_between_special_tokens puts
+    # a space beside every kept marker: with an unknown serving profile, a leading space after
+    # a marker cannot be told from the model's own and is flagged.
+    marker_spacing_risk: bool = False
 
 
 @dataclass(frozen=True)
@@ -199,7 +203,8 @@ def parse_format(cfg: Mapping[str, Any], marker_names: Sequence[str]) -> ModelFo
         content_trim_prefix=o.get("content_trim_prefix", ""),
         tool_calls_after_content=o.get("tool_calls_after_content", ""),
         content_markers=tuple(o.get("content_markers") or ()),
-        tool_call_index=o.get("tool_call_index", "response"),
+        tool_call_index=o.get("tool_call_index", "conversation"),
+        marker_spacing_risk=bool(o.get("marker_spacing_risk", False)),
     )
     if output.tool_call_index not in ("response", "conversation"):
         raise ValueError("model.output.tool_call_index must be response or conversation")

@@ -7,8 +7,10 @@ them, then checks the result against the provider's own billing.
 
 from __future__ import annotations
 
+import json
+import unicodedata
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kimi_pipe.core.formats import Marker, Piece, split_markers
@@ -19,6 +21,7 @@ from kimi_pipe.core.prompt_render import (
     message_text,
     prompt_ids,
 )
+from kimi_pipe.core.serving import UNKNOWN, UNKNOWN_PROFILE, ServingProfile
 
 # Issue codes. Errors make `ok` false; notes are listed but leave `ok` as it is.
 ERRORS = frozenset(
@@ -30,6 +33,15 @@ ERRORS = frozenset(
         "empty_response",  # nothing at all came back
         "bad_prompt",  # the prompt messages cannot be rendered
         "partial_character",  # cut inside a UTF-8 character: the text holds U+FFFD, not the byte
+        # What a serving stack may change without changing the length (docs/serving_profiles.md):
+        "leading_space_after_marker",  # a space right after a marker: the model's or the stack's?
+        "marker_spacing_mismatch",  # the profile declares marker spaces, the answer lacks them
+        "tool_index_untrusted",  # a tool-call id whose index is not the model's counter
+        "tool_name_not_declared",  # an id rebuilt from a name the request does not declare
+        "reasoning_without_think_end",  # reasoning only, no think-end: dropped or never written?
+        "reasoning_tail_unverifiable",  # a stripped reasoning tail the billed length cannot prove
+        "tool_arguments_maybe_coerced",  # typed values a stack may have re-serialised ("30" -> 30)
+        "space_before_tool_section",  # content ends with a space: an argument's, moved?
     }
 )
 NOTES = frozenset(
@@ -41,6 +53,11 @@ NOTES = frozenset(
         "raw_markers_in_content",  # marker text inside content became marker ids
         "tool_arguments_not_json",  # kept verbatim where the format wanted parsed arguments
         "prompt_tokens_mismatch",  # rendered prompt length != usage.prompt_tokens
+        # A declared serving profile undid a change (docs/serving_profiles.md):
+        "marker_spaces_removed",  # the space beside each marker removed (spaces_between_...)
+        "tool_index_repaired",  # index mapped back to the model's conversation counter
+        "tool_name_repaired",  # truncated dotted name matched to the one declared tool
+        "no_think_end",  # the model ended its turn inside the reasoning (billed length proves it)
     }
 )
 LENGTH_REASONS = frozenset({"length", "max_tokens", "max_output_tokens"})
@@ -146,9 +163,16 @@ def answer_fields(response: Any) -> AnswerFields | None:
 
 
 def output_pieces(
-    model: Model, answer: AnswerFields, issues: list[str], call_index_offset: int = 0
+    model: Model,
+    answer: AnswerFields,
+    issues: list[str],
+    call_index_offset: int = 0,
+    profile: ServingProfile = UNKNOWN_PROFILE,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    think_end: bool = True,
 ) -> tuple[list[Piece], bool]:
-    """The model's output stream as pieces; also whether the end-of-turn was appended."""
+    """The model's output stream as pieces; also whether the end-of-turn was appended.
+    `think_end=False`: the model closed its turn inside the reasoning (no think-end)."""
     out = model.format.output
     truncated = answer.finish_reason in LENGTH_REASONS
     reasoning, content = answer.reasoning, answer.content
@@ -172,6 +196,8 @@ def output_pieces(
             reasoning = reasoning.strip(out.reasoning_strip)
         if reasoning_cut:
             return ([reasoning] if reasoning else []), False
+        if not think_end:
+            return [reasoning, *out.end.render()], True
         # The template's own whitespace around the think-end: kept by some providers inside
         # the fields, stripped by others; the reasoning template adds it back either way.
         reasoning = _remove_once(reasoning, out.reasoning_trim_suffix, suffix=True)
@@ -190,9 +216,8 @@ def output_pieces(
         issues.append("raw_markers_in_content")
     ids: list[str] = []
     if answer.tool_calls:
-        ids, rebuilt = _tool_call_ids(model, answer.tool_calls, call_index_offset)
-        if rebuilt:
-            issues.append("tool_call_ids_rebuilt")
+        ids = _tool_call_ids(model, profile, answer.tool_calls, call_index_offset, tools, issues)
+        _check_argument_types(profile, answer.tool_calls, tools, issues)
     section, not_json = content_and_tool_calls(out, content_pieces, answer.tool_calls, ids)
     if not_json:
         issues.append("tool_arguments_not_json")
@@ -210,23 +235,226 @@ def _remove_once(text: str, part: str, *, suffix: bool) -> str:
 
 
 def _tool_call_ids(
-    model: Model, calls: Sequence[Mapping[str, Any]], offset: int = 0
-) -> tuple[list[str], bool]:
-    """Keep ids in the model's own pattern; rebuild others, counting calls from `offset`
-    (0: calls in this answer; or the calls earlier in the conversation, per the format)."""
+    model: Model,
+    profile: ServingProfile,
+    calls: Sequence[Mapping[str, Any]],
+    offset: int,
+    tools: Sequence[Mapping[str, Any]] | None,
+    issues: list[str],
+) -> list[str]:
+    """The ids the model wrote. The model numbers its calls `offset + position` (offset: the
+    calls earlier in the conversation). An id in the model's pattern is kept when the profile
+    says who numbered it; a foreign id is rebuilt; an index that no declared rule explains
+    is flagged, never trusted."""
     out = model.format.output
-    ids, rebuilt = [], False
-    for index, call in enumerate(calls):
+    ids: list[str] = []
+    for position, call in enumerate(calls):
         call_id = call.get("id")
-        if out.tool_call_id_pattern is None or (
-            isinstance(call_id, str) and out.tool_call_id_pattern.match(call_id)
-        ):
+        expected = offset + position
+        if out.tool_call_id_pattern is None:
             ids.append(str(call_id or ""))
             continue
-        name = (call.get("function") or {}).get("name") or ""
-        ids.append(out.tool_call_id.format(name=name, index=offset + index))
-        rebuilt = True
-    return ids, rebuilt
+        if isinstance(call_id, str) and out.tool_call_id_pattern.match(call_id):
+            ids.append(_model_index(profile, call_id, expected, offset, issues))
+            continue
+        name = _declared_name(
+            profile, (call.get("function") or {}).get("name") or "", tools, issues
+        )
+        ids.append(out.tool_call_id.format(name=name, index=expected))
+        issues.append("tool_call_ids_rebuilt")
+    return ids
+
+
+def _model_index(
+    profile: ServingProfile, call_id: str, expected: int, offset: int, issues: list[str]
+) -> str:
+    head, _, index_text = call_id.rpartition(":")
+    index = int(index_text)
+    rule = profile.tool_call_ids
+    if rule == "model":
+        return call_id  # the model's own text, whatever it counted
+    if rule == "double_count":
+        index -= offset  # SGLang 0.5.14 added the history count to the model's own index
+    elif rule == "per_answer":
+        index += offset
+    if index != expected:
+        issues.append("tool_index_untrusted")
+        return call_id
+    if f"{head}:{index}" != call_id:
+        issues.append("tool_index_repaired")
+    return f"{head}:{index}"
+
+
+def _declared_names(tools: Sequence[Mapping[str, Any]] | None) -> list[str]:
+    names = []
+    for tool in tools or []:
+        function = tool.get("function") if isinstance(tool, Mapping) else None
+        if isinstance(function, Mapping) and isinstance(function.get("name"), str):
+            names.append(function["name"])
+    return names
+
+
+def _declared_name(
+    profile: ServingProfile,
+    name: str,
+    tools: Sequence[Mapping[str, Any]] | None,
+    issues: list[str],
+) -> str:
+    """The name to rebuild an id from: a name the request does not declare may have been cut
+    by the stack (web.search -> search); repaired only when the profile says so and exactly
+    one declared name fits."""
+    declared = _declared_names(tools)
+    if not declared or name in declared:
+        return name
+    if profile.tool_names == "last_dot_part":
+        fits = [d for d in declared if d.rsplit(".", 1)[-1] == name]
+        if len(fits) == 1:
+            issues.append("tool_name_repaired")
+            return fits[0]
+    issues.append("tool_name_not_declared")
+    return name
+
+
+_TYPED = frozenset({"integer", "number", "boolean"})
+
+
+def _check_argument_types(
+    profile: ServingProfile,
+    calls: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None,
+    issues: list[str],
+) -> None:
+    """A stack that coerces values to the schema ("30" -> 30) leaves valid JSON of the same
+    length: where the schema declares a typed value and the answer has one, the model may have
+    written it as a string. Flag unless the profile says arguments are verbatim."""
+    if profile.argument_types == "verbatim" or not tools:
+        return
+    schemas = {}
+    for tool in tools:
+        function = tool.get("function") if isinstance(tool, Mapping) else None
+        if isinstance(function, Mapping):
+            schemas[function.get("name")] = (function.get("parameters") or {}).get("properties")
+    for call in calls:
+        function = call.get("function") or {}
+        properties = schemas.get(function.get("name"))
+        arguments = function.get("arguments")
+        if not isinstance(properties, Mapping) or not isinstance(arguments, str):
+            continue
+        try:
+            values = json.loads(arguments)
+        except ValueError:
+            continue
+        if isinstance(values, dict) and any(
+            _typed(properties.get(key)) and not isinstance(value, str)
+            for key, value in values.items()
+        ):
+            issues.append("tool_arguments_maybe_coerced")
+            return
+
+
+def _typed(schema: Any) -> bool:
+    if not isinstance(schema, Mapping):
+        return False
+    kind = schema.get("type")
+    kinds = set(kind) if isinstance(kind, list) else {kind}
+    return bool(kinds & _TYPED)
+
+
+def _ends_mergeable(text: str) -> bool:
+    """A newline after a final punctuation mark joins its BPE chunk (pat_str `[^\\s\\p{L}\\p{N}]+
+    [\\r\\n]*`), often as one token of the same count: its loss is invisible in the billing.
+    After a letter, digit or ideograph any whitespace is a chunk of its own (one token more)."""
+    last = text[-1:]
+    return bool(last) and not last.isspace() and unicodedata.category(last)[0] not in "LN"
+
+
+def undo_serving(
+    model: Model,
+    profile: ServingProfile,
+    answer: AnswerFields,
+    issues: list[str],
+) -> AnswerFields:
+    """Undo what the declared profile makes invertible; flag what it cannot prove."""
+    out = model.format.output
+    if out.reasoning is None:
+        return answer
+    reasoning, content, source = answer.reasoning, answer.content, answer.reasoning_source
+    calls = [dict(c) for c in answer.tool_calls]
+    truncated = answer.finish_reason in LENGTH_REASONS
+    if source is None and out.think_end and out.think_end in content:
+        reasoning, content = content.split(out.think_end, 1)
+        source = "content"
+        issues.append("reasoning_from_content")
+    spaced_ids = any(
+        (isinstance(c.get("id"), str) and c["id"].startswith(" "))
+        or str((c.get("function") or {}).get("arguments") or "").startswith(" ")
+        for c in calls
+    )
+    if profile.marker_spacing == "spaces":
+        changed = mismatch = False
+        closed = bool(content or calls) or not truncated
+        if source is not None:
+            if reasoning.startswith(" "):
+                reasoning, changed = reasoning[1:], True
+            elif reasoning:
+                mismatch = True
+            if closed and reasoning:
+                if reasoning.endswith(" "):
+                    reasoning, changed = reasoning[:-1], True
+                elif profile.reasoning_tail == "kept":
+                    mismatch = True
+        if content.startswith(" "):
+            content, changed = content[1:], True
+        elif content:
+            mismatch = True
+        if calls and content:
+            if content.endswith(" "):
+                content, changed = content[:-1], True
+            else:
+                mismatch = True
+        for call in calls:
+            if isinstance(call.get("id"), str) and call["id"] != call["id"].strip(" "):
+                call["id"], changed = call["id"].strip(" "), True
+            # Streaming parsers pass the argument text on raw, with the marker spaces.
+            function = call.get("function")
+            arguments = function.get("arguments") if isinstance(function, Mapping) else None
+            if isinstance(arguments, str) and arguments[:1] == " " and arguments[-1:] == " ":
+                call["function"] = {**function, "arguments": arguments[1:-1]}
+                changed = True
+        if changed:
+            issues.append("marker_spaces_removed")
+        if mismatch:
+            issues.append("marker_spacing_mismatch")
+    elif (
+        profile.marker_spacing == UNKNOWN
+        and out.marker_spacing_risk
+        and (
+            (source is not None and reasoning.startswith(" "))
+            or content.startswith(" ")
+            or spaced_ids
+        )
+    ):
+        issues.append("leading_space_after_marker")
+    if calls and content.endswith(" "):
+        # A streaming parser can move an argument's leading space into the content (SGLang
+        # 0.5.14): ' {"' and '{"' are one token each, so the billed length does not see it.
+        issues.append("space_before_tool_section")
+    # Reasoning only: the model ended inside its reasoning, or a detokenizer dropped the
+    # think-end and the reply is in the reasoning (same length). Only a stack that keeps the
+    # marker lets the billed length decide (reconstruct).
+    reasoning_only = reasoning and not content and not calls and not truncated
+    if reasoning_only and out.think_end and profile.think_end != "kept":
+        issues.append("reasoning_without_think_end")
+    closed = bool(content or calls) or not truncated
+    if profile.reasoning_tail == "stripped" and reasoning and closed and _ends_mergeable(reasoning):
+        issues.append("reasoning_tail_unverifiable")
+    return replace(
+        answer,
+        reasoning=reasoning,
+        content=content,
+        reasoning_source=source,
+        tool_calls=calls,
+    )
 
 
 def _calls_in_history(messages: Sequence[Mapping[str, Any]]) -> int:
@@ -250,9 +478,12 @@ def reconstruct(
     response: Any,
     *,
     billing_tolerance: int = 0,
+    serving: ServingProfile | None = None,
 ) -> Reconstruction:
     """Prompt ids, output ids, loss mask and issue codes for one sample. Never raises on
-    bad data: a bad sample comes back with `ok: false` and its issue codes."""
+    bad data: a bad sample comes back with `ok: false` and its issue codes. `serving`: what
+    the provider's stack does to text (default: unknown, every ambiguity flagged)."""
+    profile = serving or UNKNOWN_PROFILE
     issues: list[str] = []
     try:
         prompt = prompt_ids(model, messages, tools)
@@ -284,8 +515,19 @@ def reconstruct(
                 if model.format.output.tool_call_index == "conversation"
                 else 0
             )
-            pieces, ended = output_pieces(model, answer, issues, offset)
+            answer = undo_serving(model, profile, answer, issues)
+            pieces, ended = output_pieces(model, answer, issues, offset, profile, tools)
             output = model.encode(pieces)
+            if _may_lack_think_end(model, profile, answer) and reported is not None:
+                # The billed length decides between "...</think><end>" and "...<end>".
+                if reported == len(output) - 1 and billing_tolerance == 0:
+                    pieces, ended = output_pieces(
+                        model, answer, [], offset, profile, tools, think_end=False
+                    )
+                    output = model.encode(pieces)
+                    issues.append("no_think_end")
+            elif _may_lack_think_end(model, profile, answer):
+                issues.append("reasoning_without_think_end")
         except (AttributeError, TypeError, ValueError) as exc:  # e.g. a tool call not an object
             issues.append("malformed_response")
             detail["response_error"] = f"{type(exc).__name__}: {exc}"
@@ -315,6 +557,18 @@ def reconstruct(
         completion_tokens_reported=reported,
         completion_tokens_reconstructed=len(output),
         details=detail,
+    )
+
+
+def _may_lack_think_end(model: Model, profile: ServingProfile, answer: AnswerFields) -> bool:
+    """Reasoning only, ended normally, from a stack that keeps the think-end marker."""
+    return (
+        profile.think_end == "kept"
+        and bool(answer.reasoning)
+        and not answer.content
+        and not answer.tool_calls
+        and not _truncated(answer)
+        and model.format.output.think_end is not None
     )
 
 

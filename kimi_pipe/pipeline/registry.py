@@ -84,7 +84,7 @@ class GenerateStage(OutputsExist):
     """Buy (or, with provider=local, generate) every prompt's answer; resumes answered ids."""
 
     name = "generate"
-    settings = ("model", "provider", "dataset", "budget", "validation", "output_dir")
+    settings = ("model", "provider", "dataset", "budget", "validation", "serving", "output_dir")
 
     def writes(self, ctx: StageContext) -> list[Path]:
         return [ctx.run_dir / "records.jsonl", ctx.run_dir / "summary.json"]
@@ -118,7 +118,7 @@ class ReconstructStage(OutputsExist):
     """Rebuild the ids from the stored answers alone and compare them with generate's."""
 
     name = "reconstruct"
-    settings = ("model", "validation")
+    settings = ("model", "validation", "serving", "provider.logprobs")
 
     def reads(self, ctx: StageContext) -> list[Path]:
         return [ctx.run_dir / "records.jsonl"]
@@ -129,13 +129,15 @@ class ReconstructStage(OutputsExist):
     def run(self, ctx: StageContext) -> dict[str, Any]:
         from kimi_pipe.core.logprobs import policy_from_config
         from kimi_pipe.core.models import load_model
+        from kimi_pipe.core.serving import serving_profile
         from kimi_pipe.stages.reconstruct import run as reconstruct_run
         from kimi_pipe.store.records import iter_records
 
         source, target = ctx.run_dir / "records.jsonl", ctx.run_dir / "reconstructed.jsonl"
         tolerance = int(ctx.cfg.validation.billing_tolerance)
-        policy = policy_from_config(ctx.cfg)
-        counts = reconstruct_run(load_model(ctx.cfg.model), source, target, tolerance, policy)
+        policy, serving = policy_from_config(ctx.cfg), serving_profile(ctx.cfg)
+        model = load_model(ctx.cfg.model)
+        counts = reconstruct_run(model, source, target, tolerance, policy, serving)
         inline = {r["id"]: r for r in iter_records(source) if not r.get("error")}
         same = differ = 0
         for rec in iter_records(target):

@@ -93,8 +93,10 @@ class TokenCore:
         from kimi_pipe.core.models import load_model
         from kimi_pipe.core.prompt_render import prompt_ids
         from kimi_pipe.core.reconstruction import reconstruct
+        from kimi_pipe.core.serving import serving_profile
 
         model = load_model(cfg.model)
+        serving = serving_profile(cfg)
         tolerance = int(OmegaConf.select(cfg, "validation.billing_tolerance", default=0) or 0)
         policy = policy_from_config(cfg)
 
@@ -102,7 +104,9 @@ class TokenCore:
             return len(prompt_ids(model, messages, tools))
 
         def rebuild(messages: list[dict], tools: list[dict] | None, resp: dict) -> dict[str, Any]:
-            rec = reconstruct(model, messages, tools, resp, billing_tolerance=tolerance)
+            rec = reconstruct(
+                model, messages, tools, resp, billing_tolerance=tolerance, serving=serving
+            )
             rec = apply_logprobs(model, rec, resp, policy)  # the engine's own ids, if sent
             record = rec.to_record() | record_fields(rec)
             return _with_issues(record, answer_issues(resp, asked_model))

@@ -28,6 +28,7 @@ from typing import Any, BinaryIO
 from kimi_pipe.core.logprobs import LogprobPolicy, apply_logprobs, policy_from_config, record_fields
 from kimi_pipe.core.models import Model, load_model
 from kimi_pipe.core.reconstruction import ERRORS, reconstruct
+from kimi_pipe.core.serving import ServingProfile, serving_profile
 
 MALFORMED = "malformed_record"
 # Codes that make a record flagged: the reconstruction errors and the stage's own.
@@ -84,6 +85,7 @@ def reconstruct_line(
     tolerance: int,
     source: str = "input",
     policy: LogprobPolicy | None = None,
+    serving: ServingProfile | None = None,
 ) -> dict[str, Any]:
     """One input line to one output record; never raises on bad data."""
     raw = line.encode("utf-8", "surrogatepass") if isinstance(line, str) else line
@@ -99,7 +101,12 @@ def reconstruct_line(
     response = sample.get("response")
     try:
         result = reconstruct(
-            model, messages, sample.get("tools"), response, billing_tolerance=tolerance
+            model,
+            messages,
+            sample.get("tools"),
+            response,
+            billing_tolerance=tolerance,
+            serving=serving,
         )
         if policy is not None:
             result = apply_logprobs(model, result, response, policy)  # the engine's ids, if sent
@@ -135,7 +142,12 @@ def summary_path(target: Path) -> Path:
 
 
 def run(
-    model: Model, source: Path, target: Path, tolerance: int, policy: LogprobPolicy | None = None
+    model: Model,
+    source: Path,
+    target: Path,
+    tolerance: int,
+    policy: LogprobPolicy | None = None,
+    serving: ServingProfile | None = None,
 ) -> Counter[str]:
     """Reconstruct every line of `source` into `target` and write the summary beside it.
 
@@ -147,7 +159,9 @@ def run(
     tmp = target.with_name(target.name + ".partial")
     with source.open("rb") as src, tmp.open("w", encoding="utf-8") as dst:
         for line_no, line in _lines(src):
-            record = reconstruct_line(model, line, line_no, tolerance, str(source), policy)
+            record = reconstruct_line(
+                model, line, line_no, tolerance, str(source), policy, serving
+            )
             dst.write(json.dumps(record, ensure_ascii=False) + "\n")
             count_record(counts, record)
     tmp.replace(target)  # the output appears whole or not at all
@@ -234,8 +248,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: cannot load model {cfg.model.name!r}: {exc}", file=sys.stderr)
         return 2
     target = Path(cfg.output)
+    try:
+        serving = serving_profile(cfg)
+    except ValueError as exc:
+        print(f"error: conf/serving: {exc}", file=sys.stderr)
+        return 2
     tolerance = int(cfg.validation.billing_tolerance)
-    counts = run(model, source, target, tolerance, policy_from_config(cfg))
+    counts = run(model, source, target, tolerance, policy_from_config(cfg), serving)
     print("\n".join(summary_lines(counts, target)), file=sys.stderr)
     return 0
 

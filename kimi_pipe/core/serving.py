@@ -1,0 +1,85 @@
+"""Serving profiles: what a serving stack does to the model's text before we see it.
+
+A profile is data (`conf/serving/*.yaml`). Reconstruction undoes what a declared profile
+makes invertible (a note code, `ok` unchanged) and flags what it does not. The default
+profile, `unknown`, declares nothing: every pattern a stack could have caused is flagged.
+Facts and how to pick a profile: docs/serving_profiles.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+UNKNOWN = "unknown"
+
+# field -> the values it may take ("unknown" is allowed everywhere)
+CHOICES: dict[str, tuple[str, ...]] = {
+    # vLLM's spaces_between_special_tokens=True with Kimi's slow tokenizer puts one space
+    # on each side of every marker the decoded text keeps.
+    "marker_spacing": ("none", "spaces"),
+    # vLLM 0.33 strips the reasoning's trailing whitespace.
+    "reasoning_tail": ("kept", "stripped"),
+    # Who wrote the tool-call ids we get back:
+    #   model: the model's own id, verbatim (vLLM 0.33, Moonshot)
+    #   conversation: rebuilt as functions.{name}:{calls before + position} (SGLang 0.5.23)
+    #   double_count: SGLang 0.5.14, history count added to the model's own index
+    #   per_answer: rebuilt counting from 0 in each answer
+    #   foreign: replaced by call_.../chatcmpl-tool-... (vLLM 0.15 auto tools, some gateways)
+    "tool_call_ids": ("model", "conversation", "double_count", "per_answer", "foreign"),
+    # vLLM 0.15 returns only the part of a dotted name after the last dot (web.search -> search).
+    "tool_names": ("full", "last_dot_part"),
+    # vLLM 0.33 coerces argument values to the declared schema type ("30" -> 30).
+    "argument_types": ("verbatim", "coerced"),
+    # A detokenizer that drops the think-end marker leaves the whole reply in the reasoning.
+    "think_end": ("kept", "dropped"),
+}
+
+
+@dataclass(frozen=True)
+class ServingProfile:
+    name: str = UNKNOWN
+    marker_spacing: str = UNKNOWN
+    reasoning_tail: str = UNKNOWN
+    tool_call_ids: str = UNKNOWN
+    tool_names: str = UNKNOWN
+    argument_types: str = UNKNOWN
+    think_end: str = UNKNOWN
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any] | None) -> ServingProfile:
+        """Build from `serving` config; an unknown key or value is a clear error."""
+        if not cfg:
+            return cls()
+        data = {str(k): v for k, v in dict(cfg).items() if k not in ("description", "source")}
+        known = {f.name for f in fields(cls)}
+        extra = set(data) - known
+        if extra:
+            raise ValueError(
+                f"serving profile: unknown keys {sorted(extra)} (allowed: {sorted(known)}); "
+                "see docs/serving_profiles.md"
+            )
+        for key, value in data.items():
+            if key == "name":
+                continue
+            allowed = (*CHOICES[key], UNKNOWN)
+            if value not in allowed:
+                raise ValueError(
+                    f"serving profile {data.get('name', '?')!r}: {key}={value!r}, "
+                    f"expected one of {list(allowed)}"
+                )
+        return cls(**{k: str(v) for k, v in data.items()})
+
+
+UNKNOWN_PROFILE = ServingProfile()
+
+
+def serving_profile(cfg: Any) -> ServingProfile:
+    """The `serving` group of a composed config (absent: unknown)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    section = cfg.get("serving") if hasattr(cfg, "get") else None
+    if isinstance(section, DictConfig):
+        section = OmegaConf.to_container(section, resolve=True)
+    return ServingProfile.from_config(section)  # type: ignore[arg-type]
