@@ -23,9 +23,20 @@ from kimi_pipe.core.logprobs import (
     record_fields,
 )
 from kimi_pipe.core.models import Model
-from kimi_pipe.core.reconstruction import reconstruct
+from kimi_pipe.core.reconstruction import Reconstruction, reconstruct
+from kimi_pipe.core.serving import ServingProfile
+
+# These answers keep the reasoning's tail; the default `unknown` profile flags one it cannot
+# prove unless the logprobs cover the whole output (test_unknown_tail_is_proven_by_whole_logprobs).
+TAIL_KEPT = ServingProfile(name="tail_kept", reasoning_tail="kept")
+TAIL = "serving.reasoning_tail=kept"
+
 
 MESSAGES = [{"role": "user", "content": "Count."}]
+
+
+def _rebuild(kimi: Model, resp: dict[str, Any]) -> Reconstruction:
+    return reconstruct(kimi, MESSAGES, None, resp, serving=TAIL_KEPT)
 REASONING = "Let me check 12345 first."
 CONTENT = "Paris has 12345 people."
 
@@ -105,13 +116,13 @@ def test_text_only_entries_and_an_empty_end_entry(kimi: Model) -> None:
     entries = [{"token": e["token"], "logprob": -1.0} for e in _entries(kimi, truth[:-1])]
     entries.append({"token": "", "bytes": [], "logprob": -0.1})
     resp = _response(REASONING, CONTENT, len(truth), entries)
-    rec = apply_logprobs(kimi, reconstruct(kimi, MESSAGES, None, resp), resp, LogprobPolicy())
+    rec = apply_logprobs(kimi, _rebuild(kimi, resp), resp, LogprobPolicy())
     assert rec.ok and rec.output_ids == truth and "noncanonical_split" in rec.issues
     assert record_fields(rec)["logprobs"]["empty_tail"] == 1
     # An empty entry inside the sequence cannot be identified: ignored, flagged.
     entries.insert(2, {"token": "", "bytes": []})
     resp = _response(REASONING, CONTENT, len(truth), entries)
-    rec = apply_logprobs(kimi, reconstruct(kimi, MESSAGES, None, resp), resp, LogprobPolicy())
+    rec = apply_logprobs(kimi, _rebuild(kimi, resp), resp, LogprobPolicy())
     assert "logprobs_invalid" in rec.issues and rec.output_ids != truth
 
 
@@ -120,11 +131,11 @@ def test_whole_output_noncanonical_split_recovered(kimi: Model) -> None:
     canonical = _truth(kimi)
     assert truth != canonical and len(truth) == len(canonical)
     # Without logprobs: the billing check passes and the canonical (wrong) ids are kept.
-    plain = reconstruct(kimi, MESSAGES, None, _response(REASONING, CONTENT, len(truth), None))
+    plain = _rebuild(kimi, _response(REASONING, CONTENT, len(truth), None))
     assert plain.ok and plain.output_ids == canonical
     # The engine's tokens, without the end-of-turn token (as many servers send them).
     resp = _response(REASONING, CONTENT, len(truth), _entries(kimi, truth[:-1]))
-    rec = apply_logprobs(kimi, reconstruct(kimi, MESSAGES, None, resp), resp, LogprobPolicy())
+    rec = apply_logprobs(kimi, _rebuild(kimi, resp), resp, LogprobPolicy())
     assert rec.ok and rec.output_ids == truth
     assert "noncanonical_split" in rec.issues
     fields = record_fields(rec)
@@ -138,7 +149,7 @@ def test_whole_output_noncanonical_split_recovered(kimi: Model) -> None:
     assert len(rec.loss_mask) == len(rec.prompt_ids) + len(truth)
 
     keep = apply_logprobs(
-        kimi, reconstruct(kimi, MESSAGES, None, resp), resp, LogprobPolicy(record_ids="reencoded")
+        kimi, _rebuild(kimi, resp), resp, LogprobPolicy(record_ids="reencoded")
     )
     assert keep.output_ids == canonical and "noncanonical_split" in keep.issues
 
@@ -146,7 +157,7 @@ def test_whole_output_noncanonical_split_recovered(kimi: Model) -> None:
 def test_agreeing_logprobs_confirm_the_reconstruction(kimi: Model) -> None:
     truth = _truth(kimi)
     resp = _response(REASONING, CONTENT, len(truth), _entries(kimi, truth))
-    rec = apply_logprobs(kimi, reconstruct(kimi, MESSAGES, None, resp), resp, LogprobPolicy())
+    rec = apply_logprobs(kimi, _rebuild(kimi, resp), resp, LogprobPolicy())
     assert rec.ok and rec.issues == [] and rec.output_ids == truth
     assert record_fields(rec)["id_sources"] == [[0, len(truth), "confirmed"]]
     assert record_fields(rec)["logprobs"]["agree"] is True
@@ -158,7 +169,7 @@ def test_content_only_logprobs_cover_the_content_span(kimi: Model) -> None:
     content_ids = _split_digits(kimi, _ids(kimi, CONTENT))
     truth = canonical[: think + 1] + content_ids + canonical[-1:]
     resp = _response(REASONING, CONTENT, len(truth), _entries(kimi, content_ids))
-    rec = apply_logprobs(kimi, reconstruct(kimi, MESSAGES, None, resp), resp, LogprobPolicy())
+    rec = apply_logprobs(kimi, _rebuild(kimi, resp), resp, LogprobPolicy())
     assert rec.ok and rec.output_ids == truth
     lp = record_fields(rec)
     assert lp["logprobs"]["coverage"] == "content"
@@ -174,7 +185,7 @@ def test_text_changed_by_the_server_is_a_logprob_mismatch(kimi: Model) -> None:
     truth = _truth(kimi)
     think = truth.index(kimi.markers["</think>"])
     resp = _response(REASONING, " " + CONTENT, len(truth), _entries(kimi, truth[think + 1 :]))
-    base = reconstruct(kimi, MESSAGES, None, resp)
+    base = _rebuild(kimi, resp)
     rec = apply_logprobs(kimi, base, resp, LogprobPolicy())
     assert not rec.ok and "logprob_mismatch" in rec.issues
     mismatch = record_fields(rec)["logprobs"]["mismatch"]
@@ -193,13 +204,13 @@ def test_marker_turned_into_text_is_not_a_split(kimi: Model) -> None:
     resp = _response("", "", len(truth), _entries(kimi, truth))
     resp["choices"][0]["message"]["content"] = text
     resp["choices"][0]["message"]["reasoning"] = None
-    base = reconstruct(kimi, MESSAGES, None, resp)
+    base = _rebuild(kimi, resp)
     rec = apply_logprobs(kimi, base, resp, LogprobPolicy())
     assert rec.output_ids == truth  # reasoning_from_content split it at the marker already
     # Now the same answer where the engine's tokens spell "</think>" as ordinary text.
     as_text = _ids(kimi, REASONING + "</think>" + CONTENT) + truth[-1:]
     resp2 = _response(REASONING, CONTENT, len(as_text), _entries(kimi, as_text))
-    rec2 = apply_logprobs(kimi, reconstruct(kimi, MESSAGES, None, resp2), resp2, LogprobPolicy())
+    rec2 = apply_logprobs(kimi, _rebuild(kimi, resp2), resp2, LogprobPolicy())
     assert not rec2.ok and "logprob_mismatch" in rec2.issues
 
 
@@ -208,7 +219,7 @@ def test_bad_logprobs_are_flagged_and_ignored(kimi: Model) -> None:
     entries = _entries(kimi, truth)
     entries[1:3] = [{"token": "glued", "bytes": entries[1]["bytes"] + entries[2]["bytes"]}]
     resp = _response(REASONING, CONTENT, len(truth), entries)
-    base = reconstruct(kimi, MESSAGES, None, resp)
+    base = _rebuild(kimi, resp)
     rec = apply_logprobs(kimi, base, resp, LogprobPolicy())
     assert "logprobs_invalid" in rec.issues and rec.output_ids == base.output_ids
     assert "entry 1" in record_fields(rec)["logprobs"]["invalid"]
@@ -223,10 +234,10 @@ def test_count_changing_split_fixes_the_billing_check(kimi: Model) -> None:
     i = canonical.index(tok.id_of_bytes(b" first"))
     truth = canonical[:i] + [tok.id_of_bytes(b" fir"), tok.id_of_bytes(b"st")] + canonical[i + 1 :]
     resp = _response(REASONING, CONTENT, len(truth), None)
-    plain = reconstruct(kimi, MESSAGES, None, resp)
+    plain = _rebuild(kimi, resp)
     assert not plain.ok and "billing_mismatch" in plain.issues
     resp = _response(REASONING, CONTENT, len(truth), _entries(kimi, truth))
-    rec = apply_logprobs(kimi, reconstruct(kimi, MESSAGES, None, resp), resp, LogprobPolicy())
+    rec = apply_logprobs(kimi, _rebuild(kimi, resp), resp, LogprobPolicy())
     assert rec.ok and rec.output_ids == truth and "billing_mismatch" not in rec.issues
     assert rec.completion_tokens_reconstructed == len(truth)
 
@@ -234,7 +245,7 @@ def test_count_changing_split_fixes_the_billing_check(kimi: Model) -> None:
 def test_missing_logprobs_noted_only_when_asked(kimi: Model) -> None:
     truth = _truth(kimi)
     resp = _response(REASONING, CONTENT, len(truth), None)
-    base = reconstruct(kimi, MESSAGES, None, resp)
+    base = _rebuild(kimi, resp)
     assert (
         "logprobs_missing" in apply_logprobs(kimi, base, resp, LogprobPolicy(requested=True)).issues
     )
@@ -254,7 +265,7 @@ def test_generate_writes_the_engines_ids_over_http(
     ids = write_prompts(prompts, 3, tools_every=2, text=lambda i: f"Question {i}: call calc?")
     out = tmp_path / "with"
     status, summary = run_inprocess(
-        [*base_overrides(prompts, srv.url(), out, kimi_dir), "provider.logprobs=true"], out
+        [*base_overrides(prompts, srv.url(), out, kimi_dir), "provider.logprobs=true", TAIL], out
     )
     assert status == 0 and summary is not None
     body = srv.requests[0].body
@@ -270,7 +281,7 @@ def test_generate_writes_the_engines_ids_over_http(
         assert rec["id_sources"][0][2] == "engine"
 
     out2 = tmp_path / "without"
-    status, _ = run_inprocess(base_overrides(prompts, srv.url(), out2, kimi_dir), out2)
+    status, _ = run_inprocess([*base_overrides(prompts, srv.url(), out2, kimi_dir), TAIL], out2)
     assert status == 0
     for rec in read_jsonl(out2 / "records.jsonl"):
         truth = stack.emitted[f"Question {int(rec['id'][1:])}: call calc?"]
@@ -323,7 +334,20 @@ def _not_utf8(data: bytes) -> bool:
 def test_only_empty_entries_change_nothing(kimi: Model) -> None:
     truth = _truth(kimi)
     resp = _response(REASONING, CONTENT, len(truth), [{"token": "", "bytes": []}])
-    base = reconstruct(kimi, MESSAGES, None, resp)
+    base = _rebuild(kimi, resp)
     rec = apply_logprobs(kimi, base, resp, LogprobPolicy())
     assert rec.output_ids == base.output_ids and rec.issues == base.issues
     assert record_fields(rec)["id_sources"] == [[0, len(truth), "reencoded"]]
+
+
+def test_unknown_tail_is_proven_only_by_whole_logprobs(kimi: Model) -> None:
+    """Under the default `unknown` profile a reasoning ending in punctuation may have lost a
+    newline (vLLM 0.33 strips it; same token count): flagged, unless the engine's own tokens
+    cover the whole output, reasoning end included."""
+    truth = _truth(kimi)
+    assert REASONING[-1] in ".!?"
+    plain = reconstruct(kimi, MESSAGES, None, _response(REASONING, CONTENT, len(truth), None))
+    assert not plain.ok and plain.issues == ["reasoning_tail_unverifiable"]
+    resp = _response(REASONING, CONTENT, len(truth), _entries(kimi, truth))
+    whole = apply_logprobs(kimi, reconstruct(kimi, MESSAGES, None, resp), resp, LogprobPolicy())
+    assert whole.ok and whole.issues == [] and whole.output_ids == truth

@@ -23,7 +23,14 @@ from hypothesis import strategies as st
 from kimi_pipe.core.models import MarkerMismatch, Model, load_model
 from kimi_pipe.core.prompt_render import prompt_ids
 from kimi_pipe.core.reconstruction import ERRORS, reconstruct
+from kimi_pipe.core.serving import ServingProfile
 from kimi_pipe.core.tokenizers import TokenizerNotFound, TokenizerSpec, resolve_tokenizer_dir
+
+# The hand-written answers keep the reasoning's trailing whitespace, as a stack that declares
+# `reasoning_tail: kept` does; under the default `unknown` profile a tail that could have lost
+# a newline is flagged (test_reconstruction.py, test_unknown_stack_flags_...).
+TAIL_KEPT = ServingProfile(name="tail_kept", reasoning_tail="kept")
+
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 CASES = read_cases("qwen3_5_responses.jsonl")
@@ -131,7 +138,9 @@ def _oracle_ids(model: Model, messages: list[dict[str, Any]], tools: Any) -> lis
 
 @pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
 def test_output_ids_match_raw_model_text(qwen: Model, case: dict[str, Any]) -> None:
-    result = reconstruct(qwen, case["messages"], case.get("tools"), case["response"])
+    result = reconstruct(
+        qwen, case["messages"], case.get("tools"), case["response"], serving=TAIL_KEPT
+    )
     expected = expected_output_ids(qwen, case)
     assert result.output_ids == expected, qwen.tokenizer.decode(result.output_ids)
     assert sorted(result.issues) == sorted(case["expect"]["issues"])
@@ -141,7 +150,9 @@ def test_output_ids_match_raw_model_text(qwen: Model, case: dict[str, Any]) -> N
 
 @pytest.mark.parametrize("case", PROMPT_CASES, ids=[c["id"] for c in PROMPT_CASES])
 def test_prompt_ids_match_reference_template(qwen: Model, case: dict[str, Any]) -> None:
-    result = reconstruct(qwen, case["messages"], case.get("tools"), case["response"])
+    result = reconstruct(
+        qwen, case["messages"], case.get("tools"), case["response"], serving=TAIL_KEPT
+    )
     assert result.prompt_ids == _oracle_ids(qwen, case["messages"], case.get("tools"))
     mask = result.loss_mask
     assert len(mask) == len(result.prompt_ids) + len(result.output_ids)
@@ -301,7 +312,8 @@ def test_reconstruct_stage_runs_with_model_qwen3_5(qwen: Model, tmp_path: Path) 
 
     target = tmp_path / "out.jsonl"
     source = FIXTURES / "qwen3_5_responses.jsonl"
-    assert main(["model=qwen3_5", f"input={source}", f"output={target}"]) == 0
+    args = ["model=qwen3_5", f"input={source}", f"output={target}", "serving.reasoning_tail=kept"]
+    assert main(args) == 0
     records = [json.loads(line) for line in target.read_text(encoding="utf-8").splitlines()]
     assert [r["id"] for r in records] == [c["id"] for c in CASES]
     for record, case in zip(records, CASES, strict=True):

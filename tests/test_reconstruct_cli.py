@@ -37,7 +37,11 @@ def test_contract_reproduces_every_case(
     source.write_text("\n".join(lines) + "\n", encoding="utf-8")
     target = tmp_path / "out" / "out.jsonl"
     done = _run(
-        "model=kimi_k25", f"model.tokenizer.path={kimi_dir}", f"input={source}", f"output={target}"
+        "model=kimi_k25",
+        f"model.tokenizer.path={kimi_dir}",
+        f"input={source}",
+        f"output={target}",
+        "serving.reasoning_tail=kept",  # the hand-written answers keep it (see test_snapshots)
     )
     assert done.returncode == 0, done.stderr
     records = [json.loads(line) for line in target.read_text(encoding="utf-8").splitlines()]

@@ -15,7 +15,11 @@ import pytest
 
 from kimi_pipe.core.models import Model
 from kimi_pipe.core.reconstruction import ERRORS
+from kimi_pipe.core.serving import ServingProfile
 from kimi_pipe.stages.reconstruct import run
+
+# The sample answers keep the reasoning's tail (the default `unknown` profile would flag it).
+TAIL_KEPT = ServingProfile(name="tail_kept", reasoning_tail="kept")
 
 REPO = Path(__file__).resolve().parent.parent
 GOOD = {
@@ -62,7 +66,8 @@ def test_hostile_lines_are_malformed_records_and_the_batch_goes_on(
     expected_ids = _hostile_file(source)
     done = subprocess.run(
         [sys.executable, "-m", "kimi_pipe.reconstruct", "model=kimi_k25"]
-        + [f"model.tokenizer.path={kimi_dir}", f"input={source}", f"output={target}"],
+        + [f"model.tokenizer.path={kimi_dir}", f"input={source}", f"output={target}"]
+        + ["serving.reasoning_tail=kept"],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -94,7 +99,7 @@ def test_decoded_surrogate_pair_is_the_real_character(kimi: Model, tmp_path: Pat
         _line(_with_content("pair", "x")).replace(b'"x"', b'"smile \\ud83d\\ude00"')
         + _line(_with_content("direct", "smile \U0001f600"))
     )
-    run(kimi, source, target, 0)
+    run(kimi, source, target, 0, serving=TAIL_KEPT)
     pair, direct = (json.loads(line) for line in target.read_text(encoding="utf-8").splitlines())
     assert pair["prompt_ids"] == direct["prompt_ids"] and pair["prompt_ids"]
 
@@ -113,7 +118,7 @@ def test_summary_counts_exact_repaired_flagged_by_code(
     keep = ("id", "messages", "tools", "response")
     lines = [json.dumps({k: c[k] for k in keep if k in c}) for c in kimi_cases]
     source.write_text("\n".join(lines + ["{not json"]) + "\n", encoding="utf-8")
-    run(kimi, source, target, 0)
+    run(kimi, source, target, 0, serving=TAIL_KEPT)
 
     # Expected from the fixtures' own expectations, not from the stage's counting.
     expected = Counter(_category(c["expect"]["issues"]) for c in kimi_cases)
@@ -149,7 +154,7 @@ def test_main_prints_the_counts(
     assert (
         main(
             ["model=kimi_k25", f"model.tokenizer.path={kimi_dir}"]
-            + [f"input={source}", f"output={target}"]
+            + [f"input={source}", f"output={target}", "serving.reasoning_tail=kept"]
         )
         == 0
     )
@@ -187,7 +192,7 @@ def test_each_hostile_line_alone(kimi: Model, tmp_path: Path, name: str) -> None
     source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     line, kept_id = HOSTILE[name]
     source.write_bytes(_line(GOOD) + line + b"\n" + _line({**GOOD, "id": "after"}))
-    counts = run(kimi, source, target, 0)
+    counts = run(kimi, source, target, 0, serving=TAIL_KEPT)
     records = [json.loads(line) for line in target.read_text(encoding="utf-8").splitlines()]
     assert [r["id"] for r in records] == ["good", kept_id, "after"]
     assert records[1]["issues"] == ["malformed_record"] and records[1]["ok"] is False
@@ -199,6 +204,6 @@ def test_each_hostile_line_alone(kimi: Model, tmp_path: Path, name: str) -> None
 def test_bom_before_the_first_line_is_accepted(kimi: Model, tmp_path: Path) -> None:
     source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     source.write_bytes(b"\xef\xbb\xbf" + _line(GOOD))
-    run(kimi, source, target, 0)
+    run(kimi, source, target, 0, serving=TAIL_KEPT)
     (record,) = (json.loads(line) for line in target.read_text(encoding="utf-8").splitlines())
     assert record["id"] == "good" and record["ok"] is True and record["issues"] == []

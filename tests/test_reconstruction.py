@@ -16,6 +16,13 @@ from kimi_reference import reference_prompt_ids
 
 from kimi_pipe.core.models import Model
 from kimi_pipe.core.reconstruction import ERRORS, reconstruct
+from kimi_pipe.core.serving import ServingProfile
+
+# The hand-written answers keep the reasoning's trailing whitespace, as a stack that declares
+# `reasoning_tail: kept` does; under the default `unknown` profile a tail that could have lost
+# a newline is flagged (test_reconstruction.py, test_unknown_stack_flags_...).
+TAIL_KEPT = ServingProfile(name="tail_kept", reasoning_tail="kept")
+
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
@@ -42,7 +49,9 @@ PROMPT_CASES = [c for c in CASES if not any("<|" in str(m.get("content")) for m 
 @pytest.mark.kimi
 @pytest.mark.parametrize("case", CASES, ids=_case_ids(CASES))
 def test_output_ids_match_raw_model_text(kimi: Model, case: dict[str, Any]) -> None:
-    result = reconstruct(kimi, case["messages"], case.get("tools"), case["response"])
+    result = reconstruct(
+        kimi, case["messages"], case.get("tools"), case["response"], serving=TAIL_KEPT
+    )
     expected = expected_output_ids(kimi, case)
     assert result.output_ids == expected, kimi.tokenizer.decode(result.output_ids)
     assert sorted(result.issues) == sorted(case["expect"]["issues"])
@@ -55,7 +64,9 @@ def test_output_ids_match_raw_model_text(kimi: Model, case: dict[str, Any]) -> N
 def test_prompt_ids_match_reference_template(
     kimi: Model, kimi_dir: Path, case: dict[str, Any]
 ) -> None:
-    result = reconstruct(kimi, case["messages"], case.get("tools"), case["response"])
+    result = reconstruct(
+        kimi, case["messages"], case.get("tools"), case["response"], serving=TAIL_KEPT
+    )
     assert result.prompt_ids == _reference_prompt_ids(kimi, kimi_dir, case)
     mask = result.loss_mask
     assert len(mask) == len(result.prompt_ids) + len(result.output_ids)
@@ -101,8 +112,10 @@ def test_loss_mask_can_exclude_end_token(kimi: Model) -> None:
 @pytest.mark.kimi
 def test_billing_tolerance(kimi: Model, kimi_cases: list[dict[str, Any]]) -> None:
     case = next(c for c in kimi_cases if c["id"] == "billing_mismatch")
-    strict = reconstruct(kimi, case["messages"], None, case["response"])
-    loose = reconstruct(kimi, case["messages"], None, case["response"], billing_tolerance=2)
+    strict = reconstruct(kimi, case["messages"], None, case["response"], serving=TAIL_KEPT)
+    loose = reconstruct(
+        kimi, case["messages"], None, case["response"], billing_tolerance=2, serving=TAIL_KEPT
+    )
     assert "billing_mismatch" in strict.issues and not strict.ok
     assert "billing_mismatch" not in loose.issues and loose.ok
 
@@ -222,3 +235,28 @@ def test_rebuilt_tool_ids_can_count_on_from_the_conversation(kimi: Model) -> Non
     model = replace(kimi, format=replace(kimi.format, output=out))
     per_answer = reconstruct(model, history, None, response)
     assert "functions.g:0" in kimi.tokenizer.decode(per_answer.output_ids)
+
+
+@pytest.mark.kimi
+def test_unknown_stack_flags_an_unprovable_reasoning_tail(kimi: Model) -> None:
+    """vLLM 0.33 strips the reasoning's trailing whitespace: `it.\\n</think>` comes back as
+    `it.`, the same token count (`.\\n` is one token like `.`). Unless a profile says the stack
+    keeps the tail, a reasoning that ends where a newline would merge is flagged."""
+    truth_text = "Check it.\n</think>Done.<|im_end|>"
+    truth = kimi.tokenizer.encode_with_markers(truth_text)
+    response = {
+        "choices": [
+            {"message": {"reasoning": "Check it.", "content": "Done."}, "finish_reason": "stop"}
+        ],
+        "usage": {"completion_tokens": len(truth)},
+    }
+    messages = [{"role": "user", "content": "x"}]
+    stripped = reconstruct(kimi, messages, None, response)
+    assert not stripped.ok and "reasoning_tail_unverifiable" in stripped.issues
+    assert stripped.output_ids != truth  # what a guess would have written
+    kept = reconstruct(kimi, messages, None, response, serving=TAIL_KEPT)
+    assert kept.ok  # a stack that keeps the tail: the text is the model's
+    after_letter = {**response, "choices": [{**response["choices"][0], "message": {
+        "reasoning": "Check it", "content": "Done."}}]}  # fmt: skip
+    letter = reconstruct(kimi, messages, None, after_letter)
+    assert "reasoning_tail_unverifiable" not in letter.issues

@@ -11,6 +11,13 @@ from conftest import load_or_skip, read_cases
 from snapshot_format import TokenSnapshot, render_snapshot
 
 from kimi_pipe.core.reconstruction import reconstruct
+from kimi_pipe.core.serving import ServingProfile
+
+# The hand-written answers keep the reasoning's trailing whitespace, as a stack that declares
+# `reasoning_tail: kept` does; under the default `unknown` profile a tail that could have lost
+# a newline is flagged (test_reconstruction.py, test_unknown_stack_flags_...).
+TAIL_KEPT = ServingProfile(name="tail_kept", reasoning_tail="kept")
+
 
 # (model config, fixture corpus): adding a model family adds a line here and its snapshots.
 CORPORA = [
@@ -34,7 +41,9 @@ def snapshot(snapshot: Any) -> Any:
 @pytest.mark.parametrize(("model_name", "case"), PARAMS)
 def test_golden_ids(model_name: str, case: dict[str, Any], snapshot: Any) -> None:
     model = load_or_skip(model_name)
-    result = reconstruct(model, case["messages"], case.get("tools"), case["response"])
+    result = reconstruct(
+        model, case["messages"], case.get("tools"), case["response"], serving=TAIL_KEPT
+    )
     assert render_snapshot(model, case, result) == snapshot
 
 

@@ -446,7 +446,9 @@ def undo_serving(
     if reasoning_only and out.think_end and profile.think_end != "kept":
         issues.append("reasoning_without_think_end")
     closed = bool(content or calls) or not truncated
-    if profile.reasoning_tail == "stripped" and reasoning and closed and _ends_mergeable(reasoning):
+    # Unknown stacks may strip it too (vLLM 0.33 does): flagged unless a profile says "kept".
+    tail_unproven = profile.reasoning_tail in ("stripped", UNKNOWN)
+    if tail_unproven and reasoning and closed and _ends_mergeable(reasoning):
         issues.append("reasoning_tail_unverifiable")
     return replace(
         answer,
