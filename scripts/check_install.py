@@ -118,18 +118,25 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in handle if line.strip()]
 
 
+# The suite's expectations are for a stack that keeps the reasoning's tail (the default
+# `unknown` profile adds reasoning_tail_unverifiable to most of them): both sides use this.
+SERVING = "serving.reasoning_tail=kept"
+
+
 def checkout_records(cases: list[dict[str, Any]], model_name: str, tokenizer_dir: Path) -> Any:
     """The checkout's own records for the same lines, and its loaded model."""
     sys.path.insert(0, str(REPO))
     from kimi_pipe.config import compose
     from kimi_pipe.core.models import load_model
+    from kimi_pipe.core.serving import serving_profile
     from kimi_pipe.stages.reconstruct import reconstruct_line
 
-    cfg = compose([f"model={model_name}", f"model.tokenizer.path={tokenizer_dir}"])
+    cfg = compose([f"model={model_name}", f"model.tokenizer.path={tokenizer_dir}", SERVING])
+    serving = serving_profile(cfg)
     model = load_model(cfg.model)
     tolerance = int(cfg.validation.billing_tolerance)
     records = [
-        reconstruct_line(model, json.dumps(_record_input(case)), n, tolerance)
+        reconstruct_line(model, json.dumps(_record_input(case)), n, tolerance, serving=serving)
         for n, case in enumerate(cases, 1)
     ]
     return model, records
@@ -254,9 +261,7 @@ def check(args: argparse.Namespace, wheel: Path, cases: list[dict[str, Any]], wo
         f"model={args.model}",
         f"model.tokenizer.path={args.tokenizer_dir}",
         "input=in.jsonl",
-        # The suite's expectations are for a stack that keeps the reasoning's tail (the
-        # default `unknown` profile would add reasoning_tail_unverifiable to most of them).
-        "serving.reasoning_tail=kept",
+        SERVING,
     ]
     outputs = {
         "kimi-pipe reconstruct": [str(bin_dir / "kimi-pipe"), "reconstruct"],
