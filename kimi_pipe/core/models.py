@@ -64,7 +64,13 @@ class Model:
         if chunking is None:
             return self.tokenizer.encode_ordinary(text)
         encode = self.tokenizer.encode_ordinary
-        return [token for part in split_for_bpe(text, chunking) for token in encode(part)]
+        parts = split_for_bpe(text, chunking)
+        if len(parts) == 1:
+            return encode(parts[0])  # the common case: no per-token Python loop
+        ids: list[int] = []
+        for part in parts:
+            ids.extend(encode(part))
+        return ids
 
 
 def _as_dict(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
