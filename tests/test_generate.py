@@ -227,7 +227,9 @@ def test_budget_is_never_exceeded_at_concurrency_64(
     # 64 worst cases (128 output tokens each) fit in the cap, 300 real answers do not.
     cap = 0.03
     overrides = base_overrides(prompts, srv.url(), out, kimi_dir, usd=cap, concurrency=64)
+    # The plain reservation mechanics: no overbilling guard (tested in test_generate_hostile).
     overrides += ["provider.params.max_tokens=128", "budget.reserve_factor=1.0"]
+    overrides += ["budget.overbill_guard=1.0"]
     if not from_listing:
         overrides += [
             f"provider.pricing.input_usd_per_mtok={beh.input_price * 1e6}",

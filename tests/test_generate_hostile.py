@@ -347,3 +347,34 @@ def test_an_answer_above_max_response_mb_is_cut_off_booked_and_failed(
     assert failed[0]["cost"] > 0  # booked at its worst case: it may have been billed
     assert summary["spend_usd"] >= srv.total_cost() - 1e-12
     assert "max_response_mb" in records["s0"]["error"]["message"]
+
+
+@pytest.mark.parametrize("guard", [1.0, 3.0])
+def test_f8_the_first_wave_at_3x_overbilling_stays_under_the_cap(
+    tmp_path: Path, fake_openrouter, kimi_dir: Path, api_key_env: str, guard: float
+) -> None:
+    """Before any answer returns, nothing shows the provider overbills: 64 requests go out at
+    once. Only holding each one at `budget.overbill_guard` x its worst case keeps a provider
+    that bills 3x its prices under the cap; without the guard the first wave alone crosses it."""
+    srv = fake_openrouter(default=Behaviour(overbill=3.0, delay_s=0.3))
+    cap = 0.004
+    status, summary, out, ids = _run(
+        tmp_path,
+        srv.url(),
+        kimi_dir,
+        n=64,
+        usd=cap,
+        name=f"g{guard:g}",
+        extra=[
+            "provider.params.max_tokens=8",
+            "budget.reserve_factor=1.0",
+            "provider.concurrency=64",
+            f"budget.overbill_guard={guard}",
+        ],
+    )
+    assert status == 0 and summary is not None
+    if guard == 1.0:
+        assert srv.total_cost() > cap  # what the guard is for
+    else:
+        assert 0 < srv.total_cost() <= cap  # it bought, and stayed under
+        assert summary["spend_usd"] >= srv.total_cost() - 1e-12

@@ -6,7 +6,8 @@ cost. `spent + reserved` never exceeds the cap, so the money spent cannot exceed
 however many requests are in flight. An answer billed above its reservation raises
 `overbill_ratio`: every reservation still in flight, and every new one, then counts at that
 multiple, so dispatch pauses instead of running past the cap at a provider that bills more
-than its prices say. `floor_spent_usd` lets an outside count (the key's usage at the
+than its prices say; `overbill_guard` holds them at a multiple from the first request on,
+before any answer has shown a ratio. `floor_spent_usd` lets an outside count (the key's usage at the
 provider) raise the spend the caps see.
 All methods are synchronous and hold a lock: safe from asyncio tasks and from threads.
 """
@@ -47,6 +48,7 @@ class Budget:
         spent_usd: float = 0.0,
         done_samples: int = 0,
         used_output_tokens: int = 0,
+        overbill_guard: float = 1.0,
     ) -> None:
         self.cap_usd = usd
         self.max_samples = max_samples
@@ -59,6 +61,10 @@ class Budget:
         self.reserved_output_tokens = 0
         self.overruns = 0  # answers that cost more than their reservation
         self.overbill_ratio = 1.0  # largest cost / reservation seen (>= 1)
+        # In-flight reservations count at least this multiple from the first request on: a
+        # provider that bills up to this much over its prices cannot push spend past the cap
+        # before its first answer shows the ratio.
+        self.overbill_guard = max(1.0, float(overbill_guard))
         self.floor_spent_usd = 0.0  # spend proven by an outside count (the key's usage)
         self._lock = threading.Lock()
 
@@ -72,8 +78,13 @@ class Budget:
         """The spend the caps see: ours, or the outside count when that is higher."""
         return max(self.spent_usd, self.floor_spent_usd)
 
+    @property
+    def hold_ratio(self) -> float:
+        """The multiple of its worst case each request in flight is held at."""
+        return max(self.overbill_ratio, self.overbill_guard)
+
     def _blocker(self, usd: float, output_tokens: int, sample: bool) -> str | None:
-        held = (self.reserved_usd + usd) * self.overbill_ratio
+        held = (self.reserved_usd + usd) * self.hold_ratio
         if self.cap_usd is not None and self.counted_spent_usd + held > self.cap_usd:
             return "budget_usd"
         if (

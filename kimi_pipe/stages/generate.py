@@ -236,7 +236,8 @@ class Generator:
         b = self.cfg.budget
         budget = Budget(b.get("usd"), b.get("max_samples"), b.get("max_output_tokens"),
                         spent_usd=self.spent_before, done_samples=index.answered,
-                        used_output_tokens=index.output_tokens)
+                        used_output_tokens=index.output_tokens,
+                        overbill_guard=float(b.get("overbill_guard") or 1.0))
         self.budget = budget
         self.key_start = await self._check_key()
         self.http_client = size_limited_client(self.settings)
