@@ -16,21 +16,21 @@ from typing import Any
 
 import jinja2
 import pytest
-from conftest import expected_output_ids, load_or_skip, model_config, read_cases
+from conftest import (
+    TAIL_KEPT,
+    TAIL_KEPT_OVERRIDE,
+    expected_output_ids,
+    load_or_skip,
+    model_config,
+    read_cases,
+)
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kimi_pipe.core.models import MarkerMismatch, Model, load_model
 from kimi_pipe.core.prompt_render import prompt_ids
 from kimi_pipe.core.reconstruction import ERRORS, reconstruct
-from kimi_pipe.core.serving import ServingProfile
 from kimi_pipe.core.tokenizers import TokenizerNotFound, TokenizerSpec, resolve_tokenizer_dir
-
-# The hand-written answers keep the reasoning's trailing whitespace, as a stack that declares
-# `reasoning_tail: kept` does; under the default `unknown` profile a tail that could have lost
-# a newline is flagged (test_reconstruction.py, test_unknown_stack_flags_...).
-TAIL_KEPT = ServingProfile(name="tail_kept", reasoning_tail="kept")
-
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 CASES = read_cases("qwen3_5_responses.jsonl")
@@ -312,7 +312,7 @@ def test_reconstruct_stage_runs_with_model_qwen3_5(qwen: Model, tmp_path: Path) 
 
     target = tmp_path / "out.jsonl"
     source = FIXTURES / "qwen3_5_responses.jsonl"
-    args = ["model=qwen3_5", f"input={source}", f"output={target}", "serving.reasoning_tail=kept"]
+    args = ["model=qwen3_5", f"input={source}", f"output={target}", TAIL_KEPT_OVERRIDE]
     assert main(args) == 0
     records = [json.loads(line) for line in target.read_text(encoding="utf-8").splitlines()]
     assert [r["id"] for r in records] == [c["id"] for c in CASES]

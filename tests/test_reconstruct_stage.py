@@ -12,14 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import TAIL_KEPT, TAIL_KEPT_OVERRIDE
 
 from kimi_pipe.core.models import Model
 from kimi_pipe.core.reconstruction import ERRORS
-from kimi_pipe.core.serving import ServingProfile
 from kimi_pipe.stages.reconstruct import run
-
-# The sample answers keep the reasoning's tail (the default `unknown` profile would flag it).
-TAIL_KEPT = ServingProfile(name="tail_kept", reasoning_tail="kept")
 
 REPO = Path(__file__).resolve().parent.parent
 GOOD = {
@@ -67,7 +64,7 @@ def test_hostile_lines_are_malformed_records_and_the_batch_goes_on(
     done = subprocess.run(
         [sys.executable, "-m", "kimi_pipe.reconstruct", "model=kimi_k25"]
         + [f"model.tokenizer.path={kimi_dir}", f"input={source}", f"output={target}"]
-        + ["serving.reasoning_tail=kept"],
+        + [TAIL_KEPT_OVERRIDE],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -154,7 +151,7 @@ def test_main_prints_the_counts(
     assert (
         main(
             ["model=kimi_k25", f"model.tokenizer.path={kimi_dir}"]
-            + [f"input={source}", f"output={target}", "serving.reasoning_tail=kept"]
+            + [f"input={source}", f"output={target}", TAIL_KEPT_OVERRIDE]
         )
         == 0
     )

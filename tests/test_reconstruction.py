@@ -11,18 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import expected_output_ids
+from conftest import TAIL_KEPT, expected_output_ids
 from kimi_reference import reference_prompt_ids
 
 from kimi_pipe.core.models import Model
 from kimi_pipe.core.reconstruction import ERRORS, reconstruct
-from kimi_pipe.core.serving import ServingProfile
-
-# The hand-written answers keep the reasoning's trailing whitespace, as a stack that declares
-# `reasoning_tail: kept` does; under the default `unknown` profile a tail that could have lost
-# a newline is flagged (test_reconstruction.py, test_unknown_stack_flags_...).
-TAIL_KEPT = ServingProfile(name="tail_kept", reasoning_tail="kept")
-
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 

@@ -7,17 +7,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from conftest import load_or_skip, read_cases
+from conftest import TAIL_KEPT, load_or_skip, read_cases
 from snapshot_format import TokenSnapshot, render_snapshot
 
 from kimi_pipe.core.reconstruction import reconstruct
-from kimi_pipe.core.serving import ServingProfile
-
-# The hand-written answers keep the reasoning's trailing whitespace, as a stack that declares
-# `reasoning_tail: kept` does; under the default `unknown` profile a tail that could have lost
-# a newline is flagged (test_reconstruction.py, test_unknown_stack_flags_...).
-TAIL_KEPT = ServingProfile(name="tail_kept", reasoning_tail="kept")
-
 
 # (model config, fixture corpus): adding a model family adds a line here and its snapshots.
 CORPORA = [
