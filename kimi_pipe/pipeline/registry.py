@@ -127,17 +127,12 @@ class ReconstructStage(OutputsExist):
         return [ctx.run_dir / "reconstructed.jsonl"]
 
     def run(self, ctx: StageContext) -> dict[str, Any]:
-        from kimi_pipe.core.logprobs import policy_from_config
         from kimi_pipe.core.models import load_model
-        from kimi_pipe.core.serving import serving_profile
-        from kimi_pipe.stages.reconstruct import run as reconstruct_run
+        from kimi_pipe.stages.reconstruct import run_configured
         from kimi_pipe.store.records import iter_records
 
         source, target = ctx.run_dir / "records.jsonl", ctx.run_dir / "reconstructed.jsonl"
-        tolerance = int(ctx.cfg.validation.billing_tolerance)
-        policy, serving = policy_from_config(ctx.cfg), serving_profile(ctx.cfg)
-        model = load_model(ctx.cfg.model)
-        counts = reconstruct_run(model, source, target, tolerance, policy, serving)
+        counts = run_configured(ctx.cfg, load_model(ctx.cfg.model), source, target)
         inline = {r["id"]: r for r in iter_records(source) if not r.get("error")}
         same = differ = 0
         for rec in iter_records(target):

@@ -250,13 +250,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     target = Path(cfg.output)
     try:
         serving = serving_profile(cfg)
-    except ValueError as exc:
+    except ValueError as exc:  # checked before any line is read
         print(f"error: conf/serving: {exc}", file=sys.stderr)
         return 2
-    tolerance = int(cfg.validation.billing_tolerance)
-    counts = run(model, source, target, tolerance, policy_from_config(cfg), serving)
+    counts = run_configured(cfg, model, source, target, serving)
     print("\n".join(summary_lines(counts, target)), file=sys.stderr)
     return 0
+
+
+def run_configured(
+    cfg: Any, model: Model, source: Path, target: Path, serving: ServingProfile | None = None
+) -> Counter[str]:
+    """`run` with the settings the composed config gives: billing tolerance, logprob policy
+    and serving profile (the CLI and the runner's reconstruct stage both use it)."""
+    serving = serving or serving_profile(cfg)
+    tolerance = int(cfg.validation.billing_tolerance)
+    return run(model, source, target, tolerance, policy_from_config(cfg), serving)
 
 
 if __name__ == "__main__":
