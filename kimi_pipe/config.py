@@ -14,6 +14,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from kimi_pipe.errors import ConfigError
+
 PACKAGE_DIR = Path(__file__).resolve().parent
 REPO_DIR = PACKAGE_DIR.parent  # the checkout; in an installed wheel this is site-packages
 
@@ -30,7 +32,7 @@ CONF_DIR = bundled_dir("conf")
 DATA_DIR = bundled_dir("data")
 
 
-class ConfigDirMissing(FileNotFoundError):
+class ConfigDirMissing(ConfigError, FileNotFoundError):
     """Neither the package nor a checkout holds the Hydra configs."""
 
 

@@ -1,9 +1,9 @@
 """The house: subpackages import downwards only and no module imports itself round a cycle.
 
-Layers, lowest first: config, progress -> core -> store -> providers / extraction -> reporting ->
-stages -> pipeline -> cli. A module may import its own layer or lower ones (imports inside
-functions included), never a higher one; the top-level alias modules (`kimi_pipe.generate`
-...) may import anything.
+Layers, lowest first: errors, config, progress -> core -> store -> providers / extraction ->
+reporting -> stages -> pipeline -> cli. A module may import its own layer or lower ones
+(imports inside functions included), never a higher one; the top-level alias modules
+(`kimi_pipe.generate` ...) may import anything.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "kimi_pipe"
 LAYERS = {
+    "errors": 0,
     "config": 0,
     "progress": 0,
     "core": 1,

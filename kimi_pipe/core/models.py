@@ -16,9 +16,10 @@ from kimi_pipe.core.tokenizers import (
     load_tokenizer,
     split_for_bpe,
 )
+from kimi_pipe.errors import ConfigError
 
 
-class MarkerMismatch(ValueError):
+class MarkerMismatch(ConfigError, ValueError):
     """A configured marker id disagrees with the tokenizer: refuse to start."""
 
 

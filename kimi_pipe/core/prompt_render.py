@@ -12,9 +12,10 @@ from typing import Any
 
 from kimi_pipe.core.formats import Marker, ModelFormat, OutputFormat, Piece, PromptFormat
 from kimi_pipe.core.models import Model
+from kimi_pipe.errors import InputError
 
 
-class PromptError(ValueError):
+class PromptError(InputError, ValueError):
     """The messages cannot be rendered (unknown role, unsupported content part, ...)."""
 
 

@@ -18,10 +18,12 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Protocol
 
+from kimi_pipe.errors import ConfigError
+
 STRICT_ENV = "KIMI_PIPE_STRICT"
 
 
-class TokenizerNotFound(FileNotFoundError):
+class TokenizerNotFound(ConfigError, FileNotFoundError):
     """The tokenizer files could not be located; the message says how to provide them."""
 
 

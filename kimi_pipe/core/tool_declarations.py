@@ -25,6 +25,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kimi_pipe.errors import InputError
+
 STYLES: tuple[str, ...] = ("typescript", "json_lines", "json_compact")
 
 _INDENT = "  "
@@ -48,7 +50,7 @@ _UNION_MEMBERS = {
 }
 
 
-class ToolDeclarationError(ValueError):
+class ToolDeclarationError(InputError, ValueError):
     """Moonshot's encoder cannot express these tools; the chat template falls back to JSON."""
 
 

@@ -33,6 +33,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from kimi_pipe.config import DATA_DIR
+from kimi_pipe.errors import KimiPipeError
 from kimi_pipe.pipeline.runner import PipelineError, PipelineRun, print_run, run_pipeline
 
 DEMO_PROMPTS = DATA_DIR / "demo_prompts.jsonl"
@@ -40,7 +41,7 @@ DEMO_PROMPTS = DATA_DIR / "demo_prompts.jsonl"
 log = logging.getLogger("kimi_pipe.demo")
 
 
-class DemoError(RuntimeError):
+class DemoError(KimiPipeError, RuntimeError):
     """A step failed; the message names the step and where to look."""
 
 

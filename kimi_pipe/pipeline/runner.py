@@ -31,6 +31,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from kimi_pipe.errors import KimiPipeError
 from kimi_pipe.pipeline.registry import resolve_stage
 from kimi_pipe.pipeline.stage import Stage, StageContext
 from kimi_pipe.store.run_lock import RunDirLocked, RunLock
@@ -41,7 +42,7 @@ RUN_SUMMARY = "pipeline_summary.json"
 log = logging.getLogger("kimi_pipe.run")
 
 
-class PipelineError(RuntimeError):
+class PipelineError(KimiPipeError, RuntimeError):
     """The pipeline cannot go on; the message names the stage and where to look."""
 
 

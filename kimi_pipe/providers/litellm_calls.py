@@ -22,6 +22,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from kimi_pipe.core.reconstruction import LENGTH_REASONS
+from kimi_pipe.errors import ConfigError, ProviderError
 
 log = logging.getLogger(__name__)
 
@@ -44,11 +45,11 @@ def get_litellm() -> Any:
     return _litellm
 
 
-class MissingApiKey(RuntimeError):
+class MissingApiKey(ConfigError, RuntimeError):
     pass
 
 
-class ProviderConfigError(ValueError):
+class ProviderConfigError(ConfigError, ValueError):
     pass
 
 
@@ -371,7 +372,7 @@ def generation_id_of(response: Mapping[str, Any] | None, hidden: Mapping[str, An
     return rid if isinstance(rid, str) and rid.startswith("gen-") else None
 
 
-class ResponseTooLarge(Exception):
+class ResponseTooLarge(ProviderError):
     pass
 
 

@@ -25,6 +25,8 @@ from typing import Any
 
 import httpx
 
+from kimi_pipe.errors import ProviderError
+
 # The child must never reach the network: no Hub look-ups, no PyPI update check.
 OFFLINE_ENV = {
     "HF_HUB_OFFLINE": "1",
@@ -34,7 +36,7 @@ OFFLINE_ENV = {
 }
 
 
-class ServerError(RuntimeError):
+class ServerError(ProviderError, RuntimeError):
     """The local server did not come up (the message carries the tail of its log)."""
 
 

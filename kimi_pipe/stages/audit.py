@@ -36,6 +36,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from kimi_pipe.errors import InputError
 from kimi_pipe.store.records import RecordWriter, iter_records
 
 log = logging.getLogger("kimi_pipe.audit")
@@ -56,7 +57,7 @@ AUDIT_JSON = "audit.json"
 AUDIT_MD = "audit.md"
 
 
-class AuditError(RuntimeError):
+class AuditError(InputError, RuntimeError):
     """A start-up problem (missing file, bad setting) with a message for the user."""
 
 

@@ -39,6 +39,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from kimi_pipe.config import CONF_DIR
 from kimi_pipe.core.answer_checks import TextRepair, answer_issues, clean_text
+from kimi_pipe.errors import KimiPipeError
 from kimi_pipe.progress import Progress, Snapshot
 from kimi_pipe.providers.budget import Budget, BudgetGate, Pricing, Reservation
 from kimi_pipe.providers.litellm_calls import (
@@ -74,7 +75,7 @@ REMAINING = "the remaining budget"
 EXIT_CONFIG, EXIT_STOPPED, EXIT_ALL_FAILED, EXIT_INTERRUPTED = 2, 3, 4, 130
 
 
-class GenerateError(RuntimeError):
+class GenerateError(KimiPipeError, RuntimeError):
     """A start-up problem with a message for the user (exit status 2)."""
 
 
@@ -704,7 +705,7 @@ _SECRET_HEADERS = ("authorization", "api-key", "api_key", "apikey", "x-api-key",
 # Environment variables that hold secrets (OPENROUTER_API_KEY, HF_TOKEN, ...).
 _SECRET_VAR = re.compile(r"(?:API_?KEY|_TOKEN|_SECRET|ACCESS_KEY)$")
 # What API keys look like (OpenRouter sk-or-v1-..., OpenAI sk-..., bearer tokens).
-_KEY_SHAPE = re.compile(r"(?:\bsk-[A-Za-z0-9_-]{16,}|\bBearer\s+\S{8,})")
+_KEY_SHAPE = re.compile(r"(?:\bsk[-][A-Za-z0-9_-]{16,}|\bBearer\s+\S{8,})")
 
 
 def key_in_overrides(argv: list[str], environ: dict[str, str] | None = None) -> str | None:

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from kimi_pipe.config import CONF_DIR
+from kimi_pipe.errors import ConfigError
 
 CLEAN, SEEN, UNKNOWN = "clean", "seen", "unknown"
 NATIVE_ID = re.compile(r"^functions\.(?P<name>[^:\s]+):(?P<index>\d+)$")
@@ -38,7 +39,7 @@ USAGE = (
 )
 
 
-class ProbeError(ValueError):
+class ProbeError(ConfigError, ValueError):
     """A bad battery or argument, with a message that says how to fix it."""
 
 

@@ -29,6 +29,7 @@ from kimi_pipe.core.logprobs import LogprobPolicy, apply_logprobs, policy_from_c
 from kimi_pipe.core.models import Model, load_model
 from kimi_pipe.core.reconstruction import ERRORS, reconstruct
 from kimi_pipe.core.serving import ServingProfile, serving_profile
+from kimi_pipe.errors import InputError
 
 MALFORMED = "malformed_record"
 # Codes that make a record flagged: the reconstruction errors and the stage's own.
@@ -39,7 +40,7 @@ UTF8_BOM = b"\xef\xbb\xbf"
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
-class BadLine(ValueError):
+class BadLine(InputError, ValueError):
     """An input line that cannot become a sample; the message says where and why."""
 
 

@@ -24,12 +24,14 @@ from typing import Any
 
 import torch
 
+from kimi_pipe.errors import StoreError
+
 POST_NORM = "post_norm"
 PRE_NORM = "pre_norm"
 FINAL_NORM_TYPES = ("rms_norm",)
 
 
-class ConventionError(ValueError):
+class ConventionError(StoreError, ValueError):
     """The store cannot be exported in the convention a trainer needs."""
 
 

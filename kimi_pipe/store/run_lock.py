@@ -12,10 +12,12 @@ import os
 import socket
 from pathlib import Path
 
+from kimi_pipe.errors import StoreError
+
 LOCK = ".lock"
 
 
-class RunDirLocked(RuntimeError):
+class RunDirLocked(StoreError, RuntimeError):
     """Another live process holds the run directory."""
 
 

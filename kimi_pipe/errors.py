@@ -1,0 +1,108 @@
+"""One tree for every failure a user can cause or fix, and the one handler that reports it.
+
+Every user-facing failure raises a `KimiPipeError` subclass; the command line turns it into
+one line on stderr (`error: ...`, naming the path or value) and exit 2. Anything else is a
+bug and keeps its traceback. Classes that predate the tree keep their old builtin base too
+(`TokenizerNotFound` is still a `FileNotFoundError`), so existing `except` clauses hold.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import ParamSpec, TypeVar
+
+EXIT_USER_ERROR = 2
+
+__all__ = [
+    "EXIT_USER_ERROR",
+    "BudgetError",
+    "ConfigError",
+    "InputError",
+    "KimiPipeError",
+    "ProviderError",
+    "StoreError",
+    "exit_on_user_error",
+    "one_line",
+    "user_errors",
+]
+
+
+class KimiPipeError(Exception):
+    """A failure the user can act on: reported as one line, exit 2."""
+
+
+class ConfigError(KimiPipeError):
+    """A config value, group choice or override is wrong (or a config file is missing)."""
+
+
+class InputError(KimiPipeError):
+    """An input file or record the stage was given is missing or unreadable."""
+
+
+class ProviderError(KimiPipeError):
+    """The provider (or the local server) refused, failed or answered something unusable."""
+
+
+class BudgetError(KimiPipeError):
+    """The USD cap, a listed price or the key's credit stops the job."""
+
+
+class StoreError(KimiPipeError):
+    """A run directory, record file or hidden-state store cannot be used as asked."""
+
+
+# OS errors a user fixes (a path, a permission, a full disk), not bugs.
+_HOST_ERRNOS = {
+    errno.ENOENT: "no such file or directory",
+    errno.ENOTDIR: "not a directory",
+    errno.EISDIR: "is a directory",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+    errno.EROFS: "read-only file system",
+    errno.ENOSPC: "no space left on device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.ELOOP: "too many levels of symbolic links (or a symlink refused)",
+    errno.EEXIST: "file exists",
+}
+
+
+def one_line(exc: BaseException) -> str | None:
+    """The one-line message for a user-facing failure; None for a bug (keep the traceback)."""
+    if isinstance(exc, KimiPipeError):
+        return " ".join(str(exc).split()) or type(exc).__name__
+    if isinstance(exc, OSError) and exc.errno in _HOST_ERRNOS and exc.filename is not None:
+        where = f"{exc.filename}" + (f" -> {exc.filename2}" if exc.filename2 else "")
+        return f"{where}: {_HOST_ERRNOS[exc.errno]}"
+    return None
+
+
+@contextmanager
+def user_errors(prefix: str = "error") -> Iterator[None]:
+    """Turn a user-facing failure raised inside into one stderr line and SystemExit(2)."""
+    try:
+        yield
+    except (KimiPipeError, OSError) as exc:
+        message = one_line(exc)
+        if message is None:
+            raise
+        print(f"{prefix}: {message}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_USER_ERROR) from None
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def exit_on_user_error(fn: Callable[P, R]) -> Callable[P, R]:
+    """Decorator form of `user_errors` for a stage's `main()`."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        with user_errors():
+            return fn(*args, **kwargs)
+
+    return wrapper
