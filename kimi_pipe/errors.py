@@ -2,8 +2,9 @@
 
 Every user-facing failure raises a `KimiPipeError` subclass; the command line turns it into
 one line on stderr (`error: ...`, naming the path or value) and exit 2. Anything else is a
-bug and keeps its traceback. Classes that predate the tree keep their old builtin base too
-(`TokenizerNotFound` is still a `FileNotFoundError`), so existing `except` clauses hold.
+bug and keeps its traceback. Each class is also the builtin kind it replaces (a `ConfigError`
+is a `ValueError`, a `MissingFile` a `FileNotFoundError`, ...), so `raise ValueError` at a
+user-facing site becomes `raise ConfigError` without breaking an `except ValueError`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ __all__ = [
     "ConfigError",
     "InputError",
     "KimiPipeError",
+    "MissingFile",
     "ProviderError",
     "StoreError",
     "exit_on_user_error",
@@ -35,23 +37,27 @@ class KimiPipeError(Exception):
     """A failure the user can act on: reported as one line, exit 2."""
 
 
-class ConfigError(KimiPipeError):
+class ConfigError(KimiPipeError, ValueError):
     """A config value, group choice or override is wrong (or a config file is missing)."""
 
 
-class InputError(KimiPipeError):
-    """An input file or record the stage was given is missing or unreadable."""
+class InputError(KimiPipeError, ValueError):
+    """An input file or record the stage was given is unusable."""
 
 
-class ProviderError(KimiPipeError):
+class MissingFile(InputError, FileNotFoundError):
+    """A file or directory the stage needs is not there (the message says how to make it)."""
+
+
+class ProviderError(KimiPipeError, RuntimeError):
     """The provider (or the local server) refused, failed or answered something unusable."""
 
 
-class BudgetError(KimiPipeError):
+class BudgetError(KimiPipeError, RuntimeError):
     """The USD cap, a listed price or the key's credit stops the job."""
 
 
-class StoreError(KimiPipeError):
+class StoreError(KimiPipeError, RuntimeError):
     """A run directory, record file or hidden-state store cannot be used as asked."""
 
 

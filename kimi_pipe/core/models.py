@@ -19,7 +19,7 @@ from kimi_pipe.core.tokenizers import (
 from kimi_pipe.errors import ConfigError
 
 
-class MarkerMismatch(ConfigError, ValueError):
+class MarkerMismatch(ConfigError):
     """A configured marker id disagrees with the tokenizer: refuse to start."""
 
 

@@ -15,7 +15,7 @@ from kimi_pipe.core.models import Model
 from kimi_pipe.errors import InputError
 
 
-class PromptError(InputError, ValueError):
+class PromptError(InputError):
     """The messages cannot be rendered (unknown role, unsupported content part, ...)."""
 
 

@@ -50,7 +50,7 @@ _UNION_MEMBERS = {
 }
 
 
-class ToolDeclarationError(InputError, ValueError):
+class ToolDeclarationError(InputError):
     """Moonshot's encoder cannot express these tools; the chat template falls back to JSON."""
 
 

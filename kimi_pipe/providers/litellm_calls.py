@@ -49,7 +49,7 @@ class MissingApiKey(ConfigError, RuntimeError):
     pass
 
 
-class ProviderConfigError(ConfigError, ValueError):
+class ProviderConfigError(ConfigError):
     pass
 
 

@@ -36,7 +36,7 @@ OFFLINE_ENV = {
 }
 
 
-class ServerError(ProviderError, RuntimeError):
+class ServerError(ProviderError):
     """The local server did not come up (the message carries the tail of its log)."""
 
 

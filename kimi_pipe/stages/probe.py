@@ -39,7 +39,7 @@ USAGE = (
 )
 
 
-class ProbeError(ConfigError, ValueError):
+class ProbeError(ConfigError):
     """A bad battery or argument, with a message that says how to fix it."""
 
 

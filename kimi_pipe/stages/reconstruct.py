@@ -40,7 +40,7 @@ UTF8_BOM = b"\xef\xbb\xbf"
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
-class BadLine(InputError, ValueError):
+class BadLine(InputError):
     """An input line that cannot become a sample; the message says where and why."""
 
 

@@ -17,7 +17,7 @@ from kimi_pipe.errors import StoreError
 LOCK = ".lock"
 
 
-class RunDirLocked(StoreError, RuntimeError):
+class RunDirLocked(StoreError):
     """Another live process holds the run directory."""
 
 
