@@ -12,53 +12,20 @@ import importlib
 import importlib.util
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+
+from kimi_pipe.errors import EXIT_USER_ERROR, one_line
+from kimi_pipe.pipeline.registry import ENTRIES, StageEntry
+
+# The stage table is the registry's (kimi_pipe/pipeline/registry.py): one place for both.
 
 
-@dataclass(frozen=True)
-class Stage:
-    module: str
-    extra: str  # the pip extra that brings the stage's dependencies ("" = the base install)
-    summary: str
-    # Top-level modules the stage imports, checked before it runs: Hydra stages import
-    # lazily inside @hydra.main, where a missing package is only a logged traceback.
-    needs: tuple[str, ...] = ()
+def Stage(module: str, extra: str, summary: str, needs: tuple[str, ...] = ()) -> StageEntry:  # noqa: N802
+    """A command entry by its module (what this table held before the registry)."""
+    return StageEntry(module.rsplit(".", 1)[-1], module, summary, extra, needs)
 
+STAGES: dict[str, StageEntry] = {name: e for name, e in ENTRIES.items() if e.command}
 
-_GENERATE = ("litellm", "httpx", "datasets", "numpy")
-_EXTRACT = ("torch", "transformers", "safetensors", "accelerate", "datasets", "numpy")
-_REPORT = ("matplotlib", "jsonschema")
-
-STAGES: dict[str, Stage] = {
-    "generate": Stage(
-        "kimi_pipe.stages.generate", "generate", "buy answers from a provider", _GENERATE
-    ),
-    "reconstruct": Stage(
-        "kimi_pipe.stages.reconstruct", "", "provider answers -> exact token ids (the contract)"
-    ),
-    "audit": Stage("kimi_pipe.stages.audit", "extract", "audit reconstructed records", _EXTRACT),
-    "extract": Stage(
-        "kimi_pipe.stages.extract", "extract", "hidden states from the target", _EXTRACT
-    ),
-    "export": Stage("kimi_pipe.stages.export", "extract", "EAGLE-3 training data", _EXTRACT),
-    "sweep": Stage(
-        "kimi_pipe.stages.sweep", "generate,report", "compare providers", _GENERATE + _REPORT
-    ),
-    "report": Stage("kimi_pipe.stages.report", "report", "report over finished runs", _REPORT),
-    "probe": Stage(
-        "kimi_pipe.stages.probe", "generate", "conformance probes per provider", _GENERATE
-    ),
-    "demo": Stage(
-        "kimi_pipe.pipeline.demo",
-        "all",
-        "the whole pipeline offline on SmolLM2",
-        _GENERATE + _EXTRACT + _REPORT,
-    ),
-    # The generic runner (`kimi-pipe run pipeline=demo`); its module is imported by name.
-    "run": Stage("kimi_pipe.run", "all", "run a pipeline config end to end"),
-}
-
-EXIT_USAGE = 2
+EXIT_USAGE = EXIT_USER_ERROR
 
 
 def usage() -> str:
@@ -73,11 +40,11 @@ def usage() -> str:
     return "\n".join(lines)
 
 
-def missing_modules(stage: Stage) -> list[str]:
+def missing_modules(stage: StageEntry) -> list[str]:
     return [module for module in stage.needs if importlib.util.find_spec(module) is None]
 
 
-def _missing_dependency(name: str, stage: Stage, missing: str) -> int:
+def _missing_dependency(name: str, stage: StageEntry, missing: str) -> int:
     if missing.split(".")[0] == "kimi_pipe":
         print(
             f"error: stage {name!r} is not in this kimi_pipe version ({missing} is missing)",
@@ -120,6 +87,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if (exc.name or "").split(".")[0] == "kimi_pipe":
             raise
         return _missing_dependency(name, stage, exc.name or str(exc))
+    except Exception as exc:  # a stage that let a user-facing failure through
+        message = one_line(exc)
+        if message is None:
+            raise
+        print(f"error: {message}", file=sys.stderr)
+        return EXIT_USAGE
     finally:
         sys.argv = saved_argv
     return int(status or 0)

@@ -27,6 +27,7 @@ __all__ = [
     "MissingFile",
     "ProviderError",
     "StoreError",
+    "UsageError",
     "exit_on_user_error",
     "one_line",
     "user_errors",
@@ -43,6 +44,15 @@ class ConfigError(KimiPipeError, ValueError):
 
 class InputError(KimiPipeError, ValueError):
     """An input file or record the stage was given is unusable."""
+
+
+class UsageError(ConfigError, SystemExit):
+    """A command-line argument is wrong. Also a SystemExit(2): a command that used to exit on
+    it still does, with the usage in the message."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.code = EXIT_USER_ERROR
 
 
 class MissingFile(InputError, FileNotFoundError):

@@ -173,14 +173,24 @@ def test_pipeline_settings_yield_to_the_command_line(tmp_path: Path) -> None:
     )  # fmt: skip
 
 
-def test_sweep_stage_builds_the_sweep_command(tmp_path: Path) -> None:
+def test_sweep_stage_runs_the_sweep_as_a_function(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 18: the sweep stage calls the sweep (no argv strings); the pipeline's own probe
+    stage ran the probes, so its sweep stage does not probe again."""
+    from kimi_pipe.pipeline.runner import stage_config
+    from kimi_pipe.stages import sweep
+
+    seen: list[sweep.SweepArgs] = []
+    monkeypatch.setattr(sweep, "sweep", lambda args: seen.append(args) or 0)
     cfg = compose(["pipeline=sweep", "dataset=B5", "sweep.providers=[a,b]", "sweep.usd=2"])
-    ctx = StageContext(cfg, tmp_path)
-    argv = SweepStage().argv(ctx)
-    assert argv[:4] == ["dataset=B5", "providers=a,b", "n=50", "usd=2.0"]
-    assert "probes=false" not in argv  # run alone, the sweep probes first itself
-    after_probe = SweepStage().argv(StageContext(cfg, tmp_path, {"probe": {"usable": ["a"]}}))
-    assert "probes=false" in after_probe
+    SweepStage().run(StageContext(cfg, tmp_path))
+    args = seen[-1]
+    assert (args.dataset, args.providers, args.n, args.usd) == ("B5", ["a", "b"], 50, 2.0)
+    assert args.probes and args.sweep_dir == tmp_path  # run alone, the sweep probes first
+    [_, sweep_spec] = stage_specs(cfg)
+    SweepStage().run(StageContext(stage_config(cfg, sweep_spec.overrides), tmp_path))
+    assert not seen[-1].probes
     missing = compose(["pipeline=sweep", "dataset=B5"])
     with pytest.raises(Exception, match="sweep.providers"):
-        SweepStage().argv(StageContext(missing, tmp_path))
+        SweepStage().run(StageContext(missing, tmp_path))

@@ -1,371 +1,188 @@
-"""The built-in stages, as the runner sees them: thin adapters over `kimi_pipe.stages`.
+"""The one table of stages: what each reads, writes and depends on, as data.
 
-Each adapter says what its stage reads and writes inside the run directory and calls the
-stage's own function, so `python -m kimi_pipe.<stage>` and a pipeline do the same work.
-A new stage: a class with the `Stage` protocol, here (and in `STAGES`) or anywhere
-importable as `module:Class` in a pipeline's `stages:` list.
+Every built-in stage is a module of `kimi_pipe.stages` with the same shape:
+
+- `run_stage(cfg, run_dir) -> dict` does (or finishes) the work and returns a JSON-able summary;
+- `main(argv)` is its command line (`kimi_pipe.stages.command`);
+- optionally `inputs(cfg, run_dir)`, `outputs(cfg, run_dir)`, `is_complete(cfg, run_dir)` and
+  `complete_note(cfg, run_dir)` where the entry's plain file lists do not say enough.
+
+`STAGE_TABLE` below is read by the runner (pipelines) and by the `kimi-pipe` command (its
+stage list and the extras it checks). A new stage is one module plus one entry here; a stage
+of your own needs no entry: name it `module:Class` (a class with the `Stage` protocol) in a
+pipeline's `stages:` list.
 """
 
 from __future__ import annotations
 
 import importlib
-import json
 import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from kimi_pipe.errors import ConfigError
 from kimi_pipe.pipeline.stage import Stage, StageContext
 
+_GENERATE = ("litellm", "httpx", "datasets", "numpy")
+_EXTRACT = ("torch", "transformers", "safetensors", "accelerate", "datasets", "numpy")
+_REPORT = ("matplotlib", "jsonschema")
 
-def set_key(cfg: DictConfig, key: str, value: Any) -> None:
-    with open_dict(cfg):
-        OmegaConf.update(cfg, key, value, force_add=True)
 
+@dataclass(frozen=True)
+class StageEntry:
+    """One stage as data."""
 
-class OutputsExist:
-    """Default completeness: every declared output exists (the stage wrote it last).
-
-    `settings` names the config keys that define a stage's work: the runner re-runs a
-    finished stage when one of them changed (or an earlier stage ran again).
-    """
-
-    name = "stage"
+    name: str
+    module: str  # the stage module (run_stage + main)
+    summary: str  # one line for `kimi-pipe --help`
+    extra: str = ""  # the pip extra that brings its dependencies ("" = the base install)
+    # Top-level modules it imports, checked before it runs (a missing one names the extra).
+    needs: tuple[str, ...] = ()
+    # Config keys that define its work: a finished stage re-runs when one changed.
     settings: tuple[str, ...] | None = None
+    reads: tuple[str, ...] = ()  # files in the run directory it needs
+    writes: tuple[str, ...] = ()  # files in the run directory it makes
+    # Config keys filled from an earlier stage's result when empty: {"stores": "extract.store"}.
+    from_results: Mapping[str, str] = field(default_factory=dict)
+    in_pipelines: bool = True  # False: a command only (demo, run)
+    command: bool = True  # False: a pipeline step only (no `kimi-pipe <name>`)
+
+
+STAGE_TABLE: tuple[StageEntry, ...] = (
+    StageEntry("model", "kimi_pipe.stages.model", "convert the embedded local model (cached)",
+               "extract", _EXTRACT, settings=("model.local_model", "model.hf_weights"),
+               command=False),
+    StageEntry("generate", "kimi_pipe.stages.generate", "buy answers from a provider",
+               "generate", _GENERATE,
+               settings=("model", "provider", "dataset", "budget", "validation", "serving",
+                         "output_dir")),
+    StageEntry("reconstruct", "kimi_pipe.stages.reconstruct",
+               "provider answers -> exact token ids (the contract)",
+               settings=("model", "validation", "serving", "provider.logprobs"),
+               reads=("records.jsonl",), writes=("reconstructed.jsonl",)),
+    StageEntry("audit", "kimi_pipe.stages.audit", "audit reconstructed records", "extract",
+               _EXTRACT, settings=("model", "audit"), reads=("records.jsonl",),
+               writes=("audit.json", "audit.md")),
+    StageEntry("extract", "kimi_pipe.stages.extract", "hidden states from the target",
+               "extract", _EXTRACT, settings=("model", "extract"), reads=("records.jsonl",)),
+    StageEntry("export", "kimi_pipe.stages.export", "EAGLE-3 training data", "extract",
+               _EXTRACT, settings=("format", "stores", "seed", "output"),
+               from_results={"stores": "extract.store"}),
+    StageEntry("probe", "kimi_pipe.stages.probe", "conformance probes per provider",
+               "generate", _GENERATE, settings=("sweep", "model", "provider")),
+    StageEntry("sweep", "kimi_pipe.stages.sweep", "compare providers", "generate,report",
+               _GENERATE + _REPORT,
+               settings=("sweep", "model", "provider", "dataset", "budget", "validation"),
+               writes=("report.md",)),
+    StageEntry("report", "kimi_pipe.stages.report", "report over finished runs", "report",
+               _REPORT, settings=(), writes=("report.md", "report.json")),
+    StageEntry("demo", "kimi_pipe.pipeline.demo", "the whole pipeline offline on SmolLM2",
+               "all", _GENERATE + _EXTRACT + _REPORT, in_pipelines=False),
+    StageEntry("run", "kimi_pipe.pipeline.runner", "run a pipeline config end to end", "all",
+               in_pipelines=False),
+)  # fmt: skip
+
+ENTRIES: dict[str, StageEntry] = {e.name: e for e in STAGE_TABLE}
+
+
+class ModuleStage:
+    """The `Stage` protocol over a stage module, driven by its entry."""
+
+    entry: StageEntry
+
+    def __init__(self, entry: StageEntry | None = None) -> None:
+        if entry is not None:
+            self.entry = entry
+        self.name = self.entry.name
+        self.settings = self.entry.settings
+
+    @property
+    def module(self) -> ModuleType:
+        return importlib.import_module(self.entry.module)
+
+    def _hook(self, name: str) -> Any:
+        return getattr(self.module, name, None)
+
+    def config(self, ctx: StageContext) -> DictConfig:
+        """The stage's config: empty keys filled from earlier stages' results."""
+        cfg = ctx.cfg
+        for key, source in self.entry.from_results.items():
+            if OmegaConf.select(cfg, key, default=None):
+                continue
+            stage, _, result_key = source.partition(".")
+            if stage in ctx.results and ctx.results[stage].get(result_key) is not None:
+                value = ctx.results[stage][result_key]
+                cfg = cfg.copy()
+                with open_dict(cfg):
+                    OmegaConf.update(cfg, key, [value] if key == "stores" else value,
+                                     force_add=True)  # fmt: skip
+        return cfg
 
     def reads(self, ctx: StageContext) -> list[Path]:
-        return []
+        hook = self._hook("inputs")
+        if hook is not None:
+            return list(hook(self.config(ctx), ctx.run_dir))
+        return [ctx.run_dir / p for p in self.entry.reads]
 
     def writes(self, ctx: StageContext) -> list[Path]:
-        return []
+        hook = self._hook("outputs")
+        if hook is not None:
+            return list(hook(self.config(ctx), ctx.run_dir))
+        return [ctx.run_dir / p for p in self.entry.writes]
 
     def is_complete(self, ctx: StageContext) -> bool:
+        hook = self._hook("is_complete")
+        if hook is not None:
+            return bool(hook(self.config(ctx), ctx.run_dir))
         return all(p.exists() for p in self.writes(ctx))
 
-
-class ModelStage(OutputsExist):
-    """Convert the provider's embedded local model once (cached); nothing for remote ones."""
-
-    name = "model"
-    settings = ("model.local_model", "model.hf_weights")
-
-    def _spec(self, ctx: StageContext) -> Any:
-        from kimi_pipe.providers.local_model import LocalModelSpec
-
-        node = OmegaConf.select(ctx.cfg, "model.local_model", default=None)
-        return None if node is None else LocalModelSpec.from_cfg(node)
-
-    def writes(self, ctx: StageContext) -> list[Path]:
-        from kimi_pipe.providers.local_model import converted_dir
-
-        spec = self._spec(ctx)
-        return [] if spec is None else [converted_dir(spec)]
-
-    def is_complete(self, ctx: StageContext) -> bool:
-        from kimi_pipe.providers.local_model import is_complete
-
-        return all(is_complete(p) for p in self.writes(ctx))
-
-    def run(self, ctx: StageContext) -> dict[str, Any]:
-        from kimi_pipe.providers.local_model import ensure_local_model
-
-        spec = self._spec(ctx)
-        if spec is None:
-            return {"path": None}
-        path = ensure_local_model(spec)
-        hf_weights = OmegaConf.select(ctx.cfg, "model.hf_weights", default=None)
-        if hf_weights is not None and Path(str(hf_weights)).resolve() != path.resolve():
-            raise ValueError(f"model.hf_weights={hf_weights} is not the converted {path}")
-        return {"path": str(path)}
-
-
-class GenerateStage(OutputsExist):
-    """Buy (or, with provider=local, generate) every prompt's answer; resumes answered ids."""
-
-    name = "generate"
-    settings = ("model", "provider", "dataset", "budget", "validation", "serving", "output_dir")
-
-    def writes(self, ctx: StageContext) -> list[Path]:
-        return [ctx.run_dir / "records.jsonl", ctx.run_dir / "summary.json"]
-
-    def is_complete(self, ctx: StageContext) -> bool:
-        """Every prompt of the dataset has a record (a run stopped by its budget is not)."""
-        from kimi_pipe.store.prompt_datasets import load_prompts
-        from kimi_pipe.store.records import load_resume_index
-
-        if not all(p.exists() for p in self.writes(ctx)):
-            return False
-        done = load_resume_index(ctx.run_dir / "records.jsonl").ids
-        return all(p.id in done for p in load_prompts(ctx.cfg.dataset))
-
     def complete_note(self, ctx: StageContext) -> str:
-        return f"all answered already in {ctx.run_dir} (no server started, nothing bought)"
+        hook = self._hook("complete_note")
+        return str(hook(self.config(ctx), ctx.run_dir)) if hook is not None else ""
 
     def run(self, ctx: StageContext) -> dict[str, Any]:
-        from kimi_pipe.stages.generate import generate
-
-        status, summary = generate(ctx.cfg, ctx.run_dir)  # starts/stops a local server itself
-        if status != 0 or summary is None:
-            raise RuntimeError(
-                f"generate exited with status {status}; see the messages above and "
-                f"{ctx.run_dir / 'summary.json'}"
-            )
-        return summary
+        return dict(self.module.run_stage(self.config(ctx), ctx.run_dir))
 
 
-class ReconstructStage(OutputsExist):
-    """Rebuild the ids from the stored answers alone and compare them with generate's."""
-
-    name = "reconstruct"
-    settings = ("model", "validation", "serving", "provider.logprobs")
-
-    def reads(self, ctx: StageContext) -> list[Path]:
-        return [ctx.run_dir / "records.jsonl"]
-
-    def writes(self, ctx: StageContext) -> list[Path]:
-        return [ctx.run_dir / "reconstructed.jsonl"]
-
-    def run(self, ctx: StageContext) -> dict[str, Any]:
-        from kimi_pipe.core.models import load_model
-        from kimi_pipe.stages.reconstruct import run_configured
-        from kimi_pipe.store.records import iter_records
-
-        source, target = ctx.run_dir / "records.jsonl", ctx.run_dir / "reconstructed.jsonl"
-        counts = run_configured(ctx.cfg, load_model(ctx.cfg.model), source, target)
-        inline = {r["id"]: r for r in iter_records(source) if not r.get("error")}
-        same = differ = 0
-        for rec in iter_records(target):
-            ref = inline.get(rec.get("id"))
-            if ref is None:
-                continue
-            keys = ("prompt_ids", "output_ids", "loss_mask")
-            if all(rec.get(k) == ref.get(k) for k in keys):
-                same += 1
-            else:
-                differ += 1
-        return {"output": str(target), "records": counts["records"], "ok": counts["ok"],
-                "same_as_generate": same, "differ_from_generate": differ}  # fmt: skip
+def _stage_class(entry: StageEntry) -> type[ModuleStage]:
+    name = "".join(part.capitalize() for part in entry.name.split("_")) + "Stage"
+    return type(name, (ModuleStage,), {"entry": entry, "__doc__": entry.summary})
 
 
-class AuditStage(OutputsExist):
-    """Fidelity: reconstructed ids against ids an engine really produced."""
-
-    name = "audit"
-    settings = ("model", "audit")
-
-    def reads(self, ctx: StageContext) -> list[Path]:
-        return [ctx.run_dir / "records.jsonl"]
-
-    def writes(self, ctx: StageContext) -> list[Path]:
-        return [ctx.run_dir / "audit.json", ctx.run_dir / "audit.md"]
-
-    def run(self, ctx: StageContext) -> dict[str, Any]:
-        from kimi_pipe.stages.audit import run_audit
-
-        cfg = ctx.cfg.copy()
-        set_key(cfg, "audit.run_dir", str(ctx.run_dir))
-        server = OmegaConf.select(cfg, "provider.server", default=None)
-        if cfg.audit.get("threads") is None and server is not None:
-            # Same CPU thread count as the server: the greedy runs must see the same arithmetic.
-            set_key(cfg, "audit.threads", server.get("threads"))
-        return run_audit(cfg)
-
-
-class ExtractStage(OutputsExist):
-    """EAGLE-3 hidden states of the run's token records into a sharded store."""
-
-    name = "extract"
-    settings = ("model", "extract")
-
-    def reads(self, ctx: StageContext) -> list[Path]:
-        return [ctx.run_dir / "records.jsonl"]
-
-    def _store(self, ctx: StageContext) -> Path:
-        out = OmegaConf.select(ctx.cfg, "extract.output_dir", default=None)
-        return Path(str(out)) if out else ctx.run_dir / f"hidden_{ctx.cfg.extract.backend}"
-
-    def writes(self, ctx: StageContext) -> list[Path]:
-        from kimi_pipe.store.hidden_store import MANIFEST
-
-        return [self._store(ctx) / MANIFEST]
-
-    def run(self, ctx: StageContext) -> dict[str, Any]:
-        from kimi_pipe.stages.extract import run_extract
-
-        cfg = ctx.cfg.copy()
-        set_key(cfg, "extract.run_dir", str(ctx.run_dir))
-        return run_extract(cfg)
-
-
-class ExportStage(OutputsExist):
-    """Training files for a trainer (`format=`) from the stores of earlier stages."""
-
-    name = "export"
-    settings = ("format", "stores", "seed", "output")
-
-    def _stores(self, ctx: StageContext) -> list[str]:
-        stores = OmegaConf.select(ctx.cfg, "stores", default=None) or []
-        if isinstance(stores, str):
-            stores = [stores]
-        if not stores and "extract" in ctx.results:
-            stores = [ctx.results["extract"]["store"]]
-        return [str(s) for s in stores]
-
-    def _output(self, ctx: StageContext) -> Path:
-        out = OmegaConf.select(ctx.cfg, "output", default=None)
-        fmt = OmegaConf.select(ctx.cfg, "format", default="specforge")
-        return Path(str(out)) if out else ctx.run_dir / f"export_{fmt}"
-
-    def reads(self, ctx: StageContext) -> list[Path]:
-        return [Path(s) for s in self._stores(ctx)]
-
-    def writes(self, ctx: StageContext) -> list[Path]:
-        return [self._output(ctx) / "README.md"]
-
-    def run(self, ctx: StageContext) -> dict[str, Any]:
-        from kimi_pipe.stages.export import run_export
-
-        stores = self._stores(ctx)
-        if not stores:
-            raise ValueError("no store to export: run an extract stage first or pass stores=[...]")
-        cfg = ctx.cfg.copy()
-        set_key(cfg, "stores", stores)
-        set_key(cfg, "seed", int(OmegaConf.select(cfg, "seed", default=0) or 0))
-        set_key(cfg, "output", str(self._output(ctx)))
-        return run_export(cfg)
-
-
-class ProbeStage(OutputsExist):
-    """Conformance probes pinned to each provider of `sweep.providers` (a small budget of
-    its own, `sweep.probe_usd`), into <run_dir>/probes: the report's conformance table."""
-
-    name = "probe"
-    settings = ("sweep", "model", "provider")
-
-    def writes(self, ctx: StageContext) -> list[Path]:
-        from kimi_pipe.reporting.data import PROBES_DIR
-
-        return [ctx.run_dir / PROBES_DIR / "conformance.json"]
-
-    def run(self, ctx: StageContext) -> dict[str, Any]:
-        from kimi_pipe.reporting.data import PROBES_DIR
-        from kimi_pipe.stages.probe import default_battery, load_battery, run_probes
-
-        providers = SweepStage.providers(ctx)
-        probe_usd = OmegaConf.select(ctx.cfg, "sweep.probe_usd", default=None)
-        overrides = [
-            str(o)
-            for o in OmegaConf.select(ctx.cfg, "sweep.overrides", default=None) or []
-            if not str(o).lstrip("+~").startswith(("dataset", "budget"))
-        ]
-        battery = load_battery(default_battery(str(ctx.cfg.model.name)))
-        out = ctx.run_dir / PROBES_DIR
-        results = run_probes(
-            providers, out, battery, None if probe_usd is None else float(probe_usd), overrides
-        )
-        return {
-            "conformance": str(out / "conformance.md"),
-            "usable": [r.provider for r in results if r.usable],
-            "left_out": [r.provider for r in results if not r.usable],
-        }
-
-
-class SweepStage(OutputsExist):
-    """One generate job per provider on the same prompts under one shared budget
-    (`sweep.providers`, `sweep.n`, `sweep.usd`), then the report."""
-
-    name = "sweep"
-    settings = ("sweep", "model", "provider", "dataset", "budget", "validation")
-
-    def writes(self, ctx: StageContext) -> list[Path]:
-        return [ctx.run_dir / "report.md"]
-
-    @staticmethod
-    def providers(ctx: StageContext) -> list[str]:
-        node = OmegaConf.select(ctx.cfg, "sweep", default=None)
-        if node is None or not node.get("providers"):
-            raise ValueError("sweep.providers=[a,b,c] is required (OpenRouter provider slugs)")
-        providers = node.providers
-        if isinstance(providers, str):
-            return [p.strip() for p in providers.split(",") if p.strip()]
-        return [str(p) for p in providers]
-
-    def argv(self, ctx: StageContext) -> list[str]:
-        node = OmegaConf.select(ctx.cfg, "sweep", default=None)
-        providers = ",".join(self.providers(ctx))
-        argv = [
-            f"dataset={ctx.cfg.dataset.name}",
-            f"providers={providers}",
-            f"n={int(node.n)}",
-            f"usd={float(node.usd)}",
-            f"sweep_dir={ctx.run_dir}",
-        ]
-        if "probe" in ctx.results:  # the pipeline's probe stage ran them already
-            argv.append("probes=false")
-        argv += [str(o) for o in node.get("overrides") or []]
-        return argv
-
-    def run(self, ctx: StageContext) -> dict[str, Any]:
-        from kimi_pipe.stages.sweep import main as sweep_main
-
-        argv = self.argv(ctx)
-        status = sweep_main(argv)
-        if status != 0:
-            raise RuntimeError(f"sweep exited with status {status} (argv: {argv})")
-        return {"sweep_dir": str(ctx.run_dir), "report": str(ctx.run_dir / "report.md")}
-
-
-class ReportStage(OutputsExist):
-    """Per-provider fidelity, cost and speed report over the run directory's runs."""
-
-    name = "report"
-    settings = ()
-
-    def writes(self, ctx: StageContext) -> list[Path]:
-        return [ctx.run_dir / "report.md", ctx.run_dir / "report.json"]
-
-    def run(self, ctx: StageContext) -> dict[str, Any]:
-        from kimi_pipe.stages.report import build_report
-
-        path = build_report(ctx.run_dir, ctx.run_dir)
-        data = json.loads((ctx.run_dir / "report.json").read_text(encoding="utf-8"))
-        return {"report": str(path), "routing": data.get("routing")}
-
-
-STAGES: dict[str, type] = {
-    cls.name: cls
-    for cls in (
-        ModelStage,
-        GenerateStage,
-        ReconstructStage,
-        AuditStage,
-        ExtractStage,
-        ExportStage,
-        ProbeStage,
-        SweepStage,
-        ReportStage,
-    )  # fmt: skip
+# The built-in pipeline stages by name (classes, so `STAGES["extract"]()` is a stage).
+STAGES: dict[str, type[ModuleStage]] = {
+    e.name: _stage_class(e) for e in STAGE_TABLE if e.in_pipelines
 }
+ModelStage, GenerateStage, ReconstructStage, AuditStage, ExtractStage = (
+    STAGES[n] for n in ("model", "generate", "reconstruct", "audit", "extract")
+)
+ExportStage, ProbeStage, SweepStage, ReportStage = (
+    STAGES[n] for n in ("export", "probe", "sweep", "report")
+)
 
 
 def resolve_stage(name: str) -> Stage:
     """A built-in stage by name, or `module:Class` for one of your own."""
     if name in STAGES:
-        return STAGES[name]()  # type: ignore[no-any-return]
+        return STAGES[name]()
     module, sep, attr = name.partition(":")
     if not sep:
-        raise ValueError(
+        raise ConfigError(
             f"unknown stage {name!r}: built-in stages are {sorted(STAGES)}; "
             "your own is `module:Class`"
         )
     try:
         cls = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as exc:
-        raise ValueError(f"stage {name!r} cannot be imported: {exc}") from exc
+        raise ConfigError(f"stage {name!r} cannot be imported: {exc}") from exc
     stage = cls()
     if not isinstance(stage, Stage):
-        raise ValueError(f"{name} does not implement the Stage protocol (name, reads, writes, "
-                         "is_complete, run)")  # fmt: skip
+        raise ConfigError(f"{name} does not implement the Stage protocol (name, reads, writes, "
+                          "is_complete, run)")  # fmt: skip
     print(f"[run] using stage {name}", file=sys.stderr)
     return stage  # type: ignore[no-any-return]

@@ -225,8 +225,9 @@ def _run_one(
     marker = read_marker(ctx.run_dir, name)
     print_ = fingerprint(stage, ctx.cfg, upstream)
     if marker and marker.get("fingerprint") == print_ and stage.is_complete(ctx):
-        note = getattr(stage, "complete_note", None)
-        say(f"== {tag} {name}: complete, skipped" + (f": {note(ctx)}" if note else ""))
+        note_of = getattr(stage, "complete_note", None)
+        note = note_of(ctx) if note_of else ""
+        say(f"== {tag} {name}: complete, skipped" + (f": {note}" if note else ""))
         result = marker.get("result") or {}
         return StageOutcome(name, "skipped", 0.0, writes, result, token=marker.get("token"))
     missing = [p for p in _paths(stage.reads, ctx) if not p.exists()]
@@ -305,7 +306,10 @@ def _summary_hook(cfg: DictConfig) -> Any:
     if not spec:
         return None
     module, _, attr = str(spec).partition(":")
-    return getattr(importlib.import_module(module), attr)
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise PipelineError(f"pipeline.summary={spec} cannot be imported: {exc}") from None
 
 
 def _refuse_keys_on_the_command_line(argv: Sequence[str]) -> None:
@@ -315,9 +319,7 @@ def _refuse_keys_on_the_command_line(argv: Sequence[str]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from hydra.errors import HydraException
-
-    from kimi_pipe.config import compose
+    from kimi_pipe.stages.command import compose_command
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     overrides = list(sys.argv[1:] if argv is None else argv)
@@ -326,18 +328,14 @@ def main(argv: Sequence[str] | None = None) -> int:
               "pipelines: " + ", ".join(available_pipelines()))  # fmt: skip
         return 0
     _refuse_keys_on_the_command_line(overrides)
-    try:
-        cfg = compose(overrides)
+
+    def pipeline_task(cfg: DictConfig) -> int:
         hook = _summary_hook(cfg)
         run = run_pipeline(cfg)
-    except RunDirBusy as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except (PipelineError, HydraException, ImportError, AttributeError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print_run(run, hook)
-    return 0 if run.ok else 1
+        print_run(run, hook)
+        return 0 if run.ok else 1
+
+    return compose_command(pipeline_task, overrides)
 
 
 def print_run(run: PipelineRun, hook: Any = None) -> None:

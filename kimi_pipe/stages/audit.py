@@ -34,9 +34,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
-from kimi_pipe.errors import InputError
+from kimi_pipe.errors import InputError, MissingFile
 from kimi_pipe.store.records import RecordWriter, iter_records
 
 log = logging.getLogger("kimi_pipe.audit")
@@ -694,23 +694,34 @@ def _write_atomic(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    from hydra.errors import HydraException
+def run_stage(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:
+    """The stage entry: audit the run's records (`audit.run_dir` = run_dir when given)."""
+    cfg = cfg.copy()
+    with open_dict(cfg):
+        if run_dir is not None:
+            OmegaConf.update(cfg, "audit.run_dir", str(run_dir), force_add=True)
+        server = OmegaConf.select(cfg, "provider.server", default=None)
+        if OmegaConf.select(cfg, "audit.threads", default=None) is None and server is not None:
+            # Same CPU thread count as the server: the greedy runs must see the same arithmetic.
+            OmegaConf.update(cfg, "audit.threads", server.get("threads"), force_add=True)
+    return run_audit(cfg)
 
-    from kimi_pipe.config import compose
-    from kimi_pipe.core.tokenizers import TokenizerNotFound
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from kimi_pipe.stages.command import compose_command
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    overrides = list(sys.argv[1:] if argv is None else argv)
-    try:
-        cfg = compose(overrides)
-        summary = run_audit(cfg)
-    except (HydraException, AuditError, TokenizerNotFound, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(Path(summary["audit_md"]).read_text(encoding="utf-8"))
-    print(f"audit: {summary['audit_json']}", file=sys.stderr)
-    return 0
+
+    def audit_stage(cfg: DictConfig) -> int:
+        try:
+            summary = run_audit(cfg)
+        except FileNotFoundError as exc:  # a records file named by the user
+            raise MissingFile(str(exc)) from None
+        print(Path(summary["audit_md"]).read_text(encoding="utf-8"))
+        print(f"audit: {summary['audit_json']}", file=sys.stderr)
+        return 0
+
+    return compose_command(audit_stage, argv)
 
 
 if __name__ == "__main__":

@@ -42,9 +42,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
-from kimi_pipe.config import CONF_DIR
+from kimi_pipe.errors import ConfigError
 from kimi_pipe.extraction.layers import drafter_config_ids, manifest_output_ids
 from kimi_pipe.stages.export_card import dataset_card
 from kimi_pipe.store.conventions import (
@@ -669,15 +669,42 @@ def run_export(cfg: DictConfig) -> dict[str, Any]:
     return summary
 
 
-def main() -> None:
-    import hydra
+def output_dir(cfg: DictConfig, run_dir: Path) -> Path:
+    out = OmegaConf.select(cfg, "output", default=None)
+    fmt = OmegaConf.select(cfg, "format", default="specforge")
+    return Path(str(out)) if out else run_dir / f"export_{fmt}"
 
-    @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
+
+def inputs(cfg: DictConfig, run_dir: Path) -> list[Path]:
+    stores = OmegaConf.select(cfg, "stores", default=None) or []
+    return [Path(str(s)) for s in ([stores] if isinstance(stores, str) else stores)]
+
+
+def outputs(cfg: DictConfig, run_dir: Path) -> list[Path]:
+    return [output_dir(cfg, run_dir) / CARD_FILE]
+
+
+def run_stage(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:
+    """The stage entry: training files from `stores` (default output: <run_dir>/export_<fmt>)."""
+    if not inputs(cfg, run_dir or Path(".")):
+        raise ConfigError("no store to export: run an extract stage first or pass stores=[...]")
+    cfg = cfg.copy()
+    with open_dict(cfg):
+        OmegaConf.update(cfg, "stores", [str(p) for p in inputs(cfg, Path("."))], force_add=True)
+        OmegaConf.update(cfg, "seed", int(OmegaConf.select(cfg, "seed", default=0) or 0))
+        if run_dir is not None:
+            OmegaConf.update(cfg, "output", str(output_dir(cfg, run_dir)), force_add=True)
+    return run_export(cfg)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kimi_pipe.stages.command import hydra_command
+
     def export_stage(cfg: DictConfig) -> None:
         run_export(cfg)
 
-    export_stage()
+    return hydra_command(export_stage, argv, name="export")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

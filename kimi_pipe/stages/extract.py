@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf, open_dict
 
-from kimi_pipe.config import CONF_DIR
 from kimi_pipe.extraction.sharding import run_sharded
 from kimi_pipe.extraction.token_samples import Backend, load_backend
 
@@ -68,16 +68,35 @@ def run_extract(cfg: DictConfig, backend: Backend | None = None) -> dict[str, An
     return summary
 
 
-def main() -> None:
-    import hydra
+def store_dir(cfg: DictConfig, run_dir: Path) -> Path:
+    out = OmegaConf.select(cfg, "extract.output_dir", default=None)
+    return Path(str(out)) if out else run_dir / f"hidden_{cfg.extract.backend}"
 
-    @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
+
+def outputs(cfg: DictConfig, run_dir: Path) -> list[Path]:
+    from kimi_pipe.store.hidden_store import MANIFEST
+
+    return [store_dir(cfg, run_dir) / MANIFEST]
+
+
+def run_stage(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:
+    """The stage entry: hidden states of the run's records (`extract.run_dir` = run_dir)."""
+    if run_dir is not None:
+        cfg = cfg.copy()
+        with open_dict(cfg):
+            OmegaConf.update(cfg, "extract.run_dir", str(run_dir), force_add=True)
+    return run_extract(cfg)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kimi_pipe.stages.command import hydra_command
+
     def extract_stage(cfg: DictConfig) -> None:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
         run_extract(cfg)
 
-    extract_stage()
+    return hydra_command(extract_stage, argv, name="extract")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

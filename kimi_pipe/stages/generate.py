@@ -37,9 +37,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from kimi_pipe.config import CONF_DIR
 from kimi_pipe.core.answer_checks import TextRepair, answer_issues, clean_text
-from kimi_pipe.errors import KimiPipeError
+from kimi_pipe.errors import KimiPipeError, one_line
 from kimi_pipe.progress import Progress, Snapshot
 from kimi_pipe.providers.budget import Budget, BudgetGate, Pricing, Reservation
 from kimi_pipe.providers.litellm_calls import (
@@ -50,8 +49,6 @@ from kimi_pipe.providers.litellm_calls import (
     CallResult,
     ErrorInfo,
     KeyStatus,
-    MissingApiKey,
-    ProviderConfigError,
     ProviderSettings,
     api_key,
     call_with_retries,
@@ -63,7 +60,7 @@ from kimi_pipe.providers.litellm_calls import (
     size_limited_client,
 )
 from kimi_pipe.store.records import RecordWriter, iter_records, load_resume_index, record_cost
-from kimi_pipe.store.run_lock import RunDirLocked, RunLock
+from kimi_pipe.store.run_lock import RunLock
 from kimi_pipe.store.spend_journal import JOURNAL, SpendJournal
 
 log = logging.getLogger("kimi_pipe.generate")
@@ -657,8 +654,7 @@ def _pointed_at(cfg: DictConfig, endpoint: dict[str, Any]) -> DictConfig:
 
 def generate(cfg: DictConfig, run_dir: Path | None = None) -> tuple[int, dict[str, Any] | None]:
     """Run the stage; returns (exit status, summary). Config/input problems -> status 2."""
-    from kimi_pipe.core.tokenizers import TokenizerNotFound
-    from kimi_pipe.providers.local_server import ServerError, provider_endpoint
+    from kimi_pipe.providers.local_server import provider_endpoint
 
     run_dir = run_dir or run_dir_of(cfg)
     try:
@@ -669,10 +665,12 @@ def generate(cfg: DictConfig, run_dir: Path | None = None) -> tuple[int, dict[st
                 cfg = _pointed_at(cfg, endpoint)
             gen = Generator(cfg, run_dir)
             summary = asyncio.run(gen.run())
-    except (MissingApiKey, GenerateError, ProviderConfigError, TokenizerNotFound,
-            FileNotFoundError, ServerError, RunDirLocked) as exc:
-        log.error("%s", exc)
-        print(f"error: {exc}", file=sys.stderr)
+    except (KimiPipeError, OSError) as exc:  # the user's to fix: one line, status 2
+        message = one_line(exc) or (str(exc) if isinstance(exc, FileNotFoundError) else None)
+        if message is None:
+            raise
+        log.error("%s", message)
+        print(f"error: {message}", file=sys.stderr)
         return EXIT_CONFIG, None
     except KeyboardInterrupt:
         # Every finished answer is already on disk; the requests in flight are lost.
@@ -742,19 +740,45 @@ def _refuse_keys_on_the_command_line(argv: list[str]) -> None:
         raise SystemExit(EXIT_CONFIG)
 
 
-def main() -> None:
-    import hydra
+def outputs(cfg: DictConfig, run_dir: Path) -> list[Path]:
+    return [run_dir / RECORDS, run_dir / "summary.json"]
 
-    _refuse_keys_on_the_command_line(sys.argv[1:])
 
-    @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
-    def generate_stage(cfg: DictConfig) -> None:
-        status, _ = generate(cfg)
-        if status:
-            raise SystemExit(status)
+def is_complete(cfg: DictConfig, run_dir: Path) -> bool:
+    """Every prompt of the dataset has a record (a run stopped by its budget is not)."""
+    from kimi_pipe.store.prompt_datasets import load_prompts
 
-    generate_stage()
+    if not all(p.exists() for p in outputs(cfg, run_dir)):
+        return False
+    done = load_resume_index(run_dir / RECORDS).ids
+    return all(p.id in done for p in load_prompts(cfg.dataset))
+
+
+def complete_note(cfg: DictConfig, run_dir: Path) -> str:
+    return f"all answered already in {run_dir} (no server started, nothing bought)"
+
+
+def run_stage(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:
+    """The stage entry: buy every prompt's answer into the run directory; its summary.
+
+    A run that could not start, or whose every request failed, raises GenerateError."""
+    status, summary = generate(cfg, run_dir)
+    if status or summary is None:
+        where = Path(run_dir) if run_dir is not None else Path(str(cfg.output_dir))
+        raise GenerateError(
+            f"generate exited with status {status}; see the messages above and "
+            f"{where / 'summary.json'}"
+        )
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kimi_pipe.stages.command import hydra_command
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    _refuse_keys_on_the_command_line(args)
+    return hydra_command(lambda cfg: generate(cfg)[0], args, name="generate")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

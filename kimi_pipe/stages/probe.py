@@ -476,6 +476,41 @@ def run_probes(
     return results
 
 
+def run_stage(cfg: Any, run_dir: Path | None = None) -> dict[str, Any]:
+    """The stage entry in a sweep pipeline: probes pinned to each of `sweep.providers` (their
+    own small budget, `sweep.probe_usd`) into <run_dir>/probes."""
+    from omegaconf import OmegaConf
+
+    from kimi_pipe.reporting.data import PROBES_DIR
+
+    node = OmegaConf.select(cfg, "sweep", default=None)
+    if node is None or not node.get("providers"):
+        raise ProbeError("sweep.providers=[a,b,c] is required (OpenRouter provider slugs)")
+    raw = node.providers
+    providers = (
+        [p.strip() for p in raw.split(",") if p.strip()] if isinstance(raw, str)
+        else [str(p) for p in raw]
+    )
+    probe_usd = node.get("probe_usd")
+    overrides = [str(o) for o in node.get("overrides") or []]
+    battery = load_battery(default_battery(str(cfg.model.name)))
+    out = Path(run_dir if run_dir is not None else "runs/probe") / PROBES_DIR
+    results = run_probes(
+        providers, out, battery, None if probe_usd is None else float(probe_usd), overrides
+    )
+    return {
+        "conformance": str(out / "conformance.md"),
+        "usable": [r.provider for r in results if r.usable],
+        "left_out": [r.provider for r in results if not r.usable],
+    }
+
+
+def outputs(cfg: Any, run_dir: Path) -> list[Path]:
+    from kimi_pipe.reporting.data import PROBES_DIR
+
+    return [run_dir / PROBES_DIR / "conformance.json"]
+
+
 def default_battery(model_name: str) -> Path:
     return CONF_DIR / "probes" / f"{model_name}.yaml"
 
@@ -500,10 +535,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not providers:
         print(f"error: give providers=a,b,c (OpenRouter provider slugs)\n{USAGE}", file=sys.stderr)
         return 2
-    from kimi_pipe.config import compose
+    from kimi_pipe.stages.command import compose_overrides, report
 
-    model_name = str(compose(overrides).model.name)
     try:
+        model_name = str(compose_overrides(overrides).model.name)
         battery = load_battery(Path(mine.get("battery") or default_battery(model_name)))
         usd = float(mine["usd"]) if "usd" in mine else None
         results = run_probes(
@@ -512,6 +547,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ProbeError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:
+        status = report(exc)
+        if status is None:
+            raise
+        return status
     out = Path(mine.get("output_dir") or "runs/probe")
     usable = [r.provider for r in results if r.usable]
     print(

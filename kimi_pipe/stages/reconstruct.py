@@ -25,11 +25,13 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from omegaconf import DictConfig
+
 from kimi_pipe.core.logprobs import LogprobPolicy, apply_logprobs, policy_from_config, record_fields
 from kimi_pipe.core.models import Model, load_model
 from kimi_pipe.core.reconstruction import ERRORS, reconstruct
 from kimi_pipe.core.serving import ServingProfile, serving_profile
-from kimi_pipe.errors import InputError
+from kimi_pipe.errors import ConfigError, InputError, MissingFile
 
 MALFORMED = "malformed_record"
 # Codes that make a record flagged: the reconstruction errors and the stage's own.
@@ -224,39 +226,56 @@ def summary_lines(counts: Counter[str], target: Path) -> list[str]:
     ]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    from hydra.errors import HydraException
-
-    from kimi_pipe.config import compose
-    from kimi_pipe.core.tokenizers import TokenizerNotFound
-
-    overrides = list(sys.argv[1:] if argv is None else argv)
-    try:
-        cfg = compose(overrides)
-    except HydraException as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if not cfg.input or not cfg.output:
-        print("error: give input=IN.jsonl and output=OUT.jsonl", file=sys.stderr)
-        return 2
-    source = Path(cfg.input)
+def run_stage(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:
+    """The stage entry: `input` (default <run_dir>/records.jsonl) -> `output` (default
+    <run_dir>/reconstructed.jsonl); the summary's counts."""
+    source = Path(cfg.input) if cfg.input else None
+    target = Path(cfg.output) if cfg.output else None
+    if run_dir is not None:
+        source = source or Path(run_dir) / "records.jsonl"
+        target = target or Path(run_dir) / "reconstructed.jsonl"
+    if source is None or target is None:
+        raise ConfigError("give input=IN.jsonl and output=OUT.jsonl")
     if not source.is_file():
-        print(f"error: input file {source} not found", file=sys.stderr)
-        return 2
+        raise MissingFile(f"input file {source} not found")
     try:
         model = load_model(cfg.model)
-    except (TokenizerNotFound, ValueError) as exc:
-        print(f"error: cannot load model {cfg.model.name!r}: {exc}", file=sys.stderr)
-        return 2
-    target = Path(cfg.output)
+    except (ConfigError, ValueError) as exc:
+        raise ConfigError(f"cannot load model {cfg.model.name!r}: {exc}") from None
     try:
         serving = serving_profile(cfg)
     except ValueError as exc:  # checked before any line is read
-        print(f"error: conf/serving: {exc}", file=sys.stderr)
-        return 2
+        raise ConfigError(f"conf/serving: {exc}") from None
     counts = run_configured(cfg, model, source, target, serving)
     print("\n".join(summary_lines(counts, target)), file=sys.stderr)
-    return 0
+    summary = summary_data(source, target, counts)
+    if run_dir is not None and source == Path(run_dir) / "records.jsonl":
+        summary.update(compare_with_generate(source, target))
+    return summary
+
+
+def compare_with_generate(source: Path, target: Path) -> dict[str, int]:
+    """How many reconstructed records carry the very ids generate wrote inline."""
+    from kimi_pipe.store.records import iter_records
+
+    inline = {r["id"]: r for r in iter_records(source) if not r.get("error")}
+    keys = ("prompt_ids", "output_ids", "loss_mask")
+    same = differ = 0
+    for rec in iter_records(target):
+        ref = inline.get(rec.get("id"))
+        if ref is None:
+            continue
+        if all(rec.get(k) == ref.get(k) for k in keys):
+            same += 1
+        else:
+            differ += 1
+    return {"same_as_generate": same, "differ_from_generate": differ}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from kimi_pipe.stages.command import compose_command
+
+    return compose_command(run_stage, argv)
 
 
 def run_configured(

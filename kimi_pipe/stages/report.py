@@ -17,6 +17,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from kimi_pipe.errors import UsageError
 from kimi_pipe.reporting.charts import write_charts
 from kimi_pipe.reporting.data import (
     PROBES_DIR,
@@ -54,20 +55,18 @@ USAGE = (
 
 def parse_args(argv: list[str]) -> Args:
     """Hydra-style `key=value` arguments (the report needs no composed config)."""
-    if any(a in ("-h", "--help") for a in argv):
-        raise SystemExit(USAGE)
     values: dict[str, str] = {}
     for arg in argv:
         key, sep, value = arg.partition("=")
         if not sep:
-            raise SystemExit(f"bad argument {arg!r}: expected key=value\n{USAGE}")
+            raise UsageError(f"bad argument {arg!r}: expected key=value\n{USAGE}")
         values[key.lstrip("+")] = value
     known = {"sweep_dir", "out_dir"} | {f.name for f in fields(Policy)}
     unknown = sorted(set(values) - known)
     if unknown:
-        raise SystemExit(f"unknown argument(s) {unknown}; known: {sorted(known)}\n{USAGE}")
+        raise UsageError(f"unknown argument(s) {unknown}; known: {sorted(known)}\n{USAGE}")
     if "sweep_dir" not in values:
-        raise SystemExit(f"sweep_dir=PATH is required\n{USAGE}")
+        raise UsageError(f"sweep_dir=PATH is required\n{USAGE}")
     policy_kwargs: dict[str, Any] = {}
     for f in fields(Policy):
         if f.name not in values:
@@ -79,7 +78,7 @@ def parse_args(argv: list[str]) -> Args:
             try:
                 policy_kwargs[f.name] = float(raw)
             except ValueError:
-                raise SystemExit(f"{f.name}={raw!r} is not a number") from None
+                raise UsageError(f"{f.name}={raw!r} is not a number") from None
     sweep_dir = Path(values["sweep_dir"])
     return Args(
         sweep_dir=sweep_dir,
@@ -303,13 +302,32 @@ def _write_atomic(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
+def run_stage(cfg: Any, run_dir: Path | None = None) -> dict[str, Any]:
+    """The stage entry: the report over the run directory's runs, written beside them."""
+    where = Path(run_dir if run_dir is not None else cfg.output_dir)
+    path = build_report(where, where)
+    data = json.loads((where / "report.json").read_text(encoding="utf-8"))
+    return {"report": str(path), "routing": data.get("routing")}
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    from kimi_pipe.stages.command import report
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(USAGE)
+        return 0
     try:
+        args = parse_args(argv)
         build_report(args.sweep_dir, args.out_dir, args.policy)
     except FileNotFoundError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:
+        status = report(exc)
+        if status is None:
+            raise
+        return status
     return 0
 
 

@@ -1,0 +1,62 @@
+"""The model stage: convert the provider's embedded local model once (cached); nothing for a
+remote provider. `python -m kimi_pipe model` is not a command of its own: pipelines run it
+first so that generate, audit and extract all load the same converted weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from kimi_pipe.errors import ConfigError
+
+
+def _spec(cfg: DictConfig) -> Any:
+    from kimi_pipe.providers.local_model import LocalModelSpec
+
+    node = OmegaConf.select(cfg, "model.local_model", default=None)
+    return None if node is None else LocalModelSpec.from_cfg(node)
+
+
+def outputs(cfg: DictConfig, run_dir: Path) -> list[Path]:
+    from kimi_pipe.providers.local_model import converted_dir
+
+    spec = _spec(cfg)
+    return [] if spec is None else [converted_dir(spec)]
+
+
+def is_complete(cfg: DictConfig, run_dir: Path) -> bool:
+    from kimi_pipe.providers.local_model import is_complete as converted
+
+    return all(converted(p) for p in outputs(cfg, run_dir))
+
+
+def run_stage(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:
+    from kimi_pipe.providers.local_model import ensure_local_model
+
+    spec = _spec(cfg)
+    if spec is None:
+        return {"path": None}
+    path = ensure_local_model(spec)
+    hf_weights = OmegaConf.select(cfg, "model.hf_weights", default=None)
+    if hf_weights is not None and Path(str(hf_weights)).resolve() != path.resolve():
+        raise ConfigError(f"model.hf_weights={hf_weights} is not the converted {path}")
+    return {"path": str(path)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`kimi-pipe model model=smollm2`: convert the local model now (what pipelines do first)."""
+    import sys
+
+    from kimi_pipe.stages.command import compose_command
+
+    def model_stage(cfg: DictConfig) -> int:
+        print(f"model: {run_stage(cfg)['path']}", file=sys.stderr)
+        return 0
+
+    return compose_command(model_stage, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
