@@ -45,8 +45,11 @@ $(STAMP): requirements.lock $(TORCH_LOCK) pyproject.toml setup.py
 test: setup
 	$(PYTHON) -m pytest -q
 
+# The gates CI runs besides the tests: lint, one formatter, and the type checker (pinned).
 lint: setup
 	$(BIN)/ruff check kimi_pipe tests scripts
+	$(BIN)/ruff format --check kimi_pipe tests scripts
+	$(BIN)/mypy
 
 # Regenerate the golden token-id snapshots; review the diff like code.
 snapshots: setup

@@ -98,3 +98,22 @@ def test_no_import_cycles_at_module_level() -> None:
     for name in graph:
         if name not in state:
             visit(name, [name])
+
+
+def test_public_api_lists_what_it_exports() -> None:
+    """`import kimi_pipe` names the scripting surface (issue 18) and loads none of it yet."""
+    import subprocess
+    import sys
+
+    import kimi_pipe
+
+    assert sorted(kimi_pipe.__all__) == sorted(["__version__", *kimi_pipe._EXPORTS])
+    for name in kimi_pipe._EXPORTS:
+        assert getattr(kimi_pipe, name) is not None, name
+    assert (PACKAGE / "py.typed").is_file()
+    light = subprocess.run(
+        [sys.executable, "-c", "import sys, kimi_pipe; print(sorted(m for m in "
+         "('torch', 'litellm', 'transformers') if m in sys.modules))"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert light.stdout.strip() == "[]"
