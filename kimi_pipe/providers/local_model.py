@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from kimi_pipe.config import CONF_DIR
+from kimi_pipe.errors import ConfigError
 
 CACHE_ENV = "KIMI_PIPE_CACHE"
 MARKER = "kimi_pipe_local_model.json"  # written last: its presence means the directory is whole
@@ -45,7 +46,7 @@ class LocalModelSpec:
     def from_cfg(cls, cfg: Mapping[str, Any]) -> LocalModelSpec:
         missing = [k for k in ("package", "gguf_file", "name") if not cfg.get(k)]
         if missing:
-            raise ValueError(f"model.local_model needs {missing} (see conf/model/smollm2.yaml)")
+            raise ConfigError(f"model.local_model needs {missing} (see conf/model/smollm2.yaml)")
         return cls(
             package=str(cfg["package"]),
             gguf_file=str(cfg["gguf_file"]),

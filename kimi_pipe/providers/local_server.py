@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 
-from kimi_pipe.errors import ProviderError
+from kimi_pipe.errors import ConfigError, ProviderError
 
 # The child must never reach the network: no Hub look-ups, no PyPI update check.
 OFFLINE_ENV = {
@@ -54,7 +54,9 @@ class ServerSettings:
     def from_cfg(cls, cfg: Mapping[str, Any]) -> ServerSettings:
         kind = str(cfg.get("kind", "transformers_serve"))
         if kind != "transformers_serve":
-            raise ValueError(f"provider.server.kind {kind!r} is not supported (transformers_serve)")
+            raise ConfigError(
+                f"provider.server.kind {kind!r} is not supported (transformers_serve)"
+            )
         return cls(
             kind=kind,
             device=str(cfg.get("device", "cpu")),
@@ -203,7 +205,7 @@ def provider_endpoint(cfg: Any, run_dir: Path) -> Iterator[dict[str, Any]]:
 
     local = cfg.model.get("local_model")
     if not local:
-        raise ValueError(
+        raise ConfigError(
             f"provider={provider.get('name')} serves a local model, but "
             f"model={cfg.model.get('name')} has no `local_model` block (try model=smollm2)"
         )
