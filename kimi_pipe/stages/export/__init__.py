@@ -60,7 +60,7 @@ from kimi_pipe.stages.export.specforge import (
 from kimi_pipe.stages.export.speculators import SPECULATORS_STATES, speculators_path
 from kimi_pipe.stages.export.tokens import TOKENS_FILE
 from kimi_pipe.store.conventions import final_state_as, final_state_conversion
-from kimi_pipe.store.hidden_store import HiddenStore
+from kimi_pipe.store.hidden_store import HiddenStore, state_dtypes
 from kimi_pipe.store.records import iter_records
 
 __all__ = [
@@ -103,6 +103,7 @@ _COMPATIBLE_KEYS = (
     "final_norm",
     "hidden_size",
     "dtype",
+    "store_dtype",
     "loss_mask",
 )
 
@@ -164,9 +165,14 @@ def _check_or_write_plan(output: Path, info: dict[str, Any]) -> None:
     path = output / PLAN_FILE
     if path.exists():
         old = json.loads(path.read_text())
-        if old.get("digest") != info["digest"] or old.get("format", "specforge") != info["format"]:
+        same = (
+            old.get("digest") == info["digest"]
+            and old.get("format", "specforge") == info["format"]
+            and old.get("files", info["files"]) == info["files"]
+        )
+        if not same:
             raise ValueError(
-                f"{output} holds another export (other stores, seed or format); "
+                f"{output} holds another export (other stores, seed, format or file layout); "
                 "pick a new output directory or delete it"
             )
     write_atomic(path, json.dumps(info, indent=2) + "\n")
@@ -242,6 +248,8 @@ def export(
             "stores": [str(s.path) for s in stores],
             "samples": len(planned),
             "digest": digest,
+            # What the files hold (dtype, compression): a resume must not mix two layouts.
+            "files": exporter.files(ctx),
         },
     )
     started = time.monotonic()
@@ -339,14 +347,19 @@ def converted(
             "to": {"convention": files.get("layer_convention"), "ids": files.get("layer_ids")},
             "how": "renamed only (the same tensors): input of layer i = output of layer i - 1",
         }
-    stored_dtype = manifest.get("store_dtype", manifest.get("dtype"))
-    if stored_dtype != files.get("dtype") or manifest.get("scale_layout") != files.get(
-        "scale_layout"
-    ):
+    stored = state_dtypes(dict(manifest))
+    stored_scales = manifest.get("scale_layout")
+    if set(stored.values()) != {files.get("dtype")} or stored_scales != files.get("scale_layout"):
+        if files.get("scale_layout") is None:
+            how = "dequantized at export: fp8 value x its row's scale, in float32, then cast"
+        elif stored_scales is None:
+            how = "quantized at export into the trainer's fp8 layout"
+        else:
+            how = "dequantized, then quantized again in the trainer's fp8 layout (its scales)"
         out["dtype"] = {
-            "from": {"dtype": stored_dtype, "scale_layout": manifest.get("scale_layout")},
+            "from": {"dtype": stored, "scale_layout": stored_scales},
             "to": {"dtype": files.get("dtype"), "scale_layout": files.get("scale_layout")},
-            "how": "dequantized at export (value = fp8 value x its row's scale)",
+            "how": how,
         }
     return out
 
@@ -373,6 +386,8 @@ def _card_manifest(m: dict[str, Any]) -> dict[str, Any]:
         "hidden_size",
         "aux_hidden_size",
         "dtype",
+        "store_dtype",
+        "scale_layout",
         "loss_mask",
         "backend",
     )

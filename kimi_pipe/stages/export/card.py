@@ -60,6 +60,27 @@ def _serving(c: dict[str, Any], num_layers: int) -> list[str]:
     ]
 
 
+def _files_lines(summary: dict[str, Any]) -> list[str]:
+    """The export's own description (`files` in export_summary.json) and each conversion from
+    the store (`converted`); the store's own manifest follows under "Hidden states"."""
+    f = summary["files"]
+    lines = ["| property | in these files |", "| --- | --- |"]
+    for key in ("files", "final_state", "layer_convention", "layer_ids", "dtype", "scale_layout"):
+        lines.append(f"| {key} | {_fmt(f.get(key)) if f.get(key) is not None else '-'} |")
+    lines.append(f"| compression | {f.get('compression') or 'none'} |")
+    for name, (shape, dtype) in (
+        (k, v) for k, v in (f.get("tensors") or {}).items() if isinstance(v, list)
+    ):
+        lines.append(f"| tensor `{name}` | [{shape}] {dtype} |")
+    converted = summary.get("converted") or {}
+    lines += ["", "Converted from the store (`converted`):" if converted else "Nothing converted:"]
+    if not converted:
+        lines.append("the files hold the store's tensors as stored.")
+    for key, change in converted.items():
+        lines.append(f"- {key}: {_fmt(change['from'])} -> {_fmt(change['to'])} ({change['how']})")
+    return lines
+
+
 def dataset_card(summary: dict[str, Any], exporter: Exporter) -> str:
     m = summary["source_manifest"]
     c = summary["conventions"]
@@ -96,10 +117,19 @@ def dataset_card(summary: dict[str, Any], exporter: Exporter) -> str:
         "| --- | --- | --- |",
         *[f"| `{s['store']}` | {s['samples']} | {s['tokens']} |" for s in summary["per_store"]],
         "",
-        "## Hidden states",
+        "## What these files hold",
+        "",
+        *_files_lines(summary),
+        "",
+        "## Hidden states in the source store (`source_manifest`)",
         "",
         f"- target model: `{m['model']}` ({m['num_layers']} layers, hidden size "
-        f"{m['hidden_size']}), captured with the `{m['backend']}` backend, stored as {m['dtype']}",
+        f"{m['hidden_size']}), captured with the `{m['backend']}` backend, stored as "
+        + (
+            f"{_fmt(m['store_dtype'])} ({m.get('scale_layout')}), read as {m['dtype']}"
+            if m.get("store_dtype")
+            else str(m["dtype"])
+        ),
         f"- auxiliary layers: stored as {m['layer_ids']} ({m['layer_convention']}: "
         f'{m["layer_convention_doc"]}) = "output of layer" {c["output_layer_ids"]}, '
         "concatenated in that order",

@@ -17,8 +17,17 @@ import torch
 
 from kimi_pipe.stages.export.base import ExportContext, Exporter
 from kimi_pipe.store.conventions import PRE_NORM
+from kimi_pipe.store.hidden_store import FP8, FP8_MAX, FP8_TORCH
 
 SPECULATORS_STATES = "hidden_states"
+# hs-connectors' FP8 layout, read by speculators' `--hidden-states-backend fp8` (FP8Transfer):
+# `hidden_states` float8_e4m3fn [L, k+1, H] and `hidden_states_scales` float32 [L, 1, 1],
+# one scale per token over all its states, amax / 448; value = fp8 value x scale.
+FP8_SCALES_KEY = "hidden_states_scales"
+FP8_SCALE_LAYOUT = (
+    "per_token: hidden_states_scales [L, 1, 1] float32, amax over the token's k+1 states / 448 "
+    "(hs-connectors' FP8 layout, speculators --hidden-states-backend fp8)"
+)
 
 
 def speculators_path(output: Path, index: int) -> Path:
@@ -60,6 +69,13 @@ class SpeculatorsExporter(Exporter):
         # file index, so rows are written by index (gaps are refused in finish).
         self.rows: dict[str, list[Any]] = {"input_ids": [], "loss_mask": [], "seq_len": []}
 
+    @property
+    def fp8(self) -> bool:
+        dtype = self.settings.get("dtype")
+        if dtype not in (None, FP8):
+            raise ValueError(f"export.dtype={dtype!r}: null (the store's) or {FP8!r}")
+        return dtype == FP8
+
     def sample_path(self, output: Path, index: int) -> Path:
         return speculators_path(output, index)
 
@@ -71,16 +87,18 @@ class SpeculatorsExporter(Exporter):
         length, hidden = final.shape
         # [L, k*H] -> [L, k, H], then the final state as the last of the k + 1 states.
         states = torch.cat([aux.reshape(length, -1, hidden), final.unsqueeze(1)], dim=1)
+        tensors = {"token_ids": sample["input_ids"].to(torch.int64).contiguous()}
+        if self.fp8:
+            x = states.float()
+            scale = (x.abs().amax(dim=(1, 2), keepdim=True) / FP8_MAX).clamp_min(1e-12)
+            tensors["hidden_states"] = (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_TORCH)
+            tensors[FP8_SCALES_KEY] = scale.contiguous()
+        else:
+            tensors["hidden_states"] = states.contiguous()
         path = self.sample_path(output, index)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
-        save_file(
-            {
-                "hidden_states": states.contiguous(),
-                "token_ids": sample["input_ids"].to(torch.int64).contiguous(),
-            },
-            str(tmp),
-        )
+        save_file(tensors, str(tmp))
         os.replace(tmp, path)
 
     def add_row(self, index: int, sample_id: str, input_ids: list[int], mask: list[int]) -> None:
@@ -101,14 +119,20 @@ class SpeculatorsExporter(Exporter):
     def files(self, ctx: ExportContext) -> dict[str, Any]:
         h = ctx.manifest["hidden_size"]
         k = len(ctx.conventions["output_layer_ids"])
-        dtype = ctx.manifest["dtype"]
+        dtype = "float8_e4m3fn" if self.fp8 else ctx.manifest["dtype"]
+        tensors: dict[str, Any] = {
+            "hidden_states": [f"L, {k + 1}, {h}", dtype],
+            "token_ids": ["L", "int64"],
+        }
+        if self.fp8:
+            tensors[FP8_SCALES_KEY] = ["L, 1, 1", "float32"]
         return {
             "files": "data-*.arrow (datasets rows) + hidden_states/hs_*.safetensors",
             "compression": None,
-            "tensors": {"hidden_states": [f"L, {k + 1}, {h}", dtype], "token_ids": ["L", "int64"]},
+            "tensors": tensors,
             "rows": {"input_ids": "int64 list", "loss_mask": "int64 list", "seq_len": "int"},
             "dtype": dtype,
-            "scale_layout": None,
+            "scale_layout": FP8_SCALE_LAYOUT if self.fp8 else None,
             "final_state": self.final_state,
             "layer_convention": "input_of_layer",
             "layer_ids": list(ctx.conventions["capture_layer_ids"]),
@@ -125,6 +149,15 @@ class SpeculatorsExporter(Exporter):
             f"({f['dtype']}; the {k} auxiliary states, then the final state PRE-norm: speculators",
             "applies the verifier's norm itself) and `token_ids` [L] int64, equal to row i's",
             "`input_ids`.",
+            *(
+                [
+                    f"The states are fp8: `{FP8_SCALES_KEY}` [L, 1, 1] float32 holds one scale per",
+                    "token (amax over its states / 448); speculators reads them with",
+                    "`--hidden-states-backend fp8` (its FP8Transfer: value = fp8 value x scale).",
+                ]
+                if f["scale_layout"]
+                else []
+            ),
         ]
 
     def card_training(self, summary: dict[str, Any]) -> list[str]:
@@ -138,7 +171,8 @@ class SpeculatorsExporter(Exporter):
             "```bash",
             f"speculators train --verifier-name-or-path {model} --data-path {out} \\",
             f"    --speculator-type eagle3 --target-layer-ids {_ids(capture)} \\",
-            f"    --on-missing raise --total-seq-len {max(longest, 1)}",
+            f"    --on-missing raise --total-seq-len {max(longest, 1)}"
+            + (" --hidden-states-backend fp8" if summary["files"]["scale_layout"] else ""),
             "```",
             "",
             f'`--target-layer-ids` are input-of-layer ids ({capture} = "output of layer"',
