@@ -50,8 +50,9 @@ class ModelOptExporter(Exporter):
                 "hidden_states": [f"L, {h}", dtype],
                 "aux_hidden_states": [f"L, {aux_h}", dtype],
                 "loss_mask": ["L", "int64"],
-                "hidden_states_prenorm": False,
             },
+            # ModelOpt re-applies the final norm when this flag is True.
+            "flags": {"hidden_states_prenorm": False},
             "dtype": dtype,
             "scale_layout": None,
             "final_state": self.final_state,
