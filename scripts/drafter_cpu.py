@@ -41,11 +41,13 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--draft-vocab-size", type=int, default=2048)
     args_in = ap.parse_args()
 
     import torch
 
     torch.set_num_threads(args_in.threads)
+    from datasets import load_from_disk
     from hs_connectors import HiddenStatesBackend
     from speculators.model import SpeculatorModel
     from speculators.models.eagle3.data import shift_batch
@@ -54,8 +56,15 @@ def main() -> int:
     from speculators.train.dataloader import create_train_val_loaders
     from speculators.train.optimizers import build_optimizers
     from speculators.train.trainer import TrainerConfig
+    from speculators.train.vocab_mapping import save_token_frequency_distribution
     from transformers import set_seed
 
+    # Its prepare-data step counts the answer tokens for the draft vocabulary: the same call.
+    args_in.out.parent.mkdir(parents=True, exist_ok=True)
+    freq = args_in.out.parent / f"token_freq-{args_in.export.name}.pt"
+    rows = load_from_disk(str(args_in.export))
+    rows.set_format(type="torch")
+    save_token_frequency_distribution(rows, freq)
     argv = card_command(args_in.export)
     argv = [a.replace("TARGET_MODEL_DIR", args_in.verifier) for a in argv]
     argv += [
@@ -73,6 +82,10 @@ def main() -> int:
         str(args_in.out.parent / f"ckpt-{args_in.out.stem}"),
         "--num-workers",
         "0",
+        "--token-freq-path",
+        str(freq),
+        "--draft-vocab-size",
+        str(args_in.draft_vocab_size),
     ]
     cfg = TrainConfig.resolve(argv)
     args = argparse.Namespace(**cfg.flatten())
