@@ -1,4 +1,4 @@
-"""`python -m kimi_pipe.export`: the export stage, kimi_pipe/stages/export.py."""
+"""`python -m kimi_pipe.export`: the export stage, kimi_pipe/stages/export/."""
 
 import sys
 

@@ -4,7 +4,8 @@
 # Runs both backends on the same model and the same token records, then prints:
 #   * max abs difference per captured layer (and of the final state), with a bf16 verdict;
 #   * tokens/s of each backend (extraction loop, and end to end with model load);
-#   * GB written per million tokens of each store.
+#   * GB written per million tokens of each store;
+#   * the hf stage's tokens/s against a bare batched forward (scripts/bench_extract.py).
 # Also runs the `cuda`-marked tests. Target: under 8 minutes on one H200 once the wheels are
 # cached (the first install of sglang + torch takes longer and is timed separately).
 #
@@ -197,6 +198,14 @@ print(f"expected GB / 1M tok: {(4 * h * nbytes + 16) / 1e3:.3f} (4 states x H={h
 print("PARITY:", "PASS" if ok else "FAIL")
 sys.exit(0 if ok else 1)
 EOF
+
+say "extraction throughput: hf stage vs bare batched forward (scripts/bench_extract.py)"
+# The same measurement as README's CPU figures: the whole hf stage (capture, sharding, store
+# writes, fp8 packing) against a bare forward of the same model on the same batches.
+BENCH_ARGS=(--device "$DEVICE" --model-path "$MODEL_DIR" --json "$WORK/bench_extract.json")
+if [ "$REHEARSAL" = 1 ]; then BENCH_ARGS+=(--dtype float32 --samples 8 --max-len 128 --rounds 1)
+else BENCH_ARGS+=(--dtype bfloat16 --samples 256 --max-len "$MAX_LEN" --batch-tokens 16384); fi
+"$PY" scripts/bench_extract.py "${BENCH_ARGS[@]}" || echo "bench_extract failed (see above)"
 
 say "cuda-marked tests"
 if [ "$REHEARSAL" != 1 ]; then

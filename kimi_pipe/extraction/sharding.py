@@ -563,6 +563,7 @@ def run_sharded(cfg: Any, backend: Any) -> dict[str, Any]:
     part = part_dir(store, shard, num_shards)
     manifest = make_manifest(
         **backend.store_fields,
+        final_dtype=ecfg.get("final_store_dtype"),
         loss_mask=loss_mask_convention(cfg),
         source_runs=[str(records.parent.resolve())],
         backend=str(ecfg.backend),

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from kimi_pipe.errors import StoreError
+from kimi_pipe.errors import ConfigError, StoreError
 
 POST_NORM = "post_norm"
 PRE_NORM = "pre_norm"
@@ -78,7 +78,7 @@ def final_state_conversion(manifest: Mapping[str, Any], want: str) -> str:
     """
     have = manifest.get("final_state")
     if want not in (PRE_NORM, POST_NORM):
-        raise ValueError(f"unknown final state {want!r}")
+        raise ConfigError(f"unknown final state {want!r}")
     if have == want:
         return "as_is"
     if have == PRE_NORM and want == POST_NORM:

@@ -38,6 +38,14 @@ Reader API::
     store.manifest, len(store), store.ids, "some-id" in store
     store["some-id"] -> {"input_ids" [L] int64, "loss_mask" [L] int64,
                          "aux_hidden_state" [L, 3H], "hidden_state" [L, H]}
+
+Compact storage (`dtype="fp8_e4m3"`, per state with `final_dtype`): a state is kept as
+`float8_e4m3fn` with one float32 scale per row, a row being one token's state of one layer
+(H values): scale = amax(|row|) / 448, stored value = row / scale. The shard then also holds
+`<state>_scale` [T, k] (k = 3 for aux, 1 for the final state). The manifest records it
+(`store_dtype` per state, `scale_layout`) and its `dtype` becomes the dtype readers return
+(bfloat16): `store[id]` dequantizes (fp8 value x scale, in float32, then cast), so every reader
+sees plain tensors. `store.raw(id)` gives the stored tensors and scales as they are.
 """
 
 from __future__ import annotations
@@ -52,6 +60,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from kimi_pipe.errors import ConfigError, MissingFile
 
 FORMAT = "kimi_pipe.hidden_store"
 VERSION = 1
@@ -68,6 +78,7 @@ IDENTITY_KEYS = (
     "layer_convention",
     "final_state",
     "dtype",
+    "store_dtype",
     "hidden_size",
     "loss_mask",
 )
@@ -93,12 +104,49 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
+# Compact storage: float8 e4m3 values with one float32 scale per row (see the module doc).
+FP8 = "fp8_e4m3"
+FP8_TORCH = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_TORCH).max)  # 448
+FP8_READ_DTYPE = "bfloat16"  # what readers of an fp8 store get (the training dtype)
+STATE_KEYS = ("aux_hidden_state", "hidden_state")
+SCALE_SUFFIX = "_scale"
+SCALE_LAYOUT = (
+    "per_row: one float32 scale per token per layer state (H values), amax(|row|) / 448; "
+    "shard tensor <state>_scale [T, k]; value = float8_e4m3fn value x scale"
+)
+
+
 def torch_dtype(name: str) -> torch.dtype:
     """Map a config dtype name to torch, with a clear error for anything else."""
     try:
         return DTYPES[name]
     except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; use one of {sorted(DTYPES)}") from None
+        raise ConfigError(f"unknown dtype {name!r}; use one of {sorted(DTYPES)}") from None
+
+
+def quantize_rows(x: torch.Tensor, rows_per_token: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, k*H] float -> (float8_e4m3fn [T, k*H], float32 scales [T, k]), one scale per row."""
+    t = x.shape[0]
+    rows = x.float().reshape(t, rows_per_token, -1)
+    scale = (rows.abs().amax(dim=-1) / FP8_MAX).clamp_min(1e-12)
+    q = (rows / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_TORCH)
+    return q.reshape(t, -1), scale
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of quantize_rows: fp8 value x its row's scale, in float32, cast to `dtype`."""
+    t, k = scale.shape
+    rows = q.float().reshape(t, k, -1) * scale.float().unsqueeze(-1)
+    return rows.reshape(t, -1).to(dtype)
+
+
+def state_dtypes(manifest: dict[str, Any]) -> dict[str, str]:
+    """How each state is stored: {"aux_hidden_state": name, "hidden_state": name}."""
+    stored = manifest.get("store_dtype")
+    if isinstance(stored, dict):
+        return {k: str(stored.get(k, manifest["dtype"])) for k in STATE_KEYS}
+    return {k: str(manifest["dtype"]) for k in STATE_KEYS}
 
 
 def default_layer_ids(num_layers: int) -> list[int]:
@@ -124,14 +172,33 @@ def make_manifest(
     backend: str,
     layer_convention: str = "output_of_layer",
     final_state: str = "post_norm",
+    final_dtype: str | None = None,
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Build a manifest dict, validating the conventions so every store states them."""
+    """Build a manifest dict, validating the conventions so every store states them.
+
+    `dtype`: how the states are stored (a torch dtype name, or `fp8_e4m3`); `final_dtype`:
+    the final state's, when it differs (null = `dtype`). With fp8 for any state, the manifest's
+    `dtype` is what readers return and `store_dtype` / `scale_layout` say what is on disk.
+    """
     if layer_convention not in LAYER_CONVENTIONS:
         raise ValueError(f"layer_convention must be one of {sorted(LAYER_CONVENTIONS)}")
     if final_state not in FINAL_STATES:
         raise ValueError(f"final_state must be one of {sorted(FINAL_STATES)}")
-    torch_dtype(dtype)
+    per_state = {"aux_hidden_state": dtype, "hidden_state": final_dtype or dtype}
+    plain = {d for d in per_state.values() if d != FP8}
+    for d in plain:
+        torch_dtype(d)
+    if len(plain) > 1:
+        raise ValueError(
+            f"aux and final states stored as {sorted(plain)}: only fp8_e4m3 may differ from "
+            "the other state's dtype"
+        )
+    compact = FP8 in per_state.values()
+    read_dtype = plain.pop() if plain else FP8_READ_DTYPE
+    if compact and read_dtype == "float32":
+        read_dtype = FP8_READ_DTYPE  # fp8 + float32 would read as float32: keep the training dtype
+    dtype = read_dtype if compact else dtype
     manifest: dict[str, Any] = {
         "format": FORMAT,
         "version": VERSION,
@@ -149,6 +216,9 @@ def make_manifest(
         "source_runs": [str(s) for s in source_runs],
         "backend": backend,
     }
+    if compact:
+        manifest["store_dtype"] = per_state
+        manifest["scale_layout"] = SCALE_LAYOUT
     if extra:
         manifest.update(extra)
     return manifest
@@ -229,7 +299,12 @@ class StoreWriter:
         self.shard_samples = shard_samples
         # Cap on tokens per shard too, so one shard of long samples stays a sane size.
         self.shard_tokens = shard_tokens
+        self.state_dtypes = state_dtypes(manifest)
+        # dtype: what the extract loop casts a sample to before its inf check. An fp8 state
+        # is quantized from float32 (one rounding, not two); bf16 has float32's range.
         self.dtype = torch_dtype(manifest["dtype"])
+        if FP8 in self.state_dtypes.values() and self.dtype == torch.bfloat16:
+            self.dtype = torch.float32
         self.hidden_size = int(manifest["hidden_size"])
         self.n_aux = len(manifest["layer_ids"])
         (self.path / SHARDS).mkdir(parents=True, exist_ok=True)
@@ -238,7 +313,8 @@ class StoreWriter:
         self.done_ids: set[str] = {e.id for e in entries}
         shard_numbers = [_shard_number(e.shard) for e in entries]
         self._next_shard = max(shard_numbers, default=-1) + 1
-        self._buffer: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        # (id, input_ids, loss_mask, {stored tensor name: tensor}) per buffered sample.
+        self._buffer: list[tuple[str, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]] = []
         self._buffer_tokens = 0
         self._pending: set[str] = set()
         self.committed_shards = 0  # shards committed by this writer (not by earlier runs)
@@ -303,14 +379,25 @@ class StoreWriter:
                 raise ValueError(f"sample {sid!r}: {name} has shape {tuple(got)}, expected {want}")
         if n == 0:
             raise ValueError(f"sample {sid!r} has no tokens")
-        self._buffer.append(
-            (sid, ids, mask, aux.to("cpu", self.dtype), final.to("cpu", self.dtype))
-        )
+        self._buffer.append((sid, ids, mask, self._stored(aux, final)))
         self._pending.add(sid)
         self._buffer_tokens += n
         full = len(self._buffer) >= self.shard_samples
         if full or (self.shard_tokens is not None and self._buffer_tokens >= self.shard_tokens):
             self.flush()
+
+    def _stored(self, aux: torch.Tensor, final: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The shard tensors of one sample: each state in its stored dtype (+ fp8 scales)."""
+        out: dict[str, torch.Tensor] = {}
+        for key, value, rows in (
+            ("aux_hidden_state", aux, self.n_aux),
+            ("hidden_state", final, 1),
+        ):
+            if self.state_dtypes[key] == FP8:
+                out[key], out[key + SCALE_SUFFIX] = quantize_rows(value.to("cpu"), rows)
+            else:
+                out[key] = value.to("cpu", torch_dtype(self.state_dtypes[key]))
+        return out
 
     def flush(self) -> None:
         """Commit the buffered samples as one shard (atomic), then index them."""
@@ -319,15 +406,15 @@ class StoreWriter:
         name = _shard_name(self._next_shard)
         entries: list[IndexEntry] = []
         offset = 0
-        for sid, ids, _, _, _ in self._buffer:
+        for sid, ids, _, _ in self._buffer:
             entries.append(IndexEntry(sid, name, offset, ids.numel()))
             offset += ids.numel()
         tensors = {
             "input_ids": torch.cat([b[1] for b in self._buffer]),
             "loss_mask": torch.cat([b[2] for b in self._buffer]),
-            "aux_hidden_state": torch.cat([b[3] for b in self._buffer]).contiguous(),
-            "hidden_state": torch.cat([b[4] for b in self._buffer]).contiguous(),
         }
+        for key in self._buffer[0][3]:
+            tensors[key] = torch.cat([b[3][key] for b in self._buffer]).contiguous()
         meta = {"samples": json.dumps([[e.id, e.offset, e.length] for e in entries])}
         final_path = self.path / SHARDS / name
         tmp = final_path.with_name(name + ".tmp")
@@ -390,7 +477,7 @@ class HiddenStore:
         self.path = Path(path)
         manifest_path = self.path / MANIFEST
         if not manifest_path.exists():
-            raise FileNotFoundError(
+            raise MissingFile(
                 f"{manifest_path} not found: not a hidden-state store "
                 "(make one with `python -m kimi_pipe.extract`)"
             )
@@ -437,8 +524,26 @@ class HiddenStore:
         """input_ids and loss_mask only (cheap)."""
         return self._read(sample_id, ("input_ids", "loss_mask"))
 
+    @property
+    def state_dtypes(self) -> dict[str, str]:
+        return state_dtypes(self.manifest)
+
+    def raw(self, sample_id: str | int) -> dict[str, torch.Tensor]:
+        """One sample's tensors as stored: fp8 states with their `<state>_scale` rows."""
+        keys = ["input_ids", "loss_mask"]
+        for key, dtype in self.state_dtypes.items():
+            keys += [key, key + SCALE_SUFFIX] if dtype == FP8 else [key]
+        return self._read(sample_id, keys)
+
     def __getitem__(self, sample_id: str | int) -> dict[str, torch.Tensor]:
-        return self._read(sample_id, ("input_ids", "loss_mask", "aux_hidden_state", "hidden_state"))
+        """One sample with plain states in the manifest's `dtype` (fp8 dequantized)."""
+        out = self.raw(sample_id)
+        read_dtype = torch_dtype(self.manifest["dtype"])
+        for key in STATE_KEYS:
+            scale = out.pop(key + SCALE_SUFFIX, None)
+            if scale is not None:
+                out[key] = dequantize_rows(out[key], scale, read_dtype)
+        return out
 
     def total_tokens(self) -> int:
         return sum(e.length for e in self._index.values())

@@ -1,0 +1,560 @@
+"""Stage: export hidden-state stores for an EAGLE-3 trainer, with a dataset card.
+
+    python -m kimi_pipe.export format=specforge stores=[runs/B5/x/hidden_hf,runs/B6/x/hidden_hf] \
+        seed=0 output=exports/b5-b6 [target_model_path=/models/Kimi-K2.5]
+
+Formats are plug-ins (docs/export.md): one file in this package and one config
+`conf/export/<name>.yaml` each (`specforge`, `speculators`, `modelopt`, `tokens`); `format=NAME`
+picks one (an alias of the group choice `export=NAME`). The exporter protocol is in `base.py`.
+
+Every export reads the store's manifest and converts (post-norm from a pre-norm store that
+recorded its final norm; layer ids renamed to the trainer's convention; fp8 states
+dequantized) or refuses with a message before writing anything: it never writes a convention
+it was not asked for. Its summary and card describe the files as written (`files`), with the
+store's own description (`source_manifest`) and what was converted (`converted`) apart.
+
+Merge and shuffle are deterministic: samples of all stores are ordered by (store path, sample
+id) and shuffled with `random.Random(seed)`, so the same stores and seed always give the same
+files, whatever order the stores are listed in. `export_index.jsonl` maps each file back to its
+store and sample id. A killed export resumes: files are written tmp + rename and existing ones
+are kept (the plan is checked to be the same). Samples with NaN/inf states are skipped, counted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from kimi_pipe.errors import ConfigError, MissingFile
+from kimi_pipe.extraction.layers import drafter_config_ids, manifest_output_ids
+from kimi_pipe.stages.export.base import (
+    ExportContext,
+    Exporter,
+    ExportFormatError,
+    export_formats,
+    load_exporter,
+    write_atomic,
+)
+from kimi_pipe.stages.export.card import dataset_card
+from kimi_pipe.stages.export.modelopt import modelopt_path
+from kimi_pipe.stages.export.specforge import (
+    ROWS_PER_DIR,
+    SPECFORGE_CONFIG,
+    SPECFORGE_DEFAULT_MAX_LENGTH,
+    checkpoint_weight_names,
+    specforge_config,
+    specforge_path,
+    specforge_weight_keys,
+)
+from kimi_pipe.stages.export.speculators import SPECULATORS_STATES, speculators_path
+from kimi_pipe.stages.export.tokens import TOKENS_FILE
+from kimi_pipe.store.conventions import final_state_as, final_state_conversion
+from kimi_pipe.store.hidden_store import HiddenStore, state_dtypes
+from kimi_pipe.store.records import iter_records
+
+__all__ = [
+    "CARD_FILE",
+    "FORMATS",
+    "INDEX_FILE",
+    "ROWS_PER_DIR",
+    "SPECFORGE_CONFIG",
+    "SPECFORGE_DEFAULT_MAX_LENGTH",
+    "SPECULATORS_STATES",
+    "SUMMARY_FILE",
+    "TOKENS_FILE",
+    "ExportFormatError",
+    "Exporter",
+    "checkpoint_weight_names",
+    "export",
+    "export_specforge",
+    "main",
+    "modelopt_path",
+    "run_export",
+    "select_samples",
+    "specforge_config",
+    "specforge_path",
+    "specforge_weight_keys",
+    "speculators_path",
+]
+
+PLAN_FILE = "export_plan.json"
+INDEX_FILE = "export_index.jsonl"
+SUMMARY_FILE = "export_summary.json"
+CARD_FILE = "README.md"
+FORMATS = export_formats()  # the configs in conf/export/
+
+_COMPATIBLE_KEYS = (
+    "model",
+    "num_layers",
+    "layer_ids",
+    "layer_convention",
+    "final_state",
+    "final_norm",
+    "hidden_size",
+    "dtype",
+    "store_dtype",
+    "loss_mask",
+)
+
+
+@dataclass(frozen=True)
+class PlannedSample:
+    index: int  # position after the shuffle: data_{index}.ckpt, hs_{index}, row index
+    store: int  # position in the sorted store list
+    id: str
+
+
+def open_stores(paths: Sequence[str | os.PathLike[str]]) -> list[HiddenStore]:
+    """Open the stores sorted by resolved path; refuse stores that cannot be mixed."""
+    if not paths:
+        raise ConfigError(
+            "no stores to export: pass stores=[STORE_DIR,...] (made by python -m kimi_pipe.extract)"
+        )
+    resolved = sorted({Path(p).resolve() for p in paths})
+    for path in resolved:
+        if not path.is_dir():
+            raise MissingFile(
+                f"store {path} does not exist: make one with `python -m kimi_pipe.extract` "
+                "(or the extract stage of a pipeline) and pass its directory in stores=[...]"
+            )
+    stores = [HiddenStore(p) for p in resolved]
+    first = stores[0].manifest
+    for s in stores[1:]:
+        diff = [k for k in _COMPATIBLE_KEYS if s.manifest.get(k) != first.get(k)]
+        if diff:
+            detail = ", ".join(
+                f"{k}: {_short(first.get(k))} vs {_short(s.manifest.get(k))}" for k in diff
+            )
+            raise ConfigError(f"stores {stores[0].path} and {s.path} cannot be mixed ({detail})")
+    return stores
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) < 80 else text[:77] + "..."
+
+
+def select_samples(stores: Sequence[HiddenStore]) -> list[tuple[int, str]]:
+    """The samples that reach the training files, as (store position, id), in (store, id)
+    order. Every sample of every store today; a policy on which samples are accepted (for
+    example by their evidence) filters here, and its counts belong in the summary."""
+    return [(si, sid) for si, s in enumerate(stores) for sid in sorted(s.ids)]
+
+
+def plan(stores: Sequence[HiddenStore], seed: int) -> list[PlannedSample]:
+    """Deterministic merge + shuffle of the selected samples of every store."""
+    items = select_samples(stores)
+    random.Random(seed).shuffle(items)
+    return [PlannedSample(i, si, sid) for i, (si, sid) in enumerate(items)]
+
+
+def _plan_digest(stores: Sequence[HiddenStore], planned: Sequence[PlannedSample]) -> str:
+    h = hashlib.sha256()
+    for p in planned:
+        h.update(f"{stores[p.store].path}\0{p.id}\n".encode())
+    return h.hexdigest()
+
+
+def _check_or_write_plan(output: Path, info: dict[str, Any]) -> None:
+    """A rerun into the same directory must be the same export (then it resumes)."""
+    path = output / PLAN_FILE
+    if path.exists():
+        old = json.loads(path.read_text())
+        same = (
+            old.get("digest") == info["digest"]
+            and old.get("format", "specforge") == info["format"]
+            and old.get("files", info["files"]) == info["files"]
+        )
+        if not same:
+            raise ConfigError(
+                f"{output} holds another export (other stores, seed, format or file layout); "
+                "pick a new output directory or delete it"
+            )
+    write_atomic(path, json.dumps(info, indent=2) + "\n")
+
+
+# --------------------------------------------------------------------------- conventions
+
+
+def conventions(manifest: dict[str, Any], want: str | None) -> dict[str, Any]:
+    """What files with final state `want` (None: no states) will hold, derived from the
+    manifest; raises before any write when the store cannot be exported that way."""
+    output_ids = manifest_output_ids(manifest)
+    out: dict[str, Any] = {
+        "layer_ids_stored": list(manifest["layer_ids"]),
+        "layer_convention_stored": manifest.get("layer_convention"),
+        "output_layer_ids": output_ids,
+        "capture_layer_ids": [i + 1 for i in output_ids],
+        "drafter_config_ids": {
+            engine: _engine_ids(output_ids, engine) for engine in ("sglang", "vllm")
+        },
+        "final_state_stored": manifest.get("final_state"),
+        "final_state_written": want,
+        "final_state_conversion": final_state_conversion(manifest, want) if want else None,
+    }
+    return out
+
+
+def _engine_ids(output_ids: list[int], engine: str) -> list[int] | str:
+    try:
+        return drafter_config_ids(output_ids, engine)
+    except ValueError as exc:
+        return f"not expressible: {exc}"
+
+
+# --------------------------------------------------------------------------- the export
+
+
+def export(
+    store_paths: Sequence[str | os.PathLike[str]],
+    output: str | os.PathLike[str],
+    fmt: str = "specforge",
+    seed: int = 0,
+    *,
+    target_model_path: str | os.PathLike[str] | None = None,
+    max_length: int | None = None,
+    settings: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Write `fmt`'s layout and the dataset card; return the export summary.
+
+    `settings` override the format's config (conf/export/<fmt>.yaml); `max_length` is
+    SpecForge's `export.max_length`, kept as an argument for callers of the first exporter.
+    """
+    overrides = dict(settings or {})
+    if max_length is not None:
+        overrides["max_length"] = max_length
+    exporter = load_exporter(fmt, overrides)
+    stores = open_stores(store_paths)
+    manifest = stores[0].manifest
+    want = exporter.final_state
+    conv = conventions(manifest, want)  # refuses before the output directory is touched
+    model_path = str(target_model_path or manifest.get("model_path") or "") or None
+    out = Path(output)
+    ctx = ExportContext(out, manifest, conv, model_path, list(stores))
+    extras = exporter.check(ctx)  # refusals of the format, still before any write
+    out.mkdir(parents=True, exist_ok=True)
+    planned = plan(stores, seed)
+    digest = _plan_digest(stores, planned)
+    _check_or_write_plan(
+        out,
+        {
+            "format": fmt,
+            "seed": seed,
+            "stores": [str(s.path) for s in stores],
+            "samples": len(planned),
+            "digest": digest,
+            # What the files hold (dtype, compression): a resume must not mix two layouts.
+            "files": exporter.files(ctx),
+        },
+    )
+    started = time.monotonic()
+    counts = {"written": 0, "already_written": 0, "skipped_non_finite": 0}
+    tokens = {"total": 0, "loss": 0, "max_len": 0}
+    per_store = [{"store": str(s.path), "samples": 0, "tokens": 0} for s in stores]
+    index_lines: list[str] = []
+    last_report = started
+    for n, p in enumerate(planned, 1):
+        store = stores[p.store]
+        t = store.tokens(p.id)
+        path = exporter.sample_path(out, p.index)
+        if path is None:
+            counts["written"] += 1
+        elif path.exists():
+            counts["already_written"] += 1
+        else:
+            sample = store[p.id]
+            if not (
+                torch.isfinite(sample["aux_hidden_state"]).all()
+                and torch.isfinite(sample["hidden_state"]).all()
+            ):
+                counts["skipped_non_finite"] += 1
+                print(f"export: {store.path} {p.id}: NaN/inf state, skipped", file=sys.stderr)
+                continue
+            if want is not None:
+                sample["hidden_state"] = final_state_as(manifest, sample["hidden_state"], want)
+            exporter.write_sample(out, p.index, sample)
+            counts["written"] += 1
+        length = int(t["input_ids"].numel())
+        ids, mask = t["input_ids"].tolist(), t["loss_mask"].tolist()
+        exporter.add_row(p.index, p.id, ids, mask)
+        tokens["total"] += length
+        tokens["loss"] += int(sum(mask))
+        tokens["max_len"] = max(tokens["max_len"], length)
+        per_store[p.store]["samples"] += 1
+        per_store[p.store]["tokens"] += length
+        entry = {"index": p.index, "store": str(store.path), "id": p.id, "length": length}
+        if path is not None:
+            entry["file"] = str(path.relative_to(out))
+        index_lines.append(json.dumps(entry) + "\n")
+        now = time.monotonic()
+        if now - last_report >= 30 or n == len(planned):
+            print(f"export: {n}/{len(planned)} samples -> {out}", file=sys.stderr, flush=True)
+            last_report = now
+    extras.update(exporter.finish(ctx, counts, tokens))
+    write_atomic(out / INDEX_FILE, "".join(index_lines))
+    summary: dict[str, Any] = {
+        "format": fmt,
+        "output": str(out),
+        "seed": seed,
+        "samples": len(index_lines),
+        "counts": counts,
+        "tokens": tokens,
+        "per_store": per_store,
+        # What the files written here hold; the store's own description apart from it.
+        "files": exporter.files(ctx),
+        "source_manifest": _card_manifest(manifest),
+        "converted": converted(manifest, conv, exporter.files(ctx)),
+        "conventions": conv,
+        "target_model_path": model_path,
+        "sources": [source_figures(s) for s in stores],
+        "wall_s": round(time.monotonic() - started, 3),
+        **extras,
+    }
+    write_atomic(out / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
+    write_atomic(out / CARD_FILE, dataset_card(summary, exporter))
+    return summary
+
+
+def converted(
+    manifest: Mapping[str, Any], conv: Mapping[str, Any], files: Mapping[str, Any]
+) -> dict[str, Any]:
+    """What the export changed on the way from the store to the files, one entry per change
+    (empty: the files hold the store's tensors as stored)."""
+    out: dict[str, Any] = {}
+    if files.get("final_state") is None:
+        return out
+    if conv.get("final_state_conversion") == "apply_norm":
+        norm = manifest.get("final_norm") or {}
+        out["final_state"] = {
+            "from": manifest.get("final_state"),
+            "to": files["final_state"],
+            "how": f"{norm.get('type')} with the manifest's final_norm weight, eps "
+            f"{norm.get('eps')} (module {norm.get('module')}), in float32, then cast to "
+            f"{files.get('dtype')}",
+        }
+    stored_ids = list(manifest.get("layer_ids", []))
+    if (files.get("layer_convention"), files.get("layer_ids")) != (
+        manifest.get("layer_convention"),
+        stored_ids,
+    ):
+        out["layer_ids"] = {
+            "from": {"convention": manifest.get("layer_convention"), "ids": stored_ids},
+            "to": {"convention": files.get("layer_convention"), "ids": files.get("layer_ids")},
+            "how": "renamed only (the same tensors): input of layer i = output of layer i - 1",
+        }
+    stored = state_dtypes(dict(manifest))
+    stored_scales = manifest.get("scale_layout")
+    if set(stored.values()) != {files.get("dtype")} or stored_scales != files.get("scale_layout"):
+        if files.get("scale_layout") is None:
+            how = "dequantized at export: fp8 value x its row's scale, in float32, then cast"
+        elif stored_scales is None:
+            how = "quantized at export into the trainer's fp8 layout"
+        else:
+            how = "dequantized, then quantized again in the trainer's fp8 layout (its scales)"
+        out["dtype"] = {
+            "from": {"dtype": stored, "scale_layout": stored_scales},
+            "to": {"dtype": files.get("dtype"), "scale_layout": files.get("scale_layout")},
+            "how": how,
+        }
+    return out
+
+
+def export_specforge(
+    store_paths: Sequence[str | os.PathLike[str]], output: str | os.PathLike[str], seed: int = 0
+) -> dict[str, Any]:
+    """`format=specforge` (kept for callers of the first exporter)."""
+    return export(store_paths, output, "specforge", seed)
+
+
+# --------------------------------------------------------------------------- card inputs
+
+
+def _card_manifest(m: dict[str, Any]) -> dict[str, Any]:
+    keys = (
+        "model",
+        "num_layers",
+        "layer_ids",
+        "layer_convention",
+        "layer_convention_doc",
+        "final_state",
+        "final_state_doc",
+        "hidden_size",
+        "aux_hidden_size",
+        "dtype",
+        "store_dtype",
+        "scale_layout",
+        "loss_mask",
+        "backend",
+    )
+    out = {k: m.get(k) for k in keys}
+    norm = m.get("final_norm")
+    out["final_norm"] = (
+        {"type": norm.get("type"), "eps": norm.get("eps"), "module": norm.get("module")}
+        if isinstance(norm, dict)
+        else None
+    )
+    return out
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _records_drift(records: Path, ids: set[str]) -> dict[str, Any] | None:
+    """Billing drift of the exported samples: reconstructed vs provider-reported tokens."""
+    if not records.exists():
+        return None
+    reported = rebuilt = differing = counted = 0
+    seen: dict[str, tuple[int, int]] = {}
+    for rec in iter_records(records):
+        if str(rec.get("id")) not in ids:
+            continue
+        rep = rec.get("completion_tokens_reported")
+        rec_n = rec.get("completion_tokens_reconstructed")
+        if isinstance(rep, int) and isinstance(rec_n, int):
+            seen[str(rec["id"])] = (rep, rec_n)  # last record of an id wins, as in extract
+    for rep, rec_n in seen.values():
+        counted += 1
+        reported += rep
+        rebuilt += rec_n
+        differing += int(rep != rec_n)
+    if not counted:
+        return None
+    return {
+        "samples_with_usage": counted,
+        "completion_tokens_reported": reported,
+        "completion_tokens_reconstructed": rebuilt,
+        "reconstructed_minus_reported": rebuilt - reported,
+        "samples_differing": differing,
+    }
+
+
+def source_figures(store: HiddenStore) -> dict[str, Any]:
+    """Fidelity (audit.json) and billing drift (summary.json, records) of a store's sources."""
+    runs = [Path(r) for r in store.manifest.get("source_runs", [])]
+    extract_summary = _read_json(store.path / "extract_summary.json") or {}
+    records = Path(extract_summary["records"]) if extract_summary.get("records") else None
+    out: dict[str, Any] = {"store": str(store.path), "runs": []}
+    for run in runs:
+        rec_file = run / "records.jsonl"
+        if records is not None and records.parent.resolve() == run.resolve():
+            rec_file = records  # the extract input was another file of this run
+        summary = _read_json(run / "summary.json") or {}
+        out["runs"].append(
+            {
+                "run": str(run),
+                "audit": _read_json(run / "audit.json"),
+                "billing_drift_run": summary.get("billing_drift"),
+                "tokens_run": summary.get("tokens"),
+                "billing_drift_exported": _records_drift(rec_file, set(store.ids)),
+            }
+        )
+    return out
+
+
+# --------------------------------------------------------------------------- Hydra app
+
+
+def export_choice(cfg: DictConfig) -> tuple[str, dict[str, Any]]:
+    """The format and its settings from a composed config.
+
+    `format=NAME` (root key; by default `${export.name}`, the group choice) names the format.
+    The `export` group's settings apply when they are that format's (`export=NAME`, with
+    `export.KEY=...` overrides); `format=NAME` alone takes conf/export/NAME.yaml as it is.
+    The root `max_length` is kept as an alias of `export.max_length` (SpecForge).
+    """
+    group = OmegaConf.select(cfg, "export", default=None)
+    group_settings: dict[str, Any] = {}
+    if isinstance(group, DictConfig):
+        group_settings = dict(OmegaConf.to_container(group, resolve=True))  # type: ignore[arg-type]
+    fmt = OmegaConf.select(cfg, "format", default=None) or group_settings.get("name") or "specforge"
+    fmt = str(fmt)
+    settings = dict(group_settings) if group_settings.get("name") == fmt else {}
+    settings.pop("name", None)
+    max_length = OmegaConf.select(cfg, "max_length", default=None)
+    if max_length is not None:
+        settings["max_length"] = int(max_length)
+    return fmt, settings
+
+
+def run_export(cfg: DictConfig) -> dict[str, Any]:
+    fmt, settings = export_choice(cfg)
+    if fmt not in FORMATS:
+        raise ExportFormatError(f"format={fmt!r} is not supported; choose one of {list(FORMATS)}")
+    stores = OmegaConf.select(cfg, "stores", default=None) or []
+    if isinstance(stores, str):
+        stores = [stores]
+    output = OmegaConf.select(cfg, "output", default=None)
+    if output is None:
+        raise ExportFormatError("no output directory: pass output=DIR")
+    seed = int(OmegaConf.select(cfg, "seed", default=0) or 0)
+    summary = export(
+        list(stores),
+        output,
+        fmt,
+        seed,
+        target_model_path=OmegaConf.select(cfg, "target_model_path", default=None),
+        settings=settings,
+    )
+    print(
+        f"export: {summary['samples']} samples, {summary['tokens']['total']} tokens -> "
+        f"{summary['output']} (card: {Path(summary['output']) / CARD_FILE})",
+        file=sys.stderr,
+    )
+    return summary
+
+
+def output_dir(cfg: DictConfig, run_dir: Path) -> Path:
+    out = OmegaConf.select(cfg, "output", default=None)
+    fmt = OmegaConf.select(cfg, "format", default="specforge")
+    return Path(str(out)) if out else run_dir / f"export_{fmt}"
+
+
+def inputs(cfg: DictConfig, run_dir: Path) -> list[Path]:
+    stores = OmegaConf.select(cfg, "stores", default=None) or []
+    return [Path(str(s)) for s in ([stores] if isinstance(stores, str) else stores)]
+
+
+def outputs(cfg: DictConfig, run_dir: Path) -> list[Path]:
+    return [output_dir(cfg, run_dir) / CARD_FILE]
+
+
+def run_stage(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:
+    """The stage entry: training files from `stores` (default output: <run_dir>/export_<fmt>)."""
+    if not inputs(cfg, run_dir or Path(".")):
+        raise ConfigError("no store to export: run an extract stage first or pass stores=[...]")
+    cfg = cfg.copy()
+    with open_dict(cfg):
+        OmegaConf.update(cfg, "stores", [str(p) for p in inputs(cfg, Path("."))], force_add=True)
+        OmegaConf.update(cfg, "seed", int(OmegaConf.select(cfg, "seed", default=0) or 0))
+        if run_dir is not None:
+            OmegaConf.update(cfg, "output", str(output_dir(cfg, run_dir)), force_add=True)
+    return run_export(cfg)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kimi_pipe.stages.command import hydra_command
+
+    def export_stage(cfg: DictConfig) -> None:
+        run_export(cfg)
+
+    return hydra_command(export_stage, argv, name="export")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

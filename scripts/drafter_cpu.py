@@ -1,0 +1,187 @@
+"""Train the same EAGLE-3 drafter on an export with speculators' own training code, on CPU.
+
+    INTEROP_VENV/bin/python scripts/drafter_cpu.py --export EXPORT --verifier MODEL_DIR \
+        --seed 0 --steps 300 --out result.json
+
+Runs in the trainers' venv (scripts/interop.sh builds it) and never imports kimi_pipe. What
+runs is speculators' (0.9.0): `TrainConfig.resolve` parses the export card's own
+`speculators train` command (so `--hidden-states-backend fp8` comes from the card of an fp8
+export), `build_draft_model` makes the drafter from the verifier, `create_train_val_loaders`
+with the backend's own transfer (`FileTransfer`, or `FP8Transfer`, which dequantizes) loads the
+data, `build_optimizers` makes the optimizer, and the drafter's own forward computes the loss
+and metrics. Only the loop is written here, because its `Trainer` moves every batch to CUDA
+device `local_rank`: zero grad, forward, backward, clip to 1.0, step, as `Trainer.train_epoch`
+does, without autocast (float32 on CPU). Held-out figures come from its validation split
+(the last `--train-data-ratio` rows, the same rows for every seed and every export made with
+the same export seed), averaged over its fixed-order validation batches as `val_epoch` does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import time
+from pathlib import Path
+
+
+def card_command(export: Path) -> list[str]:
+    text = (export / "README.md").read_text()
+    block = text.split("speculators train", 1)[1].split("```", 1)[0]
+    return shlex.split(block.replace("\\\n", " "))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--export", type=Path, required=True)
+    ap.add_argument("--verifier", required=True)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--draft-vocab-size", type=int, default=2048)
+    args_in = ap.parse_args()
+
+    import torch
+
+    torch.set_num_threads(args_in.threads)
+    from datasets import load_from_disk
+    from hs_connectors import HiddenStatesBackend
+    from speculators.model import SpeculatorModel
+    from speculators.models.eagle3.data import shift_batch
+    from speculators.train.cli import build_draft_model, parse_vocab_mappings
+    from speculators.train.config import TrainConfig
+    from speculators.train.dataloader import create_train_val_loaders
+    from speculators.train.optimizers import build_optimizers
+    from speculators.train.trainer import TrainerConfig
+    from speculators.train.vocab_mapping import save_token_frequency_distribution
+    from transformers import set_seed
+
+    # Its prepare-data step counts the answer tokens for the draft vocabulary: the same call.
+    args_in.out.parent.mkdir(parents=True, exist_ok=True)
+    freq = args_in.out.parent / f"token_freq-{args_in.export.name}.pt"
+    rows = load_from_disk(str(args_in.export))
+    rows.set_format(type="torch")
+    save_token_frequency_distribution(rows, freq)
+    argv = card_command(args_in.export)
+    argv = [a.replace("TARGET_MODEL_DIR", args_in.verifier) for a in argv]
+    argv += [
+        "--verifier-name-or-path",
+        args_in.verifier,
+        "--total-seq-len",
+        str(args_in.seq_len),
+        "--seed",
+        str(args_in.seed),
+        "--lr",
+        str(args_in.lr),
+        "--num-layers",
+        "1",
+        "--save-path",
+        str(args_in.out.parent / f"ckpt-{args_in.out.stem}"),
+        "--num-workers",
+        "0",
+        "--token-freq-path",
+        str(freq),
+        "--draft-vocab-size",
+        str(args_in.draft_vocab_size),
+    ]
+    cfg = TrainConfig.resolve(argv)
+    args = argparse.Namespace(**cfg.flatten())
+    set_seed(args.seed)
+    d2t, t2d, draft_vocab_size = parse_vocab_mappings(args)
+    model_class = SpeculatorModel.registry["eagle3"]
+    draft = build_draft_model(args, model_class, t2d, d2t, draft_vocab_size).float()
+    transfer = HiddenStatesBackend.registry[args.hidden_states_backend].from_train_args(
+        args, args.data_path
+    )
+    train_loader, val_loader = create_train_val_loaders(
+        data_path=args.data_path,
+        total_seq_len=args.total_seq_len,
+        hidden_states_dtype=torch.float32,
+        transfer=transfer,
+        vllm_endpoint=args.vllm_endpoint,
+        on_missing=args.on_missing,
+        verifier_name_or_path=args.verifier_name_or_path,
+        request_timeout=args.request_timeout,
+        max_retries=args.max_retries,
+        generation_validation_retries=args.generation_validation_retries,
+        max_consecutive_generation_failures=args.max_consecutive_generation_failures,
+        hidden_size=draft.config.transformer_layer_config.hidden_size,
+        num_target_layers=len(draft.target_layer_ids),
+        num_workers=0,
+        prefetch_factor=args.prefetch_factor,
+        preprocess=shift_batch,
+        train_data_ratio=args.train_data_ratio,
+        seed=args.seed,
+    )
+    train_kw, val_kw = model_class.get_trainer_kwargs(**vars(args))
+    trainer_cfg = TrainerConfig(
+        lr=args.lr,
+        num_epochs=1,
+        save_path=args.save_path,
+        optimizer=args.optimizer,
+        weight_decay=args.weight_decay,
+        muon_lr=args.muon_lr,
+        muon_momentum=args.muon_momentum,
+        muon_weight_decay=args.muon_weight_decay,
+        muon_ns_steps=args.muon_ns_steps,
+        muon_adjust_lr_fn=args.muon_adjust_lr_fn,
+    )
+    optimizers = build_optimizers(draft, trainer_cfg)
+
+    def batches():
+        epoch = 0
+        while True:
+            if hasattr(train_loader.batch_sampler, "set_epoch"):
+                train_loader.batch_sampler.set_epoch(epoch)
+            yield from train_loader
+            epoch += 1
+
+    started = time.monotonic()
+    draft.train()
+    losses = []
+    for step, batch in zip(range(args_in.steps), batches(), strict=False):
+        batch = {k: v for k, v in batch.items() if k != "error_records"}
+        _tokens, loss, _metrics = draft(**batch, **train_kw)
+        for opt in optimizers:
+            opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+        for opt in optimizers:
+            opt.step()
+        losses.append(float(loss))
+        if step % 50 == 0:
+            print(f"step {step} loss {float(loss):.4f}", flush=True)
+    train_s = time.monotonic() - started
+    draft.eval()
+    total: dict[str, float] = {}
+    n = 0
+    with torch.no_grad():
+        for batch in val_loader:
+            batch = {k: v for k, v in batch.items() if k != "error_records"}
+            _tokens, loss, metrics = draft(**batch, **val_kw)
+            for k, v in metrics.items():
+                total[k] = total.get(k, 0.0) + float(v)
+            total["loss_total"] = total.get("loss_total", 0.0) + float(loss)
+            n += 1
+    val = {k: v / max(n, 1) for k, v in total.items()}
+    result = {
+        "export": str(args_in.export),
+        "backend": args.hidden_states_backend,
+        "seed": args.seed,
+        "steps": len(losses),
+        "train_loss_last50": sum(losses[-50:]) / max(len(losses[-50:]), 1),
+        "val_batches": n,
+        "val": val,
+        "train_s": round(train_s, 1),
+        "command": "speculators train " + " ".join(argv),
+    }
+    args_in.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: result[k] for k in ("backend", "seed", "train_loss_last50")}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
