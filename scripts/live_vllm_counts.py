@@ -6,8 +6,10 @@ Every record goes through the reconstruct stage's own `reconstruct_line` (logpro
 the server sent them) under the default `unknown` profile and under the declared vLLM profile
 (`vllm_0_33`, `marker_spacing=none` without spaces_between_special_tokens). Counted: exact
 (ok, no note), repaired (ok with notes), flagged (ok false), silent (ok with ids that are not
-the ground truth: must be 0), and the ladder's rungs: engine_ids (logprobs covered and
-confirmed the whole output), text_proven (ok on text + profile + billing), unresolved.
+the ground truth: must be 0), the ladder's rungs: engine_ids (logprobs covered and
+confirmed the whole output), text_proven (ok on text + profile + billing), unresolved, and
+the candidate sets (core/candidates.py) of the text-only reconstructions that are flagged:
+closed sets that hold the ground truth / closed sets / open sets.
 """
 
 from __future__ import annotations
@@ -27,9 +29,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kimi_pipe.config import compose  # noqa: E402
+from kimi_pipe.core.candidates import enumerate_candidates  # noqa: E402
 from kimi_pipe.core.logprobs import LogprobPolicy  # noqa: E402
 from kimi_pipe.core.models import load_model  # noqa: E402
-from kimi_pipe.core.serving import ServingProfile  # noqa: E402
+from kimi_pipe.core.reconstruction import reconstruct  # noqa: E402
+from kimi_pipe.core.serving import UNKNOWN_PROFILE, ServingProfile  # noqa: E402
 from kimi_pipe.stages.reconstruct import reconstruct_line  # noqa: E402
 
 LIVE = ROOT / "tests" / "fixtures" / "live_vllm"
@@ -47,6 +51,20 @@ def declared(settings: Mapping[str, Any]) -> ServingProfile:
     if not settings["spaces_between_special_tokens"]:
         profile = replace(profile, marker_spacing="none")
     return profile
+
+
+def candidate_cells(model: Any, row: Mapping[str, Any], profile: ServingProfile) -> Counter[str]:
+    args = (row["messages"], row["tools"], row["response"])
+    rec = reconstruct(model, *args, serving=profile)
+    if rec.ok:
+        return Counter()
+    found = enumerate_candidates(model, *args, rec, profile=profile)
+    if found is None:
+        return Counter()
+    if not found.closed:
+        return Counter({"open": 1})
+    truth = row["ground_truth_output_ids"] in [o.output_ids for o in found.options]
+    return Counter({"closed": 1, "closed_truth": int(truth)})
 
 
 def rung(record: Mapping[str, Any]) -> str:
@@ -73,16 +91,20 @@ def main() -> int:
     print(
         "| variant | records | engine ids = truth | `unknown`: exact / repaired / flagged / "
         "silent | declared: exact / repaired / flagged / silent | declared: engine_ids / "
-        "text_proven / unresolved | text-proven share (declared) |"
+        "text_proven / unresolved | text-proven share (declared) | candidate sets `unknown`: "
+        "closed with truth / closed / open | declared: same |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for path in sorted(LIVE.glob("*.jsonl")):
         rows = [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x]
         counts: dict[str, Counter[str]] = {"unknown": Counter(), "declared": Counter()}
         rungs: Counter[str] = Counter()
+        sets: dict[str, Counter[str]] = {"unknown": Counter(), "declared": Counter()}
         engine_exact = 0
         for row in rows:
             engine_exact += row["engine_output_ids"] == row["ground_truth_output_ids"]
+            sets["unknown"] += candidate_cells(model, row, UNKNOWN_PROFILE)
+            sets["declared"] += candidate_cells(model, row, declared(row["settings"]))
             line = json.dumps({k: row[k] for k in ("id", "messages", "tools", "response")})
             policy = LogprobPolicy(requested=bool(row["settings"]["logprobs"]))
             for mode, profile in (("unknown", None), ("declared", declared(row["settings"]))):
@@ -98,9 +120,14 @@ def main() -> int:
         cell = {m: " / ".join(str(c[k]) for k in keys) for m, c in counts.items()}
         ladder = " / ".join(str(rungs[k]) for k in ("engine_ids", "text_proven", "unresolved"))
         share = f"{100 * rungs['text_proven'] / len(rows):.0f} %"
+        sets_cell = {
+            m: " / ".join(str(c[k]) for k in ("closed_truth", "closed", "open"))
+            for m, c in sets.items()
+        }
         print(
             f"| `{path.stem}` | {len(rows)} | {engine_exact} | {cell['unknown']} "
-            f"| {cell['declared']} | {ladder} | {share} |",
+            f"| {cell['declared']} | {ladder} | {share} | {sets_cell['unknown']} "
+            f"| {sets_cell['declared']} |",
             flush=True,
         )
     return 0
