@@ -1,0 +1,347 @@
+"""Closed candidate sets for answers the text alone cannot prove (pure: no IO).
+
+Some flags mean "two or more id sequences fit this answer": a stack may have stripped a
+newline from the reasoning's tail at the same token count, a space beside a marker may be the
+model's or the stack's, a streaming parser may have moved an argument's leading space into the
+content. For those, `enumerate_candidates` lists every id sequence consistent with
+  - the returned text,
+  - every transformation the serving profile allows (an `unknown` field: any of its choices
+    in core/serving.CHOICES that the flag concerns), and
+  - the billed `completion_tokens` (each option is rebuilt by `reconstruct` and must pass the
+    same billing check a proven record passes).
+A set is `closed` when the enumeration is complete under those rules; otherwise it says why
+not (`why_open`) and must never be resolved. One option in a closed set is a proof: the
+record becomes `text_proven` (note `single_candidate`). Two or more are left to the target
+model (extraction/resolve.py). Schema: the `candidates` field in docs/design.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from kimi_pipe.core.models import Model
+from kimi_pipe.core.reconstruction import (
+    ERRORS,
+    LENGTH_REASONS,
+    AnswerFields,
+    Reconstruction,
+    answer_fields,
+    reconstruct,
+    undo_serving,
+)
+from kimi_pipe.core.serving import UNKNOWN, ServingProfile
+
+# Flag code -> ambiguity class this module enumerates.
+CLASS_OF_CODE = {
+    "reasoning_tail_unverifiable": "reasoning_tail",
+    "leading_space_after_marker": "marker_space",
+    "space_before_tool_section": "tool_section_space",
+}
+ENUMERABLE = frozenset(CLASS_OF_CODE)
+# The note a record proven by a one-member closed set carries instead of its flag.
+SINGLE_CANDIDATE = "single_candidate"
+# A stripped tail: whitespace after the reasoning's last character. At the same token count
+# only carriage returns and newlines can hide (they join a final punctuation's BPE chunk,
+# `[^\s\p{L}\p{N}]+[\r\n]*`); any other whitespace starts a chunk of its own (one id more).
+TAIL_ALPHABET = ("\n", "\r")
+MAX_TAIL_CHARS = 16  # newline runs listed at most (open sets, and the search bound's cap)
+MAX_TAIL_NODES = 1024  # search budget; reaching it leaves the set open (never guessed closed)
+
+
+@dataclass(frozen=True)
+class Option:
+    output_ids: list[int]
+    loss_mask: list[int]
+    label: str
+
+    def to_record(self) -> dict[str, Any]:
+        return {"output_ids": self.output_ids, "loss_mask": self.loss_mask, "label": self.label}
+
+
+@dataclass(frozen=True)
+class Candidates:
+    closed: bool
+    why_open: str | None
+    classes: list[str]
+    diverge_at: int | None
+    options: list[Option]
+
+    def to_record(self) -> dict[str, Any]:
+        return {
+            "closed": self.closed,
+            "why_open": self.why_open,
+            "classes": list(self.classes),
+            "diverge_at": self.diverge_at,
+            "options": [o.to_record() for o in self.options],
+        }
+
+    @property
+    def proves(self) -> bool:
+        """A closed set of exactly one option: the ids are proven."""
+        return self.closed and len(self.options) == 1
+
+
+def _errors(codes: Sequence[str]) -> set[str]:
+    return {c for c in codes if c in ERRORS}
+
+
+def _closed_reasoning(answer: AnswerFields) -> bool:
+    truncated = answer.finish_reason in LENGTH_REASONS
+    return bool(answer.reasoning) and (bool(answer.content or answer.tool_calls) or not truncated)
+
+
+def enumerate_candidates(
+    model: Model,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None,
+    response: Any,
+    rec: Reconstruction,
+    *,
+    profile: ServingProfile,
+    billing_tolerance: int = 0,
+) -> Candidates | None:
+    """Every id sequence the answer may stand for, or None when its flags are not of a class
+    this module enumerates (or nothing fits)."""
+    errors = _errors(rec.issues)
+    if not errors or not rec.prompt_ids:
+        return None
+    answer = answer_fields(response)
+    if answer is None:
+        return None
+    covered = errors & ENUMERABLE
+    reported = rec.completion_tokens_reported
+    # A letter-ended tail whose stripped newline billing saw: billing_mismatch, one id short.
+    tail_billing = (
+        "billing_mismatch" in errors
+        and profile.reasoning_tail in ("stripped", UNKNOWN)
+        and reported is not None
+        and reported > rec.completion_tokens_reconstructed
+    )
+    if tail_billing or (covered and "billing_mismatch" in errors):
+        # Every option is rebuilt and billed on its own: the count decides among them.
+        covered = covered | {"billing_mismatch"}
+    if errors - covered or (not covered - {"billing_mismatch"} and not tail_billing):
+        return None
+    enum_tail = "reasoning_tail_unverifiable" in covered or tail_billing
+    spacings = (
+        ["none", "spaces"] if "leading_space_after_marker" in covered else [profile.marker_spacing]
+    )
+    moves = [False, True] if "space_before_tool_section" in covered else [False]
+    classes = sorted(
+        {CLASS_OF_CODE[c] for c in covered if c in CLASS_OF_CODE}
+        | ({"reasoning_tail"} if enum_tail else set())
+    )
+
+    why_open: list[str] = []
+    if billing_tolerance:
+        why_open.append(f"billing tolerance {billing_tolerance}: billing cannot bound the options")
+    options: list[Option] = []
+    seen: set[tuple[int, ...]] = set()
+    for spacing in spacings:
+        hypothesis = replace(
+            profile,
+            marker_spacing=spacing,
+            reasoning_tail="stripped" if enum_tail else profile.reasoning_tail,
+        )
+        scratch: list[str] = []
+        undone = undo_serving(model, hypothesis, answer, scratch)
+        if "marker_spacing_mismatch" in scratch:
+            continue  # a stack that spaces every marker cannot have written this answer
+        for move in moves:
+            moved = _move_space_to_arguments(undone) if move else undone
+            if moved is None:
+                continue
+            base = _build(model, messages, tools, response, moved, hypothesis, billing_tolerance)
+            tails = [""]
+            if enum_tail and _closed_reasoning(moved):
+                if reported is None:
+                    why_open.append("no billed completion_tokens to bound the stripped tail")
+                    missing = 1  # list the likeliest tails only, as an open set
+                else:
+                    missing = reported - base.completion_tokens_reconstructed
+                high = missing + billing_tolerance
+                if high > 0:
+                    # Any whitespace may hide behind extra ids: list newline runs, leave open.
+                    why_open.append(
+                        "billing leaves room for stripped whitespace other than newlines"
+                    )
+                    low = missing - billing_tolerance
+                    tails = _runs_that_fit(model, moved.reasoning, low, high)
+                else:
+                    tails, complete = _newline_tails(
+                        model, moved.reasoning, missing - billing_tolerance, high
+                    )
+                    if not complete:
+                        why_open.append("the stripped tail's search budget ran out")
+            for tail in tails:
+                variant = replace(moved, reasoning=moved.reasoning + tail) if tail else moved
+                rebuilt = (
+                    base
+                    if not tail
+                    else _build(
+                        model, messages, tools, response, variant, hypothesis, billing_tolerance
+                    )
+                )
+                if _errors(rebuilt.issues) - {"space_before_tool_section"}:
+                    continue
+                if "space_before_tool_section" in _errors(rebuilt.issues) and (
+                    "space_before_tool_section" not in covered
+                ):
+                    continue
+                key = tuple(rebuilt.output_ids)
+                if key in seen:
+                    continue
+                seen.add(key)
+                options.append(
+                    Option(
+                        rebuilt.output_ids,
+                        rebuilt.loss_mask,
+                        _label(spacing if len(spacings) > 1 else None, move, tail),
+                    )
+                )
+    if not options:
+        return None
+    return Candidates(
+        closed=not why_open,
+        why_open="; ".join(dict.fromkeys(why_open)) or None,
+        classes=classes,
+        diverge_at=_diverge_at([o.output_ids for o in options]),
+        options=options,
+    )
+
+
+def _build(
+    model: Model,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None,
+    response: Any,
+    answer: AnswerFields,
+    hypothesis: ServingProfile,
+    billing_tolerance: int,
+) -> Reconstruction:
+    """Reconstruct an answer whose serving changes were already undone under `hypothesis`:
+    its fields are taken as the model's text (no marker spacing, tail kept)."""
+    message: dict[str, Any] = {"role": "assistant", "content": answer.content}
+    if answer.reasoning_source is not None:
+        message["reasoning"] = answer.reasoning
+    if answer.tool_calls:
+        message["tool_calls"] = [dict(c) for c in answer.tool_calls]
+    usage = response.get("usage") if isinstance(response, Mapping) else None
+    plain = {
+        "choices": [{"index": 0, "message": message, "finish_reason": answer.finish_reason}],
+        "usage": usage,
+    }
+    as_text = replace(hypothesis, marker_spacing="none", reasoning_tail="kept")
+    return reconstruct(
+        model, messages, tools, plain, billing_tolerance=billing_tolerance, serving=as_text
+    )
+
+
+def _move_space_to_arguments(answer: AnswerFields) -> AnswerFields | None:
+    """SGLang 0.5.14 streaming: the first call's leading argument space arrives as the
+    content's last character. The reverse move, or None when the answer has no such space."""
+    if not (answer.tool_calls and answer.content.endswith(" ")):
+        return None
+    calls = [dict(c) for c in answer.tool_calls]
+    function = dict(calls[0].get("function") or {})
+    arguments = function.get("arguments")
+    if not isinstance(arguments, str):
+        return None
+    function["arguments"] = " " + arguments
+    calls[0]["function"] = function
+    return replace(answer, content=answer.content[:-1], tool_calls=calls)
+
+
+_JOINED_NEWLINES: dict[int, int] = {}
+
+
+def _joined_newlines(model: Model) -> int:
+    """The longest run of carriage returns/newlines that one vocabulary token joins to a
+    character before it (Kimi K2.5: 8, `}\r\n\r\n\r\n\r\n`). A tail that costs no id must
+    sit in the token that ends the reasoning's last chunk, so no longer tail can be free."""
+    tokenizer = model.tokenizer
+    key = id(tokenizer)
+    if key not in _JOINED_NEWLINES:
+        size = getattr(tokenizer, "vocab_size", None)
+        longest = MAX_TAIL_CHARS
+        if isinstance(size, int):
+            longest = 0
+            for token_id in range(size):
+                data = tokenizer.token_bytes(token_id).rstrip(b"\r\n")
+                if data and not data[-1:].isspace():
+                    longest = max(longest, len(tokenizer.token_bytes(token_id)) - len(data))
+        _JOINED_NEWLINES[key] = min(longest, MAX_TAIL_CHARS)
+    return _JOINED_NEWLINES[key]
+
+
+def _last_chunk(text: str) -> str:
+    """The reasoning's trailing punctuation run (with the space a BPE chunk takes before it):
+    the only chunk an appended newline joins. The whole text when it does not end so."""
+    i = len(text)
+    while i and not text[i - 1].isspace() and not text[i - 1].isalnum():
+        i -= 1
+    if i == len(text):
+        return text
+    if i and text[i - 1] == " ":
+        i -= 1
+    return text[i:]
+
+
+def _newline_tails(model: Model, reasoning: str, low: int, high: int) -> tuple[list[str], bool]:
+    """Every string of carriage returns and newlines (up to the vocabulary's joined-newline
+    bound) that, appended to the reasoning, adds between `low` and `high` ids; also whether
+    the search was complete. Counts come from the last chunk only (BPE chunks are encoded
+    apart); each option is rebuilt and billed in full afterwards."""
+    chunk = _last_chunk(reasoning)
+    base = len(model.encode([chunk]))
+    found: list[str] = []
+    level = [""]
+    nodes = 0
+    for _length in range(_joined_newlines(model) + 1):
+        following = []
+        for tail in level:
+            nodes += 1
+            if nodes > MAX_TAIL_NODES:
+                return found, False
+            added = len(model.encode([chunk + tail])) - base if tail else 0
+            if low <= added <= high:
+                found.append(tail)
+            following += [tail + c for c in TAIL_ALPHABET]
+        level = following
+    return found, True
+
+
+def _runs_that_fit(model: Model, reasoning: str, low: int, high: int) -> list[str]:
+    """Newline runs ("\n" ... "\n" * MAX_TAIL_CHARS) that add between `low` and `high` ids."""
+    base = len(model.encode([reasoning]))
+    fits = []
+    for n in range(0, MAX_TAIL_CHARS + 1):
+        added = len(model.encode([reasoning + "\n" * n])) - base
+        if low <= added <= high:
+            fits.append("\n" * n)
+    return fits
+
+
+def _label(spacing: str | None, move: bool, tail: str) -> str:
+    parts = []
+    if spacing == "spaces":
+        parts.append("marker spaces removed (the stack's)")
+    elif spacing == "none":
+        parts.append("marker-side spaces kept (the model's)")
+    if move:
+        parts.append("content's last space moved into the first call's arguments")
+    if tail:
+        parts.append(f"reasoning tail {tail!r} restored")
+    return "; ".join(parts) or "as returned"
+
+
+def _diverge_at(sequences: Sequence[Sequence[int]]) -> int | None:
+    if len(sequences) < 2:
+        return None
+    shortest = min(len(s) for s in sequences)
+    for i in range(shortest):
+        if len({s[i] for s in sequences}) > 1:
+            return i
+    return shortest
