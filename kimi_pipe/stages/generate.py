@@ -24,9 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import random
-import re
 import sys
 import time
 from collections import Counter
@@ -41,27 +39,26 @@ from kimi_pipe.config import CONF_DIR
 from kimi_pipe.core.answer_checks import TextRepair, answer_issues, clean_text
 from kimi_pipe.errors import KimiPipeError
 from kimi_pipe.progress import Progress, Snapshot
+from kimi_pipe.providers.account import KeyStatus, account_for
 from kimi_pipe.providers.budget import Budget, BudgetGate, Pricing, Reservation
-from kimi_pipe.providers.litellm_calls import (
+from kimi_pipe.providers.calls import (
     BILLED_UNSEEN,
-    NO_BUDGET,
-    STOPPED,
     Attempt,
     CallResult,
-    ErrorInfo,
-    KeyStatus,
-    MissingApiKey,
-    ProviderConfigError,
-    ProviderSettings,
-    api_key,
     call_with_retries,
-    fetch_pricing,
-    generation_cost,
     get_litellm,
-    key_status,
-    scrub,
     size_limited_client,
 )
+from kimi_pipe.providers.costs import fetch_pricing
+from kimi_pipe.providers.credentials import api_key, key_in_overrides, scrub
+from kimi_pipe.providers.errors import (
+    NO_BUDGET,
+    STOPPED,
+    ErrorInfo,
+    MissingApiKey,
+    ProviderConfigError,
+)
+from kimi_pipe.providers.settings import ProviderSettings
 from kimi_pipe.store.records import RecordWriter, iter_records, load_resume_index, record_cost
 from kimi_pipe.store.run_lock import RunDirLocked, RunLock
 from kimi_pipe.store.spend_journal import JOURNAL, SpendJournal
@@ -169,6 +166,7 @@ class Generator:
         self.run_dir = run_dir
         self.settings = ProviderSettings.from_config(cfg.provider)
         self.key = api_key(self.settings)  # first: a missing key stops before any work
+        self.account = account_for(self.settings)
         self.request = self.settings.request_record()
         self.max_tokens = int(self.settings.params.get("max_tokens") or 0)
         bcfg = cfg.budget
@@ -223,7 +221,7 @@ class Generator:
             # Requests a killed process sent and never booked: their true cost where the
             # provider can say, else their worst case.
             self.recovered = await journal.recover(
-                lambda gen: generation_cost(self.settings, self.key, gen))
+                lambda gen: self.account.generation_cost(self.key, gen))
             self.spent_before = max(index.cost, journal.spent())
             if index.records or self.spent_before:
                 log.info("resuming %s: %d ids done, $%.4f already spent%s", self.run_dir,
@@ -354,7 +352,7 @@ class Generator:
         """Read the key's usage and limit; refuse to start when its limit cannot cover what
         is left of budget.usd (the provider would stop us half-way, or worse, another
         client shares it)."""
-        status = await key_status(self.settings, self.key)
+        status = await self.account.key_status(self.key)
         if status is None:
             return None
         left = None if self.budget.cap_usd is None else self.budget.cap_usd - self.spent_before
@@ -374,7 +372,7 @@ class Generator:
         """Count what the key says this run spent, when that is more than we counted."""
         if self.key_start is None:
             return
-        status = await key_status(self.settings, self.key)
+        status = await self.account.key_status(self.key)
         if status is None:
             return
         self.key_delta = max(self.key_delta, status.usage - self.key_start.usage)
@@ -695,41 +693,6 @@ def generate(cfg: DictConfig, run_dir: Path | None = None) -> tuple[int, dict[st
               f"{run_dir / ATTEMPT_ERRORS} and {run_dir / RECORDS}", file=sys.stderr)
         return EXIT_ALL_FAILED, summary
     return (EXIT_STOPPED if stopped else 0), summary
-
-
-# An environment variable name: what `*api_key_env` must hold (not a key itself).
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-# Header names that carry credentials.
-_SECRET_HEADERS = ("authorization", "api-key", "api_key", "apikey", "x-api-key", "token",
-                   "cookie", "secret")
-# Environment variables that hold secrets (OPENROUTER_API_KEY, HF_TOKEN, ...).
-_SECRET_VAR = re.compile(r"(?:API_?KEY|_TOKEN|_SECRET|ACCESS_KEY)$")
-# What API keys look like (OpenRouter sk-or-v1-..., OpenAI sk-..., bearer tokens).
-_KEY_SHAPE = re.compile(r"(?:\bsk[-][A-Za-z0-9_-]{16,}|\bBearer\s+\S{8,})")
-
-
-def key_in_overrides(argv: list[str], environ: dict[str, str] | None = None) -> str | None:
-    """Why an override would put a secret into the saved config (None: it would not)."""
-    environ = dict(os.environ) if environ is None else environ
-    secrets = [v for k, v in environ.items()
-               if _SECRET_VAR.search(k.upper()) and len(v) >= 12 and not v.startswith("/")]
-    for arg in argv:
-        if "=" not in arg:
-            continue
-        name, value = arg.split("=", 1)
-        name = name.lstrip("+~")
-        leaf = name.rsplit(".", 1)[-1].lower().replace("-", "_")
-        if leaf.endswith(("api_key", "apikey")):
-            return f"{name} must not be in the config"
-        if leaf.endswith("api_key_env") and value not in ("", "null") and not _ENV_NAME.fullmatch(
-                value):
-            return (f"{name} must name an environment variable (e.g. OPENROUTER_API_KEY), "
-                    "not hold the key")
-        if ".headers" in name.lower() and any(w in leaf for w in _SECRET_HEADERS):
-            return f"{name} would carry a credential in a header"
-        if _KEY_SHAPE.search(value) or any(secret in value for secret in secrets):
-            return f"the value of {name} looks like an API key"
-    return None
 
 
 def _refuse_keys_on_the_command_line(argv: list[str]) -> None:
