@@ -37,6 +37,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from kimi_pipe.errors import InputError
+from kimi_pipe.store import atomic
 from kimi_pipe.store.records import RecordWriter, iter_records
 
 log = logging.getLogger("kimi_pipe.audit")
@@ -689,9 +690,7 @@ def _truth_source(
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".partial")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
+    atomic.write_text(path, text, suffix=".partial")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

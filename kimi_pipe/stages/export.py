@@ -47,6 +47,7 @@ from omegaconf import DictConfig, OmegaConf
 from kimi_pipe.config import CONF_DIR
 from kimi_pipe.extraction.layers import drafter_config_ids, manifest_output_ids
 from kimi_pipe.stages.export_card import dataset_card
+from kimi_pipe.store import atomic
 from kimi_pipe.store.conventions import (
     POST_NORM,
     PRE_NORM,
@@ -148,9 +149,7 @@ def _plan_digest(stores: Sequence[HiddenStore], planned: Sequence[PlannedSample]
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    atomic.write_text(path, text)
 
 
 def _check_or_write_plan(output: Path, info: dict[str, Any]) -> None:
@@ -201,9 +200,8 @@ def _engine_ids(output_ids: list[int], engine: str) -> list[int] | str:
 
 def _save_torch(path: Path, obj: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    with atomic.atomic_path(path) as tmp:
+        torch.save(obj, tmp)
 
 
 def _write_specforge(out: Path, index: int, sample: dict[str, torch.Tensor]) -> None:
@@ -244,15 +242,14 @@ def _write_speculators(out: Path, index: int, sample: dict[str, torch.Tensor]) -
     states = torch.cat([aux.reshape(length, -1, hidden), final.unsqueeze(1)], dim=1)
     path = speculators_path(out, index)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(
-        {
-            "hidden_states": states.contiguous(),
-            "token_ids": sample["input_ids"].to(torch.int64).contiguous(),
-        },
-        str(tmp),
-    )
-    os.replace(tmp, path)
+    with atomic.atomic_path(path) as tmp:
+        save_file(
+            {
+                "hidden_states": states.contiguous(),
+                "token_ids": sample["input_ids"].to(torch.int64).contiguous(),
+            },
+            str(tmp),
+        )
 
 
 Writer = Callable[[Path, int, dict[str, torch.Tensor]], None]
@@ -278,7 +275,7 @@ def _write_speculators_rows(out: Path, rows: dict[str, list[Any]]) -> None:
     for old in out.glob("data-*.arrow"):
         old.unlink()
     for item in staging.iterdir():
-        os.replace(item, out / item.name)
+        atomic.replace(item, out / item.name)
     staging.rmdir()
     load_from_disk(str(out))  # fail here, not in the trainer, if the rows do not load
 

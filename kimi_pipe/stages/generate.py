@@ -22,7 +22,6 @@ Exit status: 0 done or a budget cap reached, 2 bad config/input or the directory
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import random
 import sys
@@ -59,6 +58,7 @@ from kimi_pipe.providers.errors import (
     ProviderConfigError,
 )
 from kimi_pipe.providers.settings import ProviderSettings
+from kimi_pipe.store import atomic
 from kimi_pipe.store.records import RecordWriter, iter_records, load_resume_index, record_cost
 from kimi_pipe.store.run_lock import RunDirLocked, RunLock
 from kimi_pipe.store.spend_journal import JOURNAL, SpendJournal
@@ -342,9 +342,7 @@ class Generator:
         # Which rows (line-N of dataset.path) were skipped, so they can be found and fixed.
         self.skipped_examples = {k: list(v) for k, v in prompts.skipped_examples.items()}
         summary = self.summary(records_path, errors_path, prompts.skipped)
-        tmp = self.run_dir / (SUMMARY + ".partial")
-        tmp.write_text(json.dumps(summary, indent=2) + "\n")
-        tmp.replace(self.run_dir / SUMMARY)
+        atomic.write_json(self.run_dir / SUMMARY, summary, suffix=".partial", indent=2)
         return summary
 
     # --- the key's own account (OpenRouter GET /key) ----------------------------------

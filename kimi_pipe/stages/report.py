@@ -36,6 +36,7 @@ from kimi_pipe.reporting.data import (
     routing_overrides,
     summarize,
 )
+from kimi_pipe.store import atomic
 
 
 @dataclass(frozen=True)
@@ -298,9 +299,7 @@ def add_conformance(text: str, stats: list[RunStats], conformance: dict[str, Any
 
 def _write_atomic(path: Path, text: str) -> None:
     # Write-then-rename: an interrupted report never leaves a half file behind.
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
+    atomic.write_text(path, text)
 
 
 def main(argv: list[str] | None = None) -> int:
