@@ -65,7 +65,7 @@ class NullJournal:
         self.seq += 1
         return self.seq
 
-    def generation(self, seq: int, generation_id: str) -> None:
+    def generation(self, seq: int, generation_id: str | None, usd: float = 0.0) -> None:
         pass
 
     def settle(self, seq: int, cost: float, billed: bool, how: str = "") -> None:

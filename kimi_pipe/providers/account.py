@@ -22,12 +22,21 @@ class KeyStatus:
 
 
 
+@dataclass(frozen=True)
+class GenerationBill:
+    """What the provider says one generation cost, with the tokens it counted."""
+
+    usd: float | None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+
+
 class Account(Protocol):
     async def listed_prices(self, key: str) -> tuple[float, float]: ...
 
     async def key_status(self, key: str) -> KeyStatus | None: ...
 
-    async def generation_cost(self, key: str, generation_id: str) -> float | None: ...
+    async def generation_bill(self, key: str, generation_id: str) -> GenerationBill | None: ...
 
 
 @dataclass(frozen=True)
@@ -43,7 +52,7 @@ class NoAccount:
     async def key_status(self, key: str) -> KeyStatus | None:
         return None
 
-    async def generation_cost(self, key: str, generation_id: str) -> float | None:
+    async def generation_bill(self, key: str, generation_id: str) -> GenerationBill | None:
         return None
 
 
@@ -61,10 +70,10 @@ class OpenRouterAccount:
 
         return await key_status(self.settings, key)
 
-    async def generation_cost(self, key: str, generation_id: str) -> float | None:
-        from kimi_pipe.providers.openrouter_account import generation_cost
+    async def generation_bill(self, key: str, generation_id: str) -> GenerationBill | None:
+        from kimi_pipe.providers.openrouter_account import generation_bill
 
-        return await generation_cost(self.settings, key, generation_id)
+        return await generation_bill(self.settings, key, generation_id)
 
 
 ACCOUNTS = {"openrouter": OpenRouterAccount}

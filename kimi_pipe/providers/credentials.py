@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import os
 import re
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
+from kimi_pipe.errors import ConfigError
 from kimi_pipe.providers.errors import MissingApiKey
 
 if TYPE_CHECKING:
@@ -75,3 +77,69 @@ def scrub(text: str, key: str | None) -> str:
     if key and key in text:
         text = text.replace(key, "***")
     return text
+
+
+# Words in an environment variable's name that make its value a secret (HF_TOKEN,
+# OPENROUTER_API_KEY, AWS_SECRET_ACCESS_KEY, DB_PASSWORD); matched on whole `_` parts so
+# KIMI_TOKENIZER_DIR (a path) is not one.
+_SECRET_NAME_PARTS = ("KEY", "APIKEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIALS")
+MIN_SECRET_LEN = 8  # shorter values ("1", "true") are no secret, and would match anything
+
+
+class SecretInConfig(ConfigError, ValueError):
+    """A config value holds the API key or another credential from the environment."""
+
+
+def credential_values(environ: Mapping[str, str], key_env: str | None = None) -> dict[str, str]:
+    """{value: variable name} of every environment value that looks like a credential."""
+    out: dict[str, str] = {}
+    for name, value in environ.items():
+        parts = re.split(r"[^A-Z0-9]+", name.upper())
+        looks_secret = name == key_env or any(
+            part in _SECRET_NAME_PARTS or part.endswith(("KEY", "TOKEN")) for part in parts)
+        value = value.strip()
+        if looks_secret and len(value) >= MIN_SECRET_LEN and not value.startswith("/"):
+            out[value] = name
+    return out
+
+
+def _leaves(node: Any, where: str) -> Iterator[tuple[str, Any]]:
+    if isinstance(node, Mapping):
+        for k, v in node.items():
+            yield from _leaves(v, f"{where}.{k}" if where else str(k))
+    elif isinstance(node, list | tuple):
+        for i, v in enumerate(node):
+            yield from _leaves(v, f"{where}[{i}]")
+    else:
+        yield where, node
+
+
+def refuse_secrets(cfg: Any, environ: Mapping[str, str] | None = None,
+                   extra: Mapping[str, Any] | None = None) -> None:
+    """Refuse a config in which any resolved value (its keys included) holds the API key or
+    the value of an environment variable that looks like a credential: it would reach
+    `.hydra/`, the log, the records or a file name. The message names the config key and
+    the variable, never the value. `extra`: more resolved values by name (hydra.run.dir)."""
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    environ = os.environ if environ is None else environ
+    key_env = None
+    if isinstance(cfg, DictConfig | Mapping):
+        key_env = (cfg.get("provider") or {}).get("api_key_env")
+    secrets = credential_values(environ, str(key_env) if key_env else None)
+    if not secrets:
+        return
+    if isinstance(cfg, DictConfig | ListConfig):
+        data = OmegaConf.to_container(cfg, resolve=True)
+    else:
+        data = cfg
+    pairs = list(_leaves(data, "")) + list((extra or {}).items())
+    for where, value in pairs:
+        for text in (str(value) if value is not None else "", where):
+            for secret, name in secrets.items():
+                if secret in text:
+                    raise SecretInConfig(
+                        f"{where} holds the value of ${name} (a credential); it would be "
+                        "written to .hydra/, logs, records or file names. Remove it: the API "
+                        "key is read only from the environment variable provider.api_key_env "
+                        "names")

@@ -7,8 +7,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kimi_pipe.providers.account import KeyStatus
-from kimi_pipe.providers.costs import MIN_LISTED_USD_PER_MTOK, _checked_prices, _number, valid_usd
+from kimi_pipe.providers.account import GenerationBill, KeyStatus
+from kimi_pipe.providers.costs import (
+    MIN_LISTED_USD_PER_MTOK,
+    _checked_prices,
+    _count,
+    _number,
+    valid_usd,
+)
 from kimi_pipe.providers.credentials import scrub
 from kimi_pipe.providers.errors import ProviderConfigError
 from kimi_pipe.providers.settings import ProviderSettings
@@ -82,8 +88,10 @@ async def key_status(settings: ProviderSettings, key: str) -> KeyStatus | None:
     return KeyStatus(usage, limit, max(0.0, limit - usage) if remaining is None else remaining)
 
 
-async def generation_cost(settings: ProviderSettings, key: str, generation_id: str) -> float | None:
-    """What the provider billed for one generation (`GET /generation?id=`), if it says."""
+async def generation_bill(settings: ProviderSettings, key: str,
+                          generation_id: str) -> GenerationBill | None:
+    """What OpenRouter billed for one generation (`GET /generation?id=`: `total_cost`,
+    `native_tokens_prompt`, `native_tokens_completion`), if it says."""
     from urllib.parse import quote
 
     base = (settings.api_base or "").rstrip("/")
@@ -94,4 +102,8 @@ async def generation_cost(settings: ProviderSettings, key: str, generation_id: s
     except ProviderConfigError:
         return None
     data = doc.get("data") if isinstance(doc, dict) else None
-    return valid_usd(data.get("total_cost")) if isinstance(data, dict) else None
+    if not isinstance(data, dict):
+        return None
+    return GenerationBill(valid_usd(data.get("total_cost")),
+                          _count(data.get("native_tokens_prompt")),
+                          _count(data.get("native_tokens_completion")))

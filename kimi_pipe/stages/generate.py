@@ -22,7 +22,10 @@ Exit status: 0 done or a budget cap reached, 2 bad config/input or the directory
 from __future__ import annotations
 
 import asyncio
+import errno
+import json
 import logging
+import os
 import random
 import sys
 import time
@@ -32,24 +35,25 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from kimi_pipe.config import CONF_DIR
 from kimi_pipe.core.answer_checks import TextRepair, answer_issues, clean_text
-from kimi_pipe.errors import KimiPipeError
+from kimi_pipe.errors import KimiPipeError, one_line
 from kimi_pipe.progress import Progress, Snapshot
 from kimi_pipe.providers.account import KeyStatus, account_for
-from kimi_pipe.providers.budget import Budget, BudgetGate, Pricing, Reservation
+from kimi_pipe.providers.budget import Budget, BudgetGate, Pricing, Reservation, SlowStart
 from kimi_pipe.providers.calls import (
     BILLED_UNSEEN,
+    OVERBILLED,
     Attempt,
     CallResult,
     call_with_retries,
     get_litellm,
-    size_limited_client,
+    http_client_for,
 )
 from kimi_pipe.providers.costs import fetch_pricing
-from kimi_pipe.providers.credentials import api_key, key_in_overrides, scrub
+from kimi_pipe.providers.credentials import api_key, key_in_overrides, refuse_secrets, scrub
 from kimi_pipe.providers.errors import (
     NO_BUDGET,
     STOPPED,
@@ -60,7 +64,8 @@ from kimi_pipe.providers.errors import (
 from kimi_pipe.providers.settings import ProviderSettings
 from kimi_pipe.store import atomic
 from kimi_pipe.store.records import RecordWriter, iter_records, load_resume_index, record_cost
-from kimi_pipe.store.run_lock import RunDirLocked, RunLock
+from kimi_pipe.store.run_dir import check_run_dir, same_dir
+from kimi_pipe.store.run_lock import LOCK, RunDirLocked, RunLock
 from kimi_pipe.store.spend_journal import JOURNAL, SpendJournal
 
 log = logging.getLogger("kimi_pipe.generate")
@@ -68,6 +73,9 @@ log = logging.getLogger("kimi_pipe.generate")
 RECORDS = "records.jsonl"
 ATTEMPT_ERRORS = "attempt_errors.jsonl"
 SUMMARY = "summary.json"
+# Every file a run writes in its directory: none may be a symlink.
+RUN_FILES = (RECORDS, ATTEMPT_ERRORS, JOURNAL, SUMMARY, LOCK, RECORDS + ".torn",
+             ATTEMPT_ERRORS + ".torn", JOURNAL + ".torn", SUMMARY + ".partial")
 REMAINING = "the remaining budget"
 EXIT_CONFIG, EXIT_STOPPED, EXIT_ALL_FAILED, EXIT_INTERRUPTED = 2, 3, 4, 130
 
@@ -191,6 +199,24 @@ class Generator:
         return (prompt_tokens * self.pricing.input_per_token
                 + completion_tokens * self.pricing.output_per_token)
 
+    @property
+    def price_floor(self) -> Callable[[int, int], float] | None:
+        """Tokens x listed prices, below which no stated cost is believed; None with the
+        fallback prices (set above the real ones on purpose: no floor)."""
+        return self._price_fallback if self.price_source in ("config", "listing") else None
+
+    async def _generation_cost(self, generation_id: str) -> float | None:
+        """What the provider says one generation cost, never below its tokens at the listed
+        prices (None: it cannot say)."""
+        bill = await self.account.generation_bill(self.key, generation_id)
+        if bill is None or bill.usd is None:
+            return None
+        floor = self.price_floor
+        if floor is not None and bill.prompt_tokens is not None and (
+                bill.completion_tokens is not None):
+            return max(bill.usd, floor(bill.prompt_tokens, bill.completion_tokens))
+        return bill.usd
+
     def _worst_case(self, prompt_tokens: int) -> float:
         return self.pricing.worst_case(prompt_tokens, self.max_tokens, self.reserve_factor)
 
@@ -201,6 +227,7 @@ class Generator:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         records_path = self.run_dir / RECORDS
         errors_path = self.run_dir / ATTEMPT_ERRORS
+        refuse_other_purchase(records_path, self.request)
         index = load_resume_index(records_path, errors_path)
         t0 = time.monotonic()
         try:
@@ -220,8 +247,7 @@ class Generator:
             self.journal = journal
             # Requests a killed process sent and never booked: their true cost where the
             # provider can say, else their worst case.
-            self.recovered = await journal.recover(
-                lambda gen: self.account.generation_cost(self.key, gen))
+            self.recovered = await journal.recover(self._generation_cost)
             self.spent_before = max(index.cost, journal.spent())
             if index.records or self.spent_before:
                 log.info("resuming %s: %d ids done, $%.4f already spent%s", self.run_dir,
@@ -239,7 +265,7 @@ class Generator:
                         overbill_guard=float(b.get("overbill_guard") or 1.0))
         self.budget = budget
         self.key_start = await self._check_key()
-        self.http_client = size_limited_client(self.settings)
+        self.http_client = http_client_for(self.settings)
         gate = BudgetGate(budget)
         max_per_sample = b.get("max_usd_per_sample")
         log.info("generate: %d prompts, %d already done; provider %s (%s), concurrency %d, "
@@ -251,7 +277,10 @@ class Generator:
 
         self.startup_s = time.monotonic() - self.stats.started
         self.stats.started = time.monotonic()  # throughput counts from the first dispatch
-        sem = asyncio.Semaphore(self.settings.concurrency)
+        # Slow start: where money is capped, 1 request in flight at first (budget.slow_start).
+        sem = self.window = SlowStart(
+            self.settings.concurrency, budget,
+            enabled=bool(b.get("slow_start", True)) and budget.cap_usd is not None)
         tasks: set[asyncio.Task] = set()
         poller = asyncio.create_task(self._poll_key()) if self.key_start else None
         max_attempts = self.settings.retry.max_attempts
@@ -316,8 +345,11 @@ class Generator:
                     self._show()
                 if tasks:
                     await asyncio.gather(*list(tasks))
-            except (asyncio.CancelledError, KeyboardInterrupt):
-                self.stats.stop_reason = self.stats.stop_reason or "interrupted"
+            except (asyncio.CancelledError, KeyboardInterrupt, OSError) as exc:
+                # Interrupted, or the host failed a write (a full disk): requests in flight
+                # are cancelled; their journal intents are booked on the next start.
+                self.stats.stop_reason = self.stats.stop_reason or (
+                    "host_error" if isinstance(exc, OSError) else "interrupted")
                 gate.close()
                 for t in tasks:
                     t.cancel()
@@ -405,7 +437,7 @@ class Generator:
 
     async def _one(self, prompt: Any, worst: float, first: Reservation, gate: BudgetGate,
                    core: TokenCore, writer: RecordWriter, err_writer: RecordWriter,
-                   sem: asyncio.Semaphore, prior_attempts: int, flags: list[str]) -> None:
+                   sem: SlowStart, prior_attempts: int, flags: list[str]) -> None:
         self.stats.in_flight += 1
         pending: list[Reservation] = [first]
         journal = self.journal
@@ -425,10 +457,10 @@ class Generator:
             self.stats.attempts += 1
             self.stats.output_tokens += attempt.completion_tokens
             gate.settle(res, attempt.cost, attempt.completion_tokens, done)
+            self.window.settled(OVERBILLED in attempt.billing_flags)
             seq = seqs[id(res)]
             if done:
-                if attempt.generation_id:
-                    journal.generation(seq, attempt.generation_id)
+                journal.generation(seq, attempt.generation_id, attempt.cost)
                 answered.append(seq)
             else:
                 billed = attempt.cost > 0 or (
@@ -449,7 +481,7 @@ class Generator:
                 self.settings, self.key, prompt.messages, prompt.tools, reserve, settle,
                 self.rng, self._price_fallback, on_failed, self.stop_event,
                 max_attempts=max(1, self.settings.retry.max_attempts - prior_attempts),
-                http_client=self.http_client)
+                http_client=self.http_client, price_floor=self.price_floor)
         finally:
             if pending:  # never used: give the first reservation back
                 gate.settle(first, 0.0, 0, False)
@@ -481,7 +513,7 @@ class Generator:
                 rec = {"ok": False, "issues": ["reconstruction_crashed"], "prompt_ids": [],
                        "output_ids": [], "loss_mask": [], "completion_tokens_reported": None,
                        "completion_tokens_reconstructed": 0, "reconstruction_error": str(exc)}
-            extra = [*flags, *result.billing_flags]
+            extra = [*flags, *result.billing_flags, *result.wire_flags]
             extra += ["answer_text_replaced"] if repair.surrogates else []
             extra += ["api_key_echoed"] if repair.key_echoed else []
             record = {
@@ -613,6 +645,7 @@ class Generator:
                 "samples_per_s": s.answered / wall if wall > 0 else None,
                 "output_tokens_per_s": s.output_tokens / wall if wall > 0 else None,
                 "concurrency": self.settings.concurrency,
+                "concurrency_reached": self.window.peak,
             },
         }
 
@@ -629,14 +662,56 @@ _STOP_MESSAGES = {
 # Entry points
 
 
+# What a resume must buy the same way as the run it continues (never timeout_s, nor the
+# api_base of a local server, which gets a new port each time).
+PURCHASE_KEYS = ("model", "extra_body")
+NOT_PURCHASE = frozenset({"timeout_s", "api_base"})
+
+
+def _purchase(request: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in request.items() if k not in NOT_PURCHASE}
+
+
+def refuse_other_purchase(records_path: Path, request: dict[str, Any]) -> None:
+    """A run directory holds one job: refuse to resume it with settings that buy something
+    else (another model, routing, sampling parameters), naming both."""
+    recorded = next((rec.get("request") for rec in iter_records(records_path)
+                     if isinstance(rec.get("request"), dict)), None)
+    if recorded is None:
+        return
+    old, new = _purchase(recorded), _purchase(request)
+    if old == new:
+        return
+    keys = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+    diff = "; ".join(f"{k}: recorded {json.dumps(old.get(k), sort_keys=True)}, now "
+                     f"{json.dumps(new.get(k), sort_keys=True)}" for k in keys)
+    raise GenerateError(
+        f"{records_path.parent} holds a run bought with other settings ({diff}); resuming "
+        "would mix them. Use another output_dir (the default one is derived from these "
+        "settings) or run with the recorded settings")
+
+
 def run_dir_of(cfg: DictConfig) -> Path:
-    """The Hydra job's output dir (one per sweep job), else `output_dir`."""
+    """The run directory: `output_dir`, which a single Hydra run's `hydra.run.dir` must
+    agree with; in a multirun, the job's directory (hydra.sweep.dir/subdir, one per job)."""
     try:
         from hydra.core.hydra_config import HydraConfig
 
-        return Path(HydraConfig.get().runtime.output_dir)
+        hydra_cfg = HydraConfig.get()
     except (ImportError, ValueError):
         return Path(str(cfg.output_dir))
+    job_dir = Path(hydra_cfg.runtime.output_dir)
+    if str(hydra_cfg.mode) == "RunMode.MULTIRUN":
+        if any(o.lstrip("+~").startswith("output_dir=") for o in hydra_cfg.overrides.task):
+            raise GenerateError(
+                "output_dir with --multirun: every job writes to its own "
+                f"hydra.sweep.dir/hydra.sweep.subdir ({job_dir}); drop output_dir")
+        return job_dir
+    if not same_dir(job_dir, str(cfg.output_dir)):
+        raise GenerateError(
+            f"hydra.run.dir ({job_dir}) differs from output_dir ({cfg.output_dir}): records "
+            "would go to one and the logs to the other; set output_dir only")
+    return Path(str(cfg.output_dir))
 
 
 def _pointed_at(cfg: DictConfig, endpoint: dict[str, Any]) -> DictConfig:
@@ -656,8 +731,10 @@ def generate(cfg: DictConfig, run_dir: Path | None = None) -> tuple[int, dict[st
     from kimi_pipe.core.tokenizers import TokenizerNotFound
     from kimi_pipe.providers.local_server import ServerError, provider_endpoint
 
-    run_dir = run_dir or run_dir_of(cfg)
     try:
+        # Before anything is written: no secret in any value, a run directory that may be one.
+        refuse_secrets(cfg)
+        run_dir = check_run_dir(run_dir or run_dir_of(cfg), RUN_FILES)
         # One process per run directory, held until the summary is written.
         with RunLock(run_dir), provider_endpoint(cfg, run_dir) as endpoint:
             # provider=local: its server is started around the run, reached like any other.
@@ -666,9 +743,15 @@ def generate(cfg: DictConfig, run_dir: Path | None = None) -> tuple[int, dict[st
             gen = Generator(cfg, run_dir)
             summary = asyncio.run(gen.run())
     except (MissingApiKey, GenerateError, ProviderConfigError, TokenizerNotFound,
-            FileNotFoundError, ServerError, RunDirLocked) as exc:
-        log.error("%s", exc)
-        print(f"error: {exc}", file=sys.stderr)
+            FileNotFoundError, ServerError, RunDirLocked, KimiPipeError, OSError) as exc:
+        # A user's mistake or the host's fault (a full disk, a read-only directory): one
+        # line naming the path; every complete record and the journal are on disk.
+        message = one_line(exc) or (" ".join(str(exc).split()) if isinstance(exc, (
+            FileNotFoundError, TokenizerNotFound, ServerError)) else None)
+        if message is None:
+            raise  # a bug: keep its traceback
+        log.error("%s", message)
+        print(f"error: {message}", file=sys.stderr)
         return EXIT_CONFIG, None
     except KeyboardInterrupt:
         # Every finished answer is already on disk; the requests in flight are lost.
@@ -703,10 +786,83 @@ def _refuse_keys_on_the_command_line(argv: list[str]) -> None:
         raise SystemExit(EXIT_CONFIG)
 
 
+def job_overrides(argv: list[str]) -> list[list[str]]:
+    """The overrides of every job the command line starts (one, or a multirun's each)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    overrides = [a for a in argv if not a.startswith("-")]
+    if not any(a in ("-m", "--multirun") for a in argv):
+        return [overrides]
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+
+
+def writable(run_dir: Path) -> None:
+    """Create the run directory, or raise the OSError (naming it) that says why not."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not os.access(run_dir, os.W_OK | os.X_OK):
+        err = errno.EROFS if os.statvfs(run_dir).f_flag & os.ST_RDONLY else errno.EACCES
+        raise OSError(err, os.strerror(err), str(run_dir))
+
+
+def check_before_launch(argv: list[str], environ: dict[str, str] | None = None) -> None:
+    """What Hydra would write before the stage runs (`.hydra/`, the log, the run directory
+    itself), checked for every job first: no secret in any resolved value or directory
+    name, a run directory that may be one, one directory per job. Raises a KimiPipeError;
+    a config Hydra cannot compose is left for Hydra to report."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    multirun = any(a in ("-m", "--multirun") for a in argv)
+    try:
+        jobs = job_overrides(argv)
+    except (HydraException, OmegaConfBaseException):
+        return
+    seen: dict[str, list[str]] = {}
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        for job in jobs:
+            try:
+                cfg = hydra_compose(config_name="config", overrides=job,
+                                    return_hydra_config=True)
+                hydra_node = cfg.hydra
+                if multirun:
+                    where = "hydra.sweep.dir/subdir"
+                    run_dir = os.path.join(str(hydra_node.sweep.dir), str(hydra_node.sweep.subdir))
+                else:
+                    where, run_dir = "hydra.run.dir", str(hydra_node.run.dir)
+                output_dir = str(cfg.output_dir)
+                with open_dict(cfg):
+                    del cfg["hydra"]
+            except (HydraException, OmegaConfBaseException):
+                return  # Hydra reports it, before it writes anything
+            refuse_secrets(cfg, environ, {where: run_dir})
+            check_run_dir(run_dir)
+            writable(Path(run_dir))  # Hydra creates it and writes its log there first
+            if not multirun and not same_dir(run_dir, output_dir):
+                raise GenerateError(
+                    f"hydra.run.dir ({run_dir}) differs from output_dir ({output_dir}): records "
+                    "would go to one and the logs to the other; set output_dir only")
+            seen.setdefault(os.path.realpath(run_dir), []).append(" ".join(job))
+    shared = {d: js for d, js in seen.items() if len(js) > 1}
+    if shared:
+        run_dir, js = next(iter(shared.items()))
+        raise GenerateError(
+            f"{len(js)} jobs of this multirun would share the run directory {run_dir} "
+            f"({' | '.join(js)}): each would resume the other's records. Give each its own "
+            "hydra.sweep.subdir (the default one is derived from what a job buys)")
+
+
 def main() -> None:
     import hydra
 
+    from kimi_pipe.errors import user_errors
+
     _refuse_keys_on_the_command_line(sys.argv[1:])
+    with user_errors():
+        check_before_launch(sys.argv[1:])
 
     @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
     def generate_stage(cfg: DictConfig) -> None:
