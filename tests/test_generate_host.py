@@ -60,14 +60,14 @@ def test_disk_full_mid_run_ends_in_one_line_and_nothing_torn_then_resumes(
         resource.setrlimit(resource.RLIMIT_FSIZE, (40_000, 40_000))
 
     proc = subprocess.run(generate_cmd(overrides), cwd=REPO, env=subprocess_env(),
-                          capture_output=True, text=True, timeout=300,
+                          capture_output=True, text=True, timeout=600,
                           preexec_fn=limit_file_size)
     assert proc.returncode == 2, proc.stderr
     _one_error_line(proc.stderr, "records.jsonl: file too large")
     first = _assert_whole_lines(out / "records.jsonl")
     assert 0 < len(first) < len(ids)
     _assert_whole_lines(out / "spend_journal.jsonl")
-    again = run_subprocess(overrides)
+    again = run_subprocess(overrides, timeout=600)
     assert again.returncode == 0, again.stderr
     records = _assert_whole_lines(out / "records.jsonl")
     assert sorted(r["id"] for r in records) == sorted(ids)  # every id once, none lost
@@ -104,7 +104,7 @@ def test_a_read_only_run_directory_is_one_line_and_exit_2(
     write_prompts(prompts, 2)
     with _read_only_dir(tmp_path / "ro") as ro:
         out = ro / "run"
-        proc = run_subprocess(base_overrides(prompts, srv.url(), out, kimi_dir))
+        proc = run_subprocess(base_overrides(prompts, srv.url(), out, kimi_dir), timeout=600)
         assert proc.returncode == 2, proc.stderr
         _one_error_line(proc.stderr, str(out))
     assert srv.requests == []
@@ -118,7 +118,7 @@ def test_a_dangling_symlink_as_run_directory_is_refused(
     write_prompts(prompts, 2)
     out = tmp_path / "run"
     out.symlink_to(tmp_path / "nowhere")
-    proc = run_subprocess(base_overrides(prompts, srv.url(), out, kimi_dir))
+    proc = run_subprocess(base_overrides(prompts, srv.url(), out, kimi_dir), timeout=600)
     assert proc.returncode == 2, proc.stderr
     _one_error_line(proc.stderr, "dangling symlink")
     assert srv.requests == [] and not (tmp_path / "nowhere").exists()
@@ -155,7 +155,8 @@ def test_a_run_dir_that_disagrees_or_is_a_system_dir_is_refused(
     write_prompts(prompts, 2)
     out, other = tmp_path / "run", tmp_path / "other"
     proc = run_subprocess(
-        [*base_overrides(prompts, srv.url(), out, kimi_dir), bad.format(other=other)])
+        [*base_overrides(prompts, srv.url(), out, kimi_dir), bad.format(other=other)],
+        timeout=600)
     assert proc.returncode == 2, proc.stderr
     _one_error_line(proc.stderr, "run")
     assert not out.exists() and not other.exists() and not Path("/.hydra").exists()
@@ -181,7 +182,7 @@ def test_a_secret_reaching_the_config_through_interpolation_is_refused_before_an
     args = [*base_overrides(prompts, srv.url(), out, kimi_dir), override.format(tmp=tmp_path)]
     env = {**subprocess_env(), "SOME_TOKEN": SECRET}
     proc = subprocess.run(generate_cmd(args), cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=180)
+                          text=True, timeout=600)
     assert proc.returncode == 2, proc.stderr
     _one_error_line(proc.stderr, "holds the value of $")
     assert FAKE_KEY not in proc.stderr + proc.stdout and SECRET not in proc.stderr
@@ -202,7 +203,7 @@ def test_a_multirun_over_routing_gives_each_job_its_own_run_directory(
     overrides = [o for o in base_overrides(prompts, srv.url(), tmp_path / "x", kimi_dir)
                  if not o.startswith("output_dir=")]
     proc = run_subprocess(["-m", *overrides, "provider.routing.only=[novita],[moonshotai]",
-                           f"hydra.sweep.dir={tmp_path / 'sweep'}"])
+                           f"hydra.sweep.dir={tmp_path / 'sweep'}"], timeout=600)
     assert proc.returncode == 0, proc.stderr
     runs = sorted((tmp_path / "sweep").rglob("records.jsonl"))
     assert len(runs) == 2

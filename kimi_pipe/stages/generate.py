@@ -840,11 +840,11 @@ def check_before_launch(argv: list[str], environ: dict[str, str] | None = None) 
                 return  # Hydra reports it, before it writes anything
             refuse_secrets(cfg, environ, {where: run_dir})
             check_run_dir(run_dir)
-            writable(Path(run_dir))  # Hydra creates it and writes its log there first
             if not multirun and not same_dir(run_dir, output_dir):
                 raise GenerateError(
                     f"hydra.run.dir ({run_dir}) differs from output_dir ({output_dir}): records "
                     "would go to one and the logs to the other; set output_dir only")
+            writable(Path(run_dir))  # Hydra creates it and writes its log there first
             seen.setdefault(os.path.realpath(run_dir), []).append(" ".join(job))
     shared = {d: js for d, js in seen.items() if len(js) > 1}
     if shared:
