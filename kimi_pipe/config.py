@@ -9,10 +9,12 @@ that some other distribution left in site-packages.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from kimi_pipe.errors import ConfigError
 
@@ -47,6 +49,19 @@ def require_conf_dir() -> Path:
 
 # `${kimi_pipe_data:demo_prompts.jsonl}` in a config: a file bundled with the project.
 OmegaConf.register_new_resolver("kimi_pipe_data", lambda name: str(DATA_DIR / name), replace=True)
+
+
+def purchase_digest(*parts: object) -> str:
+    """A short digest of resolved config values (`${kimi_pipe_digest:${a},${b}}`): the
+    default run directory carries one of everything that changes what is bought, so two
+    jobs that buy differently never share a directory."""
+    data = [OmegaConf.to_container(p, resolve=True) if isinstance(p, DictConfig | ListConfig)
+            else p for p in parts]
+    text = json.dumps(data, sort_keys=True, default=str, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:10]
+
+
+OmegaConf.register_new_resolver("kimi_pipe_digest", purchase_digest, replace=True)
 
 
 def compose(overrides: Sequence[str]) -> DictConfig:

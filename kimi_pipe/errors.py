@@ -81,6 +81,7 @@ _HOST_ERRNOS = {
     errno.EROFS: "read-only file system",
     errno.ENOSPC: "no space left on device",
     errno.EDQUOT: "disk quota exceeded",
+    errno.EFBIG: "file too large (a file size limit)",
     errno.ELOOP: "too many levels of symbolic links (or a symlink refused)",
     errno.EEXIST: "file exists",
 }

@@ -34,7 +34,8 @@ sys.path.insert(0, str(REPO / "tests"))
 from fake_openrouter import Behaviour, FakeOpenRouter  # noqa: E402
 
 from kimi_pipe.config import compose  # noqa: E402
-from kimi_pipe.providers.litellm_calls import ProviderSettings, get_litellm  # noqa: E402
+from kimi_pipe.providers.calls import get_litellm  # noqa: E402
+from kimi_pipe.providers.settings import ProviderSettings  # noqa: E402
 from kimi_pipe.stages import generate as generate_stage  # noqa: E402
 from kimi_pipe.stages.generate import generate  # noqa: E402
 
@@ -64,7 +65,7 @@ class NullJournal:
         self.seq += 1
         return self.seq
 
-    def generation(self, seq: int, generation_id: str) -> None:
+    def generation(self, seq: int, generation_id: str | None, usd: float = 0.0) -> None:
         pass
 
     def settle(self, seq: int, cost: float, billed: bool, how: str = "") -> None:

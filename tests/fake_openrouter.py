@@ -48,7 +48,12 @@ of the bill), ``no_usage`` (no usage object); ``finish_list``, ``tool_calls_str`
 ``message_null`` (an answer that does not parse); ``other_model``, ``dated_model``,
 ``finish_null``, ``finish_unknown``, ``content_filter``; ``surrogate`` (a lone ``\ud800``
 in the content), ``badutf8`` (raw invalid UTF-8 bytes in the content), ``echo_key`` (the
-request's API key inside the content), ``huge`` (50 MB of content). ``overbill``
+request's API key inside the content), ``huge`` (50 MB of content), ``tool_args_object``
+(tool-call ``arguments`` a JSON object, not the string the model wrote); ``200error_billed``
+(an HTTP 200 error body that carries the usage and cost it billed), ``reset_billed``
+(billed, then the connection is reset before the answer). ``key_usage_factor`` and
+``generation_cost_factor`` make ``/key`` and ``/generation`` under-report; ``delay_range_s``
+draws each delay uniformly. ``overbill``
 multiplies every bill (and the usage.cost it reports); ``listed_prices`` replaces the
 prices ``/models`` lists.
 
@@ -142,6 +147,9 @@ class Behaviour:
     key_limit: float | None = None  # the key's credit limit shown by GET /key
     key_endpoint: bool = False  # GET /key answers even without a limit
     stack: Any = None  # an imitated serving stack that writes the answer (tests/fake_stacks.py)
+    delay_range_s: tuple[float, float] | None = None  # a uniform random delay (real latencies)
+    key_usage_factor: float = 1.0  # GET /key shows this multiple of what was billed (a liar)
+    generation_cost_factor: float = 1.0  # GET /generation states this multiple of the bill
 
 
 @dataclass
@@ -413,6 +421,7 @@ HOSTILE = frozenset(
         "badutf8",
         "echo_key",
         "huge",
+        "tool_args_object",
     }
 )
 _BAD_UTF8_MARK = "@@BAD-UTF8@@"
@@ -457,6 +466,9 @@ def _hostile(mode: str, answer: dict, headers_of_request: Any) -> dict:
         message["content"] = (message.get("content") or "") + _BAD_UTF8_MARK
     elif mode == "huge":  # 50 MB of content
         message["content"] = "x" * (50 << 20)
+    elif mode == "tool_args_object":
+        for call in message.get("tool_calls") or []:
+            call["function"]["arguments"] = json.loads(call["function"]["arguments"])
     elif mode == "echo_key":
         auth = headers_of_request.get("Authorization") or ""
         message["content"] = f"{message.get('content') or ''} your key is {auth[7:]}"
@@ -526,7 +538,7 @@ def _make_handler(server: FakeOpenRouter) -> type[BaseHTTPRequestHandler]:
                     },
                 )
             if path == "/key" and (beh.key_limit is not None or beh.key_endpoint):
-                used = server.total_cost(name or "")
+                used = server.total_cost(name or "") * beh.key_usage_factor
                 limit = beh.key_limit
                 remaining = None if limit is None else max(0.0, limit - used)
                 return self._send(
@@ -545,7 +557,8 @@ def _make_handler(server: FakeOpenRouter) -> type[BaseHTTPRequestHandler]:
                 gen = server.generations.get(gid)
                 if gen is None:
                     return self._send(404, {"error": {"code": 404, "message": "not found"}})
-                return self._send(200, {"data": gen})
+                factor = server.behaviour_for(name).generation_cost_factor
+                return self._send(200, {"data": {**gen, "total_cost": gen["total_cost"] * factor}})
             self._send(404, {"error": {"code": 404, "message": f"no route {path}"}})
 
         def do_POST(self) -> None:
@@ -566,6 +579,10 @@ def _make_handler(server: FakeOpenRouter) -> type[BaseHTTPRequestHandler]:
                 server.requests.append(seen)
             if beh.delay_s:
                 time.sleep(beh.delay_s)
+            if beh.delay_range_s is not None:
+                with server._lock:
+                    delay = server._rng.uniform(*beh.delay_range_s)
+                time.sleep(delay)
             self._answer(name or "", beh, body, seen)
 
         def _answer(self, bname: str, beh: Behaviour, body: dict, seen: SeenRequest) -> None:
@@ -574,7 +591,10 @@ def _make_handler(server: FakeOpenRouter) -> type[BaseHTTPRequestHandler]:
                 time.sleep(beh.hang_s)
                 self.close_connection = True
                 return
-            if mode == "reset":
+            if mode in ("reset", "reset_billed"):
+                if mode == "reset_billed":  # generated and billed; the answer never arrives
+                    answer, cost, p, c = build_completion(body, beh)
+                    server.bill(bname, beh, body, answer["id"], cost, p, c, answer)
                 # An abortive close (RST), like a proxy dropping the connection.
                 self.connection.setsockopt(
                     socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00"
@@ -584,6 +604,15 @@ def _make_handler(server: FakeOpenRouter) -> type[BaseHTTPRequestHandler]:
                 return
             if mode == "emptybody":
                 return self._send(200, b"", seen=seen)
+            if mode == "200error_billed":  # an error body that says what it billed
+                answer, cost, p, c = build_completion(body, beh)
+                server.bill(bname, beh, body, answer["id"], cost, p, c, answer)
+                return self._send(
+                    200,
+                    {"id": answer["id"], "error": {"code": 502, "message": "Upstream error"},
+                     "usage": answer["usage"]},
+                    seen=seen,
+                )
             if mode == "200error":
                 meta = {"provider_name": beh.provider_name}
                 return self._send(

@@ -370,6 +370,7 @@ def test_f8_the_first_wave_at_3x_overbilling_stays_under_the_cap(
             "budget.reserve_factor=1.0",
             "provider.concurrency=64",
             f"budget.overbill_guard={guard}",
+            "budget.slow_start=false",  # the guard alone (slow start: test_generate_money)
         ],
     )
     assert status == 0 and summary is not None

@@ -17,13 +17,9 @@ from omegaconf import OmegaConf
 
 from kimi_pipe.progress import Progress, Snapshot
 from kimi_pipe.providers.budget import Budget, BudgetGate, Pricing
-from kimi_pipe.providers.litellm_calls import (
-    ProviderConfigError,
-    ProviderSettings,
-    RetryPolicy,
-    answer_problem,
-    parse_retry_after,
-)
+from kimi_pipe.providers.calls import answer_problem, parse_retry_after
+from kimi_pipe.providers.errors import ProviderConfigError
+from kimi_pipe.providers.settings import ProviderSettings, RetryPolicy
 from kimi_pipe.store.records import (
     ReadStats,
     RecordWriter,

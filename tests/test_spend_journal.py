@@ -13,8 +13,9 @@ import pytest
 
 from kimi_pipe.core.answer_checks import TextRepair, answer_issues, clean_text, same_model
 from kimi_pipe.providers.budget import Budget
-from kimi_pipe.providers.litellm_calls import PriceError, _checked_prices, response_cost
-from kimi_pipe.stages.generate import key_in_overrides
+from kimi_pipe.providers.costs import _checked_prices, response_cost
+from kimi_pipe.providers.credentials import key_in_overrides
+from kimi_pipe.providers.errors import PriceError
 from kimi_pipe.store.run_lock import RunDirLocked, RunLock
 from kimi_pipe.store.spend_journal import SpendJournal
 

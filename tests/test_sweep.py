@@ -253,7 +253,7 @@ def test_sweep_arguments() -> None:
         "--multirun", "dataset=B5", "provider.name=moonshotai,deepinfra/fp8",
         "provider.routing.order=[${provider.name}]", "provider.routing.allow_fallbacks=false",
         "dataset.num_samples=50", "budget.usd=2.5", "provider.params.max_tokens=4096",
-        "hydra.sweep.dir=runs/sweep/B5",
+        "hydra.sweep.dir=runs/sweep/B5", "hydra.sweep.subdir=${provider.name}",
     ]  # fmt: skip
     assert sweep.parse_args(["dataset=x", "providers=a,b,c", "n=1", "usd=1"]).usd_each == 0.333333
     # budget.usd is the shared total too: passed through it would give each job all of it.

@@ -50,6 +50,7 @@ from kimi_pipe.extraction.token_samples import (
     read_token_records,
     records_path,
 )
+from kimi_pipe.store import atomic
 from kimi_pipe.store.hidden_store import (
     IDENTITY_KEYS,
     INDEX,
@@ -346,9 +347,7 @@ def capture_into(
 
 # --- finishing shards into one store --------------------------------------------------------
 def _write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    atomic.write_json(path, obj, indent=2, sort_keys=True)
 
 
 def mark_part_started(part: str | os.PathLike[str]) -> None:
@@ -446,10 +445,8 @@ def merge_parts(store: str | os.PathLike[str], num_shards: int) -> dict[str, Any
     target = root / SHARDS
     if target.exists():
         shutil.rmtree(target)
-    os.replace(staging, target)
-    tmp_index = root / (INDEX + ".tmp")
-    tmp_index.write_text("".join(index_lines))
-    os.replace(tmp_index, root / INDEX)
+    atomic.replace(staging, target)
+    atomic.write_text(root / INDEX, "".join(index_lines))
     runs = list(dict.fromkeys(r for m in manifests for r in m.get("source_runs", [])))
     merged = {**first, "source_runs": runs, "merged_from_parts": num_shards}
     _write_json_atomic(root / MANIFEST, merged)
@@ -460,9 +457,7 @@ def merge_parts(store: str | os.PathLike[str], num_shards: int) -> dict[str, Any
         for line in (p / ISSUES).read_text().splitlines()
         if line.strip()
     ]
-    tmp_issues = root / (ISSUES + ".tmp")
-    tmp_issues.write_text("".join(issue_lines))
-    os.replace(tmp_issues, root / ISSUES)
+    atomic.write_text(root / ISSUES, "".join(issue_lines))
     write_tokens_dataset(root)
     info = {
         "num_shards": num_shards,

@@ -34,6 +34,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from kimi_pipe.errors import KimiPipeError
 from kimi_pipe.pipeline.registry import resolve_stage
 from kimi_pipe.pipeline.stage import Stage, StageContext
+from kimi_pipe.store import atomic
 from kimi_pipe.store.run_lock import RunDirLocked, RunLock
 
 MARKER_DIR = ".pipeline"
@@ -167,11 +168,8 @@ def read_marker(run_dir: Path, name: str) -> dict[str, Any] | None:
 
 def write_marker(run_dir: Path, name: str, data: dict[str, Any]) -> None:
     path = _marker(run_dir, name)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str) + "\n", encoding="utf-8")
-    with tmp.open("rb") as handle:
-        os.fsync(handle.fileno())
-    tmp.replace(path)  # a kill leaves the old marker or the new one, never half of one
+    # A kill leaves the old marker or the new one, never half of one.
+    atomic.write_json(path, data, indent=1, default=str)
 
 
 @contextlib.contextmanager
@@ -279,9 +277,7 @@ def _write_summary(run: PipelineRun) -> None:
         ],
     }  # fmt: skip
     path = run.run_dir / RUN_SUMMARY
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-    tmp.replace(path)
+    atomic.write_json(path, data, indent=2)
 
 
 def stage_table(run: PipelineRun) -> str:

@@ -197,3 +197,53 @@ class BudgetGate:
         event, self._changed = self._changed, None
         if event is not None:
             event.set()
+
+
+class SlowStart:
+    """How many requests may be in flight: 1 at first, one more per attempt settled (so
+    doubled each time a whole window has settled) while the largest bill/reservation ratio
+    seen stays within the overbill guard, back to 1 on an answer billed above its
+    reservation. A provider that
+    bills far above its listed prices (20x, 100x) then shows it on one request, not on a
+    wave of `maximum` requests already in flight: the cap is crossed by at most one
+    request's true cost. `enabled=False`: `maximum` from the start."""
+
+    def __init__(self, maximum: int, budget: Budget, enabled: bool = True) -> None:
+        self.maximum = max(1, int(maximum))
+        self.budget = budget
+        self.limit = 1 if enabled else self.maximum
+        self.peak = self.limit
+        self.in_flight = 0
+        self._changed: asyncio.Event | None = None
+
+    async def acquire(self) -> None:
+        while self.in_flight >= self.limit:
+            if self._changed is None:
+                self._changed = asyncio.Event()
+            await self._changed.wait()
+        self.in_flight += 1
+
+    def release(self) -> None:
+        self.in_flight -= 1
+        self._wake()
+
+    def settled(self, overbilled: bool) -> None:
+        """One attempt settled (`overbilled`: it cost more than its reservation)."""
+        if overbilled:
+            if self.limit > 1:
+                log.warning("an answer was billed above its reservation: concurrency back "
+                            "to 1 (was %d)", self.limit)
+            self.limit = 1
+            return
+        # One more slot per attempt settled within the guard (TCP's slow start): the window
+        # doubles each time a whole window has settled, and a freed slot is refilled at
+        # once instead of waiting for the slowest answer of the window.
+        if self.limit < self.maximum and self.budget.overbill_ratio <= self.budget.overbill_guard:
+            self.limit += 1
+            self.peak = max(self.peak, self.limit)
+            self._wake()
+
+    def _wake(self) -> None:
+        event, self._changed = self._changed, None
+        if event is not None:
+            event.set()

@@ -28,6 +28,7 @@ from typing import Any
 
 from kimi_pipe.config import CONF_DIR
 from kimi_pipe.errors import ConfigError
+from kimi_pipe.store import atomic
 
 CACHE_ENV = "KIMI_PIPE_CACHE"
 MARKER = "kimi_pipe_local_model.json"  # written last: its presence means the directory is whole
@@ -113,7 +114,7 @@ def ensure_local_model(spec: LocalModelSpec, log: Any = None) -> Path:
             os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared by runs
             if target.exists():  # a half directory from an older crash, without the marker
                 shutil.rmtree(target)
-            os.rename(tmp, target)
+            atomic.replace(tmp, target)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

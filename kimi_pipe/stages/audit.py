@@ -44,6 +44,7 @@ from kimi_pipe.core.id_compare import (  # noqa: F401  (re-exported: the audit's
     json_spans,
 )
 from kimi_pipe.errors import InputError, MissingFile
+from kimi_pipe.store import atomic
 from kimi_pipe.store.records import RecordWriter, iter_records
 
 log = logging.getLogger("kimi_pipe.audit")
@@ -561,9 +562,7 @@ def _truth_source(
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".partial")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
+    atomic.write_text(path, text, suffix=".partial")
 
 
 def run_stage(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:

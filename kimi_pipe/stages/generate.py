@@ -22,11 +22,11 @@ Exit status: 0 done or a budget cap reached, 2 bad config/input or the directory
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import os
 import random
-import re
 import sys
 import time
 from collections import Counter
@@ -35,32 +35,35 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
+from kimi_pipe.config import CONF_DIR
 from kimi_pipe.core.answer_checks import TextRepair, answer_issues, clean_text
 from kimi_pipe.errors import KimiPipeError, one_line
 from kimi_pipe.progress import Progress, Snapshot
-from kimi_pipe.providers.budget import Budget, BudgetGate, Pricing, Reservation
-from kimi_pipe.providers.litellm_calls import (
+from kimi_pipe.providers.account import KeyStatus, account_for
+from kimi_pipe.providers.budget import Budget, BudgetGate, Pricing, Reservation, SlowStart
+from kimi_pipe.providers.calls import (
     BILLED_UNSEEN,
-    NO_BUDGET,
-    STOPPED,
+    OVERBILLED,
     Attempt,
     CallResult,
-    ErrorInfo,
-    KeyStatus,
-    ProviderSettings,
-    api_key,
     call_with_retries,
-    fetch_pricing,
-    generation_cost,
     get_litellm,
-    key_status,
-    scrub,
-    size_limited_client,
+    http_client_for,
 )
+from kimi_pipe.providers.costs import fetch_pricing
+from kimi_pipe.providers.credentials import api_key, key_in_overrides, refuse_secrets, scrub
+from kimi_pipe.providers.errors import (
+    NO_BUDGET,
+    STOPPED,
+    ErrorInfo,
+)
+from kimi_pipe.providers.settings import ProviderSettings
+from kimi_pipe.store import atomic
 from kimi_pipe.store.records import RecordWriter, iter_records, load_resume_index, record_cost
-from kimi_pipe.store.run_lock import RunLock
+from kimi_pipe.store.run_dir import check_run_dir, same_dir
+from kimi_pipe.store.run_lock import LOCK, RunLock
 from kimi_pipe.store.spend_journal import JOURNAL, SpendJournal
 
 log = logging.getLogger("kimi_pipe.generate")
@@ -68,6 +71,9 @@ log = logging.getLogger("kimi_pipe.generate")
 RECORDS = "records.jsonl"
 ATTEMPT_ERRORS = "attempt_errors.jsonl"
 SUMMARY = "summary.json"
+# Every file a run writes in its directory: none may be a symlink.
+RUN_FILES = (RECORDS, ATTEMPT_ERRORS, JOURNAL, SUMMARY, LOCK, RECORDS + ".torn",
+             ATTEMPT_ERRORS + ".torn", JOURNAL + ".torn", SUMMARY + ".partial")
 REMAINING = "the remaining budget"
 EXIT_CONFIG, EXIT_STOPPED, EXIT_ALL_FAILED, EXIT_INTERRUPTED = 2, 3, 4, 130
 
@@ -166,6 +172,7 @@ class Generator:
         self.run_dir = run_dir
         self.settings = ProviderSettings.from_config(cfg.provider)
         self.key = api_key(self.settings)  # first: a missing key stops before any work
+        self.account = account_for(self.settings)
         self.request = self.settings.request_record()
         self.max_tokens = int(self.settings.params.get("max_tokens") or 0)
         bcfg = cfg.budget
@@ -190,6 +197,24 @@ class Generator:
         return (prompt_tokens * self.pricing.input_per_token
                 + completion_tokens * self.pricing.output_per_token)
 
+    @property
+    def price_floor(self) -> Callable[[int, int], float] | None:
+        """Tokens x listed prices, below which no stated cost is believed; None with the
+        fallback prices (set above the real ones on purpose: no floor)."""
+        return self._price_fallback if self.price_source in ("config", "listing") else None
+
+    async def _generation_cost(self, generation_id: str) -> float | None:
+        """What the provider says one generation cost, never below its tokens at the listed
+        prices (None: it cannot say)."""
+        bill = await self.account.generation_bill(self.key, generation_id)
+        if bill is None or bill.usd is None:
+            return None
+        floor = self.price_floor
+        if floor is not None and bill.prompt_tokens is not None and (
+                bill.completion_tokens is not None):
+            return max(bill.usd, floor(bill.prompt_tokens, bill.completion_tokens))
+        return bill.usd
+
     def _worst_case(self, prompt_tokens: int) -> float:
         return self.pricing.worst_case(prompt_tokens, self.max_tokens, self.reserve_factor)
 
@@ -200,6 +225,7 @@ class Generator:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         records_path = self.run_dir / RECORDS
         errors_path = self.run_dir / ATTEMPT_ERRORS
+        refuse_other_purchase(records_path, self.request)
         index = load_resume_index(records_path, errors_path)
         t0 = time.monotonic()
         try:
@@ -219,8 +245,7 @@ class Generator:
             self.journal = journal
             # Requests a killed process sent and never booked: their true cost where the
             # provider can say, else their worst case.
-            self.recovered = await journal.recover(
-                lambda gen: generation_cost(self.settings, self.key, gen))
+            self.recovered = await journal.recover(self._generation_cost)
             self.spent_before = max(index.cost, journal.spent())
             if index.records or self.spent_before:
                 log.info("resuming %s: %d ids done, $%.4f already spent%s", self.run_dir,
@@ -238,7 +263,7 @@ class Generator:
                         overbill_guard=float(b.get("overbill_guard") or 1.0))
         self.budget = budget
         self.key_start = await self._check_key()
-        self.http_client = size_limited_client(self.settings)
+        self.http_client = http_client_for(self.settings)
         gate = BudgetGate(budget)
         max_per_sample = b.get("max_usd_per_sample")
         log.info("generate: %d prompts, %d already done; provider %s (%s), concurrency %d, "
@@ -250,7 +275,10 @@ class Generator:
 
         self.startup_s = time.monotonic() - self.stats.started
         self.stats.started = time.monotonic()  # throughput counts from the first dispatch
-        sem = asyncio.Semaphore(self.settings.concurrency)
+        # Slow start: where money is capped, 1 request in flight at first (budget.slow_start).
+        sem = self.window = SlowStart(
+            self.settings.concurrency, budget,
+            enabled=bool(b.get("slow_start", True)) and budget.cap_usd is not None)
         tasks: set[asyncio.Task] = set()
         poller = asyncio.create_task(self._poll_key()) if self.key_start else None
         max_attempts = self.settings.retry.max_attempts
@@ -315,8 +343,11 @@ class Generator:
                     self._show()
                 if tasks:
                     await asyncio.gather(*list(tasks))
-            except (asyncio.CancelledError, KeyboardInterrupt):
-                self.stats.stop_reason = self.stats.stop_reason or "interrupted"
+            except (asyncio.CancelledError, KeyboardInterrupt, OSError) as exc:
+                # Interrupted, or the host failed a write (a full disk): requests in flight
+                # are cancelled; their journal intents are booked on the next start.
+                self.stats.stop_reason = self.stats.stop_reason or (
+                    "host_error" if isinstance(exc, OSError) else "interrupted")
                 gate.close()
                 for t in tasks:
                     t.cancel()
@@ -341,9 +372,7 @@ class Generator:
         # Which rows (line-N of dataset.path) were skipped, so they can be found and fixed.
         self.skipped_examples = {k: list(v) for k, v in prompts.skipped_examples.items()}
         summary = self.summary(records_path, errors_path, prompts.skipped)
-        tmp = self.run_dir / (SUMMARY + ".partial")
-        tmp.write_text(json.dumps(summary, indent=2) + "\n")
-        tmp.replace(self.run_dir / SUMMARY)
+        atomic.write_json(self.run_dir / SUMMARY, summary, suffix=".partial", indent=2)
         return summary
 
     # --- the key's own account (OpenRouter GET /key) ----------------------------------
@@ -351,7 +380,7 @@ class Generator:
         """Read the key's usage and limit; refuse to start when its limit cannot cover what
         is left of budget.usd (the provider would stop us half-way, or worse, another
         client shares it)."""
-        status = await key_status(self.settings, self.key)
+        status = await self.account.key_status(self.key)
         if status is None:
             return None
         left = None if self.budget.cap_usd is None else self.budget.cap_usd - self.spent_before
@@ -371,7 +400,7 @@ class Generator:
         """Count what the key says this run spent, when that is more than we counted."""
         if self.key_start is None:
             return
-        status = await key_status(self.settings, self.key)
+        status = await self.account.key_status(self.key)
         if status is None:
             return
         self.key_delta = max(self.key_delta, status.usage - self.key_start.usage)
@@ -406,7 +435,7 @@ class Generator:
 
     async def _one(self, prompt: Any, worst: float, first: Reservation, gate: BudgetGate,
                    core: TokenCore, writer: RecordWriter, err_writer: RecordWriter,
-                   sem: asyncio.Semaphore, prior_attempts: int, flags: list[str]) -> None:
+                   sem: SlowStart, prior_attempts: int, flags: list[str]) -> None:
         self.stats.in_flight += 1
         pending: list[Reservation] = [first]
         journal = self.journal
@@ -426,10 +455,10 @@ class Generator:
             self.stats.attempts += 1
             self.stats.output_tokens += attempt.completion_tokens
             gate.settle(res, attempt.cost, attempt.completion_tokens, done)
+            self.window.settled(OVERBILLED in attempt.billing_flags)
             seq = seqs[id(res)]
             if done:
-                if attempt.generation_id:
-                    journal.generation(seq, attempt.generation_id)
+                journal.generation(seq, attempt.generation_id, attempt.cost)
                 answered.append(seq)
             else:
                 billed = attempt.cost > 0 or (
@@ -450,7 +479,7 @@ class Generator:
                 self.settings, self.key, prompt.messages, prompt.tools, reserve, settle,
                 self.rng, self._price_fallback, on_failed, self.stop_event,
                 max_attempts=max(1, self.settings.retry.max_attempts - prior_attempts),
-                http_client=self.http_client)
+                http_client=self.http_client, price_floor=self.price_floor)
         finally:
             if pending:  # never used: give the first reservation back
                 gate.settle(first, 0.0, 0, False)
@@ -482,7 +511,7 @@ class Generator:
                 rec = {"ok": False, "issues": ["reconstruction_crashed"], "prompt_ids": [],
                        "output_ids": [], "loss_mask": [], "completion_tokens_reported": None,
                        "completion_tokens_reconstructed": 0, "reconstruction_error": str(exc)}
-            extra = [*flags, *result.billing_flags]
+            extra = [*flags, *result.billing_flags, *result.wire_flags]
             extra += ["answer_text_replaced"] if repair.surrogates else []
             extra += ["api_key_echoed"] if repair.key_echoed else []
             record = {
@@ -614,6 +643,7 @@ class Generator:
                 "samples_per_s": s.answered / wall if wall > 0 else None,
                 "output_tokens_per_s": s.output_tokens / wall if wall > 0 else None,
                 "concurrency": self.settings.concurrency,
+                "concurrency_reached": self.window.peak,
             },
         }
 
@@ -630,14 +660,56 @@ _STOP_MESSAGES = {
 # Entry points
 
 
+# What a resume must buy the same way as the run it continues (never timeout_s, nor the
+# api_base of a local server, which gets a new port each time).
+PURCHASE_KEYS = ("model", "extra_body")
+NOT_PURCHASE = frozenset({"timeout_s", "api_base"})
+
+
+def _purchase(request: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in request.items() if k not in NOT_PURCHASE}
+
+
+def refuse_other_purchase(records_path: Path, request: dict[str, Any]) -> None:
+    """A run directory holds one job: refuse to resume it with settings that buy something
+    else (another model, routing, sampling parameters), naming both."""
+    recorded = next((rec.get("request") for rec in iter_records(records_path)
+                     if isinstance(rec.get("request"), dict)), None)
+    if recorded is None:
+        return
+    old, new = _purchase(recorded), _purchase(request)
+    if old == new:
+        return
+    keys = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+    diff = "; ".join(f"{k}: recorded {json.dumps(old.get(k), sort_keys=True)}, now "
+                     f"{json.dumps(new.get(k), sort_keys=True)}" for k in keys)
+    raise GenerateError(
+        f"{records_path.parent} holds a run bought with other settings ({diff}); resuming "
+        "would mix them. Use another output_dir (the default one is derived from these "
+        "settings) or run with the recorded settings")
+
+
 def run_dir_of(cfg: DictConfig) -> Path:
-    """The Hydra job's output dir (one per sweep job), else `output_dir`."""
+    """The run directory: `output_dir`, which a single Hydra run's `hydra.run.dir` must
+    agree with; in a multirun, the job's directory (hydra.sweep.dir/subdir, one per job)."""
     try:
         from hydra.core.hydra_config import HydraConfig
 
-        return Path(HydraConfig.get().runtime.output_dir)
+        hydra_cfg = HydraConfig.get()
     except (ImportError, ValueError):
         return Path(str(cfg.output_dir))
+    job_dir = Path(hydra_cfg.runtime.output_dir)
+    if str(hydra_cfg.mode) == "RunMode.MULTIRUN":
+        if any(o.lstrip("+~").startswith("output_dir=") for o in hydra_cfg.overrides.task):
+            raise GenerateError(
+                "output_dir with --multirun: every job writes to its own "
+                f"hydra.sweep.dir/hydra.sweep.subdir ({job_dir}); drop output_dir")
+        return job_dir
+    if not same_dir(job_dir, str(cfg.output_dir)):
+        raise GenerateError(
+            f"hydra.run.dir ({job_dir}) differs from output_dir ({cfg.output_dir}): records "
+            "would go to one and the logs to the other; set output_dir only")
+    return Path(str(cfg.output_dir))
 
 
 def _pointed_at(cfg: DictConfig, endpoint: dict[str, Any]) -> DictConfig:
@@ -656,8 +728,10 @@ def generate(cfg: DictConfig, run_dir: Path | None = None) -> tuple[int, dict[st
     """Run the stage; returns (exit status, summary). Config/input problems -> status 2."""
     from kimi_pipe.providers.local_server import provider_endpoint
 
-    run_dir = run_dir or run_dir_of(cfg)
     try:
+        # Before anything is written: no secret in any value, a run directory that may be one.
+        refuse_secrets(cfg)
+        run_dir = check_run_dir(run_dir or run_dir_of(cfg), RUN_FILES)
         # One process per run directory, held until the summary is written.
         with RunLock(run_dir), provider_endpoint(cfg, run_dir) as endpoint:
             # provider=local: its server is started around the run, reached like any other.
@@ -665,10 +739,14 @@ def generate(cfg: DictConfig, run_dir: Path | None = None) -> tuple[int, dict[st
                 cfg = _pointed_at(cfg, endpoint)
             gen = Generator(cfg, run_dir)
             summary = asyncio.run(gen.run())
-    except (KimiPipeError, OSError) as exc:  # the user's to fix: one line, status 2
-        message = one_line(exc) or (str(exc) if isinstance(exc, FileNotFoundError) else None)
+    except (KimiPipeError, OSError) as exc:
+        # A user's mistake or the host's fault (a full disk, a read-only directory): one
+        # line naming the path; every complete record and the journal are on disk.
+        message = one_line(exc) or (
+            " ".join(str(exc).split()) if isinstance(exc, FileNotFoundError) else None
+        )
         if message is None:
-            raise
+            raise  # a bug: keep its traceback
         log.error("%s", message)
         print(f"error: {message}", file=sys.stderr)
         return EXIT_CONFIG, None
@@ -695,41 +773,6 @@ def generate(cfg: DictConfig, run_dir: Path | None = None) -> tuple[int, dict[st
     return (EXIT_STOPPED if stopped else 0), summary
 
 
-# An environment variable name: what `*api_key_env` must hold (not a key itself).
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-# Header names that carry credentials.
-_SECRET_HEADERS = ("authorization", "api-key", "api_key", "apikey", "x-api-key", "token",
-                   "cookie", "secret")
-# Environment variables that hold secrets (OPENROUTER_API_KEY, HF_TOKEN, ...).
-_SECRET_VAR = re.compile(r"(?:API_?KEY|_TOKEN|_SECRET|ACCESS_KEY)$")
-# What API keys look like (OpenRouter sk-or-v1-..., OpenAI sk-..., bearer tokens).
-_KEY_SHAPE = re.compile(r"(?:\bsk[-][A-Za-z0-9_-]{16,}|\bBearer\s+\S{8,})")
-
-
-def key_in_overrides(argv: list[str], environ: dict[str, str] | None = None) -> str | None:
-    """Why an override would put a secret into the saved config (None: it would not)."""
-    environ = dict(os.environ) if environ is None else environ
-    secrets = [v for k, v in environ.items()
-               if _SECRET_VAR.search(k.upper()) and len(v) >= 12 and not v.startswith("/")]
-    for arg in argv:
-        if "=" not in arg:
-            continue
-        name, value = arg.split("=", 1)
-        name = name.lstrip("+~")
-        leaf = name.rsplit(".", 1)[-1].lower().replace("-", "_")
-        if leaf.endswith(("api_key", "apikey")):
-            return f"{name} must not be in the config"
-        if leaf.endswith("api_key_env") and value not in ("", "null") and not _ENV_NAME.fullmatch(
-                value):
-            return (f"{name} must name an environment variable (e.g. OPENROUTER_API_KEY), "
-                    "not hold the key")
-        if ".headers" in name.lower() and any(w in leaf for w in _SECRET_HEADERS):
-            return f"{name} would carry a credential in a header"
-        if _KEY_SHAPE.search(value) or any(secret in value for secret in secrets):
-            return f"the value of {name} looks like an API key"
-    return None
-
-
 def _refuse_keys_on_the_command_line(argv: list[str]) -> None:
     """Hydra saves every override in .hydra/ (and the log) before the task runs: refuse a
     key there, whatever the key it is given under."""
@@ -738,6 +781,75 @@ def _refuse_keys_on_the_command_line(argv: list[str]) -> None:
         print(f"error: {why} (Hydra would save it in .hydra/ and the log); export the "
               "provider's key variable (e.g. OPENROUTER_API_KEY) instead", file=sys.stderr)
         raise SystemExit(EXIT_CONFIG)
+
+
+def job_overrides(argv: list[str]) -> list[list[str]]:
+    """The overrides of every job the command line starts (one, or a multirun's each)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    overrides = [a for a in argv if not a.startswith("-")]
+    if not any(a in ("-m", "--multirun") for a in argv):
+        return [overrides]
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+
+
+def writable(run_dir: Path) -> None:
+    """Create the run directory, or raise the OSError (naming it) that says why not."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not os.access(run_dir, os.W_OK | os.X_OK):
+        err = errno.EROFS if os.statvfs(run_dir).f_flag & os.ST_RDONLY else errno.EACCES
+        raise OSError(err, os.strerror(err), str(run_dir))
+
+
+def check_before_launch(argv: list[str], environ: dict[str, str] | None = None) -> None:
+    """What Hydra would write before the stage runs (`.hydra/`, the log, the run directory
+    itself), checked for every job first: no secret in any resolved value or directory
+    name, a run directory that may be one, one directory per job. Raises a KimiPipeError;
+    a config Hydra cannot compose is left for Hydra to report."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    multirun = any(a in ("-m", "--multirun") for a in argv)
+    try:
+        jobs = job_overrides(argv)
+    except (HydraException, OmegaConfBaseException):
+        return
+    seen: dict[str, list[str]] = {}
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        for job in jobs:
+            try:
+                cfg = hydra_compose(config_name="config", overrides=job,
+                                    return_hydra_config=True)
+                hydra_node = cfg.hydra
+                if multirun:
+                    where = "hydra.sweep.dir/subdir"
+                    run_dir = os.path.join(str(hydra_node.sweep.dir), str(hydra_node.sweep.subdir))
+                else:
+                    where, run_dir = "hydra.run.dir", str(hydra_node.run.dir)
+                output_dir = str(cfg.output_dir)
+                with open_dict(cfg):
+                    del cfg["hydra"]
+            except (HydraException, OmegaConfBaseException):
+                return  # Hydra reports it, before it writes anything
+            refuse_secrets(cfg, environ, {where: run_dir})
+            check_run_dir(run_dir)
+            if not multirun and not same_dir(run_dir, output_dir):
+                raise GenerateError(
+                    f"hydra.run.dir ({run_dir}) differs from output_dir ({output_dir}): records "
+                    "would go to one and the logs to the other; set output_dir only")
+            writable(Path(run_dir))  # Hydra creates it and writes its log there first
+            seen.setdefault(os.path.realpath(run_dir), []).append(" ".join(job))
+    shared = {d: js for d, js in seen.items() if len(js) > 1}
+    if shared:
+        run_dir, js = next(iter(shared.items()))
+        raise GenerateError(
+            f"{len(js)} jobs of this multirun would share the run directory {run_dir} "
+            f"({' | '.join(js)}): each would resume the other's records. Give each its own "
+            "hydra.sweep.subdir (the default one is derived from what a job buys)")
 
 
 def outputs(cfg: DictConfig, run_dir: Path) -> list[Path]:
@@ -773,10 +885,17 @@ def run_stage(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kimi_pipe.stages.command import hydra_command
+    from kimi_pipe.stages.command import hydra_command, report
 
     args = list(sys.argv[1:] if argv is None else argv)
     _refuse_keys_on_the_command_line(args)
+    try:
+        check_before_launch(args)  # before Hydra writes .hydra/ and the log
+    except (KimiPipeError, OSError) as exc:
+        status = report(exc)
+        if status is None:
+            raise
+        return status
     return hydra_command(lambda cfg: generate(cfg)[0], args, name="generate")
 
 

@@ -17,7 +17,6 @@ exit 2 with a message for a missing file, an unknown model or a bad tokenizer.
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
 from collections import Counter
@@ -32,6 +31,7 @@ from kimi_pipe.core.models import Model, load_model
 from kimi_pipe.core.reconstruction import ERRORS, reconstruct
 from kimi_pipe.core.serving import ServingProfile, serving_profile
 from kimi_pipe.errors import ConfigError, InputError, MissingFile
+from kimi_pipe.store import atomic
 
 MALFORMED = "malformed_record"
 # Codes that make a record flagged: the reconstruction errors and the stage's own.
@@ -159,15 +159,18 @@ def run(
     """
     counts: Counter[str] = Counter()
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(target.name + ".partial")
-    with source.open("rb") as src, tmp.open("w", encoding="utf-8") as dst:
+    # The output appears whole or not at all.
+    with (
+        atomic.atomic_path(target, suffix=".partial") as tmp,
+        source.open("rb") as src,
+        atomic.open_new(tmp) as dst,
+    ):
         for line_no, line in _lines(src):
             record = reconstruct_line(
                 model, line, line_no, tolerance, str(source), policy, serving
             )
-            dst.write(json.dumps(record, ensure_ascii=False) + "\n")
+            dst.write((json.dumps(record, ensure_ascii=False) + "\n").encode())
             count_record(counts, record)
-    tmp.replace(target)  # the output appears whole or not at all
     write_summary(summary_path(target), source, target, counts)
     return counts
 
@@ -206,11 +209,7 @@ def summary_data(source: Path, target: Path, counts: Counter[str]) -> dict[str, 
 
 
 def write_summary(path: Path, source: Path, target: Path, counts: Counter[str]) -> None:
-    tmp = path.with_name(path.name + ".partial")
-    tmp.write_text(
-        json.dumps(summary_data(source, target, counts), indent=2) + "\n", encoding="utf-8"
-    )
-    os.replace(tmp, path)
+    atomic.write_json(path, summary_data(source, target, counts), suffix=".partial", indent=2)
 
 
 def summary_lines(counts: Counter[str], target: Path) -> list[str]:

@@ -37,6 +37,7 @@ from kimi_pipe.reporting.data import (
     routing_overrides,
     summarize,
 )
+from kimi_pipe.store import atomic
 
 
 @dataclass(frozen=True)
@@ -297,9 +298,7 @@ def add_conformance(text: str, stats: list[RunStats], conformance: dict[str, Any
 
 def _write_atomic(path: Path, text: str) -> None:
     # Write-then-rename: an interrupted report never leaves a half file behind.
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
+    atomic.write_text(path, text)
 
 
 def run_stage(cfg: Any, run_dir: Path | None = None) -> dict[str, Any]:

@@ -187,7 +187,7 @@ def build_command(args: SweepArgs, dataset_name: str, limit_key: str) -> list[st
         "kimi_pipe.generate",
         "--multirun",
         f"dataset={args.dataset}",
-        # One job per slug; the job's directory is hydra.sweep.subdir = ${provider.name}.
+        # One job per slug, in <sweep_dir>/<slug> (hydra.sweep.subdir below).
         f"provider.name={','.join(args.providers)}",
         f"{ORDER_KEY}=[${{provider.name}}]",
         f"{FALLBACKS_KEY}=false",
@@ -195,6 +195,8 @@ def build_command(args: SweepArgs, dataset_name: str, limit_key: str) -> list[st
         f"budget.usd={args.usd_each}",
         *args.overrides,
         f"hydra.sweep.dir={sweep_dir.as_posix()}",
+        # The jobs differ by slug alone: name their directories by it (the report reads them).
+        "hydra.sweep.subdir=${provider.name}",
     ]
 
 

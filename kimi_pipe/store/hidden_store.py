@@ -62,6 +62,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from kimi_pipe.errors import ConfigError, MissingFile
+from kimi_pipe.store import atomic
 
 FORMAT = "kimi_pipe.hidden_store"
 VERSION = 1
@@ -243,9 +244,7 @@ def _shard_number(name: str) -> int:
 
 
 def _write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    atomic.write_json(path, obj, indent=2, sort_keys=True)
 
 
 def _read_index(path: Path) -> list[IndexEntry]:
@@ -346,9 +345,7 @@ class StoreWriter:
         for shard in sorted(shard_dir.glob("shard_*.safetensors")):
             indexed.extend(_shard_entries(shard))
         # Rewrite the index whole: it may have had a torn line or lines of a lost shard.
-        tmp = self.path / (INDEX + ".tmp")
-        tmp.write_text(_index_lines(indexed))
-        os.replace(tmp, self.path / INDEX)
+        atomic.write_text(self.path / INDEX, _index_lines(indexed))
         return indexed
 
     # --- writing -------------------------------------------------------------------------
@@ -417,11 +414,10 @@ class StoreWriter:
             tensors[key] = torch.cat([b[3][key] for b in self._buffer]).contiguous()
         meta = {"samples": json.dumps([[e.id, e.offset, e.length] for e in entries])}
         final_path = self.path / SHARDS / name
-        tmp = final_path.with_name(name + ".tmp")
-        save_file(tensors, str(tmp), metadata=meta)
-        os.replace(tmp, final_path)
-        with open(self.path / INDEX, "a") as f:
-            f.write(_index_lines(entries))
+        with atomic.atomic_path(final_path) as tmp:
+            save_file(tensors, str(tmp), metadata=meta)
+        with atomic.open_append(self.path / INDEX) as f:
+            f.write(_index_lines(entries).encode())
             f.flush()
             os.fsync(f.fileno())
         self.done_ids.update(e.id for e in entries)
@@ -457,17 +453,12 @@ def write_tokens_dataset(path: str | os.PathLike[str]) -> None:
         rows["input_ids"].append(t["input_ids"].tolist())
         rows["loss_mask"].append(t["loss_mask"].tolist())
     out = Path(path) / TOKENS
-    tmp = Path(path) / (TOKENS + ".tmp")
-    if tmp.exists():
-        import shutil
+    with atomic.atomic_path(out) as tmp:
+        Dataset.from_dict(rows).save_to_disk(str(tmp))
+        if out.exists():
+            import shutil
 
-        shutil.rmtree(tmp)
-    Dataset.from_dict(rows).save_to_disk(str(tmp))
-    if out.exists():
-        import shutil
-
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+            shutil.rmtree(out)  # a directory cannot be renamed over a non-empty one
 
 
 class HiddenStore:

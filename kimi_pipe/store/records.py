@@ -8,6 +8,7 @@ the bytes in `<file>.torn`) before it appends again.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -105,6 +106,29 @@ def cut_torn_tail(path: str | Path) -> int:
     return size - keep
 
 
+def open_append_fd(path: str | Path) -> int:
+    """An append-only descriptor that never follows a symlink at `path` (ELOOP)."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    return os.open(path, flags, 0o644)
+
+
+def append_whole(fd: int, data: bytes, path: str | Path | None = None) -> None:
+    """Append `data` (one or more whole lines) or nothing: a write the disk cut short (full,
+    over quota) is truncated back off before the error is raised (naming `path`), so no
+    torn line is left."""
+    start = os.fstat(fd).st_size
+    view = memoryview(data)
+    try:
+        while view:
+            view = view[os.write(fd, view):]
+    except OSError as exc:
+        with contextlib.suppress(OSError):  # else the next open cuts the torn tail
+            os.ftruncate(fd, start)
+        if exc.filename is None and path is not None:
+            raise OSError(exc.errno, exc.strerror, str(path)) from None
+        raise
+
+
 class RecordWriter:
     """Append-only JSONL writer: one line per record, flushed at once, fsynced at most
     every `fsync_every_s` seconds (the page cache survives a killed process; fsync
@@ -114,7 +138,7 @@ class RecordWriter:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         cut_torn_tail(self.path)
-        self._fh = self.path.open("ab")
+        self._fd = open_append_fd(self.path)
         self._fsync_every_s = fsync_every_s
         self._last_sync = time.monotonic()
 
@@ -125,18 +149,21 @@ class RecordWriter:
             data = text.encode() + b"\n"
         except UnicodeEncodeError:  # a lone surrogate the caller did not repair: never lose
             data = text.encode("utf-8", "replace") + b"\n"  # the line for one character
-        self._fh.write(data)
-        self._fh.flush()
+        append_whole(self._fd, data, self.path)
         now = time.monotonic()
         if now - self._last_sync >= self._fsync_every_s:
-            os.fsync(self._fh.fileno())
+            os.fsync(self._fd)
             self._last_sync = now
 
     def close(self) -> None:
-        if not self._fh.closed:
-            self._fh.flush()
-            os.fsync(self._fh.fileno())
-            self._fh.close()
+        if self._fd >= 0:
+            fd, self._fd = self._fd, -1
+            try:
+                os.fsync(fd)
+            except OSError as exc:
+                raise OSError(exc.errno, exc.strerror, str(self.path)) from None
+            finally:
+                os.close(fd)
 
     def __enter__(self) -> RecordWriter:
         return self

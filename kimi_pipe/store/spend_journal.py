@@ -12,11 +12,13 @@ over all runs.
 Lines (one JSON object each, appended with one `write` call, so a kill leaves at most a
 torn last line, which is ignored and cut):
     {"k": "i", "n": SEQ, "id": ID, "a": ATTEMPT, "usd": RESERVED}     intent
-    {"k": "g", "n": SEQ, "gen": GENERATION_ID}                         answer arrived
+    {"k": "g", "n": SEQ, "gen": GENERATION_ID, "usd": BOOKED}          answer arrived
     {"k": "s", "n": SEQ, "usd": COST, "b": BILLED, "how": HOW}          settled
     {"k": "x", "usd": EXTRA}              an outside count (the key's usage) proved EXTRA
                                           more spent than the intents book
-`b` is false only for an attempt the provider refused before generating (HTTP 4xx/5xx
+`g` carries what the answer was booked at (its stated cost, never below its tokens at the
+listed prices): a lookup after a kill that says less (a `/generation` answering $0) cannot
+lower it. `b` is false only for an attempt the provider refused before generating (HTTP 4xx/5xx
 with no cost).
 
 An id counts against `retry.max_attempts` over all runs for each attempt that was billed
@@ -38,7 +40,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kimi_pipe.store.records import cut_torn_tail, iter_records
+from kimi_pipe.store.records import append_whole, cut_torn_tail, iter_records, open_append_fd
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +62,7 @@ class Intent:
     attempt: int
     usd: float
     generation_id: str | None = None
+    answered_usd: float | None = None  # set once its answer arrived: what it was booked at
     cost: float | None = None  # set once settled
     billed: bool = True
     how: str = SETTLED
@@ -85,7 +88,7 @@ class SpendJournal:
             self._apply(line)
         cut_torn_tail(self.path)
         self._next = max(self.intents, default=0) + 1
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._fd = open_append_fd(self.path)
 
     def _apply(self, line: dict) -> None:
         seq = line.get("n")
@@ -105,8 +108,12 @@ class SpendJournal:
         intent = self.intents.get(seq)
         if intent is None:
             self.bad_lines += 1
-        elif kind == "g" and isinstance(line.get("gen"), str):
-            intent.generation_id = line["gen"]
+        elif kind == "g":
+            if isinstance(line.get("gen"), str):
+                intent.generation_id = line["gen"]
+            if "usd" in line:
+                usd = _finite_usd(line.get("usd"))
+                intent.answered_usd = usd if usd is not None else intent.usd
         elif kind == "s":
             cost = _finite_usd(line.get("usd"))
             # A settle line that does not hold a valid cost cannot lower the booking.
@@ -116,7 +123,7 @@ class SpendJournal:
 
     def _write(self, line: dict) -> None:
         data = json.dumps(line, separators=(",", ":")).encode() + b"\n"
-        os.write(self._fd, data)  # O_APPEND, one call: whole line or a torn tail
+        append_whole(self._fd, data, self.path)  # a whole line, or nothing (a full disk)
 
     # --- the run's side -------------------------------------------------------------
     def intent(self, rid: str, attempt: int, usd: float) -> int:
@@ -127,9 +134,14 @@ class SpendJournal:
         self._write({"k": "i", "n": seq, "id": rid, "a": attempt, "usd": usd})
         return seq
 
-    def generation(self, seq: int, generation_id: str) -> None:
-        self.intents[seq].generation_id = generation_id
-        self._write({"k": "g", "n": seq, "gen": generation_id})
+    def generation(self, seq: int, generation_id: str | None, usd: float | None = None) -> None:
+        """The answer of `seq` arrived, booked at `usd` (settled once it is on disk)."""
+        intent = self.intents[seq]
+        intent.generation_id, intent.answered_usd = generation_id, usd
+        line: dict = {"k": "g", "n": seq, "gen": generation_id}
+        if usd is not None:
+            line["usd"] = usd
+        self._write(line)
 
     def settle(self, seq: int, cost: float, billed: bool, how: str = SETTLED) -> None:
         intent = self.intents[seq]
@@ -161,6 +173,8 @@ class SpendJournal:
                     cost = _finite_usd(await lookup(intent.generation_id))
                 except Exception as exc:  # noqa: BLE001 - unknown: book the worst case
                     log.warning("cost lookup of %s failed: %s", intent.generation_id, exc)
+            if cost is not None and intent.answered_usd is not None:
+                cost = max(cost, intent.answered_usd)  # a lookup never books below the answer
             if cost is None:
                 self.settle(intent.seq, intent.usd, True, RECOVERED_WORST_CASE)
             else:
@@ -186,7 +200,7 @@ class SpendJournal:
         counted: Counter[str] = Counter()
         for i in self.intents.values():
             if i.cost is None or i.how != SETTLED:  # open at a kill
-                counted[i.id] += i.generation_id is not None
+                counted[i.id] += i.answered_usd is not None or i.generation_id is not None
             elif i.billed:
                 counted[i.id] += 1
         return counted

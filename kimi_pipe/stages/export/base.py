@@ -24,7 +24,6 @@ import gzip
 import importlib
 import io
 import json
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +33,7 @@ import torch
 
 from kimi_pipe.config import CONF_DIR
 from kimi_pipe.errors import ConfigError
+from kimi_pipe.store import atomic
 
 EXPORT_CONF_DIR = CONF_DIR / "export"
 
@@ -142,24 +142,21 @@ def load_exporter(name: str, settings: Mapping[str, Any] | None = None) -> Expor
 
 
 def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    atomic.write_text(path, text)
 
 
 def save_torch(path: Path, obj: dict[str, Any], *, compress: bool = False) -> None:
     """torch.save, tmp + rename; gzip'ed when asked (SpecForge reads `.ckpt.gz` that way)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    if compress:
-        buffer = io.BytesIO()
-        torch.save(obj, buffer)
-        # mtime=0: the same tensors give the same bytes (a resumed export is reproducible).
-        with open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz:
-            gz.write(buffer.getvalue())
-    else:
-        torch.save(obj, tmp)
-    os.replace(tmp, path)
+    with atomic.atomic_path(path) as tmp:
+        if compress:
+            buffer = io.BytesIO()
+            torch.save(obj, buffer)
+            # mtime=0: the same tensors give the same bytes (a resumed export is reproducible).
+            with open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz:
+                gz.write(buffer.getvalue())
+        else:
+            torch.save(obj, tmp)
 
 
 def json_line(obj: Any) -> str:

@@ -8,7 +8,6 @@ and `token_ids` [L], which its `ArrowDataset` checks against row i's `input_ids`
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ import torch
 
 from kimi_pipe.errors import ConfigError, StoreError
 from kimi_pipe.stages.export.base import ExportContext, Exporter
+from kimi_pipe.store import atomic
 from kimi_pipe.store.conventions import PRE_NORM
 from kimi_pipe.store.hidden_store import FP8, FP8_MAX, FP8_TORCH
 
@@ -50,7 +50,7 @@ def _write_rows(out: Path, rows: dict[str, list[Any]]) -> None:
     for old in out.glob("data-*.arrow"):
         old.unlink()
     for item in staging.iterdir():
-        os.replace(item, out / item.name)
+        atomic.replace(item, out / item.name)
     staging.rmdir()
     load_from_disk(str(out))  # fail here, not in the trainer, if the rows do not load
 
@@ -98,9 +98,8 @@ class SpeculatorsExporter(Exporter):
             tensors["hidden_states"] = states.contiguous()
         path = self.sample_path(output, index)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        save_file(tensors, str(tmp))
-        os.replace(tmp, path)
+        with atomic.atomic_path(path) as tmp:
+            save_file(tensors, str(tmp))
 
     def add_row(self, index: int, sample_id: str, input_ids: list[int], mask: list[int]) -> None:
         self.rows["input_ids"].append(input_ids)

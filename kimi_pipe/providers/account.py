@@ -1,0 +1,88 @@
+"""A provider's account endpoints, chosen by `provider.account`: what the provider lists
+as prices, what its key has used, what one generation was billed. A provider without them
+(a local server, another OpenAI-compatible API) gets `NoAccount`: no listing (the config's
+or the fallback prices hold), no key status, no per-generation cost."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from kimi_pipe.providers.errors import ProviderConfigError
+from kimi_pipe.providers.settings import ProviderSettings
+
+
+@dataclass(frozen=True)
+class KeyStatus:
+    """OpenRouter's `GET /key`: USD used by the key so far and its credit limit."""
+
+    usage: float
+    limit: float | None  # None: the key has no credit limit
+    limit_remaining: float | None
+
+
+
+@dataclass(frozen=True)
+class GenerationBill:
+    """What the provider says one generation cost, with the tokens it counted."""
+
+    usd: float | None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+
+
+class Account(Protocol):
+    async def listed_prices(self, key: str) -> tuple[float, float]: ...
+
+    async def key_status(self, key: str) -> KeyStatus | None: ...
+
+    async def generation_bill(self, key: str, generation_id: str) -> GenerationBill | None: ...
+
+
+@dataclass(frozen=True)
+class NoAccount:
+    settings: ProviderSettings
+
+    async def listed_prices(self, key: str) -> tuple[float, float]:
+        raise ProviderConfigError(
+            f"provider {self.settings.name} has no price listing (provider.account is null); "
+            "set provider.pricing.input_usd_per_mtok and provider.pricing.output_usd_per_mtok "
+            "(USD per million tokens)")
+
+    async def key_status(self, key: str) -> KeyStatus | None:
+        return None
+
+    async def generation_bill(self, key: str, generation_id: str) -> GenerationBill | None:
+        return None
+
+
+@dataclass(frozen=True)
+class OpenRouterAccount:
+    settings: ProviderSettings
+
+    async def listed_prices(self, key: str) -> tuple[float, float]:
+        from kimi_pipe.providers.openrouter_account import listed_prices
+
+        return await listed_prices(self.settings, key)
+
+    async def key_status(self, key: str) -> KeyStatus | None:
+        from kimi_pipe.providers.openrouter_account import key_status
+
+        return await key_status(self.settings, key)
+
+    async def generation_bill(self, key: str, generation_id: str) -> GenerationBill | None:
+        from kimi_pipe.providers.openrouter_account import generation_bill
+
+        return await generation_bill(self.settings, key, generation_id)
+
+
+ACCOUNTS = {"openrouter": OpenRouterAccount}
+
+
+def account_for(settings: ProviderSettings) -> Account:
+    if settings.account is None:
+        return NoAccount(settings)
+    if settings.account not in ACCOUNTS:
+        raise ProviderConfigError(
+            f"provider.account={settings.account!r} is not one of {sorted(ACCOUNTS)} (or null)")
+    return ACCOUNTS[settings.account](settings)

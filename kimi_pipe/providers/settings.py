@@ -1,0 +1,129 @@
+"""A provider's settings as the config states them (`conf/provider/*.yaml`), checked."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from kimi_pipe.providers.credentials import header_carries_credential, valid_env_name
+from kimi_pipe.providers.errors import ProviderConfigError
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    max_attempts: int = 6
+    base_delay_s: float = 1.0
+    max_delay_s: float = 60.0
+    jitter: float = 0.5  # a delay is drawn from [d*(1-jitter), d]
+    max_retry_after_s: float = 300.0  # longest Retry-After honoured
+    # Stop the run after this many samples in a row failed without retry (400/403/...):
+    # almost always a wrong model name or parameter, not bad prompts.
+    max_consecutive_failures: int = 20
+
+    def backoff(self, attempt: int, rng: random.Random) -> float:
+        """Delay after failed attempt number `attempt` (1-based)."""
+        delay = min(self.max_delay_s, self.base_delay_s * 2 ** (attempt - 1))
+        return delay * (1.0 - self.jitter * rng.random())
+
+
+@dataclass(frozen=True)
+class ProviderSettings:
+    name: str
+    model: str
+    api_base: str | None
+    api_key_env: str | None  # None: the server needs no key (a local server)
+    timeout_s: float
+    concurrency: int
+    params: dict[str, Any]  # top-level OpenAI sampling params (max_tokens, temperature, ...)
+    extra_body: dict[str, Any]  # provider-only fields merged into the body (routing, reasoning)
+    retry: RetryPolicy
+    input_usd_per_mtok: float | None = None
+    output_usd_per_mtok: float | None = None
+    fallback_input_usd_per_mtok: float | None = None
+    fallback_output_usd_per_mtok: float | None = None
+    models_path: str = "/models"
+    key_path: str = "/key"
+    # The provider's account endpoints (price listing, key usage, generation cost):
+    # "openrouter", or None for a provider without them (providers/account.py).
+    account: str | None = None
+    max_response_mb: float | None = None
+    extra_headers: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig | Mapping[str, Any]) -> ProviderSettings:
+        if isinstance(cfg, DictConfig):
+            data = OmegaConf.to_container(cfg, resolve=True)
+        else:
+            data = dict(cfg)
+        assert isinstance(data, dict)
+        if "api_key" in data:
+            raise ProviderConfigError(
+                "provider.api_key must not be in the config (it would be saved in .hydra/); "
+                f"export {data.get('api_key_env', 'the API key variable')} instead")
+        key_env = data.get("api_key_env")
+        if key_env and not valid_env_name(str(key_env)):
+            raise ProviderConfigError(
+                "provider.api_key_env must name an environment variable (e.g. "
+                "OPENROUTER_API_KEY), not hold the key itself")
+        for header in data.get("headers") or {}:
+            if header_carries_credential(str(header)):
+                raise ProviderConfigError(
+                    f"provider.headers.{header} would carry a credential in the saved config; "
+                    f"the key is sent from {key_env or 'the key variable'} in the environment")
+        params = {k: v for k, v in (data.get("params") or {}).items() if v is not None}
+        extra: dict[str, Any] = {}
+        for key, body_key in (data.get("extra_body_keys") or {}).items():
+            value = _drop_nones(data.get(key))
+            if value not in (None, {}, []):
+                extra[body_key] = value
+        extra.update(_drop_nones(data.get("extra_body")) or {})
+        if data.get("logprobs"):
+            # Only providers that honour every parameter return logprobs: route to those.
+            params["logprobs"] = True
+            routing_key = (data.get("extra_body_keys") or {}).get("routing")
+            if routing_key:
+                extra[routing_key] = {**(extra.get(routing_key) or {}), "require_parameters": True}
+        pricing = data.get("pricing") or {}
+        retry = RetryPolicy(**(data.get("retry") or {}))
+        if retry.max_attempts < 1:
+            raise ProviderConfigError("provider.retry.max_attempts must be >= 1")
+        concurrency = int(data.get("concurrency") or 1)
+        if concurrency < 1:
+            raise ProviderConfigError("provider.concurrency must be >= 1")
+        return cls(
+            name=str(data["name"]),
+            model=str(data["model"]),
+            api_base=data.get("api_base"),
+            api_key_env=data.get("api_key_env") or None,
+            timeout_s=float(data.get("timeout_s") or 600),
+            concurrency=concurrency,
+            params=params,
+            extra_body=extra,
+            retry=retry,
+            input_usd_per_mtok=pricing.get("input_usd_per_mtok"),
+            output_usd_per_mtok=pricing.get("output_usd_per_mtok"),
+            fallback_input_usd_per_mtok=pricing.get("fallback_input_usd_per_mtok"),
+            fallback_output_usd_per_mtok=pricing.get("fallback_output_usd_per_mtok"),
+            models_path=str(data.get("models_path") or "/models"),
+            key_path=str(data.get("key_path") or "/key"),
+            account=str(data["account"]) if data.get("account") else None,
+            max_response_mb=(float(data["max_response_mb"])
+                             if data.get("max_response_mb") is not None else None),
+            extra_headers=dict(data.get("headers") or {}),
+        )
+
+    def request_record(self) -> dict[str, Any]:
+        """The request parameters as stored with every record (never the key)."""
+        return {"model": self.model, "api_base": self.api_base, "timeout_s": self.timeout_s,
+                **self.params, "extra_body": self.extra_body}
+
+
+def _drop_nones(value: Any) -> Any:
+    """Routing objects list every option; unset ones (null) are not sent."""
+    if isinstance(value, dict):
+        return {k: _drop_nones(v) for k, v in value.items() if v is not None}
+    return value
