@@ -560,6 +560,40 @@ def provider_overrides(
     ]
 
 
+def with_overrides(cfg: Any, overrides: Sequence[str]) -> Any:
+    """A copy of a composed config with `key=value` / `++key=value` / `group=choice`
+    overrides applied (a group choice loads conf/<group>/<choice>.yaml), for a job whose
+    config was composed elsewhere (the command line, a pipeline)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf, open_dict
+
+    out = cfg.copy()
+    with open_dict(out):
+        for item in OverridesParser.create().parse_overrides(list(overrides)):
+            key, value = item.key_or_group, item.value()
+            group = CONF_DIR / key / f"{value}.yaml"
+            if "." not in key and isinstance(value, str) and group.is_file():
+                OmegaConf.update(out, key, OmegaConf.load(group), merge=False, force_add=True)
+                continue
+            OmegaConf.update(out, key, value, merge=False, force_add=True)
+    return out
+
+
+def buy_battery(
+    base_cfg: Any, battery: Battery, prompts: Path, slug: str | None, usd: float, run: Path
+) -> list[dict[str, Any]]:
+    """Buy the battery through the generate stage (pinned to `slug`, or the route as
+    configured when None) into `run`; returns its records (resumes what `run` holds)."""
+    from kimi_pipe.stages.generate import RECORDS, generate
+    from kimi_pipe.store.records import iter_records
+
+    cfg = with_overrides(base_cfg, provider_overrides(battery, prompts, slug, usd, run))
+    status, _ = generate(cfg, run)
+    if status == 2:
+        raise ProbeError(f"generate could not start for {slug or 'the route'} (see above)")
+    return list(iter_records(run / RECORDS)) if (run / RECORDS).exists() else []
+
+
 def run_probes(
     providers: Sequence[str],
     out_dir: Path,
@@ -568,8 +602,6 @@ def run_probes(
     overrides: Sequence[str] = (),
 ) -> list[ProviderConformance]:
     from kimi_pipe.config import compose
-    from kimi_pipe.stages.generate import RECORDS, generate
-    from kimi_pipe.store.records import iter_records
 
     # The battery is the dataset and has its own budget: such overrides are not the probes'.
     overrides = [
@@ -581,19 +613,22 @@ def run_probes(
         int((usd if usd is not None else battery.usd_each * len(providers)) / len(providers) * 1e6)
         / 1e6
     )
+    base = compose(overrides)
     results = []
     for slug in providers:
         run = out_dir / slug.replace("/", "_")
-        cfg = compose([*overrides, *provider_overrides(battery, prompts, slug, each, run)])
-        status, _ = generate(cfg, run)
-        if status == 2:
-            raise ProbeError(f"generate could not start for {slug} (see the message above)")
-        records = list(iter_records(run / RECORDS)) if (run / RECORDS).exists() else []
+        records = buy_battery(base, battery, prompts, slug, each, run)
         results.append(judge(battery, slug, records))
+    write_conformance(out_dir, battery, results)
+    return results
+
+
+def write_conformance(
+    out_dir: Path, battery: Battery, results: Sequence[ProviderConformance]
+) -> None:
     data = {"battery": str(battery.source), "providers": [r.to_json() for r in results]}
     (out_dir / "conformance.json").write_text(json.dumps(data, indent=2) + "\n")
     (out_dir / "conformance.md").write_text(render_table(battery, results))
-    return results
 
 
 def default_battery(model_name: str) -> Path:
