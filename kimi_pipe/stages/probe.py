@@ -620,6 +620,9 @@ def run_probes(
         records = buy_battery(base, battery, prompts, slug, each, run)
         results.append(judge(battery, slug, records))
     write_conformance(out_dir, battery, results)
+    from kimi_pipe.stages.serving_auto import cache_conformance
+
+    cache_conformance(base, battery.source, results)  # serving=auto reads these verdicts
     return results
 
 

@@ -47,7 +47,7 @@ log = logging.getLogger("kimi_pipe.serving_auto")
 
 AUTO = "auto"
 RUN_FILE = "serving_auto.json"
-PROBE_DIR = "serving_auto"
+PROBE_DIR = "serving_auto"  # = reporting.data.SERVING_AUTO_DIR
 ROUTE_RUN = "_route"  # the discovery run: the battery on the route as configured
 INTENT_PREFIX = "serving_auto:"  # journal ids of probe bookings (never a prompt's id)
 MAX_ROUTE_CHANGES = 4  # re-probes per generate call before it gives up
@@ -146,8 +146,7 @@ class Route:
     def covers(self, provider: Any) -> bool:
         if self.declared is not None:
             return True
-        fit = self.fits.get(str(provider))
-        return fit is not None and fit.usable
+        return str(provider) in self.fits  # probed (an unusable one gets nothing declared)
 
     def profile_for(self, provider: Any) -> tuple[ServingProfile, str, str | None]:
         """(profile, spec, probe reference) for an answer of `provider`; a provider the
@@ -156,9 +155,12 @@ class Route:
             profile = self.declared_profile or profile_from_spec(self.declared)
             return profile, self.declared, self.declared_by
         fit = self.fits.get(str(provider))
-        if fit is None or not fit.usable or fit.profile is None:
+        if fit is None:
             return profile_from_spec(UNKNOWN), UNKNOWN, f"not probed: {provider}"
-        return profile_from_spec(fit.profile), fit.profile, f"{RUN_FILE}#{fit.provider}"
+        ref = f"{RUN_FILE}#{fit.provider}"
+        if not fit.usable or fit.profile is None:
+            return profile_from_spec(UNKNOWN), UNKNOWN, f"{ref} (not usable: {fit.why})"
+        return profile_from_spec(fit.profile), fit.profile, ref
 
     def usable(self) -> list[ProviderFit]:
         return [f for f in self.fits.values() if f.usable]
@@ -274,7 +276,7 @@ class _Prober:
                 "(conf/serving, docs/serving_profiles.md), or give serving_auto.battery=PATH"
             )
         self.battery = load_battery(path)
-        self.battery_sha = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+        self.battery_sha = battery_sha(path)
         self.cache = VerdictCache(cfg, self.battery_sha)
         self.base = run_dir / PROBE_DIR
         self.prompts = self.base / "prompts.jsonl"
@@ -330,14 +332,41 @@ class _Prober:
     def judge(self, slug: str, records: list[dict[str, Any]], usd: float) -> ProviderFit:
         from kimi_pipe.stages.probe import judge
 
-        conf = judge(self.battery, slug, records)
-        fit = ProviderFit(
-            provider=slug, profile=conf.profile, usable=conf.usable, why=conf.why,
-            fields=conf.fields, probed_at=time.time(), source="probed", usd=usd,
-            conformance=conf.to_json())  # fmt: skip
-        if conf.answered:
-            self.cache.put_fit(fit)  # nothing answered proves nothing: not cached
-        return fit
+        return remember(self.cache, judge(self.battery, slug, records), usd)
+
+
+def fit_of(conf: Any, usd: float) -> ProviderFit:
+    """A provider's fit from the probe stage's ProviderConformance."""
+    return ProviderFit(
+        provider=conf.provider,
+        profile=conf.profile,
+        usable=conf.usable,
+        why=conf.why,
+        fields=conf.fields,
+        probed_at=time.time(),
+        source="probed",
+        usd=usd,
+        conformance=conf.to_json(),
+    )
+
+
+def battery_sha(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+
+
+def remember(cache: VerdictCache, conf: Any, usd: float) -> ProviderFit:
+    fit = fit_of(conf, usd)
+    if conf.answered:
+        cache.put_fit(fit)  # nothing answered proves nothing: not cached
+    return fit
+
+
+def cache_conformance(cfg: DictConfig, battery_path: Path, results: Sequence[Any]) -> None:
+    """The probe stage's verdicts into the cache, so a generate job after a sweep's probes
+    buys no battery again."""
+    cache = VerdictCache(cfg, battery_sha(battery_path))
+    for conf in results:
+        remember(cache, conf, 0.0)
 
 
 def _providers_of(records: Sequence[Mapping[str, Any]]) -> dict[str, list[dict[str, Any]]]:
@@ -381,14 +410,15 @@ def fit_route(cfg: DictConfig, run_dir: Path) -> Route:
     """Probe (or read from cache, or from this run's earlier fit) every provider the job
     will use; raises ServingAutoError where nothing can be concluded."""
     prober = _Prober(cfg, run_dir)
-    fits = _read_run_file(run_dir)  # a resumed job keeps what it measured
+    earlier = _read_run_file(run_dir)  # a resumed job keeps what it measured
+    fits: dict[str, ProviderFit] = {}
     wanted = _configured_providers(cfg)
-    if wanted is None and not fits:
+    if wanted is None and earlier:
+        wanted = list(earlier)  # a resumed job whose route was discovered
+    if wanted is None:
         routing = OmegaConf.to_container(cfg.provider.get("routing") or {}, resolve=True)
-        cached = prober.cache.route(routing)
-        if cached:
-            wanted = cached
-        else:
+        wanted = prober.cache.route(routing)
+        if not wanted:
             records, usd = prober.buy(None)
             by_provider = _providers_of(records)
             share = usd / max(1, len(records))
@@ -400,13 +430,16 @@ def fit_route(cfg: DictConfig, run_dir: Path) -> Route:
             wanted = sorted(by_provider)
             if wanted:
                 prober.cache.put_route(routing, wanted)
-    # Providers that answered this run without a probe: the route changed.
+    # Providers that answered this run without being asked for: the route changed.
     for slug in _answered_providers(run_dir):
-        if slug not in fits and slug not in (wanted or []):
+        if slug not in wanted:
             log.warning("serving=auto: %s answered but was not probed: probing it now", slug)
-            wanted = [*(wanted or []), slug]
-    for slug in wanted or []:
+            wanted = [*wanted, slug]
+    for slug in wanted:
         if slug in fits:
+            continue
+        if slug in earlier:
+            fits[slug] = earlier[slug]
             continue
         cached = prober.cache.fit(slug)
         if cached is not None:
@@ -415,7 +448,7 @@ def fit_route(cfg: DictConfig, run_dir: Path) -> Route:
         records, usd = prober.buy(slug)
         fits[slug] = prober.judge(slug, records, usd)
     route = Route(fits=fits)
-    _write_run_file(run_dir, prober, route, wanted or [])
+    _write_run_file(run_dir, prober, route, wanted)
     if not route.usable():
         why = "; ".join(f"{f.provider}: {f.why}" for f in fits.values()) or "no provider answered"
         raise ServingAutoError(
