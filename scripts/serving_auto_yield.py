@@ -6,10 +6,12 @@
 For each stack of tests/fake_stacks.py (behind tests/fake_openrouter.py, real HTTP, real Kimi
 tokenizer from KIMI_TOKENIZER_DIR or ../shared), N prompts are bought twice into fresh run
 dirs: once with no profile named (serving=auto: probes, pinning, fitted profile) and once
-with `serving=unknown`. Prints per stack: the fitted profile, records ok / answered under
-each, silent records (ok but ids differ from the ids the imitated model emitted), and what
-the probes cost against the answers. `exact_plain` is a stack that changes nothing and sends
-no logprobs (no sampled splits: without logprobs those cannot be seen by anyone).
+with `serving=unknown`, both pinned to the stack and asking for logprobs without requiring
+them (as the probes and a sweep do). Prints per stack: the fitted profile, records ok /
+answered under each, silent records (ok but ids differ from the ids the imitated model
+emitted), and what the probes cost against the answers. `exact_plain` is a stack that
+changes nothing and sends no logprobs (no sampled splits: without logprobs those cannot be
+seen by anyone).
 """
 
 from __future__ import annotations
@@ -70,7 +72,15 @@ def main() -> int:
                     for o in base_overrides(prompts, srv.url(), out, tok)
                     if o != "serving=unknown"
                 ]
-                overrides += [f"provider.routing.only=[{name}]", f"serving={mode}"]
+                overrides += [
+                    # Pinned in both modes (the fake routes by the order); logprobs asked for
+                    # without requiring them, as the probes and a sweep do.
+                    f"provider.routing.only=[{name}]",
+                    f"provider.routing.order=[{name}]",
+                    "++provider.params.logprobs=true",
+                    "provider.routing.require_parameters=false",
+                    f"serving={mode}",
+                ]
                 before = srv.total_cost()
                 status, summary = generate(compose(overrides), out)
                 records = read_jsonl(out / "records.jsonl")
