@@ -28,9 +28,9 @@ from typing import Any, BinaryIO
 from kimi_pipe.core.logprobs import LogprobPolicy, apply_logprobs, policy_from_config, record_fields
 from kimi_pipe.core.models import Model, load_model
 from kimi_pipe.core.reconstruction import ERRORS, reconstruct
-from kimi_pipe.core.serving import UNKNOWN_PROFILE, ServingProfile, serving_profile
+from kimi_pipe.core.serving import ServingProfile, serving_profile
 from kimi_pipe.errors import ConfigError, InputError
-from kimi_pipe.stages.serving_auto import AUTO, recorded_profile
+from kimi_pipe.stages.serving_auto import is_plain_auto, recorded_profile
 
 MALFORMED = "malformed_record"
 # Codes that make a record flagged: the reconstruction errors and the stage's own.
@@ -104,14 +104,14 @@ def reconstruct_line(
         return _bad_record(sample_id, "bad_prompt", f"{where}: messages must be a list")
     response = sample.get("response")
     recorded = None
-    if serving is not None and serving.name == AUTO:
+    if serving is not None and is_plain_auto(serving):
         # serving=auto over a stored run: the profile generate fitted for this record's
         # provider (serving=NAME overrides it); a record that names none: nothing declared.
         try:
             recorded = recorded_profile(sample)
         except ConfigError as exc:
             return _bad_record(sample_id, BAD_SERVING_PROFILE, f"{where}: {exc}")
-        serving = recorded or UNKNOWN_PROFILE
+        serving = recorded or serving  # all fields unknown
     try:
         result = reconstruct(
             model,

@@ -498,15 +498,21 @@ def pinned(cfg: DictConfig, route: Route) -> DictConfig:
     return out
 
 
+def is_plain_auto(profile: ServingProfile) -> bool:
+    """serving=auto with no field set on the command line (`serving=auto
+    serving.reasoning_tail=kept` declares that field: it is a named profile)."""
+    return profile.name == AUTO and all(getattr(profile, k) == UNKNOWN for k in CHOICES)
+
+
 def prepare(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, Route]:
     """generate's first step: the route every record of the job is reconstructed under."""
     from kimi_pipe.core.serving import serving_profile
 
     try:
-        name = serving_profile(cfg).name
+        profile = serving_profile(cfg)
     except ValueError as exc:
         raise ConfigError(f"conf/serving: {exc}") from None
-    if name != AUTO:
+    if not is_plain_auto(profile):
         return cfg, named(cfg)
     declared = OmegaConf.select(cfg, "provider.serving_profile", default=None)
     if declared:
