@@ -78,3 +78,10 @@ def expected_output_ids(model: Model, case: dict[str, Any]) -> list[int]:
         return list(expect["output_ids"])
     text = expect["output_text"]
     return [] if text is None else model.tokenizer.encode_with_markers(text)
+
+
+@pytest.fixture(autouse=True)
+def _probe_cache_in_tmp(tmp_path_factory: pytest.TempPathFactory, monkeypatch: Any) -> None:
+    """serving=auto caches probe verdicts under $XDG_CACHE_HOME: never the user's own
+    cache from a test, and never one test's verdict for another's fake server."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg_cache")))

@@ -106,6 +106,8 @@ def base_overrides(
         "provider.retry.base_delay_s=0.01",
         "provider.retry.max_delay_s=0.05",
         "provider.timeout_s=5",
+        # These tests measure the stage itself; serving=auto's probes: test_serving_auto.py.
+        "serving=unknown",
     ]
 
 

@@ -89,16 +89,23 @@ def test_verdicts_per_imitated_stack(
     # Whitespace the model wrote is lost at the same token count: no evidence either way.
     assert results["vllm_033"].quirks["reasoning_whitespace_stripped"] == UNKNOWN
     profiles = {name: (r.profile, r.usable) for name, r in results.items()}
+    # One vocabulary: every fitted profile is a conf/serving name (plus the fields that
+    # differ from it), so `serving=NAME serving.FIELD=VALUE` is what the probe found.
     assert profiles == {
         "exact_whole": ("exact", True),
         "vllm_spaced": ("vllm_spaced", True),
         "vllm_033": (None, False),
-        "sglang_0514": ("rebuilt_tool_ids", True),
+        "sglang_0514": ("sglang_0_5_14", True),
         "stripping": (None, False),
         "dropped_think": (None, False),
-        "spaced_foreign": ("vllm_spaced_rebuilt_ids", True),
+        "spaced_foreign": ("vllm_spaced+tool_call_ids=foreign", True),
         "vllm_033_logprobs": (None, False),
     }
+    assert results["spaced_foreign"].fields["tool_call_ids"] == "foreign"
+    assert results["sglang_0514"].fields == {
+        "marker_spacing": "none", "reasoning_tail": "kept", "tool_call_ids": "double_count",
+        "tool_names": "full", "argument_types": "verbatim", "think_end": "kept",
+    }  # fmt: skip
     table = (tmp_path / "conformance.md").read_text()
     assert "| vllm_033 |" in table and "argument_reserialised" in table
     assert (tmp_path / "conformance.json").is_file()
@@ -190,7 +197,7 @@ def test_report_routes_only_to_faithful_providers(
         assert status == 0
     md = build_report(tmp_path, tmp_path).read_text()
     assert "## Conformance and token-level evidence" in md
-    assert "| sglang_0514 |" in md and "rebuilt_tool_ids" in md
+    assert "| sglang_0514 |" in md and "sglang_0_5_14" in md
     assert "noncanonical_split" in md  # share of answers per code
     assert "- `exact_whole`: 4/4 answers with logprobs (whole x4); 4/4 agree with the text" in md
     assert "- `vllm_033`: no logprobs in 4 answers" in md

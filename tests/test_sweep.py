@@ -252,7 +252,8 @@ def test_sweep_arguments() -> None:
     assert command[3:] == [
         "--multirun", "dataset=B5", "provider.name=moonshotai,deepinfra/fp8",
         "provider.routing.order=[${provider.name}]", "provider.routing.allow_fallbacks=false",
-        "dataset.num_samples=50", "budget.usd=2.5", "provider.params.max_tokens=4096",
+        "dataset.num_samples=50", "budget.usd=2.5", "serving=unknown",
+        "provider.params.max_tokens=4096",
         "hydra.sweep.dir=runs/sweep/B5", "hydra.sweep.subdir=${provider.name}",
     ]  # fmt: skip
     assert sweep.parse_args(["dataset=x", "providers=a,b,c", "n=1", "usd=1"]).usd_each == 0.333333

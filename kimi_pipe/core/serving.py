@@ -1,9 +1,10 @@
 """Serving profiles: what a serving stack does to the model's text before we see it.
 
 A profile is data (`conf/serving/*.yaml`). Reconstruction undoes what a declared profile
-makes invertible (a note code, `ok` unchanged) and flags what it does not. The default
-profile, `unknown`, declares nothing: every pattern a stack could have caused is flagged.
-Facts and how to pick a profile: docs/serving_profiles.md.
+makes invertible (a note code, `ok` unchanged) and flags what it does not. `unknown`
+declares nothing: every pattern a stack could have caused is flagged. The config default,
+`auto`, has every field unknown here; generate replaces it with the profile its probes fit
+(stages/serving_auto.py). Facts and how to pick a profile: docs/serving_profiles.md.
 """
 
 from __future__ import annotations

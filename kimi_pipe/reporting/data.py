@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 
 RECORDS_FILE = "records.jsonl"
 PROBES_DIR = "probes"  # where the probe stage writes inside a sweep directory
+SERVING_AUTO_DIR = "serving_auto"  # generate's serving=auto probe runs inside a run dir
 # Notes that prove a record exact rather than doubt it (core/logprobs.py).
 EXACTNESS_EVIDENCE = frozenset({"noncanonical_split"})
 ATTEMPT_ERRORS_FILE = "attempt_errors.jsonl"  # every failed attempt, with what it cost
@@ -66,9 +67,11 @@ def find_run_dirs(root: Path) -> list[Path]:
             f"{root} does not exist; pass sweep_dir= a generate run directory or a sweep "
             "directory (made by `make sweep` or `python -m kimi_pipe.generate`)"
         )
-    # The probe stage's runs (<sweep_dir>/probes/<slug>/) are probes, not provider runs.
+    # The probe stage's runs (<sweep_dir>/probes/<slug>/) and serving=auto's
+    # (<run>/serving_auto/<slug>/) are probes, not provider runs.
+    probes = {PROBES_DIR, SERVING_AUTO_DIR}
     found = sorted(
-        {p.parent for p in root.rglob(RECORDS_FILE) if PROBES_DIR not in p.relative_to(root).parts}
+        {p.parent for p in root.rglob(RECORDS_FILE) if not probes & set(p.relative_to(root).parts)}
     )
     if not found:
         raise FileNotFoundError(

@@ -92,15 +92,17 @@ class TokenCore:
     reconstruct: Callable[[list[dict], list[dict] | None, dict], dict[str, Any]]
 
     @classmethod
-    def load(cls, cfg: DictConfig, asked_model: str = "") -> TokenCore:
+    def load(cls, cfg: DictConfig, asked_model: str = "", route: Any = None) -> TokenCore:
         from kimi_pipe.core.logprobs import apply_logprobs, policy_from_config, record_fields
         from kimi_pipe.core.models import load_model
         from kimi_pipe.core.prompt_render import prompt_ids
         from kimi_pipe.core.reconstruction import reconstruct
-        from kimi_pipe.core.serving import serving_profile
+        from kimi_pipe.stages import serving_auto
 
         model = load_model(cfg.model)
-        serving = serving_profile(cfg)
+        # Which serving profile each answer is undone with: the one fitted (serving=auto)
+        # or declared for the provider that answered (stages/serving_auto.py).
+        route = route or serving_auto.named(cfg)
         tolerance = int(OmegaConf.select(cfg, "validation.billing_tolerance", default=0) or 0)
         policy = policy_from_config(cfg)
 
@@ -108,11 +110,13 @@ class TokenCore:
             return len(prompt_ids(model, messages, tools))
 
         def rebuild(messages: list[dict], tools: list[dict] | None, resp: dict) -> dict[str, Any]:
+            serving, spec, probe = route.profile_for(resp.get("provider"))
             rec = reconstruct(
                 model, messages, tools, resp, billing_tolerance=tolerance, serving=serving
             )
             rec = apply_logprobs(model, rec, resp, policy)  # the engine's own ids, if sent
             record = rec.to_record() | record_fields(rec)
+            record |= {"serving_profile": spec, "serving_probe": probe}
             return _with_issues(record, answer_issues(resp, asked_model))
 
         return cls(prompt_len, rebuild)
@@ -167,9 +171,11 @@ def _error_record(prompt: Any, request: dict, err: ErrorInfo, attempts: int) -> 
 
 
 class Generator:
-    def __init__(self, cfg: DictConfig, run_dir: Path, progress: Progress | None = None) -> None:
+    def __init__(self, cfg: DictConfig, run_dir: Path, progress: Progress | None = None,
+                 route: Any = None) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
+        self.route = route  # serving_auto.Route: the providers probed and their profiles
         self.settings = ProviderSettings.from_config(cfg.provider)
         self.key = api_key(self.settings)  # first: a missing key stops before any work
         self.account = account_for(self.settings)
@@ -229,7 +235,7 @@ class Generator:
         index = load_resume_index(records_path, errors_path)
         t0 = time.monotonic()
         try:
-            core = TokenCore.load(self.cfg, self.settings.model)
+            core = TokenCore.load(self.cfg, self.settings.model, self.route)
             t1 = time.monotonic()
             prompts = load_prompts(self.cfg.dataset)
             self.total = len(prompts)
@@ -504,6 +510,12 @@ class Generator:
                 self.stats.failed[err.cls] += 1
                 return
             assert resp is not None
+            if (self.route is not None and not self.route.covers(resp.get("provider"))
+                    and not self.stop_event.is_set()):
+                # The route changed: stop buying until the new provider is probed (generate()
+                # probes it and resumes); this answer is kept, reconstructed as unknown.
+                self._stop(gate, "route_changed", f"{resp.get('provider')} answered but was "
+                           "not probed (serving=auto): probing it, then resuming")
             try:
                 rec = core.reconstruct(prompt.messages, prompt.tools, resp)
             except Exception as exc:  # noqa: BLE001 - keep the paid answer whatever happens
@@ -727,6 +739,7 @@ def _pointed_at(cfg: DictConfig, endpoint: dict[str, Any]) -> DictConfig:
 def generate(cfg: DictConfig, run_dir: Path | None = None) -> tuple[int, dict[str, Any] | None]:
     """Run the stage; returns (exit status, summary). Config/input problems -> status 2."""
     from kimi_pipe.providers.local_server import provider_endpoint
+    from kimi_pipe.stages import serving_auto
 
     try:
         # Before anything is written: no secret in any value, a run directory that may be one.
@@ -737,8 +750,13 @@ def generate(cfg: DictConfig, run_dir: Path | None = None) -> tuple[int, dict[st
             # provider=local: its server is started around the run, reached like any other.
             if endpoint.get("server") is not None:
                 cfg = _pointed_at(cfg, endpoint)
-            gen = Generator(cfg, run_dir)
-            summary = asyncio.run(gen.run())
+            for _ in range(serving_auto.MAX_ROUTE_CHANGES + 1):
+                # serving=auto: probes (booked in this run's journal) before any answer.
+                job_cfg, route = serving_auto.prepare(cfg, run_dir)
+                gen = Generator(job_cfg, run_dir, route=route)
+                summary = asyncio.run(gen.run())
+                if summary["stop_reason"] != "route_changed":
+                    break
     except (KimiPipeError, OSError) as exc:
         # A user's mistake or the host's fault (a full disk, a read-only directory): one
         # line naming the path; every complete record and the journal are on disk.

@@ -57,7 +57,8 @@ class Battery:
     max_tokens: int
     usd_each: float
     quirks: dict[str, Quirk]
-    profiles: dict[str, tuple[str, ...]]
+    # conf/serving profile names the fit may report, in order of preference
+    profiles: tuple[str, ...]
     probes: list[dict[str, Any]]
 
 
@@ -85,11 +86,13 @@ def load_battery(path: Path) -> Battery:
         name: Quirk(name, bool(q.get("invertible")), str(q.get("what") or ""))
         for name, q in (data.get("quirks") or {}).items()
     }
-    profiles = {str(k): tuple(v or ()) for k, v in (data.get("profiles") or {}).items()}
-    for profile, names in profiles.items():
-        unknown = set(names) - set(quirks)
-        if unknown:
-            raise ProbeError(f"{path}: profile {profile} names unknown quirks {sorted(unknown)}")
+    listed = data.get("profiles") or []
+    if not isinstance(listed, list):
+        raise ProbeError(f"{path}: profiles must be a list of conf/serving profile names")
+    profiles = tuple(str(name) for name in listed)
+    missing = [n for n in profiles if not (CONF_DIR / "serving" / f"{n}.yaml").is_file()]
+    if missing:
+        raise ProbeError(f"{path}: profiles {missing} are not in {CONF_DIR / 'serving'}")
     probes = list(data.get("probes") or [])
     seen_ids: set[str] = set()
     for i, probe in enumerate(probes):
@@ -275,6 +278,110 @@ def _tool_checks(
 
 
 # ---------------------------------------------------------------------------------------
+# Verdicts -> serving-profile fields (conf/serving: one vocabulary for probes and profiles)
+
+# quirk -> (conf/serving field, its value when the quirk is seen, when it is clean)
+QUIRK_FIELDS: dict[str, tuple[str, str | None, str]] = {
+    "marker_spacing": ("marker_spacing", "spaces", "none"),
+    "reasoning_whitespace_stripped": ("reasoning_tail", "stripped", "kept"),
+    "think_end_dropped": ("think_end", "dropped", "kept"),
+    "dotted_name_truncated": ("tool_names", "last_dot_part", "full"),
+    # Seen as a typed value: coerced; seen as re-spaced JSON: no field says that (None).
+    "argument_reserialised": ("argument_types", None, "verbatim"),
+}
+
+
+def observed_fields(
+    probe: Mapping[str, Any], record: Mapping[str, Any], verdicts: Verdicts
+) -> dict[str, str]:
+    """What one answered probe says about the conf/serving fields (absent: nothing)."""
+    out: dict[str, str] = {}
+    for quirk, (verdict, why) in verdicts.items():
+        if quirk not in QUIRK_FIELDS:
+            continue
+        name, seen, clean = QUIRK_FIELDS[quirk]
+        if verdict == CLEAN:
+            out[name] = clean
+        elif verdict == SEEN and seen is not None:
+            out[name] = seen
+        elif verdict == SEEN and quirk == "argument_reserialised" and "came back as" in why:
+            out[name] = "coerced"
+    if probe["check"]["kind"] == "tool_index":
+        out |= _tool_id_rule(probe, record, verdicts)
+    return out
+
+
+def _tool_id_rule(
+    probe: Mapping[str, Any], record: Mapping[str, Any], verdicts: Verdicts
+) -> dict[str, str]:
+    """Who wrote the tool-call id: the conversation counter, SGLang 0.5.14's double count,
+    a count from 0 per answer, or a foreign id (docs/serving_profiles.md)."""
+    if verdicts.get("foreign_tool_ids", ("", ""))[0] == SEEN:
+        return {"tool_call_ids": "foreign"}
+    rule = verdicts.get("tool_index_rule")
+    if rule is None:
+        return {}
+    if rule[0] == CLEAN:
+        # The model's own id and a rebuilt conversation counter look alike: `conversation`
+        # checks every id against the counter, so a stack that rebuilds cannot fool it.
+        return {"tool_call_ids": "conversation"}
+    spec = probe["check"]
+    calls = _calls(_message(record))
+    for position, call in enumerate(calls):
+        if (call.get("function") or {}).get("name") != spec["tool"]:
+            continue
+        match = NATIVE_ID.match(str(call.get("id") or "").strip())
+        index = int(match["index"]) if match else None
+        history = int(spec["index"]) - position  # the calls before this answer
+        if index == history + int(spec["index"]):
+            return {"tool_call_ids": "double_count"}
+        if index == position:
+            return {"tool_call_ids": "per_answer"}
+    return {}
+
+
+def fit_profile(
+    battery: Battery, fields: Mapping[str, str]
+) -> tuple[str, dict[str, str]]:
+    """The conf/serving profile the measured fields name: the first listed one that equals
+    them, else the closest listed one and the fields that differ (`serving=BASE
+    serving.FIELD=VALUE`). Returns (spec, full fields); spec is `BASE` or
+    `BASE+FIELD=VALUE+...`, what records carry as `serving_profile`."""
+    from kimi_pipe.core.serving import CHOICES, UNKNOWN
+
+    want = {name: fields.get(name, UNKNOWN) for name in CHOICES}
+    best: tuple[int, int, str, dict[str, str]] | None = None
+    for rank, name in enumerate(battery.profiles):
+        have = load_serving_fields(name)
+        differ = {k: v for k, v in want.items() if have.get(k, UNKNOWN) != v}
+        if best is None or (len(differ), rank) < best[:2]:
+            best = (len(differ), rank, name, differ)
+    if best is None:
+        return "unknown" if set(want.values()) == {UNKNOWN} else profile_spec("unknown", want), want
+    return profile_spec(best[2], best[3]), want
+
+
+def profile_spec(base: str, overrides: Mapping[str, str]) -> str:
+    """`BASE` or `BASE+FIELD=VALUE+...` (fields in conf/serving order)."""
+    from kimi_pipe.core.serving import CHOICES
+
+    parts = [f"{k}={overrides[k]}" for k in CHOICES if k in overrides]
+    return "+".join([base, *parts])
+
+
+def load_serving_fields(name: str) -> dict[str, str]:
+    """The fields of conf/serving/NAME.yaml."""
+    from omegaconf import OmegaConf
+
+    path = CONF_DIR / "serving" / f"{name}.yaml"
+    if not path.is_file():
+        raise ProbeError(f"serving profile {name!r} not found in {path.parent}")
+    data = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    assert isinstance(data, dict)
+    return {str(k): str(v) for k, v in data.items() if k not in ("name", "description", "source")}
+
+
+# ---------------------------------------------------------------------------------------
 # A provider's verdicts
 
 
@@ -291,7 +398,8 @@ class ProviderConformance:
     logprob_mismatch: int = 0
     noncanonical_splits: int = 0
     issues: Counter[str] = field(default_factory=Counter)
-    profile: str | None = None
+    fields: dict[str, str] = field(default_factory=dict)  # conf/serving field -> measured
+    profile: str | None = None  # conf/serving spec: NAME or NAME+FIELD=VALUE+...
     usable: bool = False
     why: str = ""
 
@@ -308,6 +416,7 @@ class ProviderConformance:
             "logprob_mismatch": self.logprob_mismatch,
             "noncanonical_splits": self.noncanonical_splits,
             "issues": dict(self.issues),
+            "fields": self.fields,
             "profile": self.profile,
             "usable": self.usable,
             "why": self.why,
@@ -321,6 +430,7 @@ def judge(
     by_id = {p["id"]: p for p in battery.probes}
     out = ProviderConformance(provider, probes=len(battery.probes))
     verdicts: dict[str, set[str]] = {q: set() for q in battery.quirks}
+    observed: dict[str, set[str]] = {}
     coverages: set[str] = set()
     position = {pid: i for i, pid in enumerate(by_id)}
     # Battery order, whatever order the answers came back in: the table is reproducible.
@@ -331,9 +441,12 @@ def judge(
             continue
         out.answered += 1
         out.issues.update(rec.get("issues") or [])
-        for quirk, (verdict, why) in check_answer(probe, rec).items():
+        found = check_answer(probe, rec)
+        for quirk, (verdict, why) in found.items():
             verdicts.setdefault(quirk, set()).add(verdict)
             out.evidence.setdefault(quirk, []).append(f"{probe['id']}: {verdict}: {why}")
+        for name, value in observed_fields(probe, rec, found).items():
+            observed.setdefault(name, set()).add(value)
         lp = rec.get("logprobs") or {}
         if lp.get("present"):
             out.logprob_answers += 1
@@ -346,6 +459,8 @@ def judge(
     for quirk, seen in verdicts.items():
         out.quirks[quirk] = SEEN if SEEN in seen else CLEAN if CLEAN in seen else UNKNOWN
     out.logprobs = "none" if not coverages else coverages.pop() if len(coverages) == 1 else "mixed"
+    # Two answers that disagree about a field prove neither value: unknown (flag, not guess).
+    out.fields = {k: v.pop() for k, v in sorted(observed.items()) if len(v) == 1}
     _decide(battery, out)
     return out
 
@@ -359,11 +474,7 @@ def _decide(battery: Battery, out: ProviderConformance) -> None:
     if stuck:
         out.why = f"quirks that cannot be inverted: {', '.join(stuck)}"
         return
-    fits = [(len(qs), name) for name, qs in battery.profiles.items() if seen <= set(qs)]
-    if not fits:
-        out.why = f"no serving profile undoes {', '.join(sorted(seen))}"
-        return
-    out.profile = min(fits)[1]
+    out.profile, out.fields = fit_profile(battery, out.fields)
     out.usable = True
     unknown = sorted(q for q, v in out.quirks.items() if v == UNKNOWN)
     out.why = f"profile {out.profile}" + (
@@ -424,22 +535,63 @@ def write_probe_prompts(battery: Battery, path: Path) -> None:
 
 
 def provider_overrides(
-    battery: Battery, prompts: Path, slug: str, usd: float, out: Path
+    battery: Battery, prompts: Path, slug: str | None, usd: float, out: Path
 ) -> list[str]:
-    """generate's overrides for the battery pinned to one provider."""
+    """generate's overrides for the battery pinned to one provider (slug None: the route
+    as configured, to find out which providers it reaches)."""
+    pin = (
+        [f"provider.routing.order=[{slug}]", "provider.routing.allow_fallbacks=false"]
+        if slug is not None
+        else []
+    )
     return [
         "dataset=jsonl",
         f"dataset.path={prompts}",
-        f"provider.routing.order=[{slug}]",
-        "provider.routing.allow_fallbacks=false",
+        *pin,
         # Ask for logprobs without requiring them: a provider without them must still answer.
         "++provider.params.logprobs=true",
         "provider.routing.require_parameters=false",
         "provider.logprobs=false",
         f"provider.params.max_tokens={battery.max_tokens}",
+        # The probes judge the text as the provider sent it; nothing declared, nothing fitted.
+        "serving=unknown",
         f"budget.usd={usd}",
         f"output_dir={out}",
     ]
+
+
+def with_overrides(cfg: Any, overrides: Sequence[str]) -> Any:
+    """A copy of a composed config with `key=value` / `++key=value` / `group=choice`
+    overrides applied (a group choice loads conf/<group>/<choice>.yaml), for a job whose
+    config was composed elsewhere (the command line, a pipeline)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf, open_dict
+
+    out = cfg.copy()
+    with open_dict(out):
+        for item in OverridesParser.create().parse_overrides(list(overrides)):
+            key, value = item.key_or_group, item.value()
+            group = CONF_DIR / key / f"{value}.yaml"
+            if "." not in key and isinstance(value, str) and group.is_file():
+                OmegaConf.update(out, key, OmegaConf.load(group), merge=False, force_add=True)
+                continue
+            OmegaConf.update(out, key, value, merge=False, force_add=True)
+    return out
+
+
+def buy_battery(
+    base_cfg: Any, battery: Battery, prompts: Path, slug: str | None, usd: float, run: Path
+) -> list[dict[str, Any]]:
+    """Buy the battery through the generate stage (pinned to `slug`, or the route as
+    configured when None) into `run`; returns its records (resumes what `run` holds)."""
+    from kimi_pipe.stages.generate import RECORDS, generate
+    from kimi_pipe.store.records import iter_records
+
+    cfg = with_overrides(base_cfg, provider_overrides(battery, prompts, slug, usd, run))
+    status, _ = generate(cfg, run)
+    if status == 2:
+        raise ProbeError(f"generate could not start for {slug or 'the route'} (see above)")
+    return list(iter_records(run / RECORDS)) if (run / RECORDS).exists() else []
 
 
 def run_probes(
@@ -450,30 +602,36 @@ def run_probes(
     overrides: Sequence[str] = (),
 ) -> list[ProviderConformance]:
     from kimi_pipe.config import compose
-    from kimi_pipe.stages.generate import RECORDS, generate
-    from kimi_pipe.store.records import iter_records
 
     # The battery is the dataset and has its own budget: such overrides are not the probes'.
-    overrides = [o for o in overrides if not o.lstrip("+~").startswith(("dataset", "budget"))]
+    overrides = [
+        o for o in overrides if not o.lstrip("+~").startswith(("dataset", "budget", "serving"))
+    ]
     prompts = out_dir / "prompts.jsonl"
     write_probe_prompts(battery, prompts)
     each = (
         int((usd if usd is not None else battery.usd_each * len(providers)) / len(providers) * 1e6)
         / 1e6
     )
+    base = compose(overrides)
     results = []
     for slug in providers:
         run = out_dir / slug.replace("/", "_")
-        cfg = compose([*overrides, *provider_overrides(battery, prompts, slug, each, run)])
-        status, _ = generate(cfg, run)
-        if status == 2:
-            raise ProbeError(f"generate could not start for {slug} (see the message above)")
-        records = list(iter_records(run / RECORDS)) if (run / RECORDS).exists() else []
+        records = buy_battery(base, battery, prompts, slug, each, run)
         results.append(judge(battery, slug, records))
+    write_conformance(out_dir, battery, results)
+    from kimi_pipe.stages.serving_auto import cache_conformance
+
+    cache_conformance(base, battery.source, results)  # serving=auto reads these verdicts
+    return results
+
+
+def write_conformance(
+    out_dir: Path, battery: Battery, results: Sequence[ProviderConformance]
+) -> None:
     data = {"battery": str(battery.source), "providers": [r.to_json() for r in results]}
     (out_dir / "conformance.json").write_text(json.dumps(data, indent=2) + "\n")
     (out_dir / "conformance.md").write_text(render_table(battery, results))
-    return results
 
 
 def run_stage(cfg: Any, run_dir: Path | None = None) -> dict[str, Any]:

@@ -31,11 +31,14 @@ from kimi_pipe.core.models import Model, load_model
 from kimi_pipe.core.reconstruction import ERRORS, reconstruct
 from kimi_pipe.core.serving import ServingProfile, serving_profile
 from kimi_pipe.errors import ConfigError, InputError, MissingFile
+from kimi_pipe.stages.serving_auto import is_plain_auto, recorded_profile
 from kimi_pipe.store import atomic
 
 MALFORMED = "malformed_record"
 # Codes that make a record flagged: the reconstruction errors and the stage's own.
-FLAG_CODES = ERRORS | {MALFORMED}
+# A stored record whose `serving_profile` names no conf/serving profile (serving=auto).
+BAD_SERVING_PROFILE = "bad_serving_profile"
+FLAG_CODES = ERRORS | {MALFORMED, BAD_SERVING_PROFILE}
 UTF8_BOM = b"\xef\xbb\xbf"
 # A \uD800-\uDFFF escape: the only way a JSON line can carry a lone surrogate. Pairs (emoji
 # written as two escapes) also match, so a hit is confirmed on the parsed value.
@@ -102,6 +105,15 @@ def reconstruct_line(
     if not isinstance(messages, list):
         return _bad_record(sample_id, "bad_prompt", f"{where}: messages must be a list")
     response = sample.get("response")
+    recorded = None
+    if serving is not None and is_plain_auto(serving):
+        # serving=auto over a stored run: the profile generate fitted for this record's
+        # provider (serving=NAME overrides it); a record that names none: nothing declared.
+        try:
+            recorded = recorded_profile(sample)
+        except ConfigError as exc:
+            return _bad_record(sample_id, BAD_SERVING_PROFILE, f"{where}: {exc}")
+        serving = recorded or serving  # all fields unknown
     try:
         result = reconstruct(
             model,
@@ -115,7 +127,11 @@ def reconstruct_line(
             result = apply_logprobs(model, result, response, policy)  # the engine's ids, if sent
     except RecursionError:
         return _bad_record(sample_id, MALFORMED, f"{where}: nested too deep to reconstruct")
-    return {"id": sample_id, **result.to_record(), **record_fields(result)}
+    out = {"id": sample_id, **result.to_record(), **record_fields(result)}
+    if recorded is not None:
+        out |= {"serving_profile": sample["serving_profile"],
+                "serving_probe": sample.get("serving_probe")}
+    return out
 
 
 def _bad_record(sample_id: Any, code: str, why: str) -> dict[str, Any]:

@@ -173,6 +173,9 @@ def job_overrides(args: SweepArgs, slug: str, limit_key: str) -> list[str]:
         f"{FALLBACKS_KEY}=false",
         f"dataset.{limit_key}={args.n}",
         f"budget.usd={args.usd_each}",
+        # A sweep measures every provider as it is (the probes ran first, into probes/):
+        # serving=auto would refuse the unusable ones; `serving=NAME` among the overrides wins.
+        "serving=unknown",
         *args.overrides,
     ]
 
@@ -193,6 +196,9 @@ def build_command(args: SweepArgs, dataset_name: str, limit_key: str) -> list[st
         f"{FALLBACKS_KEY}=false",
         f"dataset.{limit_key}={args.n}",
         f"budget.usd={args.usd_each}",
+        # A sweep measures every provider as it is (the probes ran first, into probes/):
+        # serving=auto would refuse the unusable ones; `serving=NAME` among the overrides wins.
+        "serving=unknown",
         *args.overrides,
         f"hydra.sweep.dir={sweep_dir.as_posix()}",
         # The jobs differ by slug alone: name their directories by it (the report reads them).
