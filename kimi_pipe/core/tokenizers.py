@@ -195,9 +195,9 @@ def resolve_tokenizer_dir(spec: TokenizerSpec) -> Path:
             if _has_files(folder, spec):
                 return folder
     if spec.hf_repo:
-        folder = _hub_download(spec)
-        if folder is not None:
-            return folder
+        downloaded = _hub_download(spec)
+        if downloaded is not None:
+            return downloaded
         tried.append(f"huggingface_hub {spec.hf_repo}")
     raise TokenizerNotFound(
         "tokenizer files not found (tried: " + ", ".join(tried) + "). " + spec.how_to_get
@@ -225,7 +225,7 @@ def _hub_download(spec: TokenizerSpec) -> Path | None:
     folder: Path | None = None
     try:
         for name in _required_files(spec):
-            folder = Path(hf_hub_download(spec.hf_repo, name)).parent
+            folder = Path(hf_hub_download(str(spec.hf_repo), name)).parent
     except Exception:  # offline, gated or missing: the caller reports what was tried
         return None
     return folder
@@ -372,10 +372,10 @@ class HFTokenizer:
         return list(self._tok.encode(text, add_special_tokens=False))
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=False)
+        return str(self._tok.decode(list(ids), skip_special_tokens=False))
 
     def piece(self, token_id: int) -> str:
-        return self._tok.decode([token_id], skip_special_tokens=False)
+        return str(self._tok.decode([token_id], skip_special_tokens=False))
 
     def token_bytes(self, token_id: int) -> bytes:
         """The exact bytes of one id (byte-level BPE vocabularies; added tokens: their text)."""

@@ -165,7 +165,9 @@ def loss_mask_convention(cfg: DictConfig) -> str:
     name = OmegaConf.select(cfg, "model.name", default="?")
     if spec is None:
         return "from token records"
-    parts = ", ".join(f"{k}={v}" for k, v in OmegaConf.to_container(spec, resolve=True).items())
+    settings = OmegaConf.to_container(spec, resolve=True)
+    assert isinstance(settings, dict)
+    parts = ", ".join(f"{k!s}={v}" for k, v in settings.items())
     return f"from token records ({name} model.loss_mask: {parts}; 1 = trained on)"
 
 

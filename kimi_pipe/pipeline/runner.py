@@ -97,6 +97,7 @@ def stage_specs(cfg: DictConfig) -> list[StageSpec]:
         )
     specs: list[StageSpec] = []
     for i, entry in enumerate(entries):
+        overrides: Any
         if isinstance(entry, str):
             kind, overrides, name = entry, {}, None
         else:

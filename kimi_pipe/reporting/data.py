@@ -126,7 +126,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
         try:
             out[str(key)] = OmegaConf.to_container(cfg[key], resolve=True)
         except Exception:  # noqa: BLE001 - an unresolvable interpolation: keep it as text
-            out[str(key)] = OmegaConf.to_container(cfg, resolve=False)[key]
+            out[str(key)] = OmegaConf.to_container(cfg, resolve=False)[key]  # type: ignore[index]
     return out
 
 
@@ -392,9 +392,9 @@ def summarize(run: Run) -> RunStats:
     # Money billed for failed attempts is part of what the provider cost.
     cost_values = [_num(a.get("cost")) for a in run.attempt_errors]
     for rec in run.records:
-        attempts = _num(rec.get("attempts")) or 1.0
-        attempts_total += attempts
-        stats.retried += attempts > 1
+        tries = _num(rec.get("attempts")) or 1.0
+        attempts_total += tries
+        stats.retried += tries > 1
         cost = _num(rec.get("cost"))
         cost_values.append(cost if cost is not None else _num(_dig(rec, "usage", "cost")))
         if rec.get("error"):
@@ -577,7 +577,7 @@ def _strengths(s: RunStats, better: RunStats | None, key: Any) -> str:
     if better is None:
         return head + " (best on fidelity, then issue codes, errors, retries, price and speed)"
     mine, theirs = key(s), key(better)
-    diff = next((i for i, (a, b) in enumerate(zip(mine, theirs, strict=True)) if a != b), None)
+    diff = next((i for i, (a, b) in enumerate(zip(mine, theirs, strict=True)) if a != b), -1)
     why = {
         0: f"lower ok rate, {fmt_pct(_pct(s.ok_rate))} vs {fmt_pct(_pct(better.ok_rate))}",
         1: f"fewer valid tool calls, {fmt_pct(_pct(s.tool_valid_rate))} vs "

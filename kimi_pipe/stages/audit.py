@@ -94,13 +94,15 @@ def truth_from_reply(reply: Any) -> TruthIds | None:
         return None
     output = _int_list(reply.get("output_ids"))
     if output is not None:
-        meta = reply.get("meta_info") if isinstance(reply.get("meta_info"), Mapping) else {}
+        meta_info = reply.get("meta_info")
+        meta: Mapping[str, Any] = meta_info if isinstance(meta_info, Mapping) else {}
         prompt = _int_list(reply.get("input_ids")) or _int_list(meta.get("input_ids"))
         return TruthIds(output, prompt, "sglang_generate")
     choices = reply.get("choices")
     if isinstance(choices, list) and choices and isinstance(choices[0], Mapping):
         choice = choices[0]
-        message = choice.get("message") if isinstance(choice.get("message"), Mapping) else {}
+        raw_message = choice.get("message")
+        message: Mapping[str, Any] = raw_message if isinstance(raw_message, Mapping) else {}
         output = _int_list(_extra(choice, "token_ids")) or _int_list(_extra(message, "token_ids"))
         if output is not None:
             prompt = _int_list(_extra(reply, "prompt_token_ids")) or _int_list(
@@ -189,7 +191,7 @@ class HFGreedyTruth:
             tokenize=True,
             return_dict=True,
             return_tensors="pt",
-        ).to(self.model.device)
+        ).to(self.model.device)  # type: ignore[union-attr]
         config = copy.deepcopy(self.model.generation_config)
         config.do_sample = False  # what temperature=0 means to the server
         config.max_new_tokens = max_new_tokens

@@ -586,7 +586,8 @@ class Generator:
         flagged: Counter[str] = Counter()
         failed: Counter[str] = Counter()
         providers: Counter[str] = Counter()
-        spend = prompt_tokens = reported = rebuilt = 0
+        spend = 0.0
+        prompt_tokens = reported = rebuilt = 0
         for rec in iter_records(records_path):
             counts["records"] += 1
             spend += record_cost(rec)

@@ -167,7 +167,8 @@ def check_answer(probe: Mapping[str, Any], record: Mapping[str, Any]) -> Verdict
     spec = probe["check"]
     kind = spec["kind"]
     msg = _message(record)
-    content = msg.get("content") if isinstance(msg.get("content"), str) else ""
+    raw_content = msg.get("content")
+    content: str = raw_content if isinstance(raw_content, str) else ""
     reasoning = _reasoning(msg)
     issues = set(record.get("issues") or [])
     out: Verdicts = {}
@@ -218,8 +219,12 @@ def _reasoning_whitespace(reasoning: str, record: Mapping[str, Any], issues: set
             return {name: (SEEN, f"the engine wrote {text!r} where the reasoning text ends")}
     reported = record.get("completion_tokens_reported")
     rebuilt = record.get("completion_tokens_reconstructed")
-    counted = isinstance(reported, int) and isinstance(rebuilt, int)
-    if "billing_mismatch" in issues and counted and rebuilt < reported:  # type: ignore[operator]
+    if (
+        "billing_mismatch" in issues
+        and isinstance(reported, int)
+        and isinstance(rebuilt, int)
+        and rebuilt < reported
+    ):
         return {name: (SEEN, f"billing counts {reported - rebuilt} token(s) the text lacks")}
     return {}
 

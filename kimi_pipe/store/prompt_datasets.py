@@ -345,7 +345,7 @@ def map_conversation(row: Mapping[str, Any], mapping: Mapping[str, Any]) -> list
         if not isinstance(turn, Mapping):
             raise SkipRow("invalid_messages", "turn is not an object")
         raw_role = turn.get(role_field)
-        role = role_map.get(raw_role, raw_role)
+        role = role_map.get(str(raw_role), raw_role)
         if role not in ROLES:
             raise SkipRow("unknown_role", repr(raw_role))
         message = {"role": role, "content": turn.get(content_field)}
