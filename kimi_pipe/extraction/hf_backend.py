@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from kimi_pipe.errors import ConfigError, MissingFile
 from kimi_pipe.extraction.layers import resolve_output_ids
 from kimi_pipe.store.conventions import POST_NORM, PRE_NORM, final_norm_spec, rms_norm
 from kimi_pipe.store.hidden_store import torch_dtype
@@ -40,14 +41,14 @@ def resolve_model_path(cfg: DictConfig) -> Path:
             spec = LocalModelSpec.from_cfg(OmegaConf.to_container(local, resolve=True))  # type: ignore[arg-type]
             path = ensure_local_model(spec)  # converts once, then cached
     if path is None:
-        raise ValueError(
+        raise ConfigError(
             "extract.backend=hf needs the target model's transformers weights: set "
             "extract.model_path=DIR (a directory with config.json + weights) or "
             "model.hf_weights in conf/model/<model>.yaml"
         )
     path = Path(str(path)).expanduser()
     if not (path / "config.json").exists():
-        raise FileNotFoundError(
+        raise MissingFile(
             f"{path / 'config.json'} not found: extract.model_path must be a transformers model "
             "directory (download the model's weights there, or for the demo model run "
             "`python -m kimi_pipe.providers.local_model`)"

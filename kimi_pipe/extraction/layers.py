@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kimi_pipe.errors import ConfigError
 from kimi_pipe.store.hidden_store import default_layer_ids
 
 # The single statement of the mapping: SGLang captures at the input of the next layer.
@@ -51,13 +52,13 @@ def validate_output_ids(output_ids: Sequence[int], num_layers: int) -> list[int]
     """Check ids are distinct, ascending and capturable in a model of `num_layers` layers."""
     ids = [int(i) for i in output_ids]
     if not ids:
-        raise ValueError("layer_ids is empty; EAGLE-3 needs the low, middle and high layer")
+        raise ConfigError("layer_ids is empty; EAGLE-3 needs the low, middle and high layer")
     if ids != sorted(set(ids)):
-        raise ValueError(f"layer_ids {ids} must be distinct and ascending")
+        raise ConfigError(f"layer_ids {ids} must be distinct and ascending")
     last = num_layers - 1 - CAPTURE_OFFSET
     bad = [i for i in ids if i < 0 or i > last]
     if bad:
-        raise ValueError(
+        raise ConfigError(
             f"layer_ids {bad} out of range for a {num_layers}-layer model: "
             f"'output of layer' ids must be in 0..{last} (layer {num_layers - 1}'s output "
             "is the final state, stored after the last norm)"
@@ -105,7 +106,7 @@ def engine_capture_ids(config_ids: Sequence[int], engine: str) -> list[int]:
         return sglang_config_to_capture_ids(config_ids)
     if engine == "vllm":
         return vllm_config_to_capture_ids(config_ids)
-    raise ValueError(f"unknown serving engine {engine!r}; choose one of {list(ENGINES)}")
+    raise ConfigError(f"unknown serving engine {engine!r}; choose one of {list(ENGINES)}")
 
 
 def drafter_config_ids(output_ids: Sequence[int], engine: str) -> list[int]:
@@ -113,12 +114,12 @@ def drafter_config_ids(output_ids: Sequence[int], engine: str) -> list[int]:
     want = output_to_capture_ids(output_ids)
     # Capture ids are right for both engines unless they start with 1 (SGLang would add 1).
     if engine == "sglang" and want and want[0] == 1:
-        raise ValueError(
+        raise ConfigError(
             f"SGLang cannot be told to capture the output of layer 0 ({list(output_ids)}): "
             "a config list starting with 1 is read as 'output of layer' ids"
         )
     if engine not in ENGINES:
-        raise ValueError(f"unknown serving engine {engine!r}; choose one of {list(ENGINES)}")
+        raise ConfigError(f"unknown serving engine {engine!r}; choose one of {list(ENGINES)}")
     return want
 
 
@@ -131,12 +132,12 @@ def manifest_output_ids(manifest: Mapping[str, Any]) -> list[int]:
     if convention == "input_of_layer":
         out = capture_to_output_ids(ids)
         if min(out, default=0) < 0:
-            raise ValueError(
+            raise ConfigError(
                 f"layer_ids {ids} (input_of_layer) include layer 0's input, the embeddings: "
                 "no EAGLE-3 trainer names that as an auxiliary layer"
             )
         return out
-    raise ValueError(
+    raise ConfigError(
         f"unknown layer_convention {convention!r} in the store manifest; expected "
         "'output_of_layer' or 'input_of_layer' (re-extract with python -m kimi_pipe.extract)"
     )

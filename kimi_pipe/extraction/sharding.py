@@ -43,6 +43,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 from safetensors import safe_open
 
+from kimi_pipe.errors import ConfigError
 from kimi_pipe.extraction.token_samples import (
     apply_max_len,
     loss_mask_convention,
@@ -119,9 +120,9 @@ def shard_of(sample_id: str, num_shards: int) -> int:
 
 def check_shard(shard: int, num_shards: int) -> None:
     if num_shards < 1:
-        raise ValueError(f"extract.num_shards must be >= 1, got {num_shards}")
+        raise ConfigError(f"extract.num_shards must be >= 1, got {num_shards}")
     if not 0 <= shard < num_shards:
-        raise ValueError(f"extract.shard must be in 0..{num_shards - 1}, got {shard}")
+        raise ConfigError(f"extract.shard must be in 0..{num_shards - 1}, got {shard}")
 
 
 def select_shard(

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from kimi_pipe.errors import ConfigError, MissingFile
 from kimi_pipe.store.records import ReadStats, iter_records
 
 log = logging.getLogger("kimi_pipe.extract")
@@ -73,7 +74,7 @@ def read_token_records(
     """
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(
+        raise MissingFile(
             f"token records {path} not found: run `python -m kimi_pipe.generate` (records.jsonl "
             "in its run dir) or `python -m kimi_pipe.reconstruct` first"
         )
@@ -109,7 +110,9 @@ def apply_max_len(
 ) -> tuple[list[TokenSample], Counter[str]]:
     """Truncate or skip samples longer than max_len; count what happened."""
     if over_max_len not in ("truncate", "skip"):
-        raise ValueError(f"extract.over_max_len must be 'truncate' or 'skip', not {over_max_len!r}")
+        raise ConfigError(
+            f"extract.over_max_len must be 'truncate' or 'skip', not {over_max_len!r}"
+        )
     counts: Counter[str] = Counter()
     kept: list[TokenSample] = []
     for s in samples:
@@ -146,7 +149,7 @@ def records_path(cfg: DictConfig) -> Path:
     run_dir = _select(cfg, "run_dir", "extract.run_dir")
     if run_dir is not None:
         return Path(run_dir) / RECORDS_FILE
-    raise ValueError(
+    raise ConfigError(
         "no input: pass extract.run_dir=RUN_DIR (a generate run) or "
         "extract.records=FILE (token records JSONL)"
     )
@@ -178,7 +181,7 @@ def load_backend(cfg: DictConfig) -> Backend:
     except ModuleNotFoundError as exc:
         if exc.name != f"kimi_pipe.extraction.{name}_backend":
             raise
-        raise ValueError(
+        raise ConfigError(
             f"unknown extract.backend {name!r} (no module kimi_pipe.extraction.{name}_backend)"
         ) from None
     return module.open_backend(cfg)

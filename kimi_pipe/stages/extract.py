@@ -32,8 +32,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from kimi_pipe.errors import MissingFile
 from kimi_pipe.extraction.sharding import run_sharded
-from kimi_pipe.extraction.token_samples import Backend, load_backend
+from kimi_pipe.extraction.token_samples import Backend, load_backend, records_path
 
 log = logging.getLogger("kimi_pipe.extract")
 
@@ -50,6 +51,12 @@ def run_extract(cfg: DictConfig, backend: Backend | None = None) -> dict[str, An
     marking, progress, work shards + merge) is `extraction.sharding.run_sharded`, shared by all
     backends; this function only picks and closes the backend.
     """
+    records = records_path(cfg)
+    if not records.is_file():  # before a model is loaded: the user's first mistake first
+        raise MissingFile(
+            f"token records {records} not found: run `python -m kimi_pipe.generate` "
+            "(records.jsonl in its run dir) or `python -m kimi_pipe.reconstruct` first"
+        )
     own_backend = backend is None
     backend = backend or load_backend(cfg)
     try:
