@@ -20,28 +20,18 @@ HERE = Path(__file__).resolve().parent
 CPU = HERE / "csrc" / "cpu"
 # Which of SGLang's two CPU builds (csrc/cpu/CMakeLists.txt), chosen by setup.sh from the host:
 #   amx:  the x86_64 build, AVX-512 BF16/VNNI + AMX code paths (Intel Xeon 4th gen and later);
-#   avx2: the build SGLang makes for CPUs without them (its arm64 bootstrap: the x86-only
-#         AVX-512/AMX kernels left out, SGLANG_CPU_ARM64_SKIP_X86_ONLY_OPS), here for
-#         x86-64-v3 (AVX2 + FMA, e.g. AMD EPYC Zen 3). SGLang then runs its torch-native
-#         layers and attention (`cpu_has_amx_support()` is False) and uses the kernel for the
-#         KV cache and the few ops every CPU build has.
+#   avx2: x86-64-v3 (AVX2 + FMA, e.g. AMD EPYC Zen 3): the same sources, whose AVX-512/AMX
+#         code is behind CPU_CAPABILITY_AVX512 with generic fallbacks, and the op set SGLang
+#         registers for CPUs without those kernels (SGLANG_CPU_ARM64_SKIP_X86_ONLY_OPS). Every
+#         file is compiled: the registered MoE and int8 GEMM ops live in the "x86-only" files
+#         (arm64 has its own NEON copies). SGLang then runs its torch-native layers and
+#         attention (`cpu_has_amx_support()` is False) and uses the kernel for what is left.
 ISA = os.environ.get("SGL_KERNEL_ISA", "amx")
 ARCH_DIRS = {"aarch64", "ppc64"}
-X86_ONLY = {  # SGLANG_CPU_X86_ONLY_SOURCES of SGLang's CMakeLists
-    "gemm_int4.cpp",
-    "gemm_int8.cpp",
-    "moe.cpp",
-    "moe_fp8.cpp",
-    "moe_int4.cpp",
-    "moe_int8.cpp",
-    "qkv_proj.cpp",
-    "mamba/conv.cpp",
-}
 SOURCES = sorted(
     str(p.relative_to(HERE))
     for p in CPU.rglob("*.cpp")
     if not ARCH_DIRS & set(p.relative_to(CPU).parts[:-1])
-    and not (ISA == "avx2" and p.relative_to(CPU).as_posix() in X86_ONLY)
 )
 # SGL_KERNEL_OPT: SGLang builds with -O3; -O1 compiles several times faster (for a quick
 # build on a loaded machine, or the avx2 build, where SGLang calls few of these kernels).
@@ -67,7 +57,12 @@ setup(
     name="sglang-kernel-cpu",
     version=os.environ.get("SGL_KERNEL_VERSION", "0.0.0+local"),
     description="SGLang's CPU kernels, built locally by kimi_pipe's scripts/sglang_cpu",
-    packages=["sgl_kernel", "sgl_kernel.infllm_v2", "sgl_kernel.quantization", "sgl_kernel.testing"],
+    packages=[
+        "sgl_kernel",
+        "sgl_kernel.infllm_v2",
+        "sgl_kernel.quantization",
+        "sgl_kernel.testing",
+    ],
     package_dir={"": "python"},
     ext_modules=[
         CppExtension(

@@ -63,7 +63,7 @@ VPY=$VENV/bin/python
 PIP=("$VPY" -m pip install --quiet --disable-pip-version-check)
 say "torch $TORCH_VERSION and what sglang's CPU engine imports ($REQS)"
 "${PIP[@]}" -r "$REQS"
-TORCH_SEEN=$("$VPY" -c 'import torch; print(torch.__version__)')
+TORCH_SEEN=$("$VPY" -c "import torch; print(torch.__version__.split(\"+\")[0])")
 [ "$TORCH_SEEN" = "$TORCH_VERSION" ] || die "$VENV has torch $TORCH_SEEN, expected $TORCH_VERSION"
 
 # --- the kernel wheel: cached, else built ---------------------------------------------------------
