@@ -259,6 +259,36 @@ def test_device_reaches_sglang_and_sizes_the_cpu_pool(tmp_path: Path) -> None:
         EngineSettings(model_path="/m", device="tpu")
 
 
+def test_heads_held_by_the_model_itself_are_replaced() -> None:
+    """SGLang's LlamaForCausalLM holds its LogitsProcessor as `model.logits_processor` (found
+    when the backend first ran, on SGLang's CPU engine): top-level and nested heads are both
+    replaced; a model that is itself a head is refused."""
+    from kimi_pipe.extraction.sglang_backend import _replace_heads, _StatesOnlyHead
+
+    class Head(torch.nn.Module):
+        pass
+
+    class Inner(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.head = Head()
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.logits_processor = Head()
+            self.inner = Inner()
+
+    model = Model()
+    assert sorted(_replace_heads(model, Head)) == ["inner.head", "logits_processor"]
+    assert isinstance(model.logits_processor, _StatesOnlyHead)
+    assert isinstance(model.inner.head, _StatesOnlyHead)
+    with pytest.raises(RuntimeError, match="no SGLang LogitsProcessor"):
+        _replace_heads(Model(), torch.nn.Linear)
+    with pytest.raises(RuntimeError, match="itself"):
+        _replace_heads(Head(), Head)
+
+
 def test_cpu_engine_switch_is_checked_against_the_device(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -145,7 +145,7 @@ def compare_stores(
     """Compare `candidate` against `reference` on every sample the reference holds."""
     ref, cand = HiddenStore(reference), HiddenStore(candidate)
     layers = [int(i) for i in ref.manifest["layer_ids"]]
-    capture = (cand.manifest.get("extra") or {}).get("sglang_capture_ids")
+    capture = cand.manifest.get("sglang_capture_ids")  # make_manifest puts extras at the top
     report = StoreParity(
         reference=str(reference),
         candidate=str(candidate),

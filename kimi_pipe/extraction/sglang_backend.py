@@ -531,6 +531,21 @@ class _Captured:
     final: torch.Tensor
 
 
+def _replace_heads(model: torch.nn.Module, head_type: type) -> list[str]:
+    """Put a `_StatesOnlyHead` wherever the model holds a `head_type` (SGLang's
+    LogitsProcessor, e.g. `model.logits_processor`); returns the names replaced."""
+    heads = [name for name, mod in model.named_modules() if isinstance(mod, head_type)]
+    if not heads:
+        raise RuntimeError("no SGLang LogitsProcessor found on the model; cannot skip logits")
+    if "" in heads:
+        raise RuntimeError("the model itself is a LogitsProcessor; unsupported")
+    for name in heads:
+        parent_name, _, child = name.rpartition(".")
+        # get_submodule("") is the model itself: a head held directly by the model.
+        setattr(model.get_submodule(parent_name), child, _StatesOnlyHead())
+    return heads
+
+
 _OK, _OOM, _ERROR = 0, 1, 2  # per-forward status the tensor-parallel ranks all-reduce (MAX)
 
 
@@ -598,19 +613,7 @@ class _RankRunner:
         self.max_total_tokens = int(self.runner.max_total_num_tokens)
         self.max_requests = int(self.runner.req_to_token_pool.size)
         self.attention_backend = str(server_args.attention_backend)
-        heads = [
-            name
-            for name, mod in self.runner.model.named_modules()
-            if isinstance(mod, LogitsProcessor)
-        ]
-        if not heads:
-            raise RuntimeError("no SGLang LogitsProcessor found on the model; cannot skip logits")
-        for name in heads:
-            parent_name, _, child = name.rpartition(".")
-            parent = self.runner.model.get_submodule(parent_name) if parent_name else None
-            if parent is None:
-                raise RuntimeError("the model itself is a LogitsProcessor; unsupported")
-            setattr(parent, child, _StatesOnlyHead())
+        _replace_heads(self.runner.model, LogitsProcessor)
         self._cpu_group = None
         if self.tp_size > 1:
             from sglang.srt.distributed.parallel_state import get_world_group
