@@ -76,7 +76,8 @@ if [ -z "$WHEEL" ]; then
     command -v g++ >/dev/null 2>&1 || die "no C++ compiler: install g++ 12 or later (apt-get install g++)"
     gxx=$(g++ -dumpversion | cut -d. -f1)
     [ "$gxx" -ge 12 ] || die "g++ $gxx is too old for -mamx-* and C++20: install g++ 12 or later"
-    { [ -f /usr/include/numa.h ] && ldconfig -p | grep -q 'libnuma\.so '; } \
+    # g++ prints a full path only for a library its linker finds.
+    { [ -f /usr/include/numa.h ] && [ "$(g++ -print-file-name=libnuma.so)" != libnuma.so ]; } \
         || die "libnuma headers not found: install them (apt-get install libnuma-dev)"
     [ -n "${SGLANG_SRC:-}" ] || die "the kernel needs SGLang's sources: set SGLANG_SRC to a git clone of sgl-project/sglang holding commit $KERNEL_COMMIT (a bare clone works)"
     git -C "$SGLANG_SRC" cat-file -e "$KERNEL_COMMIT^{commit}" 2>/dev/null \
