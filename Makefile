@@ -24,7 +24,7 @@ TORCH_LOCK := $(if $(filter-out none,$(TORCH)),requirements-torch-$(TORCH).lock)
 STAMP := $(VENV)/.installed-$(TORCH)-$(shell cat requirements.lock $(TORCH_LOCK) pyproject.toml setup.py 2>/dev/null | sha256sum | cut -c1-12)
 PY_OK := import sys; v = sys.version_info[:2]; sys.exit(0 if (3, 11) <= v <= (3, 13) else 1)
 
-.PHONY: setup test lint snapshots reconstruct-sample generate sweep probe report demo run bench interop lock lock-torch wheel check-install clean
+.PHONY: setup test lint snapshots reconstruct-sample generate sweep probe report demo run bench interop sglang-cpu test-sglang-cpu lock lock-torch wheel check-install clean
 
 setup: $(STAMP)
 
@@ -96,6 +96,20 @@ bench: setup
 # PyPI, in their own venv), with numeric checks; figures in README (docs/export.md).
 interop: setup
 	PY=$(PYTHON) bash scripts/interop.sh
+
+# SGLang's real engine on this CPU (Intel Xeon with AMX, or AVX2 with SGLang's torch-native
+# paths), in its own venv .venv-sglang; the CPU kernel is compiled once from SGLang's sources
+# (SGLANG_SRC=a clone holding the pinned commit) and cached in ~/.cache/kimi_pipe. docs/sglang.md.
+sglang-cpu:
+	bash scripts/sglang_cpu/setup.sh
+
+# The sglang_cpu tier: extract=sglang extract.device=cpu against extract=hf on the demo's records
+# (makes them first with `make demo` when missing), figures in runs/sglang_cpu/.
+SGLANG_DEMO_ARGS ?= dataset.limit=8
+test-sglang-cpu: setup
+	@test -x .venv-sglang/bin/python || { echo "error: .venv-sglang missing: run make sglang-cpu first"; exit 2; }
+	test -f runs/demo/records.jsonl || $(PYTHON) -m kimi_pipe.demo $(SGLANG_DEMO_ARGS)
+	.venv-sglang/bin/python -m pytest -q -s -p no:cacheprovider -m sglang_cpu tests/test_sglang_cpu.py
 
 # Locks (uv, from PyPI): one universal requirements.lock for Python 3.11-3.13 and Linux,
 # with torch's own dependencies but not torch (its metadata comes from PyTorch's CPU index,

@@ -234,6 +234,77 @@ def test_engine_settings_pin_capture_flags() -> None:
         EngineSettings(model_path="/m", tp_size=8, ep_size=3)
 
 
+def test_device_reaches_sglang_and_sizes_the_cpu_pool(tmp_path: Path) -> None:
+    cuda = EngineSettings.from_cfg(_cfg(tmp_path / "r.jsonl", tmp_path, tmp_path / "o"))
+    kw = cuda.server_args_kwargs(nccl_port=1)
+    assert (cuda.device, kw["device"]) == ("cuda", "cuda")
+    assert "max_total_tokens" not in kw  # the GPU pool is sized by mem_fraction_static
+    cpu = EngineSettings.from_cfg(
+        _cfg(tmp_path / "r.jsonl", tmp_path, tmp_path / "o", "extract.device=cpu")
+    )
+    kw = cpu.server_args_kwargs(nccl_port=1)
+    # On CPU the pool holds one batch, not a fraction of the host's shared memory.
+    assert (kw["device"], kw["max_total_tokens"], cpu.base_gpu_id) == ("cpu", 60, 0)
+    set_pool = EngineSettings.from_cfg(
+        _cfg(
+            tmp_path / "r.jsonl",
+            tmp_path,
+            tmp_path / "o",
+            "extract.device=cpu",
+            "extract.max_total_tokens=500",
+        )
+    )
+    assert set_pool.server_args_kwargs(nccl_port=1)["max_total_tokens"] == 500
+    with pytest.raises(ValueError, match="extract.device"):
+        EngineSettings(model_path="/m", device="tpu")
+
+
+def test_heads_held_by_the_model_itself_are_replaced() -> None:
+    """SGLang's LlamaForCausalLM holds its LogitsProcessor as `model.logits_processor` (found
+    when the backend first ran, on SGLang's CPU engine): top-level and nested heads are both
+    replaced; a model that is itself a head is refused."""
+    from kimi_pipe.extraction.sglang_backend import _replace_heads, _StatesOnlyHead
+
+    class Head(torch.nn.Module):
+        pass
+
+    class Inner(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.head = Head()
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.logits_processor = Head()
+            self.inner = Inner()
+
+    model = Model()
+    assert sorted(_replace_heads(model, Head)) == ["inner.head", "logits_processor"]
+    assert isinstance(model.logits_processor, _StatesOnlyHead)
+    assert isinstance(model.inner.head, _StatesOnlyHead)
+    with pytest.raises(RuntimeError, match="no SGLang LogitsProcessor"):
+        _replace_heads(Model(), torch.nn.Linear)
+    with pytest.raises(RuntimeError, match="itself"):
+        _replace_heads(Head(), Head)
+
+
+def test_cpu_engine_switch_is_checked_against_the_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SGLang picks CPU or CUDA once, at import, from SGLANG_USE_CPU_ENGINE: a device that
+    disagrees with it is an error, never a silent run on the other device."""
+    from kimi_pipe.extraction.sglang_backend import CPU_ENGINE_ENV, _import_sglang
+
+    monkeypatch.setenv(CPU_ENGINE_ENV, "1")
+    with pytest.raises(RuntimeError, match="extract.device=cuda"):
+        _import_sglang("cuda")
+    monkeypatch.delenv(CPU_ENGINE_ENV)
+    monkeypatch.setitem(sys.modules, "sglang.srt.utils.common", object())  # imported already
+    with pytest.raises(RuntimeError, match="before SGLANG_USE_CPU_ENGINE=1"):
+        _import_sglang("cpu")
+
+
 def test_missing_engine_and_model_give_clear_errors(tmp_path: Path) -> None:
     from kimi_pipe.extraction.sglang_backend import _RankRunner, open_backend
 

@@ -1,4 +1,7 @@
-"""`extract.backend=sglang`: EAGLE-3 states of the real target, served by SGLang on GPUs.
+"""`extract.backend=sglang`: EAGLE-3 states of the real target, served by SGLang on GPUs
+(`extract.device=cuda`, the default) or by SGLang's CPU engine (`extract.device=cpu`: Intel
+Xeon with AVX-512 + AMX, the venv of `make sglang-cpu`; docs/sglang.md). Both devices run the
+same capture code below; what differs per device is named where it happens (`_on_cuda`).
 
 The ONLY module that imports SGLang (lazily, so the package imports without it), pinned to
 ``SGLANG_VERSION`` by the optional extra ``pip install '.[sglang]'``. Everything
@@ -46,8 +49,12 @@ SGLANG_VERSION = "0.5.14"  # keep equal to the pin of the `sglang` extra in pypr
 INSTALL_HINT = (
     f"install sglang=={SGLANG_VERSION} on a machine with NVIDIA GPUs: `pip install '.[sglang]'`, "
     f"or in a separate venv `pip install sglang=={SGLANG_VERSION}` then "
-    "`pip install --no-deps -e .` (docs/sglang.md)"
+    "`pip install --no-deps -e .`; on an Intel Xeon CPU with AMX: `make sglang-cpu` and run "
+    "with .venv-sglang/bin/python (docs/sglang.md)"
 )
+DEVICES = ("cuda", "cpu")
+# SGLang decides CPU vs CUDA once, at import, from this variable (sglang.srt.utils.is_cpu).
+CPU_ENGINE_ENV = "SGLANG_USE_CPU_ENGINE"
 _FOLLOWER_TIMEOUT_S = 3600.0  # one forward of a long batch on a 1T model can take minutes
 
 
@@ -57,6 +64,7 @@ class EngineSettings:
     """What `conf/extract/sglang.yaml` says about the engine."""
 
     model_path: str
+    device: str = "cuda"  # cuda | cpu: SGLang's `device` server argument
     tp_size: int = 1
     dp_size: int = 1
     ep_size: int = 1
@@ -68,9 +76,16 @@ class EngineSettings:
     trust_remote_code: bool = False
     load_format: str = "auto"
     base_gpu_id: int = 0
+    # KV pool size in tokens; None = SGLang sizes it from mem_fraction_static (of GPU memory;
+    # on CPU, of host memory, which is shared with everything else: set it there).
+    max_total_tokens: int | None = None
     server_args: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise ValueError(
+                f"extract.device must be one of {DEVICES} (or auto), not {self.device!r}"
+            )
         if self.tp_size < 1 or self.ep_size < 1 or self.dp_size < 1:
             raise ValueError("extract.tp_size, ep_size and dp_size must be >= 1")
         if self.tp_size % self.ep_size:
@@ -101,8 +116,16 @@ class EngineSettings:
                 "(a Hugging Face model directory, e.g. a local copy of moonshotai/Kimi-K2.5)"
             )
         extra = ecfg.get("server_args") or {}
+        device = str(ecfg.get("device") or "cuda")
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        max_total = ecfg.get("max_total_tokens")
+        if max_total is None and device == "cpu":
+            # One batch at a time lives in the pool: size it to the batch, not to host memory.
+            max_total = ecfg.get("batch_tokens")
         return cls(
             model_path=str(Path(str(path)).expanduser()),
+            device=device,
             tp_size=int(ecfg.get("tp_size", 1)),
             dp_size=int(ecfg.get("dp_size", 1)),
             ep_size=int(ecfg.get("ep_size", 1)),
@@ -113,7 +136,8 @@ class EngineSettings:
             disable_cuda_graph=bool(ecfg.get("disable_cuda_graph", True)),
             trust_remote_code=bool(ecfg.get("trust_remote_code", False)),
             load_format=str(ecfg.get("load_format", "auto")),
-            base_gpu_id=_base_gpu_id(cfg),
+            base_gpu_id=_base_gpu_id(cfg) if device == "cuda" else 0,
+            max_total_tokens=int(max_total) if max_total is not None else None,
             server_args=dict(OmegaConf.to_container(extra, resolve=True)) if extra else {},
         )
 
@@ -121,6 +145,7 @@ class EngineSettings:
         """Keyword arguments of `sglang.srt.server_args.ServerArgs` for capture."""
         kwargs: dict[str, Any] = {
             "model_path": self.model_path,
+            "device": self.device,
             "tp_size": self.tp_size,
             "ep_size": self.ep_size,
             "dtype": self.dtype,
@@ -135,6 +160,8 @@ class EngineSettings:
         }
         if self.mem_fraction_static is not None:
             kwargs["mem_fraction_static"] = float(self.mem_fraction_static)
+        if self.max_total_tokens is not None:
+            kwargs["max_total_tokens"] = int(self.max_total_tokens)
         if self.disable_cuda_graph:
             kwargs["disable_cuda_graph"] = True
         # Free-form extras last: the user's word wins (e.g. attention_backend, quantization).
@@ -309,6 +336,7 @@ class SGLangBackend:
             "final_state": "post_norm",
             "extra": {
                 "engine": f"sglang=={SGLANG_VERSION}",
+                "device": settings.device,
                 "sglang_capture_ids": list(self.capture_ids),
                 "tp_size": settings.tp_size,
                 "ep_size": settings.ep_size,
@@ -316,6 +344,9 @@ class SGLangBackend:
                 "model_path": settings.model_path,
             },
         }
+        backend = getattr(self.rank, "attention_backend", None)
+        if backend:
+            self.store_fields["extra"]["attention_backend"] = backend
         # The ids SGLang chose itself, when the rank had to override them (see set_layers).
         overridden = getattr(self.rank, "overridden_capture_ids", None)
         if overridden:
@@ -444,7 +475,23 @@ def run_extract(cfg: DictConfig, rank_factory: RankFactory | None = None) -> dic
 
 
 # --- everything below is specific to SGLANG_VERSION ------------------------------------------
-def _import_sglang() -> Any:
+def _import_sglang(device: str = "cuda") -> Any:
+    import os
+    import sys
+
+    if device == "cpu":
+        already = "sglang.srt.utils.common" in sys.modules
+        if already and os.environ.get(CPU_ENGINE_ENV) != "1":
+            raise RuntimeError(
+                f"SGLang was imported before {CPU_ENGINE_ENV}=1 was set, so it chose its CUDA "
+                "engine; set it in the environment before anything imports sglang"
+            )
+        os.environ[CPU_ENGINE_ENV] = "1"
+    elif os.environ.get(CPU_ENGINE_ENV) == "1":
+        raise RuntimeError(
+            f"{CPU_ENGINE_ENV}=1 is set but extract.device=cuda: SGLang would run on the CPU; "
+            "unset it, or run with extract.device=cpu"
+        )
     try:
         import sglang
     except ImportError as exc:
@@ -484,14 +531,32 @@ class _Captured:
     final: torch.Tensor
 
 
+def _replace_heads(model: torch.nn.Module, head_type: type) -> list[str]:
+    """Put a `_StatesOnlyHead` wherever the model holds a `head_type` (SGLang's
+    LogitsProcessor, e.g. `model.logits_processor`); returns the names replaced."""
+    heads = [name for name, mod in model.named_modules() if isinstance(mod, head_type)]
+    if not heads:
+        raise RuntimeError("no SGLang LogitsProcessor found on the model; cannot skip logits")
+    if "" in heads:
+        raise RuntimeError("the model itself is a LogitsProcessor; unsupported")
+    for name in heads:
+        parent_name, _, child = name.rpartition(".")
+        # get_submodule("") is the model itself: a head held directly by the model.
+        setattr(model.get_submodule(parent_name), child, _StatesOnlyHead())
+    return heads
+
+
 _OK, _OOM, _ERROR = 0, 1, 2  # per-forward status the tensor-parallel ranks all-reduce (MAX)
 
 
 class _RankRunner:
-    """One tensor-parallel rank on one GPU, built like sglang.bench_one_batch.load_model."""
+    """One tensor-parallel rank on one GPU (or on the CPU's cores, `device="cpu"`), built
+    like sglang.bench_one_batch.load_model."""
+
+    device = "cuda"  # set per instance from EngineSettings.device
 
     def __init__(self, settings: EngineSettings, tp_rank: int, nccl_port: int) -> None:
-        _import_sglang()
+        _import_sglang(settings.device)
         from sglang.srt.configs.model_config import ModelConfig
         from sglang.srt.entrypoints.engine import _set_envs_and_config
         from sglang.srt.layers.logits_processor import LogitsProcessor
@@ -501,10 +566,24 @@ class _RankRunner:
         from sglang.srt.model_executor.model_runner import ModelRunner
         from sglang.srt.server_args import ServerArgs
 
-        if not torch.cuda.is_available():
-            raise RuntimeError(f"extract.backend=sglang needs a CUDA GPU; {INSTALL_HINT}")
-        server_args = ServerArgs(**settings.server_args_kwargs(nccl_port))
-        _set_envs_and_config(server_args)  # env of NCCL/CUDA kernels, per process
+        self.device = settings.device
+        if _on_cuda(self.device) and not torch.cuda.is_available():
+            raise RuntimeError(f"extract.device=cuda needs a CUDA GPU; {INSTALL_HINT}")
+        kwargs = settings.server_args_kwargs(nccl_port)
+        if not _on_cuda(self.device):
+            from sglang.srt.utils import cpu_has_amx_support, is_cpu
+
+            if not is_cpu():
+                raise RuntimeError(f"SGLang did not select its CPU engine ({CPU_ENGINE_ENV})")
+            if not cpu_has_amx_support() and "attention_backend" not in kwargs:
+                # SGLang's x86 default (intel_amx) is written for AMX; without it SGLang runs
+                # its torch-native layers, and its torch-native attention goes with them.
+                log.info("no AMX on this CPU: SGLang attention_backend=torch_native")
+                kwargs["attention_backend"] = "torch_native"
+        server_args = ServerArgs(**kwargs)
+        # Env of NCCL/CUDA kernels and ulimits, per process; on CPU the CUDA variables are
+        # set but read by nothing.
+        _set_envs_and_config(server_args)
         initialize_moe_config(server_args)
         initialize_fp8_gemm_config(server_args)
         initialize_fp4_gemm_config(server_args)
@@ -514,7 +593,9 @@ class _RankRunner:
         self.runner = ModelRunner(
             model_config=model_config,
             mem_fraction_static=server_args.mem_fraction_static,
-            gpu_id=settings.base_gpu_id + tp_rank,
+            # On CPU the id names no device; SGLang's CPU runner binds OpenMP threads per rank
+            # instead (SGLANG_CPU_OMP_THREADS_BIND).
+            gpu_id=settings.base_gpu_id + tp_rank if _on_cuda(self.device) else 0,
             tp_rank=tp_rank,
             tp_size=settings.tp_size,
             moe_ep_rank=tp_rank // (settings.tp_size // settings.ep_size),
@@ -531,19 +612,8 @@ class _RankRunner:
         self.hidden_size = int(model_config.hidden_size)
         self.max_total_tokens = int(self.runner.max_total_num_tokens)
         self.max_requests = int(self.runner.req_to_token_pool.size)
-        heads = [
-            name
-            for name, mod in self.runner.model.named_modules()
-            if isinstance(mod, LogitsProcessor)
-        ]
-        if not heads:
-            raise RuntimeError("no SGLang LogitsProcessor found on the model; cannot skip logits")
-        for name in heads:
-            parent_name, _, child = name.rpartition(".")
-            parent = self.runner.model.get_submodule(parent_name) if parent_name else None
-            if parent is None:
-                raise RuntimeError("the model itself is a LogitsProcessor; unsupported")
-            setattr(parent, child, _StatesOnlyHead())
+        self.attention_backend = str(server_args.attention_backend)
+        _replace_heads(self.runner.model, LogitsProcessor)
         self._cpu_group = None
         if self.tp_size > 1:
             from sglang.srt.distributed.parallel_state import get_world_group
@@ -656,19 +726,33 @@ class _RankRunner:
                 f"another tensor-parallel rank failed capturing {len(batch)} sequences"
             ) from error
         if agreed == _OOM:
-            torch.cuda.empty_cache()
+            _empty_cache(self.device)
             raise torch.OutOfMemoryError(f"out of memory capturing {len(batch)} sequences")
         return result
 
     def close(self) -> None:
         del self.runner
+        _empty_cache(self.device)
+
+
+def _on_cuda(device: str) -> bool:
+    return device == "cuda"
+
+
+def _empty_cache(device: str) -> None:
+    """Give cached device memory back (CUDA's caching allocator; the CPU has none)."""
+    if _on_cuda(device):
         torch.cuda.empty_cache()
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
     """Device -> host as one bulk tensor copy (the public API's per-value `tolist` is the slow
     part, SGLang #8003). Pageable, not pinned: the store keeps views of it until a shard is
-    committed, and gigabytes of page-locked memory would be held that long."""
+    committed, and gigabytes of page-locked memory would be held that long. On CPU `.to("cpu")`
+    would return the engine's own tensor, which may live in a buffer the next forward reuses:
+    copy it."""
+    if t.device.type == "cpu":
+        return t.detach().clone()
     return t.to("cpu")
 
 
