@@ -41,6 +41,7 @@ from typing import Any, Protocol
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from kimi_pipe.errors import ConfigError
 from kimi_pipe.extraction.layers import output_to_capture_ids, resolve_output_ids
 
 log = logging.getLogger(__name__)
@@ -83,25 +84,25 @@ class EngineSettings:
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
-            raise ValueError(
+            raise ConfigError(
                 f"extract.device must be one of {DEVICES} (or auto), not {self.device!r}"
             )
         if self.tp_size < 1 or self.ep_size < 1 or self.dp_size < 1:
-            raise ValueError("extract.tp_size, ep_size and dp_size must be >= 1")
+            raise ConfigError("extract.tp_size, ep_size and dp_size must be >= 1")
         if self.tp_size % self.ep_size:
-            raise ValueError(
+            raise ConfigError(
                 f"extract.ep_size={self.ep_size} must divide tp_size={self.tp_size} (SGLang "
                 "places experts across the tensor-parallel ranks)"
             )
         if self.dp_size != 1:
             # dp>1 in SGLang means DP attention, which scatters the hidden states across
             # ranks; data parallelism here is done by work shards (extract.num_shards).
-            raise ValueError(
+            raise ConfigError(
                 "extract.dp_size > 1 is not supported for capture; run data-parallel copies "
                 "as work shards instead (extract.shard=i extract.num_shards=n, one per GPU group)"
             )
         if not self.disable_radix_cache:
-            raise ValueError(
+            raise ConfigError(
                 "extract.disable_radix_cache must stay true: a prefix-cache hit skips the "
                 "states of the cached prompt tokens (SGLang issue #8066)"
             )
@@ -111,7 +112,7 @@ class EngineSettings:
         ecfg = cfg.extract
         path = ecfg.get("model_path") or OmegaConf.select(cfg, "model.hf_weights", default=None)
         if not path:
-            raise ValueError(
+            raise ConfigError(
                 "extract.backend=sglang needs the target model: set extract.model_path=DIR "
                 "(a Hugging Face model directory, e.g. a local copy of moonshotai/Kimi-K2.5)"
             )
@@ -435,7 +436,7 @@ def _import_factory(spec: str) -> RankFactory:
 
     module, _, attr = spec.partition(":")
     if not module or not attr:
-        raise ValueError(f"extract.rank_factory must look like 'module:callable', got {spec!r}")
+        raise ConfigError(f"extract.rank_factory must look like 'module:callable', got {spec!r}")
     return getattr(importlib.import_module(module), attr)  # type: ignore[no-any-return]
 
 
@@ -568,7 +569,7 @@ class _RankRunner:
 
         self.device = settings.device
         if _on_cuda(self.device) and not torch.cuda.is_available():
-            raise RuntimeError(f"extract.device=cuda needs a CUDA GPU; {INSTALL_HINT}")
+            raise ConfigError(f"extract.device=cuda needs a CUDA GPU; {INSTALL_HINT}")
         kwargs = settings.server_args_kwargs(nccl_port)
         if not _on_cuda(self.device):
             from sglang.srt.utils import cpu_has_amx_support, is_cpu
