@@ -1,0 +1,104 @@
+"""The evidence ladder: how strongly a token record's ids are proven (pure, no IO).
+
+Every record carries `evidence`, one rung of:
+  engine_ids       the engine's own tokens (whole-output logprobs, confirmed against text+billing)
+  text_proven      text + serving profile + billed completion_tokens prove the ids
+  target_resolved  chosen among a closed candidate set by the target model (extraction)
+  unresolved       flagged; `issues` says why
+`ok` keeps its meaning: `ok` is true exactly when the rung is engine_ids or text_proven (or
+target_resolved after extraction rewrote the record). Which rungs reach training files is a
+policy (`export.accept`, `extract.accept`), by default the three proven ones.
+Schema: LADDER section of docs/design.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+ENGINE_IDS = "engine_ids"
+TEXT_PROVEN = "text_proven"
+TARGET_RESOLVED = "target_resolved"
+UNRESOLVED = "unresolved"
+LADDER = (ENGINE_IDS, TEXT_PROVEN, TARGET_RESOLVED, UNRESOLVED)  # strongest first
+DEFAULT_ACCEPT: tuple[str, ...] = (ENGINE_IDS, TEXT_PROVEN, TARGET_RESOLVED)
+
+# A note (not an error) that a rung keeps: the answer was cut by max_tokens, its ids proven.
+CUT_NOTE = "truncated"
+# Codes that keep a record out of training files whatever the policy: the last id is unknown.
+NEVER_USABLE = frozenset({"partial_character"})
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p")
+
+
+def evidence_of(record: Mapping[str, Any]) -> str:
+    """The record's rung: its `evidence` field, else derived from `ok` and its id sources
+    (records written before the ladder existed)."""
+    rung = record.get("evidence")
+    if isinstance(rung, str) and rung in LADDER:
+        return rung
+    if not record.get("ok"):
+        return UNRESOLVED
+    return ENGINE_IDS if whole_engine_ids(record) else TEXT_PROVEN
+
+
+def whole_engine_ids(record: Mapping[str, Any]) -> bool:
+    """Logprobs covered the whole output and agreed with the text (ids confirmed or the
+    engine's own split kept)."""
+    logprobs = record.get("logprobs")
+    if not isinstance(logprobs, Mapping) or logprobs.get("coverage") != "whole":
+        return False
+    if "mismatch" in logprobs or "invalid" in logprobs:
+        return False
+    sources = record.get("id_sources") or []
+    return any(
+        isinstance(s, Sequence) and len(s) == 3 and s[2] in ("confirmed", "engine")
+        for s in sources
+    )
+
+
+def parse_accept(value: Any, key: str = "export.accept") -> tuple[str, ...]:
+    """A config's list of accepted rungs, checked; None/empty means the default."""
+    if value is None:
+        return DEFAULT_ACCEPT
+    items = [value] if isinstance(value, str) else list(value)
+    if not items:
+        return DEFAULT_ACCEPT
+    bad = [str(v) for v in items if v not in LADDER]
+    if bad:
+        raise ValueError(f"{key}: unknown rung(s) {bad}; expected some of {list(LADDER)}")
+    return tuple(str(v) for v in items)
+
+
+def usable(record: Mapping[str, Any], accept: Iterable[str] = DEFAULT_ACCEPT) -> bool:
+    """Whether a record's ids may reach training files under the policy `accept`. A record
+    whose last id is unrecoverable (`partial_character`) never does."""
+    if record.get("error") or not record.get("output_ids"):
+        return False
+    if NEVER_USABLE & set(record.get("issues") or ()):
+        return False
+    return evidence_of(record) in set(accept)
+
+
+def sampling_of(request: Any) -> dict[str, Any]:
+    """What the request actually sent for sampling (None: the provider's default). Reads the
+    stored `request` ({"params": {...}}) or a flat params mapping."""
+    params: Any = request
+    if isinstance(request, Mapping) and isinstance(request.get("params"), Mapping):
+        params = request["params"]
+    if not isinstance(params, Mapping):
+        params = {}
+    out = {"temperature": params.get("temperature"), "top_p": params.get("top_p")}
+    for key in SAMPLING_KEYS[2:]:
+        if params.get(key) is not None:
+            out[key] = params[key]
+    return out
+
+
+def ladder_counts(records: Iterable[Mapping[str, Any]]) -> dict[str, int]:
+    """Records per rung (answered records only), in ladder order."""
+    counts = dict.fromkeys(LADDER, 0)
+    for record in records:
+        if record.get("error"):
+            continue
+        counts[evidence_of(record)] += 1
+    return counts
