@@ -46,8 +46,8 @@ SINGLE_CANDIDATE = "single_candidate"
 # only carriage returns and newlines can hide (they join a final punctuation's BPE chunk,
 # `[^\s\p{L}\p{N}]+[\r\n]*`); any other whitespace starts a chunk of its own (one id more).
 TAIL_ALPHABET = ("\n", "\r")
-MAX_TAIL_CHARS = 16  # longer newline runs after punctuation are not one token of any vocab here
-MAX_TAIL_NODES = 512  # search budget; reaching it leaves the set open (never guessed closed)
+MAX_TAIL_CHARS = 16  # newline runs listed at most (open sets, and the search bound's cap)
+MAX_TAIL_NODES = 1024  # search budget; reaching it leaves the set open (never guessed closed)
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,8 @@ def enumerate_candidates(
         and reported is not None
         and reported > rec.completion_tokens_reconstructed
     )
-    if tail_billing:
+    if tail_billing or (covered and "billing_mismatch" in errors):
+        # Every option is rebuilt and billed on its own: the count decides among them.
         covered = covered | {"billing_mismatch"}
     if errors - covered or (not covered - {"billing_mismatch"} and not tail_billing):
         return None
@@ -154,17 +155,26 @@ def enumerate_candidates(
                 continue
             base = _build(model, messages, tools, response, moved, hypothesis, billing_tolerance)
             tails = [""]
-            if enum_tail and _closed_reasoning(moved) and reported is not None:
-                missing = reported - base.completion_tokens_reconstructed
-                tails, complete = _newline_tails(
-                    model, moved.reasoning, missing - billing_tolerance, missing + billing_tolerance
-                )
-                if not complete:
-                    why_open.append("the stripped tail's search budget ran out")
-                if missing + billing_tolerance > 0:
+            if enum_tail and _closed_reasoning(moved):
+                if reported is None:
+                    why_open.append("no billed completion_tokens to bound the stripped tail")
+                    missing = 1  # list the likeliest tails only, as an open set
+                else:
+                    missing = reported - base.completion_tokens_reconstructed
+                high = missing + billing_tolerance
+                if high > 0:
+                    # Any whitespace may hide behind extra ids: list newline runs, leave open.
                     why_open.append(
                         "billing leaves room for stripped whitespace other than newlines"
                     )
+                    low = missing - billing_tolerance
+                    tails = _runs_that_fit(model, moved.reasoning, low, high)
+                else:
+                    tails, complete = _newline_tails(
+                        model, moved.reasoning, missing - billing_tolerance, high
+                    )
+                    if not complete:
+                        why_open.append("the stripped tail's search budget ran out")
             for tail in tails:
                 variant = replace(moved, reasoning=moved.reasoning + tail) if tail else moved
                 rebuilt = (
@@ -244,29 +254,74 @@ def _move_space_to_arguments(answer: AnswerFields) -> AnswerFields | None:
     return replace(answer, content=answer.content[:-1], tool_calls=calls)
 
 
+_JOINED_NEWLINES: dict[int, int] = {}
+
+
+def _joined_newlines(model: Model) -> int:
+    """The longest run of carriage returns/newlines that one vocabulary token joins to a
+    character before it (Kimi K2.5: 8, `}\r\n\r\n\r\n\r\n`). A tail that costs no id must
+    sit in the token that ends the reasoning's last chunk, so no longer tail can be free."""
+    tokenizer = model.tokenizer
+    key = id(tokenizer)
+    if key not in _JOINED_NEWLINES:
+        size = getattr(tokenizer, "vocab_size", None)
+        longest = MAX_TAIL_CHARS
+        if isinstance(size, int):
+            longest = 0
+            for token_id in range(size):
+                data = tokenizer.token_bytes(token_id).rstrip(b"\r\n")
+                if data and not data[-1:].isspace():
+                    longest = max(longest, len(tokenizer.token_bytes(token_id)) - len(data))
+        _JOINED_NEWLINES[key] = min(longest, MAX_TAIL_CHARS)
+    return _JOINED_NEWLINES[key]
+
+
+def _last_chunk(text: str) -> str:
+    """The reasoning's trailing punctuation run (with the space a BPE chunk takes before it):
+    the only chunk an appended newline joins. The whole text when it does not end so."""
+    i = len(text)
+    while i and not text[i - 1].isspace() and not text[i - 1].isalnum():
+        i -= 1
+    if i == len(text):
+        return text
+    if i and text[i - 1] == " ":
+        i -= 1
+    return text[i:]
+
+
 def _newline_tails(model: Model, reasoning: str, low: int, high: int) -> tuple[list[str], bool]:
-    """Strings of carriage returns and newlines that, appended to the reasoning, add between
-    `low` and `high` ids; also whether the search was complete. Appending a newline never
-    removes an id from a chunk, so a branch that already adds more than `high` is cut."""
-    base = len(model.encode([reasoning]))
+    """Every string of carriage returns and newlines (up to the vocabulary's joined-newline
+    bound) that, appended to the reasoning, adds between `low` and `high` ids; also whether
+    the search was complete. Counts come from the last chunk only (BPE chunks are encoded
+    apart); each option is rebuilt and billed in full afterwards."""
+    chunk = _last_chunk(reasoning)
+    base = len(model.encode([chunk]))
     found: list[str] = []
-    frontier = [""]
+    level = [""]
     nodes = 0
-    while frontier:
-        tail = frontier.pop(0)
-        nodes += 1
-        if nodes > MAX_TAIL_NODES:
-            return sorted(found, key=lambda t: (len(t), t)), False
-        added = len(model.encode([reasoning + tail])) - base if tail else 0
-        if added > high:
-            continue
-        if added >= low:
-            found.append(tail)
-        if len(tail) < MAX_TAIL_CHARS:
-            frontier += [tail + c for c in TAIL_ALPHABET]
-        elif added <= high:
-            return sorted(found, key=lambda t: (len(t), t)), False  # longer runs still fit
-    return sorted(found, key=lambda t: (len(t), t)), True
+    for _length in range(_joined_newlines(model) + 1):
+        following = []
+        for tail in level:
+            nodes += 1
+            if nodes > MAX_TAIL_NODES:
+                return found, False
+            added = len(model.encode([chunk + tail])) - base if tail else 0
+            if low <= added <= high:
+                found.append(tail)
+            following += [tail + c for c in TAIL_ALPHABET]
+        level = following
+    return found, True
+
+
+def _runs_that_fit(model: Model, reasoning: str, low: int, high: int) -> list[str]:
+    """Newline runs ("\n" ... "\n" * MAX_TAIL_CHARS) that add between `low` and `high` ids."""
+    base = len(model.encode([reasoning]))
+    fits = []
+    for n in range(0, MAX_TAIL_CHARS + 1):
+        added = len(model.encode([reasoning + "\n" * n])) - base
+        if low <= added <= high:
+            fits.append("\n" * n)
+    return fits
 
 
 def _label(spacing: str | None, move: bool, tail: str) -> str:
