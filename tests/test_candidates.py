@@ -200,7 +200,9 @@ def test_space_before_tool_section_moves_back_into_the_arguments(kimi: Model) ->
     response = _response("Check.", "Let me look. ", len(truth), calls)
     rec, cands = _options(kimi, response, profile, tools=TOOLS)
     assert "space_before_tool_section" in rec.issues and not rec.ok
-    assert cands is not None and cands.closed and cands.classes == ["tool_section_space"]
+    # Open: SGLang 0.5.14 also strips the arguments' trailing space (its corpus shows it), and
+    # other whitespace there could hide at the same count.
+    assert cands is not None and not cands.closed and cands.classes == ["tool_section_space"]
     ids = [o.output_ids for o in cands.options]
     assert truth in ids
     # "look. " costs an id more than "look." (' {"' and '{"' are one each): billing keeps the
@@ -245,3 +247,26 @@ def test_evidence_helpers() -> None:
     assert sampling_of({"params": {"temperature": 1.0, "top_p": 0.9, "top_k": 20}}) == {
         "temperature": 1.0, "top_p": 0.9, "top_k": 20,
     }  # fmt: skip
+
+
+def test_server_shape_corpus_has_no_silent_record_and_sets_hold_the_truth(kimi: Model) -> None:
+    """Through the one reconstruction entry, under `unknown` and the declared profiles: every
+    `ok` record (text_proven, single candidates and cut answers included) carries the ground
+    truth, and every closed candidate set lists it among its options."""
+    from test_server_shapes import corpus, declared_profile
+
+    unknown = RecordBuilder(kimi)
+    rungs: dict[str, int] = {}
+    closed = 0
+    for stem, r in corpus():
+        truth = r["ground_truth_output_ids"]
+        for builder in (unknown, RecordBuilder(kimi, declared_profile(r))):
+            record = builder.build(r["messages"], r["tools"], r["response"])
+            rungs[record["evidence"]] = rungs.get(record["evidence"], 0) + 1
+            if record["ok"]:
+                assert record["output_ids"] == truth, (stem, r["id"], record["issues"])
+            cands = record.get("candidates")
+            if cands and cands["closed"]:
+                closed += 1
+                assert truth in [o["output_ids"] for o in cands["options"]], (stem, r["id"])
+    assert rungs.get(TEXT_PROVEN, 0) > 0 and rungs.get(UNRESOLVED, 0) > 0 and closed > 0

@@ -128,13 +128,17 @@ def enumerate_candidates(
     spacings = (
         ["none", "spaces"] if "leading_space_after_marker" in covered else [profile.marker_spacing]
     )
-    moves = [False, True] if "space_before_tool_section" in covered else [False]
+    moves = [0, 1, 2] if "space_before_tool_section" in covered else [0]
     classes = sorted(
         {CLASS_OF_CODE[c] for c in covered if c in CLASS_OF_CODE}
         | ({"reasoning_tail"} if enum_tail else set())
     )
 
     why_open: list[str] = []
+    if "space_before_tool_section" in covered:
+        # Seen in SGLang 0.5.14's corpus: the stack that moves the leading space also strips
+        # the arguments' trailing one, and the same count can hide other whitespace there.
+        why_open.append("the stack may have stripped other whitespace around the arguments")
     if billing_tolerance:
         why_open.append(f"billing tolerance {billing_tolerance}: billing cannot bound the options")
     options: list[Option] = []
@@ -150,7 +154,7 @@ def enumerate_candidates(
         if "marker_spacing_mismatch" in scratch:
             continue  # a stack that spaces every marker cannot have written this answer
         for move in moves:
-            moved = _move_space_to_arguments(undone) if move else undone
+            moved = _move_space_to_arguments(undone, trailing=move == 2) if move else undone
             if moved is None:
                 continue
             base = _build(model, messages, tools, response, moved, hypothesis, billing_tolerance)
@@ -239,9 +243,10 @@ def _build(
     )
 
 
-def _move_space_to_arguments(answer: AnswerFields) -> AnswerFields | None:
+def _move_space_to_arguments(answer: AnswerFields, trailing: bool = False) -> AnswerFields | None:
     """SGLang 0.5.14 streaming: the first call's leading argument space arrives as the
-    content's last character. The reverse move, or None when the answer has no such space."""
+    content's last character (`trailing`: and the arguments' trailing space was stripped).
+    The reverse move, or None when the answer has no such space."""
     if not (answer.tool_calls and answer.content.endswith(" ")):
         return None
     calls = [dict(c) for c in answer.tool_calls]
@@ -249,7 +254,7 @@ def _move_space_to_arguments(answer: AnswerFields) -> AnswerFields | None:
     arguments = function.get("arguments")
     if not isinstance(arguments, str):
         return None
-    function["arguments"] = " " + arguments
+    function["arguments"] = " " + arguments + (" " if trailing else "")
     calls[0]["function"] = function
     return replace(answer, content=answer.content[:-1], tool_calls=calls)
 
@@ -324,7 +329,7 @@ def _runs_that_fit(model: Model, reasoning: str, low: int, high: int) -> list[st
     return fits
 
 
-def _label(spacing: str | None, move: bool, tail: str) -> str:
+def _label(spacing: str | None, move: int, tail: str) -> str:
     parts = []
     if spacing == "spaces":
         parts.append("marker spaces removed (the stack's)")
@@ -332,6 +337,8 @@ def _label(spacing: str | None, move: bool, tail: str) -> str:
         parts.append("marker-side spaces kept (the model's)")
     if move:
         parts.append("content's last space moved into the first call's arguments")
+    if move == 2:
+        parts.append("the arguments' trailing space restored")
     if tail:
         parts.append(f"reasoning tail {tail!r} restored")
     return "; ".join(parts) or "as returned"

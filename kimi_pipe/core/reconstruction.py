@@ -26,7 +26,6 @@ from kimi_pipe.core.serving import UNKNOWN, UNKNOWN_PROFILE, ServingProfile
 # Issue codes. Errors make `ok` false; notes are listed but leave `ok` as it is.
 ERRORS = frozenset(
     {
-        "truncated",  # finish_reason == "length": the answer was cut by max_tokens
         "billing_mismatch",  # reconstructed length != usage.completion_tokens (+- tolerance)
         "malformed_response",  # no choices / no message / not an object
         "provider_error",  # an error body or finish_reason "error"
@@ -46,6 +45,10 @@ ERRORS = frozenset(
 )
 NOTES = frozenset(
     {
+        # finish_reason == "length": cut by max_tokens. Its ids are proven like any other
+        # (no end-of-turn appended); a cut inside a character is `partial_character`.
+        "truncated",
+        "single_candidate",  # one id sequence fits text, every serving reading and billing
         "tool_call_ids_rebuilt",  # ids not in the model's pattern were rebuilt
         "no_usage",  # no usage.completion_tokens to check against
         "reasoning_from_content",  # no reasoning field: split content at the think-end marker

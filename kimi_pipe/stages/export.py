@@ -36,8 +36,9 @@ import random
 import shutil
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -133,9 +134,16 @@ def _short(value: Any) -> str:
     return text if len(text) < 80 else text[:77] + "..."
 
 
-def plan(stores: Sequence[HiddenStore], seed: int) -> list[PlannedSample]:
-    """Deterministic merge + shuffle of every sample of every store."""
-    items = [(si, sid) for si, s in enumerate(stores) for sid in sorted(s.ids)]
+def plan(
+    stores: Sequence[HiddenStore], seed: int, keep: Callable[[int, str], bool] | None = None
+) -> list[PlannedSample]:
+    """Deterministic merge + shuffle of every sample of every store (that `keep` accepts)."""
+    items = [
+        (si, sid)
+        for si, s in enumerate(stores)
+        for sid in sorted(s.ids)
+        if keep is None or keep(si, sid)
+    ]
     random.Random(seed).shuffle(items)
     return [PlannedSample(i, si, sid) for i, (si, sid) in enumerate(items)]
 
@@ -408,8 +416,11 @@ def export(
     *,
     target_model_path: str | os.PathLike[str] | None = None,
     max_length: int | None = None,
+    accept: Sequence[str] | None = None,
 ) -> dict[str, Any]:
-    """Write `fmt`'s layout and the dataset card; return the export summary."""
+    """Write `fmt`'s layout and the dataset card; return the export summary. `accept`: the
+    evidence rungs whose samples reach the files (default engine_ids, text_proven,
+    target_resolved; a record whose last id is unrecoverable never does)."""
     if fmt not in FORMATS:
         raise ValueError(f"format={fmt!r} is not supported; choose one of {list(FORMATS)}")
     stores = open_stores(store_paths)
@@ -422,7 +433,8 @@ def export(
     want = FINAL_STATE_FOR[fmt]
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
-    planned = plan(stores, seed)
+    policy = accepted_samples(stores, accept)
+    planned = plan(stores, seed, policy.keep)
     digest = _plan_digest(stores, planned)
     _check_or_write_plan(
         out,
@@ -535,6 +547,7 @@ def export(
         "conventions": conv,
         "target_model_path": model_path,
         "sources": [source_figures(s) for s in stores],
+        "policy": policy.summary(),
         "wall_s": round(time.monotonic() - started, 3),
         **extras,
     }
@@ -615,16 +628,63 @@ def _records_drift(records: Path, ids: set[str]) -> dict[str, Any] | None:
     }
 
 
+def _record_file(store: HiddenStore, run: Path) -> Path:
+    """The token records a store was extracted from, within source run `run`."""
+    extract_summary = _read_json(store.path / "extract_summary.json") or {}
+    records = Path(extract_summary["records"]) if extract_summary.get("records") else None
+    if records is not None and records.parent.resolve() == run.resolve():
+        return records  # the extract input was another file of this run
+    return run / "records.jsonl"
+
+
+@dataclass
+class ExportPolicy:
+    """Which stored samples reach training files: by the evidence rung of their record."""
+
+    accept: tuple[str, ...]
+    rung_of: dict[tuple[int, str], str]
+    exported: Counter[str] = field(default_factory=Counter)
+    excluded: Counter[str] = field(default_factory=Counter)
+
+    def keep(self, store: int, sample_id: str) -> bool:
+        rung = self.rung_of.get((store, sample_id), "no_record")
+        ok = rung in self.accept or rung == "no_record"  # a store without records: as stored
+        (self.exported if ok else self.excluded)[rung] += 1
+        return ok
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "accept": list(self.accept),
+            "exported_by_evidence": dict(sorted(self.exported.items())),
+            "excluded_by_evidence": dict(sorted(self.excluded.items())),
+        }
+
+
+def accepted_samples(stores: Sequence[HiddenStore], accept: Sequence[str] | None) -> ExportPolicy:
+    """The export policy over the stores' source records (last record of an id wins)."""
+    from kimi_pipe.core.evidence import NEVER_USABLE, evidence_of, parse_accept
+
+    rung_of: dict[tuple[int, str], str] = {}
+    for si, store in enumerate(stores):
+        ids = set(store.ids)
+        for run in (Path(r) for r in store.manifest.get("source_runs", [])):
+            rec_file = _record_file(store, run)
+            if not rec_file.exists():
+                continue
+            for rec in iter_records(rec_file):
+                sid = str(rec.get("id"))
+                if sid in ids:
+                    never = NEVER_USABLE & set(rec.get("issues") or ())
+                    rung_of[(si, sid)] = "never_usable" if never else evidence_of(rec)
+    return ExportPolicy(parse_accept(accept), rung_of)
+
+
 def source_figures(store: HiddenStore) -> dict[str, Any]:
     """Fidelity (audit.json) and billing drift (summary.json, records) of a store's sources."""
     runs = [Path(r) for r in store.manifest.get("source_runs", [])]
-    extract_summary = _read_json(store.path / "extract_summary.json") or {}
-    records = Path(extract_summary["records"]) if extract_summary.get("records") else None
     out: dict[str, Any] = {"store": str(store.path), "runs": []}
     for run in runs:
-        rec_file = run / "records.jsonl"
-        if records is not None and records.parent.resolve() == run.resolve():
-            rec_file = records  # the extract input was another file of this run
+        rec_file = _record_file(store, run)
         summary = _read_json(run / "summary.json") or {}
         out["runs"].append(
             {
@@ -660,6 +720,7 @@ def run_export(cfg: DictConfig) -> dict[str, Any]:
         seed,
         target_model_path=OmegaConf.select(cfg, "target_model_path", default=None),
         max_length=int(max_length) if max_length is not None else None,
+        accept=OmegaConf.select(cfg, "export.accept", default=None),
     )
     print(
         f"export: {summary['samples']} samples, {summary['tokens']['total']} tokens -> "

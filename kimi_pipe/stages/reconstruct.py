@@ -25,15 +25,17 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from kimi_pipe.core.logprobs import LogprobPolicy, apply_logprobs, policy_from_config, record_fields
+from kimi_pipe.core.evidence import LADDER, evidence_of
+from kimi_pipe.core.logprobs import LOGPROB_ERRORS, LogprobPolicy
 from kimi_pipe.core.models import Model, load_model
-from kimi_pipe.core.reconstruction import ERRORS, reconstruct
-from kimi_pipe.core.serving import ServingProfile, serving_profile
+from kimi_pipe.core.reconstruction import ERRORS
+from kimi_pipe.core.record_builder import RecordBuilder
+from kimi_pipe.core.serving import UNKNOWN_PROFILE, ServingProfile, serving_profile
 from kimi_pipe.errors import InputError
 
 MALFORMED = "malformed_record"
 # Codes that make a record flagged: the reconstruction errors and the stage's own.
-FLAG_CODES = ERRORS | {MALFORMED}
+FLAG_CODES = ERRORS | LOGPROB_ERRORS | {MALFORMED}
 UTF8_BOM = b"\xef\xbb\xbf"
 # A \uD800-\uDFFF escape: the only way a JSON line can carry a lone surrogate. Pairs (emoji
 # written as two escapes) also match, so a hit is confirmed on the parsed value.
@@ -80,15 +82,21 @@ def _has_lone_surrogate(value: Any) -> bool:
 
 
 def reconstruct_line(
-    model: Model,
+    model: Model | RecordBuilder,
     line: str | bytes,
     line_no: int,
-    tolerance: int,
+    tolerance: int = 0,
     source: str = "input",
     policy: LogprobPolicy | None = None,
     serving: ServingProfile | None = None,
 ) -> dict[str, Any]:
-    """One input line to one output record; never raises on bad data."""
+    """One input line to one output record; never raises on bad data. `model`: a
+    RecordBuilder (the one reconstruction entry), or a Model with the settings beside it."""
+    builder = (
+        model
+        if isinstance(model, RecordBuilder)
+        else RecordBuilder(model, serving or UNKNOWN_PROFILE, tolerance, policy or LogprobPolicy())
+    )
     raw = line.encode("utf-8", "surrogatepass") if isinstance(line, str) else line
     where = f"{source}:{line_no}"
     try:
@@ -99,21 +107,13 @@ def reconstruct_line(
     messages = sample.get("messages")
     if not isinstance(messages, list):
         return _bad_record(sample_id, "bad_prompt", f"{where}: messages must be a list")
-    response = sample.get("response")
     try:
-        result = reconstruct(
-            model,
-            messages,
-            sample.get("tools"),
-            response,
-            billing_tolerance=tolerance,
-            serving=serving,
+        record = builder.build(
+            messages, sample.get("tools"), sample.get("response"), sample.get("request")
         )
-        if policy is not None:
-            result = apply_logprobs(model, result, response, policy)  # the engine's ids, if sent
     except RecursionError:
         return _bad_record(sample_id, MALFORMED, f"{where}: nested too deep to reconstruct")
-    return {"id": sample_id, **result.to_record(), **record_fields(result)}
+    return {"id": sample_id, **record}
 
 
 def _bad_record(sample_id: Any, code: str, why: str) -> dict[str, Any]:
@@ -127,6 +127,8 @@ def _bad_record(sample_id: Any, code: str, why: str) -> dict[str, Any]:
         "loss_mask": [],
         "completion_tokens_reported": None,
         "completion_tokens_reconstructed": 0,
+        "evidence": "unresolved",
+        "sampling": None,
     }
 
 
@@ -143,26 +145,30 @@ def summary_path(target: Path) -> Path:
 
 
 def run(
-    model: Model,
+    model: Model | RecordBuilder,
     source: Path,
     target: Path,
-    tolerance: int,
+    tolerance: int = 0,
     policy: LogprobPolicy | None = None,
     serving: ServingProfile | None = None,
 ) -> Counter[str]:
     """Reconstruct every line of `source` into `target` and write the summary beside it.
 
     Returns counts: records, ok, not_ok, exact, repaired, flagged, `issue:CODE`,
-    `flagged:CODE` (flagging codes of flagged records), `repaired:CODE` (notes of ok ones).
+    `flagged:CODE` (flagging codes of flagged records), `repaired:CODE` (notes of ok ones),
+    `evidence:RUNG` (the ladder) and `candidates:closed` / `candidates:open`.
     """
+    builder = (
+        model
+        if isinstance(model, RecordBuilder)
+        else RecordBuilder(model, serving or UNKNOWN_PROFILE, tolerance, policy or LogprobPolicy())
+    )
     counts: Counter[str] = Counter()
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(target.name + ".partial")
     with source.open("rb") as src, tmp.open("w", encoding="utf-8") as dst:
         for line_no, line in _lines(src):
-            record = reconstruct_line(
-                model, line, line_no, tolerance, str(source), policy, serving
-            )
+            record = reconstruct_line(builder, line, line_no, source=str(source))
             dst.write(json.dumps(record, ensure_ascii=False) + "\n")
             count_record(counts, record)
     tmp.replace(target)  # the output appears whole or not at all
@@ -183,6 +189,10 @@ def count_record(counts: Counter[str], record: dict[str, Any]) -> None:
         counts.update(f"repaired:{code}" for code in issues)
     else:
         counts["exact"] += 1
+    counts[f"evidence:{record.get('evidence') or evidence_of(record)}"] += 1
+    if isinstance(record.get("candidates"), dict):
+        closed = record["candidates"].get("closed")
+        counts["candidates:closed" if closed else "candidates:open"] += 1
 
 
 def _by(counts: Counter[str], prefix: str) -> dict[str, int]:
@@ -197,6 +207,8 @@ def summary_data(source: Path, target: Path, counts: Counter[str]) -> dict[str, 
         "exact": counts["exact"],
         "repaired": counts["repaired"],
         "flagged": counts["flagged"],
+        "evidence": {rung: counts[f"evidence:{rung}"] for rung in LADDER},
+        "candidates": {"closed": counts["candidates:closed"], "open": counts["candidates:open"]},
         "flagged_by_code": _by(counts, "flagged:"),
         "repaired_by_code": _by(counts, "repaired:"),
         "issues": _by(counts, "issue:"),
@@ -218,6 +230,10 @@ def summary_lines(counts: Counter[str], target: Path) -> list[str]:
     return [
         f"reconstructed {counts['records']} records -> {target}: {counts['exact']} exact, "
         f"{counts['repaired']} repaired (ok with notes), {counts['flagged']} flagged (ok false)",
+        "  evidence: "
+        + ", ".join(f"{rung}={counts[f'evidence:{rung}']}" for rung in LADDER)
+        + f" (flagged with a closed candidate set: {counts['candidates:closed']}, "
+        f"open: {counts['candidates:open']})",
         f"  flagged by code:  {listed('flagged:')}",
         f"  repaired by code: {listed('repaired:')}",
         f"  summary: {summary_path(target)}",
@@ -264,9 +280,7 @@ def run_configured(
 ) -> Counter[str]:
     """`run` with the settings the composed config gives: billing tolerance, logprob policy
     and serving profile (the CLI and the runner's reconstruct stage both use it)."""
-    serving = serving or serving_profile(cfg)
-    tolerance = int(cfg.validation.billing_tolerance)
-    return run(model, source, target, tolerance, policy_from_config(cfg), serving)
+    return run(RecordBuilder.from_config(cfg, model, serving), source, target)
 
 
 if __name__ == "__main__":
