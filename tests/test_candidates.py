@@ -270,3 +270,35 @@ def test_server_shape_corpus_has_no_silent_record_and_sets_hold_the_truth(kimi: 
                 closed += 1
                 assert truth in [o["output_ids"] for o in cands["options"]], (stem, r["id"])
     assert rungs.get(TEXT_PROVEN, 0) > 0 and rungs.get(UNRESOLVED, 0) > 0 and closed > 0
+
+
+def test_extraction_keeps_the_accepted_rungs_and_never_a_lost_last_id(tmp_path) -> None:
+    """extract.accept (and only_ok, from which it derives by default): proven rungs in,
+    flagged out, a cut answer with proven ids in, `partial_character` out whatever the policy."""
+    import json
+
+    from kimi_pipe.extraction.token_samples import read_token_records
+
+    def rec(sid: str, ok: bool, issues: list[str], evidence: str | None = None) -> dict:
+        row = {"id": sid, "ok": ok, "issues": issues, "prompt_ids": [1], "output_ids": [2, 3],
+               "loss_mask": [0, 1, 1]}  # fmt: skip
+        if evidence:
+            row["evidence"] = evidence
+        return row
+
+    rows = [
+        rec("proven", True, [], "text_proven"),
+        rec("cut", True, ["truncated"], "text_proven"),
+        rec("old_style", True, []),  # written before the ladder: derived from ok
+        rec("flagged", False, ["reasoning_tail_unverifiable"], "unresolved"),
+        rec("lost_last_id", False, ["truncated", "partial_character"], "unresolved"),
+    ]
+    path = tmp_path / "records.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    kept, counts = read_token_records(path)
+    assert [s.id for s in kept] == ["proven", "cut", "old_style"]
+    assert counts["skipped_not_ok"] == 2
+    everything, _ = read_token_records(path, only_ok=False)
+    assert [s.id for s in everything] == ["proven", "cut", "old_style", "flagged"]
+    flagged_only, counts = read_token_records(path, accept=["unresolved"])
+    assert [s.id for s in flagged_only] == ["flagged"] and counts["skipped_by_accept"] == 3

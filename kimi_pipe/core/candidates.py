@@ -110,6 +110,7 @@ def enumerate_candidates(
     answer = answer_fields(response)
     if answer is None:
         return None
+    prompt = rec.prompt_ids
     covered = errors & ENUMERABLE
     reported = rec.completion_tokens_reported
     # A letter-ended tail whose stripped newline billing saw: billing_mismatch, one id short.
@@ -157,7 +158,9 @@ def enumerate_candidates(
             moved = _move_space_to_arguments(undone, trailing=move == 2) if move else undone
             if moved is None:
                 continue
-            base = _build(model, messages, tools, response, moved, hypothesis, billing_tolerance)
+            base = _build(
+                model, messages, tools, response, moved, hypothesis, billing_tolerance, prompt
+            )
             tails = [""]
             if enum_tail and _closed_reasoning(moved):
                 if reported is None:
@@ -185,7 +188,14 @@ def enumerate_candidates(
                     base
                     if not tail
                     else _build(
-                        model, messages, tools, response, variant, hypothesis, billing_tolerance
+                        model,
+                        messages,
+                        tools,
+                        response,
+                        variant,
+                        hypothesis,
+                        billing_tolerance,
+                        prompt,
                     )
                 )
                 if _errors(rebuilt.issues) - {"space_before_tool_section"}:
@@ -224,6 +234,7 @@ def _build(
     answer: AnswerFields,
     hypothesis: ServingProfile,
     billing_tolerance: int,
+    prompt: Sequence[int] | None = None,
 ) -> Reconstruction:
     """Reconstruct an answer whose serving changes were already undone under `hypothesis`:
     its fields are taken as the model's text (no marker spacing, tail kept)."""
@@ -239,7 +250,13 @@ def _build(
     }
     as_text = replace(hypothesis, marker_spacing="none", reasoning_tail="kept")
     return reconstruct(
-        model, messages, tools, plain, billing_tolerance=billing_tolerance, serving=as_text
+        model,
+        messages,
+        tools,
+        plain,
+        billing_tolerance=billing_tolerance,
+        serving=as_text,
+        prompt=prompt,
     )
 
 

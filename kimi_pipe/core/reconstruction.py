@@ -484,20 +484,24 @@ def reconstruct(
     *,
     billing_tolerance: int = 0,
     serving: ServingProfile | None = None,
+    prompt: Sequence[int] | None = None,
 ) -> Reconstruction:
     """Prompt ids, output ids, loss mask and issue codes for one sample. Never raises on
     bad data: a bad sample comes back with `ok: false` and its issue codes. `serving`: what
-    the provider's stack does to text (default: unknown, every ambiguity flagged)."""
+    the provider's stack does to text (default: unknown, every ambiguity flagged). `prompt`:
+    the prompt's ids when already rendered."""
     profile = serving or UNKNOWN_PROFILE
     issues: list[str] = []
-    try:
-        prompt = prompt_ids(model, messages, tools)
-    except (PromptError, AttributeError, TypeError, KeyError) as exc:
-        prompt = []
-        issues.append("bad_prompt")
-        detail = {"prompt_error": str(exc)}
+    detail: dict[str, Any] = {}
+    if prompt is not None:  # already rendered (candidate options of one answer share it)
+        prompt = list(prompt)
     else:
-        detail = {}
+        try:
+            prompt = prompt_ids(model, messages, tools)
+        except (PromptError, AttributeError, TypeError, KeyError) as exc:
+            prompt = []
+            issues.append("bad_prompt")
+            detail = {"prompt_error": str(exc)}
 
     answer = answer_fields(response)
     reported = _usage_int(response, "completion_tokens")
