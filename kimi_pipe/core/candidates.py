@@ -276,26 +276,30 @@ def _move_space_to_arguments(answer: AnswerFields, trailing: bool = False) -> An
     return replace(answer, content=answer.content[:-1], tool_calls=calls)
 
 
-_JOINED_NEWLINES: dict[int, int] = {}
+_JOINED_TAILS: dict[int, tuple[str, ...] | None] = {}
 
 
-def _joined_newlines(model: Model) -> int:
-    """The longest run of carriage returns/newlines that one vocabulary token joins to a
-    character before it (Kimi K2.5: 8, `}\r\n\r\n\r\n\r\n`). A tail that costs no id must
-    sit in the token that ends the reasoning's last chunk, so no longer tail can be free."""
+def _joined_tails(model: Model) -> tuple[str, ...] | None:
+    """Every run of carriage returns/newlines that one vocabulary token joins to a character
+    before it (Kimi K2.5: 11 runs, the longest `\\r\\n\\r\\n\\r\\n\\r\\n`). A tail that costs no id
+    must sit in the token that ends the reasoning's last chunk, so it is one of these. None
+    when the tokenizer cannot list its vocabulary (the search then tries every string)."""
     tokenizer = model.tokenizer
     key = id(tokenizer)
-    if key not in _JOINED_NEWLINES:
+    if key not in _JOINED_TAILS:
         size = getattr(tokenizer, "vocab_size", None)
-        longest = MAX_TAIL_CHARS
+        runs: set[str] | None = None
         if isinstance(size, int):
-            longest = 0
+            runs = set()
             for token_id in range(size):
-                data = tokenizer.token_bytes(token_id).rstrip(b"\r\n")
-                if data and not data[-1:].isspace():
-                    longest = max(longest, len(tokenizer.token_bytes(token_id)) - len(data))
-        _JOINED_NEWLINES[key] = min(longest, MAX_TAIL_CHARS)
-    return _JOINED_NEWLINES[key]
+                data = tokenizer.token_bytes(token_id)
+                head = data.rstrip(b"\r\n")
+                if head and len(head) < len(data) and not head[-1:].isspace():
+                    runs.add(data[len(head) :].decode("ascii"))
+        _JOINED_TAILS[key] = (
+            None if runs is None else tuple(sorted(runs, key=lambda t: (len(t), t)))
+        )
+    return _JOINED_TAILS[key]
 
 
 def _last_chunk(text: str) -> str:
@@ -312,26 +316,30 @@ def _last_chunk(text: str) -> str:
 
 
 def _newline_tails(model: Model, reasoning: str, low: int, high: int) -> tuple[list[str], bool]:
-    """Every string of carriage returns and newlines (up to the vocabulary's joined-newline
-    bound) that, appended to the reasoning, adds between `low` and `high` ids; also whether
-    the search was complete. Counts come from the last chunk only (BPE chunks are encoded
-    apart); each option is rebuilt and billed in full afterwards."""
+    """Every string of carriage returns and newlines that, appended to the reasoning, adds
+    between `low` and `high` ids (`high` <= 0: the vocabulary's joined runs, see
+    `_joined_tails`; otherwise every string up to MAX_TAIL_CHARS within the node budget);
+    also whether the search was complete. Counts come from the last chunk only (BPE chunks are
+    encoded apart); each option is rebuilt and billed in full afterwards."""
     chunk = _last_chunk(reasoning)
     base = len(model.encode([chunk]))
-    found: list[str] = []
+    joined = _joined_tails(model) if high <= 0 else None
+    found: list[str] = [""] if low <= 0 <= high else []
+    if joined is not None:
+        for tail in joined:
+            if low <= len(model.encode([chunk + tail])) - base <= high:
+                found.append(tail)
+        return found, True
     level = [""]
     nodes = 0
-    for _length in range(_joined_newlines(model) + 1):
-        following = []
+    for _length in range(MAX_TAIL_CHARS):
+        level = [t + c for t in level for c in TAIL_ALPHABET]
         for tail in level:
             nodes += 1
             if nodes > MAX_TAIL_NODES:
                 return found, False
-            added = len(model.encode([chunk + tail])) - base if tail else 0
-            if low <= added <= high:
+            if low <= len(model.encode([chunk + tail])) - base <= high:
                 found.append(tail)
-            following += [tail + c for c in TAIL_ALPHABET]
-        level = following
     return found, True
 
 
