@@ -24,7 +24,7 @@ TORCH_LOCK := $(if $(filter-out none,$(TORCH)),requirements-torch-$(TORCH).lock)
 STAMP := $(VENV)/.installed-$(TORCH)-$(shell cat requirements.lock $(TORCH_LOCK) pyproject.toml setup.py 2>/dev/null | sha256sum | cut -c1-12)
 PY_OK := import sys; v = sys.version_info[:2]; sys.exit(0 if (3, 11) <= v <= (3, 13) else 1)
 
-.PHONY: setup test lint snapshots reconstruct-sample generate sweep probe report demo run bench interop sglang-cpu test-sglang-cpu lock lock-torch wheel check-install clean
+.PHONY: setup test lint snapshots reconstruct-sample yield generate sweep probe report demo run bench interop sglang-cpu test-sglang-cpu lock lock-torch wheel check-install clean
 
 setup: $(STAMP)
 
@@ -57,6 +57,9 @@ snapshots: setup
 	$(PYTHON) -m pytest -q tests/test_snapshots.py --snapshot-update
 
 # Reconstruct the bundled recorded answers with the Kimi tokenizer (../shared or KIMI_TOKENIZER_DIR).
+yield: setup
+	$(PYTHON) scripts/yield_table.py
+
 reconstruct-sample: setup
 	$(PYTHON) -m kimi_pipe.reconstruct model=kimi_k25 \
 	  input=tests/fixtures/kimi_k25_responses.jsonl output=runs/sample/reconstructed.jsonl

@@ -346,3 +346,27 @@ def test_unknown_tail_is_proven_only_by_whole_logprobs(kimi: Model) -> None:
     resp = _response(REASONING, CONTENT, len(truth), _entries(kimi, truth))
     whole = apply_logprobs(kimi, reconstruct(kimi, MESSAGES, None, resp), resp, LogprobPolicy())
     assert whole.ok and whole.issues == [] and whole.output_ids == truth
+
+
+def test_corrupt_logprobs_are_not_proof_even_under_a_declared_profile(kimi: Model) -> None:
+    """Issue 19 item 5: logprobs that are no tokens (two entries glued, a byte out of range)
+    mean the answer was changed between the engine and us: the re-encoded text, which on its
+    own passes every check under the declared profile, is not proof. Flagged, never `ok`."""
+    truth = _truth(kimi)
+    plain = _rebuild(kimi, _response(REASONING, CONTENT, len(truth), None))
+    assert plain.ok  # without logprobs the same answer is proven by text + profile + billing
+    entries = _entries(kimi, truth)
+    entries[1:3] = [{"token": "glued", "bytes": entries[1]["bytes"] + entries[2]["bytes"]}]
+    resp = _response(REASONING, CONTENT, len(truth), entries)
+    rec = apply_logprobs(kimi, _rebuild(kimi, resp), resp, LogprobPolicy())
+    assert "logprobs_invalid" in rec.issues and not rec.ok
+    out_of_range = _entries(kimi, truth)
+    out_of_range[0]["bytes"] = [300]
+    resp = _response(REASONING, CONTENT, len(truth), out_of_range)
+    rec = apply_logprobs(kimi, _rebuild(kimi, resp), resp, LogprobPolicy())
+    assert "logprobs_invalid" in rec.issues and not rec.ok
+    # Through the one reconstruction entry the record's rung says so.
+    from kimi_pipe.core.record_builder import RecordBuilder
+
+    record = RecordBuilder(kimi, TAIL_KEPT).build(MESSAGES, None, resp)
+    assert not record["ok"] and record["evidence"] == "unresolved"

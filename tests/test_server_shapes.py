@@ -338,7 +338,9 @@ def test_reconstruct_stage_reads_the_serving_group(tmp_path: Path) -> None:
     """`python -m kimi_pipe.reconstruct serving=...` applies the profile; a bad value exits 2."""
     from kimi_pipe.stages.reconstruct import main
 
-    record = next(r for stem, r in corpus() if stem == "vllm-0.15.1-spaces" and r["id"] == "a001")
+    # a002: a spaced answer that stays ambiguous under `unknown` (a001 is now proven there:
+    # its spaced reading contradicts the text, issue 19's single_candidate).
+    record = next(r for stem, r in corpus() if stem == "vllm-0.15.1-spaces" and r["id"] == "a002")
     source = tmp_path / "in.jsonl"
     source.write_text(json.dumps(record) + "\n", encoding="utf-8")
     results = {}

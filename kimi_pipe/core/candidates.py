@@ -110,6 +110,7 @@ def enumerate_candidates(
     answer = answer_fields(response)
     if answer is None:
         return None
+    prompt = rec.prompt_ids
     covered = errors & ENUMERABLE
     reported = rec.completion_tokens_reported
     # A letter-ended tail whose stripped newline billing saw: billing_mismatch, one id short.
@@ -128,13 +129,17 @@ def enumerate_candidates(
     spacings = (
         ["none", "spaces"] if "leading_space_after_marker" in covered else [profile.marker_spacing]
     )
-    moves = [False, True] if "space_before_tool_section" in covered else [False]
+    moves = [0, 1, 2] if "space_before_tool_section" in covered else [0]
     classes = sorted(
         {CLASS_OF_CODE[c] for c in covered if c in CLASS_OF_CODE}
         | ({"reasoning_tail"} if enum_tail else set())
     )
 
     why_open: list[str] = []
+    if "space_before_tool_section" in covered:
+        # Seen in SGLang 0.5.14's corpus: the stack that moves the leading space also strips
+        # the arguments' trailing one, and the same count can hide other whitespace there.
+        why_open.append("the stack may have stripped other whitespace around the arguments")
     if billing_tolerance:
         why_open.append(f"billing tolerance {billing_tolerance}: billing cannot bound the options")
     options: list[Option] = []
@@ -150,10 +155,12 @@ def enumerate_candidates(
         if "marker_spacing_mismatch" in scratch:
             continue  # a stack that spaces every marker cannot have written this answer
         for move in moves:
-            moved = _move_space_to_arguments(undone) if move else undone
+            moved = _move_space_to_arguments(undone, trailing=move == 2) if move else undone
             if moved is None:
                 continue
-            base = _build(model, messages, tools, response, moved, hypothesis, billing_tolerance)
+            base = _build(
+                model, messages, tools, response, moved, hypothesis, billing_tolerance, prompt
+            )
             tails = [""]
             if enum_tail and _closed_reasoning(moved):
                 if reported is None:
@@ -181,7 +188,14 @@ def enumerate_candidates(
                     base
                     if not tail
                     else _build(
-                        model, messages, tools, response, variant, hypothesis, billing_tolerance
+                        model,
+                        messages,
+                        tools,
+                        response,
+                        variant,
+                        hypothesis,
+                        billing_tolerance,
+                        prompt,
                     )
                 )
                 if _errors(rebuilt.issues) - {"space_before_tool_section"}:
@@ -220,6 +234,7 @@ def _build(
     answer: AnswerFields,
     hypothesis: ServingProfile,
     billing_tolerance: int,
+    prompt: Sequence[int] | None = None,
 ) -> Reconstruction:
     """Reconstruct an answer whose serving changes were already undone under `hypothesis`:
     its fields are taken as the model's text (no marker spacing, tail kept)."""
@@ -235,13 +250,20 @@ def _build(
     }
     as_text = replace(hypothesis, marker_spacing="none", reasoning_tail="kept")
     return reconstruct(
-        model, messages, tools, plain, billing_tolerance=billing_tolerance, serving=as_text
+        model,
+        messages,
+        tools,
+        plain,
+        billing_tolerance=billing_tolerance,
+        serving=as_text,
+        prompt=prompt,
     )
 
 
-def _move_space_to_arguments(answer: AnswerFields) -> AnswerFields | None:
+def _move_space_to_arguments(answer: AnswerFields, trailing: bool = False) -> AnswerFields | None:
     """SGLang 0.5.14 streaming: the first call's leading argument space arrives as the
-    content's last character. The reverse move, or None when the answer has no such space."""
+    content's last character (`trailing`: and the arguments' trailing space was stripped).
+    The reverse move, or None when the answer has no such space."""
     if not (answer.tool_calls and answer.content.endswith(" ")):
         return None
     calls = [dict(c) for c in answer.tool_calls]
@@ -249,31 +271,35 @@ def _move_space_to_arguments(answer: AnswerFields) -> AnswerFields | None:
     arguments = function.get("arguments")
     if not isinstance(arguments, str):
         return None
-    function["arguments"] = " " + arguments
+    function["arguments"] = " " + arguments + (" " if trailing else "")
     calls[0]["function"] = function
     return replace(answer, content=answer.content[:-1], tool_calls=calls)
 
 
-_JOINED_NEWLINES: dict[int, int] = {}
+_JOINED_TAILS: dict[int, tuple[str, ...] | None] = {}
 
 
-def _joined_newlines(model: Model) -> int:
-    """The longest run of carriage returns/newlines that one vocabulary token joins to a
-    character before it (Kimi K2.5: 8, `}\r\n\r\n\r\n\r\n`). A tail that costs no id must
-    sit in the token that ends the reasoning's last chunk, so no longer tail can be free."""
+def _joined_tails(model: Model) -> tuple[str, ...] | None:
+    """Every run of carriage returns/newlines that one vocabulary token joins to a character
+    before it (Kimi K2.5: 11 runs, the longest `\\r\\n\\r\\n\\r\\n\\r\\n`). A tail that costs no id
+    must sit in the token that ends the reasoning's last chunk, so it is one of these. None
+    when the tokenizer cannot list its vocabulary (the search then tries every string)."""
     tokenizer = model.tokenizer
     key = id(tokenizer)
-    if key not in _JOINED_NEWLINES:
+    if key not in _JOINED_TAILS:
         size = getattr(tokenizer, "vocab_size", None)
-        longest = MAX_TAIL_CHARS
+        runs: set[str] | None = None
         if isinstance(size, int):
-            longest = 0
+            runs = set()
             for token_id in range(size):
-                data = tokenizer.token_bytes(token_id).rstrip(b"\r\n")
-                if data and not data[-1:].isspace():
-                    longest = max(longest, len(tokenizer.token_bytes(token_id)) - len(data))
-        _JOINED_NEWLINES[key] = min(longest, MAX_TAIL_CHARS)
-    return _JOINED_NEWLINES[key]
+                data = tokenizer.token_bytes(token_id)
+                head = data.rstrip(b"\r\n")
+                if head and len(head) < len(data) and not head[-1:].isspace():
+                    runs.add(data[len(head) :].decode("ascii"))
+        _JOINED_TAILS[key] = (
+            None if runs is None else tuple(sorted(runs, key=lambda t: (len(t), t)))
+        )
+    return _JOINED_TAILS[key]
 
 
 def _last_chunk(text: str) -> str:
@@ -290,26 +316,30 @@ def _last_chunk(text: str) -> str:
 
 
 def _newline_tails(model: Model, reasoning: str, low: int, high: int) -> tuple[list[str], bool]:
-    """Every string of carriage returns and newlines (up to the vocabulary's joined-newline
-    bound) that, appended to the reasoning, adds between `low` and `high` ids; also whether
-    the search was complete. Counts come from the last chunk only (BPE chunks are encoded
-    apart); each option is rebuilt and billed in full afterwards."""
+    """Every string of carriage returns and newlines that, appended to the reasoning, adds
+    between `low` and `high` ids (`high` <= 0: the vocabulary's joined runs, see
+    `_joined_tails`; otherwise every string up to MAX_TAIL_CHARS within the node budget);
+    also whether the search was complete. Counts come from the last chunk only (BPE chunks are
+    encoded apart); each option is rebuilt and billed in full afterwards."""
     chunk = _last_chunk(reasoning)
     base = len(model.encode([chunk]))
-    found: list[str] = []
+    joined = _joined_tails(model) if high <= 0 else None
+    found: list[str] = [""] if low <= 0 <= high else []
+    if joined is not None:
+        for tail in joined:
+            if low <= len(model.encode([chunk + tail])) - base <= high:
+                found.append(tail)
+        return found, True
     level = [""]
     nodes = 0
-    for _length in range(_joined_newlines(model) + 1):
-        following = []
+    for _length in range(MAX_TAIL_CHARS):
+        level = [t + c for t in level for c in TAIL_ALPHABET]
         for tail in level:
             nodes += 1
             if nodes > MAX_TAIL_NODES:
                 return found, False
-            added = len(model.encode([chunk + tail])) - base if tail else 0
-            if low <= added <= high:
+            if low <= len(model.encode([chunk + tail])) - base <= high:
                 found.append(tail)
-            following += [tail + c for c in TAIL_ALPHABET]
-        level = following
     return found, True
 
 
@@ -324,7 +354,7 @@ def _runs_that_fit(model: Model, reasoning: str, low: int, high: int) -> list[st
     return fits
 
 
-def _label(spacing: str | None, move: bool, tail: str) -> str:
+def _label(spacing: str | None, move: int, tail: str) -> str:
     parts = []
     if spacing == "spaces":
         parts.append("marker spaces removed (the stack's)")
@@ -332,6 +362,8 @@ def _label(spacing: str | None, move: bool, tail: str) -> str:
         parts.append("marker-side spaces kept (the model's)")
     if move:
         parts.append("content's last space moved into the first call's arguments")
+    if move == 2:
+        parts.append("the arguments' trailing space restored")
     if tail:
         parts.append(f"reasoning tail {tail!r} restored")
     return "; ".join(parts) or "as returned"

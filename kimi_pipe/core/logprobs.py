@@ -15,8 +15,9 @@ only the content after the think-end marker), and compares texts there:
   - texts disagree: error `logprob_mismatch` (position, both pieces); the record keeps
     the re-encoded ids, because either the text or the logprobs were changed and nothing
     here can tell which;
-  - an entry that is not a token, or a sequence that cannot be placed: note
-    `logprobs_invalid`; the logprobs are ignored, never trusted.
+  - an entry that is not a token, or a sequence that cannot be placed: error
+    `logprobs_invalid`; the logprobs are ignored, never trusted, and the record is not `ok`
+    on the strength of re-encoding (corrupt logprobs are not proof, whatever the profile).
 """
 
 from __future__ import annotations
@@ -28,11 +29,17 @@ from typing import Any
 from kimi_pipe.core.models import Model
 from kimi_pipe.core.reconstruction import ERRORS, Reconstruction
 
-LOGPROB_ERRORS = frozenset({"logprob_mismatch"})  # covered text differs from the answer text
+LOGPROB_ERRORS = frozenset(
+    {
+        "logprob_mismatch",  # covered text differs from the answer text
+        # Entries that are not tokens or do not fit the output: the answer was changed
+        # somewhere between the engine and us, so re-encoding its text proves nothing.
+        "logprobs_invalid",
+    }
+)
 LOGPROB_NOTES = frozenset(
     {
         "noncanonical_split",  # same text, other ids than re-encoding: the engine's kept
-        "logprobs_invalid",  # entries that are not tokens or do not fit the output: ignored
         "logprobs_missing",  # logprobs were asked for and none came back
     }
 )
@@ -215,13 +222,15 @@ def apply_logprobs(
         engine = engine_ids(model, entries)
     except BadLogprobs as exc:
         summary["invalid"] = str(exc)
-        return replace(rec, issues=_unique([*rec.issues, "logprobs_invalid"]), details=details)
+        issues = _unique([*rec.issues, "logprobs_invalid"])
+        return replace(rec, ok=False, issues=issues, details=details)
     if not engine:  # e.g. content-only logprobs of an empty content: nothing to compare
         summary["coverage"] = "none"
         return replace(rec, details=details)
     if not output:  # nothing was reconstructed to compare with (a malformed answer)
         summary["invalid"] = "no reconstructed output to place the tokens in"
-        return replace(rec, issues=_unique([*rec.issues, "logprobs_invalid"]), details=details)
+        issues = _unique([*rec.issues, "logprobs_invalid"])
+        return replace(rec, ok=False, issues=issues, details=details)
 
     token_bytes = model.tokenizer.token_bytes
     coverage, start = _covered_start(model, output, engine)

@@ -26,7 +26,6 @@ from kimi_pipe.core.serving import UNKNOWN, UNKNOWN_PROFILE, ServingProfile
 # Issue codes. Errors make `ok` false; notes are listed but leave `ok` as it is.
 ERRORS = frozenset(
     {
-        "truncated",  # finish_reason == "length": the answer was cut by max_tokens
         "billing_mismatch",  # reconstructed length != usage.completion_tokens (+- tolerance)
         "malformed_response",  # no choices / no message / not an object
         "provider_error",  # an error body or finish_reason "error"
@@ -46,6 +45,10 @@ ERRORS = frozenset(
 )
 NOTES = frozenset(
     {
+        # finish_reason == "length": cut by max_tokens. Its ids are proven like any other
+        # (no end-of-turn appended); a cut inside a character is `partial_character`.
+        "truncated",
+        "single_candidate",  # one id sequence fits text, every serving reading and billing
         "tool_call_ids_rebuilt",  # ids not in the model's pattern were rebuilt
         "no_usage",  # no usage.completion_tokens to check against
         "reasoning_from_content",  # no reasoning field: split content at the think-end marker
@@ -481,20 +484,24 @@ def reconstruct(
     *,
     billing_tolerance: int = 0,
     serving: ServingProfile | None = None,
+    prompt: Sequence[int] | None = None,
 ) -> Reconstruction:
     """Prompt ids, output ids, loss mask and issue codes for one sample. Never raises on
     bad data: a bad sample comes back with `ok: false` and its issue codes. `serving`: what
-    the provider's stack does to text (default: unknown, every ambiguity flagged)."""
+    the provider's stack does to text (default: unknown, every ambiguity flagged). `prompt`:
+    the prompt's ids when already rendered."""
     profile = serving or UNKNOWN_PROFILE
     issues: list[str] = []
-    try:
-        prompt = prompt_ids(model, messages, tools)
-    except (PromptError, AttributeError, TypeError, KeyError) as exc:
-        prompt = []
-        issues.append("bad_prompt")
-        detail = {"prompt_error": str(exc)}
+    detail: dict[str, Any] = {}
+    if prompt is not None:  # already rendered (candidate options of one answer share it)
+        prompt = list(prompt)
     else:
-        detail = {}
+        try:
+            prompt = prompt_ids(model, messages, tools)
+        except (PromptError, AttributeError, TypeError, KeyError) as exc:
+            prompt = []
+            issues.append("bad_prompt")
+            detail = {"prompt_error": str(exc)}
 
     answer = answer_fields(response)
     reported = _usage_int(response, "completion_tokens")

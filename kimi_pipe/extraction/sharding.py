@@ -549,7 +549,9 @@ def run_sharded(cfg: Any, backend: Any) -> dict[str, Any]:
     num_shards = int(OmegaConf.select(cfg, "extract.num_shards", default=1) or 1)
     check_shard(shard, num_shards)
     records = records_path(cfg)
-    samples, counts = read_token_records(records, only_ok=bool(ecfg.get("only_ok", True)))
+    samples, counts = read_token_records(
+        records, only_ok=bool(ecfg.get("only_ok", True)), accept=ecfg.get("accept")
+    )
     samples, len_counts = apply_max_len(samples, ecfg.get("max_len"), str(ecfg.over_max_len))
     counts.update(len_counts)
     mine = select_shard(samples, shard, num_shards)

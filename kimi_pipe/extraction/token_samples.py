@@ -11,7 +11,7 @@ import importlib
 import logging
 import os
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -66,12 +66,17 @@ def _record_problem(rec: Any) -> str | None:
 
 
 def read_token_records(
-    path: str | os.PathLike[str], only_ok: bool = True
+    path: str | os.PathLike[str], only_ok: bool = True, accept: Sequence[str] | None = None
 ) -> tuple[list[TokenSample], Counter[str]]:
     """Read token records; bad lines/records are reported and counted, never fatal.
 
+    `accept`: the evidence rungs kept (core/evidence.py); None derives it from `only_ok`
+    (true: the proven rungs; false: every rung). A partial_character record is never kept.
     A later record with the same id replaces an earlier one (a retried sample).
     """
+    from kimi_pipe.core.evidence import DEFAULT_ACCEPT, LADDER, evidence_of, usable
+
+    rungs = tuple(accept) if accept else (DEFAULT_ACCEPT if only_ok else LADDER)
     path = Path(path)
     if not path.exists():
         raise MissingFile(
@@ -82,8 +87,12 @@ def read_token_records(
     by_id: dict[str, TokenSample] = {}
     read = ReadStats()
     for rec in iter_records(path, read):  # bad and torn lines are logged and counted there
-        if only_ok and not rec.get("ok", False):
-            counts["skipped_not_ok"] += 1
+        if rec.get("output_ids") and not usable(rec, rungs):
+            counts["skipped_not_ok" if not rec.get("ok") else "skipped_by_accept"] += 1
+            counts[f"skipped_evidence_{evidence_of(rec)}"] += 1
+            continue
+        if only_ok and accept is None and not rec.get("ok", False):
+            counts["skipped_not_ok"] += 1  # an error record (no ids)
             continue
         problem = _record_problem(rec)
         if problem:

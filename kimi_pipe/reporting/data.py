@@ -18,6 +18,8 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig
 
+from kimi_pipe.core.evidence import LADDER, evidence_of
+
 RECORDS_FILE = "records.jsonl"
 PROBES_DIR = "probes"  # where the probe stage writes inside a sweep directory
 SERVING_AUTO_DIR = "serving_auto"  # generate's serving=auto probe runs inside a run dir
@@ -218,6 +220,7 @@ class RunStats:
     logprob_agree: int = 0  # ... whose engine tokens join to the answer text
     logprob_coverage: Counter[str] = field(default_factory=Counter)  # whole / content
     bad_lines: int = 0
+    evidence: Counter[str] = field(default_factory=Counter)  # answered records per ladder rung
 
     @property
     def ok_rate(self) -> float | None:
@@ -403,6 +406,7 @@ def summarize(run: Run) -> RunStats:
             continue
         stats.answered += 1
         stats.ok += bool(rec.get("ok"))
+        stats.evidence[evidence_of(rec)] += 1
         codes = [str(i) for i in rec.get("issues") or []]
         stats.issues.update(codes)
         # A recovered split is evidence of exact ids, not a fault: it does not count here.
@@ -659,6 +663,7 @@ def report_data(stats: list[RunStats], rec: Recommendation) -> dict[str, Any]:
                 "requests": s.requests,
                 "answered": s.answered,
                 "ok_rate": s.ok_rate,
+                "evidence": {rung: s.evidence[rung] for rung in LADDER},
                 "billing_drift_pct": s.drift_total_pct,
                 "billing_drift_per_sample_pct": s.drift_pct,
                 "issues": dict(s.issues),

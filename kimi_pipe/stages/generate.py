@@ -39,6 +39,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from kimi_pipe.config import CONF_DIR
 from kimi_pipe.core.answer_checks import TextRepair, answer_issues, clean_text
+from kimi_pipe.core.evidence import LADDER, evidence_of
 from kimi_pipe.errors import KimiPipeError, one_line
 from kimi_pipe.progress import Progress, Snapshot
 from kimi_pipe.providers.account import KeyStatus, account_for
@@ -89,33 +90,28 @@ class GenerateError(KimiPipeError, RuntimeError):
 @dataclass
 class TokenCore:
     prompt_len: Callable[[list[dict], list[dict] | None], int]
-    reconstruct: Callable[[list[dict], list[dict] | None, dict], dict[str, Any]]
+    reconstruct: Callable[..., dict[str, Any]]
 
     @classmethod
     def load(cls, cfg: DictConfig, asked_model: str = "", route: Any = None) -> TokenCore:
-        from kimi_pipe.core.logprobs import apply_logprobs, policy_from_config, record_fields
         from kimi_pipe.core.models import load_model
         from kimi_pipe.core.prompt_render import prompt_ids
-        from kimi_pipe.core.reconstruction import reconstruct
+        from kimi_pipe.core.record_builder import RecordBuilder
         from kimi_pipe.stages import serving_auto
 
         model = load_model(cfg.model)
+        builder = RecordBuilder.from_config(cfg, model)
         # Which serving profile each answer is undone with: the one fitted (serving=auto)
         # or declared for the provider that answered (stages/serving_auto.py).
         route = route or serving_auto.named(cfg)
-        tolerance = int(OmegaConf.select(cfg, "validation.billing_tolerance", default=0) or 0)
-        policy = policy_from_config(cfg)
 
         def prompt_len(messages: list[dict], tools: list[dict] | None) -> int:
             return len(prompt_ids(model, messages, tools))
 
-        def rebuild(messages: list[dict], tools: list[dict] | None, resp: dict) -> dict[str, Any]:
+        def rebuild(messages: list[dict], tools: list[dict] | None, resp: dict,
+                    request: dict | None = None) -> dict[str, Any]:
             serving, spec, probe = route.profile_for(resp.get("provider"))
-            rec = reconstruct(
-                model, messages, tools, resp, billing_tolerance=tolerance, serving=serving
-            )
-            rec = apply_logprobs(model, rec, resp, policy)  # the engine's own ids, if sent
-            record = rec.to_record() | record_fields(rec)
+            record = replace(builder, serving=serving).build(messages, tools, resp, request)
             record |= {"serving_profile": spec, "serving_probe": probe}
             return _with_issues(record, answer_issues(resp, asked_model))
 
@@ -123,11 +119,10 @@ class TokenCore:
 
 
 def _with_issues(record: dict[str, Any], issues: list[str]) -> dict[str, Any]:
-    """Add error codes to a reconstructed record: it is no longer `ok`."""
-    if issues:
-        record["issues"] = list(dict.fromkeys([*record.get("issues", []), *issues]))
-        record["ok"] = False
-    return record
+    """Add error codes to a reconstructed record: it is no longer `ok` (rung unresolved)."""
+    from kimi_pipe.core.record_builder import mark_flagged
+
+    return mark_flagged(record, issues)
 
 
 # ---------------------------------------------------------------------------------------
@@ -517,12 +512,13 @@ class Generator:
                 self._stop(gate, "route_changed", f"{resp.get('provider')} answered but was "
                            "not probed (serving=auto): probing it, then resuming")
             try:
-                rec = core.reconstruct(prompt.messages, prompt.tools, resp)
+                rec = core.reconstruct(prompt.messages, prompt.tools, resp, self.request)
             except Exception as exc:  # noqa: BLE001 - keep the paid answer whatever happens
                 log.exception("reconstruction of %s failed", prompt.id)
                 rec = {"ok": False, "issues": ["reconstruction_crashed"], "prompt_ids": [],
                        "output_ids": [], "loss_mask": [], "completion_tokens_reported": None,
-                       "completion_tokens_reconstructed": 0, "reconstruction_error": str(exc)}
+                       "completion_tokens_reconstructed": 0, "reconstruction_error": str(exc),
+                       "evidence": "unresolved", "sampling": None}
             extra = [*flags, *result.billing_flags, *result.wire_flags]
             extra += ["answer_text_replaced"] if repair.surrogates else []
             extra += ["api_key_echoed"] if repair.key_echoed else []
@@ -596,6 +592,7 @@ class Generator:
                 continue
             counts["answered"] += 1
             counts["ok" if rec.get("ok") else "flagged"] += 1
+            counts[f"evidence:{evidence_of(rec)}"] += 1
             flagged.update(rec.get("issues") or [])
             providers[str(rec.get("provider"))] += 1
             usage = rec.get("usage") or {}
@@ -621,6 +618,7 @@ class Generator:
                        "ok": counts["ok"], "flagged": counts["flagged"],
                        "failed": sum(failed.values())},
             "flagged_by_issue": dict(flagged),
+            "evidence": {rung: counts[f"evidence:{rung}"] for rung in LADDER},
             "failed_by_class": dict(failed),
             "providers": dict(providers),
             "spend_usd": total_spend,

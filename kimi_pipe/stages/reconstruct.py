@@ -21,15 +21,18 @@ import re
 import sys
 from collections import Counter
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from omegaconf import DictConfig
 
-from kimi_pipe.core.logprobs import LogprobPolicy, apply_logprobs, policy_from_config, record_fields
+from kimi_pipe.core.evidence import LADDER, evidence_of
+from kimi_pipe.core.logprobs import LOGPROB_ERRORS, LogprobPolicy
 from kimi_pipe.core.models import Model, load_model
-from kimi_pipe.core.reconstruction import ERRORS, reconstruct
-from kimi_pipe.core.serving import ServingProfile, serving_profile
+from kimi_pipe.core.reconstruction import ERRORS
+from kimi_pipe.core.record_builder import RecordBuilder
+from kimi_pipe.core.serving import UNKNOWN_PROFILE, ServingProfile, serving_profile
 from kimi_pipe.errors import ConfigError, InputError, MissingFile
 from kimi_pipe.stages.serving_auto import is_plain_auto, recorded_profile
 from kimi_pipe.store import atomic
@@ -38,7 +41,7 @@ MALFORMED = "malformed_record"
 # Codes that make a record flagged: the reconstruction errors and the stage's own.
 # A stored record whose `serving_profile` names no conf/serving profile (serving=auto).
 BAD_SERVING_PROFILE = "bad_serving_profile"
-FLAG_CODES = ERRORS | {MALFORMED, BAD_SERVING_PROFILE}
+FLAG_CODES = ERRORS | LOGPROB_ERRORS | {MALFORMED, BAD_SERVING_PROFILE}
 UTF8_BOM = b"\xef\xbb\xbf"
 # A \uD800-\uDFFF escape: the only way a JSON line can carry a lone surrogate. Pairs (emoji
 # written as two escapes) also match, so a hit is confirmed on the parsed value.
@@ -85,15 +88,21 @@ def _has_lone_surrogate(value: Any) -> bool:
 
 
 def reconstruct_line(
-    model: Model,
+    model: Model | RecordBuilder,
     line: str | bytes,
     line_no: int,
-    tolerance: int,
+    tolerance: int = 0,
     source: str = "input",
     policy: LogprobPolicy | None = None,
     serving: ServingProfile | None = None,
 ) -> dict[str, Any]:
-    """One input line to one output record; never raises on bad data."""
+    """One input line to one output record; never raises on bad data. `model`: a
+    RecordBuilder (the one reconstruction entry), or a Model with the settings beside it."""
+    builder = (
+        model
+        if isinstance(model, RecordBuilder)
+        else RecordBuilder(model, serving or UNKNOWN_PROFILE, tolerance, policy or LogprobPolicy())
+    )
     raw = line.encode("utf-8", "surrogatepass") if isinstance(line, str) else line
     where = f"{source}:{line_no}"
     try:
@@ -104,33 +113,26 @@ def reconstruct_line(
     messages = sample.get("messages")
     if not isinstance(messages, list):
         return _bad_record(sample_id, "bad_prompt", f"{where}: messages must be a list")
-    response = sample.get("response")
     recorded = None
-    if serving is not None and is_plain_auto(serving):
+    if is_plain_auto(builder.serving):
         # serving=auto over a stored run: the profile generate fitted for this record's
         # provider (serving=NAME overrides it); a record that names none: nothing declared.
         try:
             recorded = recorded_profile(sample)
         except ConfigError as exc:
             return _bad_record(sample_id, BAD_SERVING_PROFILE, f"{where}: {exc}")
-        serving = recorded or serving  # all fields unknown
+        if recorded is not None:
+            builder = replace(builder, serving=recorded)
     try:
-        result = reconstruct(
-            model,
-            messages,
-            sample.get("tools"),
-            response,
-            billing_tolerance=tolerance,
-            serving=serving,
+        record = builder.build(
+            messages, sample.get("tools"), sample.get("response"), sample.get("request")
         )
-        if policy is not None:
-            result = apply_logprobs(model, result, response, policy)  # the engine's ids, if sent
     except RecursionError:
         return _bad_record(sample_id, MALFORMED, f"{where}: nested too deep to reconstruct")
-    out = {"id": sample_id, **result.to_record(), **record_fields(result)}
+    out = {"id": sample_id, **record}
     if recorded is not None:
         out |= {"serving_profile": sample["serving_profile"],
-                "serving_probe": sample.get("serving_probe")}
+                "serving_probe": sample.get("serving_probe")}  # fmt: skip
     return out
 
 
@@ -145,6 +147,8 @@ def _bad_record(sample_id: Any, code: str, why: str) -> dict[str, Any]:
         "loss_mask": [],
         "completion_tokens_reported": None,
         "completion_tokens_reconstructed": 0,
+        "evidence": "unresolved",
+        "sampling": None,
     }
 
 
@@ -161,18 +165,24 @@ def summary_path(target: Path) -> Path:
 
 
 def run(
-    model: Model,
+    model: Model | RecordBuilder,
     source: Path,
     target: Path,
-    tolerance: int,
+    tolerance: int = 0,
     policy: LogprobPolicy | None = None,
     serving: ServingProfile | None = None,
 ) -> Counter[str]:
     """Reconstruct every line of `source` into `target` and write the summary beside it.
 
     Returns counts: records, ok, not_ok, exact, repaired, flagged, `issue:CODE`,
-    `flagged:CODE` (flagging codes of flagged records), `repaired:CODE` (notes of ok ones).
+    `flagged:CODE` (flagging codes of flagged records), `repaired:CODE` (notes of ok ones),
+    `evidence:RUNG` (the ladder) and `candidates:closed` / `candidates:open`.
     """
+    builder = (
+        model
+        if isinstance(model, RecordBuilder)
+        else RecordBuilder(model, serving or UNKNOWN_PROFILE, tolerance, policy or LogprobPolicy())
+    )
     counts: Counter[str] = Counter()
     target.parent.mkdir(parents=True, exist_ok=True)
     # The output appears whole or not at all.
@@ -182,9 +192,7 @@ def run(
         atomic.open_new(tmp) as dst,
     ):
         for line_no, line in _lines(src):
-            record = reconstruct_line(
-                model, line, line_no, tolerance, str(source), policy, serving
-            )
+            record = reconstruct_line(builder, line, line_no, source=str(source))
             dst.write((json.dumps(record, ensure_ascii=False) + "\n").encode())
             count_record(counts, record)
     write_summary(summary_path(target), source, target, counts)
@@ -204,6 +212,10 @@ def count_record(counts: Counter[str], record: dict[str, Any]) -> None:
         counts.update(f"repaired:{code}" for code in issues)
     else:
         counts["exact"] += 1
+    counts[f"evidence:{record.get('evidence') or evidence_of(record)}"] += 1
+    if isinstance(record.get("candidates"), dict):
+        closed = record["candidates"].get("closed")
+        counts["candidates:closed" if closed else "candidates:open"] += 1
 
 
 def _by(counts: Counter[str], prefix: str) -> dict[str, int]:
@@ -218,6 +230,8 @@ def summary_data(source: Path, target: Path, counts: Counter[str]) -> dict[str, 
         "exact": counts["exact"],
         "repaired": counts["repaired"],
         "flagged": counts["flagged"],
+        "evidence": {rung: counts[f"evidence:{rung}"] for rung in LADDER},
+        "candidates": {"closed": counts["candidates:closed"], "open": counts["candidates:open"]},
         "flagged_by_code": _by(counts, "flagged:"),
         "repaired_by_code": _by(counts, "repaired:"),
         "issues": _by(counts, "issue:"),
@@ -235,6 +249,10 @@ def summary_lines(counts: Counter[str], target: Path) -> list[str]:
     return [
         f"reconstructed {counts['records']} records -> {target}: {counts['exact']} exact, "
         f"{counts['repaired']} repaired (ok with notes), {counts['flagged']} flagged (ok false)",
+        "  evidence: "
+        + ", ".join(f"{rung}={counts[f'evidence:{rung}']}" for rung in LADDER)
+        + f" (flagged with a closed candidate set: {counts['candidates:closed']}, "
+        f"open: {counts['candidates:open']})",
         f"  flagged by code:  {listed('flagged:')}",
         f"  repaired by code: {listed('repaired:')}",
         f"  summary: {summary_path(target)}",
@@ -298,9 +316,7 @@ def run_configured(
 ) -> Counter[str]:
     """`run` with the settings the composed config gives: billing tolerance, logprob policy
     and serving profile (the CLI and the runner's reconstruct stage both use it)."""
-    serving = serving or serving_profile(cfg)
-    tolerance = int(cfg.validation.billing_tolerance)
-    return run(model, source, target, tolerance, policy_from_config(cfg), serving)
+    return run(RecordBuilder.from_config(cfg, model, serving), source, target)
 
 
 if __name__ == "__main__":

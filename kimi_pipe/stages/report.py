@@ -17,6 +17,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from kimi_pipe.core.evidence import LADDER
 from kimi_pipe.errors import UsageError
 from kimi_pipe.reporting.charts import write_charts
 from kimi_pipe.reporting.data import (
@@ -122,6 +123,8 @@ def render_markdown(
             f"- answers served by: {s.served_by}; quantisation: {s.quantization}",
             f"- requests {s.requests}, answered {s.answered}, reconstruction ok {s.ok}; "
             f"run ended: {s.stop_reason}",
+            "- evidence ladder (answered records): "
+            + ", ".join(f"{rung} {s.evidence[rung]}" for rung in LADDER),
             f"- issue codes: {_counter_text(s.issues)}",
             f"- billing drift: {s.drift_tokens:+d} tokens over {s.reported_tokens} reported "
             f"({fmt_pct(s.drift_total_pct, 2)}); per sample min/median/max "

@@ -28,8 +28,9 @@ import os
 import random
 import sys
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -145,16 +146,24 @@ def _short(value: Any) -> str:
     return text if len(text) < 80 else text[:77] + "..."
 
 
-def select_samples(stores: Sequence[HiddenStore]) -> list[tuple[int, str]]:
+def select_samples(
+    stores: Sequence[HiddenStore], keep: Callable[[int, str], bool] | None = None
+) -> list[tuple[int, str]]:
     """The samples that reach the training files, as (store position, id), in (store, id)
-    order. Every sample of every store today; a policy on which samples are accepted (for
-    example by their evidence) filters here, and its counts belong in the summary."""
-    return [(si, sid) for si, s in enumerate(stores) for sid in sorted(s.ids)]
+    order: those the export policy `keep`s (`export.accept`, by their evidence rung)."""
+    return [
+        (si, sid)
+        for si, s in enumerate(stores)
+        for sid in sorted(s.ids)
+        if keep is None or keep(si, sid)
+    ]
 
 
-def plan(stores: Sequence[HiddenStore], seed: int) -> list[PlannedSample]:
+def plan(
+    stores: Sequence[HiddenStore], seed: int, keep: Callable[[int, str], bool] | None = None
+) -> list[PlannedSample]:
     """Deterministic merge + shuffle of the selected samples of every store."""
-    items = select_samples(stores)
+    items = select_samples(stores, keep)
     random.Random(seed).shuffle(items)
     return [PlannedSample(i, si, sid) for i, (si, sid) in enumerate(items)]
 
@@ -225,8 +234,11 @@ def export(
     target_model_path: str | os.PathLike[str] | None = None,
     max_length: int | None = None,
     settings: Mapping[str, Any] | None = None,
+    accept: Sequence[str] | None = None,
 ) -> dict[str, Any]:
-    """Write `fmt`'s layout and the dataset card; return the export summary.
+    """Write `fmt`'s layout and the dataset card; return the export summary. `accept`: the
+    evidence rungs whose samples reach the files (default engine_ids, text_proven,
+    target_resolved; a record whose last id is unrecoverable never does).
 
     `settings` override the format's config (conf/export/<fmt>.yaml); `max_length` is
     SpecForge's `export.max_length`, kept as an argument for callers of the first exporter.
@@ -244,7 +256,8 @@ def export(
     ctx = ExportContext(out, manifest, conv, model_path, list(stores))
     extras = exporter.check(ctx)  # refusals of the format, still before any write
     out.mkdir(parents=True, exist_ok=True)
-    planned = plan(stores, seed)
+    policy = accepted_samples(stores, accept)
+    planned = plan(stores, seed, policy.keep)
     digest = _plan_digest(stores, planned)
     _check_or_write_plan(
         out,
@@ -318,6 +331,7 @@ def export(
         "conventions": conv,
         "target_model_path": model_path,
         "sources": [source_figures(s) for s in stores],
+        "policy": policy.summary(),
         "wall_s": round(time.monotonic() - started, 3),
         **extras,
     }
@@ -444,16 +458,63 @@ def _records_drift(records: Path, ids: set[str]) -> dict[str, Any] | None:
     }
 
 
+def _record_file(store: HiddenStore, run: Path) -> Path:
+    """The token records a store was extracted from, within source run `run`."""
+    extract_summary = _read_json(store.path / "extract_summary.json") or {}
+    records = Path(extract_summary["records"]) if extract_summary.get("records") else None
+    if records is not None and records.parent.resolve() == run.resolve():
+        return records  # the extract input was another file of this run
+    return run / "records.jsonl"
+
+
+@dataclass
+class ExportPolicy:
+    """Which stored samples reach training files: by the evidence rung of their record."""
+
+    accept: tuple[str, ...]
+    rung_of: dict[tuple[int, str], str]
+    exported: Counter[str] = field(default_factory=Counter)
+    excluded: Counter[str] = field(default_factory=Counter)
+
+    def keep(self, store: int, sample_id: str) -> bool:
+        rung = self.rung_of.get((store, sample_id), "no_record")
+        ok = rung in self.accept or rung == "no_record"  # a store without records: as stored
+        (self.exported if ok else self.excluded)[rung] += 1
+        return ok
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "accept": list(self.accept),
+            "exported_by_evidence": dict(sorted(self.exported.items())),
+            "excluded_by_evidence": dict(sorted(self.excluded.items())),
+        }
+
+
+def accepted_samples(stores: Sequence[HiddenStore], accept: Sequence[str] | None) -> ExportPolicy:
+    """The export policy over the stores' source records (last record of an id wins)."""
+    from kimi_pipe.core.evidence import NEVER_USABLE, evidence_of, parse_accept
+
+    rung_of: dict[tuple[int, str], str] = {}
+    for si, store in enumerate(stores):
+        ids = set(store.ids)
+        for run in (Path(r) for r in store.manifest.get("source_runs", [])):
+            rec_file = _record_file(store, run)
+            if not rec_file.exists():
+                continue
+            for rec in iter_records(rec_file):
+                sid = str(rec.get("id"))
+                if sid in ids:
+                    never = NEVER_USABLE & set(rec.get("issues") or ())
+                    rung_of[(si, sid)] = "never_usable" if never else evidence_of(rec)
+    return ExportPolicy(parse_accept(accept), rung_of)
+
+
 def source_figures(store: HiddenStore) -> dict[str, Any]:
     """Fidelity (audit.json) and billing drift (summary.json, records) of a store's sources."""
     runs = [Path(r) for r in store.manifest.get("source_runs", [])]
-    extract_summary = _read_json(store.path / "extract_summary.json") or {}
-    records = Path(extract_summary["records"]) if extract_summary.get("records") else None
     out: dict[str, Any] = {"store": str(store.path), "runs": []}
     for run in runs:
-        rec_file = run / "records.jsonl"
-        if records is not None and records.parent.resolve() == run.resolve():
-            rec_file = records  # the extract input was another file of this run
+        rec_file = _record_file(store, run)
         summary = _read_json(run / "summary.json") or {}
         out["runs"].append(
             {
@@ -486,6 +547,7 @@ def export_choice(cfg: DictConfig) -> tuple[str, dict[str, Any]]:
     fmt = str(fmt)
     settings = dict(group_settings) if group_settings.get("name") == fmt else {}
     settings.pop("name", None)
+    settings.pop("accept", None)  # the export policy, not a format setting (run_export)
     max_length = OmegaConf.select(cfg, "max_length", default=None)
     if max_length is not None:
         settings["max_length"] = int(max_length)
@@ -510,6 +572,7 @@ def run_export(cfg: DictConfig) -> dict[str, Any]:
         seed,
         target_model_path=OmegaConf.select(cfg, "target_model_path", default=None),
         settings=settings,
+        accept=OmegaConf.select(cfg, "export.accept", default=None),
     )
     print(
         f"export: {summary['samples']} samples, {summary['tokens']['total']} tokens -> "

@@ -81,6 +81,22 @@ def _files_lines(summary: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _policy_rows(policy: dict[str, Any] | None) -> list[str]:
+    """The export policy (`export.accept`) and the samples per evidence rung."""
+    if not policy:
+        return []
+    rows = [f"| export policy (`export.accept`) | {', '.join(policy['accept'])} |"]
+    rows += [
+        f"| exported, evidence `{rung}` | {n} |"
+        for rung, n in policy.get("exported_by_evidence", {}).items()
+    ]
+    rows += [
+        f"| left out by the policy, evidence `{rung}` | {n} |"
+        for rung, n in policy.get("excluded_by_evidence", {}).items()
+    ]
+    return rows
+
+
 def dataset_card(summary: dict[str, Any], exporter: Exporter) -> str:
     m = summary["source_manifest"]
     c = summary["conventions"]
@@ -112,6 +128,7 @@ def dataset_card(summary: dict[str, Any], exporter: Exporter) -> str:
         f"| mean / max length | {t['total'] / n if n else 0:.1f} / {t['max_len']} |",
         f"| skipped (NaN/inf states) | {summary['counts']['skipped_non_finite']} |",
         f"| shuffle seed | {summary['seed']} |",
+        *_policy_rows(summary.get("policy")),
         "",
         "| source store | samples | tokens |",
         "| --- | --- | --- |",
