@@ -143,7 +143,8 @@ def test_multirun_providers_get_their_own_dirs_and_the_key_is_never_written(
     done = run_subprocess(overrides)
     assert done.returncode == 0, done.stderr[-3000:]
     for name, vendor in (("a", "Vendor-A"), ("b", "Vendor-B")):
-        run = sweep / name
+        # Each job's directory: <provider>-<digest of what it buys> (issue 20).
+        (run,) = sweep.glob(f"{name}-*")
         records = read_jsonl(run / "records.jsonl")
         assert sorted(r["id"] for r in records) == sorted(ids)
         answered = [r for r in records if r["error"] is None]
