@@ -82,6 +82,9 @@ def main() -> int:
         # Its default flex attention has no backward on CPU; sdpa is one of its own choices.
         "--draft-attn-impl",
         "sdpa",
+        # Its fused loss needs Triton (GPU); eager is its own CPU-capable implementation.
+        "--loss-implementation",
+        "eager",
         "--save-path",
         str(args_in.out.parent / f"ckpt-{args_in.out.stem}"),
         "--num-workers",
