@@ -42,6 +42,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--draft-vocab-size", type=int, default=2048)
+    ap.add_argument("--time-budget-s", type=float, default=0, help="stop early (recorded)")
     args_in = ap.parse_args()
 
     import torch
@@ -78,6 +79,12 @@ def main() -> int:
         str(args_in.lr),
         "--num-layers",
         "1",
+        # Its default flex attention has no backward on CPU; sdpa is one of its own choices.
+        "--draft-attn-impl",
+        "sdpa",
+        # Its fused loss needs Triton (GPU); eager is its own CPU-capable implementation.
+        "--loss-implementation",
+        "eager",
         "--save-path",
         str(args_in.out.parent / f"ckpt-{args_in.out.stem}"),
         "--num-workers",
@@ -152,8 +159,11 @@ def main() -> int:
         for opt in optimizers:
             opt.step()
         losses.append(float(loss))
-        if step % 50 == 0:
+        if step % 25 == 0:
             print(f"step {step} loss {float(loss):.4f}", flush=True)
+        if args_in.time_budget_s and time.monotonic() - started > args_in.time_budget_s:
+            print(f"time budget hit after {step + 1} steps", flush=True)
+            break
     train_s = time.monotonic() - started
     draft.eval()
     total: dict[str, float] = {}

@@ -14,12 +14,13 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
 # 1. The trainers' environment. Their pins disagree with each other (SpecForge 0.2.0 wants
 # torch 2.11 / transformers 5.8.1, speculators transformers <= 5.19) and with ours, so they get
 # their own venv; only their data-loading code runs, which these versions serve.
-STAMP="$VENV/.interop-v2"
+STAMP="$VENV/.interop-v3"  # v3: loguru (speculators.train.cli imports it)
 if [ ! -f "$STAMP" ]; then
   "$BASE_PY" -m venv "$VENV"
   "$VENV/bin/pip" install -q torch==2.13.0 datasets==5.1.0 transformers==5.19.0 \
     safetensors==0.8.0 pydantic==2.14.4 openai==3.57.0 httpx==0.28.1 requests==2.34.2 \
-    PyYAML==6.0.4 omegaconf==2.4.0 PuLP==3.3.2 scipy==1.17.1 pydantic-settings==2.16.3
+    PyYAML==6.0.4 omegaconf==2.4.0 PuLP==3.3.2 scipy==1.17.1 pydantic-settings==2.16.3 \
+    loguru==0.7.3
   "$VENV/bin/pip" install -q --no-deps specforge==0.2.0 speculators==0.9.0 \
     hs-connectors==0.9.0 nvidia-modelopt==0.47.0
   touch "$STAMP"
