@@ -297,7 +297,7 @@ def apply_logprobs(
         issues.append("noncanonical_split")
     if policy.record_ids == "reencoded" or not runs:
         # "confirmed": re-encoded ids the engine's tokens agree with, id for id.
-        sources = [[start, end, "confirmed" if not runs else "reencoded"]]
+        sources: list[list[Any]] = [[start, end, "confirmed" if not runs else "reencoded"]]
         new_output = output
     else:
         new_output = output[:start] + engine + output[end:]

@@ -96,7 +96,7 @@ class AnswerFields:
     reasoning: str
     reasoning_source: str | None  # which field it came from, None when absent
     content: str
-    tool_calls: list[Mapping[str, Any]]
+    tool_calls: Sequence[Mapping[str, Any]]
     finish_reason: str | None
     error: Any
 
@@ -422,7 +422,7 @@ def undo_serving(
             function = call.get("function")
             arguments = function.get("arguments") if isinstance(function, Mapping) else None
             if isinstance(arguments, str) and arguments[:1] == " " and arguments[-1:] == " ":
-                call["function"] = {**function, "arguments": arguments[1:-1]}
+                call["function"] = {**function, "arguments": arguments[1:-1]}  # type: ignore[dict-item]
                 changed = True
         if changed:
             issues.append("marker_spaces_removed")

@@ -77,7 +77,7 @@ class HFBackend:
         self.device = torch.device(device)
         self.model = AutoModelForCausalLM.from_pretrained(
             str(model_path), dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code
-        ).to(self.device)
+        ).to(self.device)  # type: ignore[arg-type]
         self.model.eval()
         # The decoder alone: skips the LM head (Kimi's vocab is 163840 wide).
         self.decoder = self.model.base_model
@@ -96,7 +96,7 @@ class HFBackend:
         if final_state == PRE_NORM:
             norm = self._final_norm()
             eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
-            extra["final_norm"] = final_norm_spec(norm.weight, float(eps), "norm")
+            extra["final_norm"] = final_norm_spec(norm.weight, float(eps), "norm")  # type: ignore[arg-type]
             # The norm's input is the last layer's output: keep it as the final state.
             norm.register_forward_pre_hook(self._keep_pre_norm)
         self.store_fields: dict[str, Any] = {

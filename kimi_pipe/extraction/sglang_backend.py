@@ -139,7 +139,7 @@ class EngineSettings:
             load_format=str(ecfg.get("load_format", "auto")),
             base_gpu_id=_base_gpu_id(cfg) if device == "cuda" else 0,
             max_total_tokens=int(max_total) if max_total is not None else None,
-            server_args=dict(OmegaConf.to_container(extra, resolve=True)) if extra else {},
+            server_args=dict(OmegaConf.to_container(extra, resolve=True)) if extra else {},  # type: ignore[arg-type]
         )
 
     def server_args_kwargs(self, nccl_port: int) -> dict[str, Any]:

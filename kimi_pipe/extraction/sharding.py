@@ -588,7 +588,7 @@ def run_sharded(cfg: Any, backend: Any) -> dict[str, Any]:
         part, manifest, shard_samples=int(ecfg.shard_samples), shard_tokens=ecfg.get("shard_tokens")
     )
     issues = IssueLog(part)
-    stats = capture_into(backend.forward, mine, writer, issues, budget, padded=not packed)
+    stats = capture_into(backend.forward, mine, writer, issues, budget, padded=not packed)  # type: ignore[arg-type]
     writer.close()
     summary: dict[str, Any] = {
         "records": str(records),

@@ -94,22 +94,15 @@ async def fetch_pricing(settings: ProviderSettings, key: str) -> tuple[float, fl
     except PriceError:
         raise
     except ProviderConfigError as exc:
-        fin, fout = settings.fallback_input_usd_per_mtok, settings.fallback_output_usd_per_mtok
-        if fin is None or fout is None:
+        per_m_in = settings.fallback_input_usd_per_mtok
+        per_m_out = settings.fallback_output_usd_per_mtok
+        if per_m_in is None or per_m_out is None:
             raise
-        log.warning("%s; using the fallback prices $%s/$%s per Mtok", exc, fin, fout)
-        fin, fout = _checked_prices((fin / 1e6, fout / 1e6), "provider.pricing.fallback", 0.0)
+        log.warning("%s; using the fallback prices $%s/$%s per Mtok", exc, per_m_in, per_m_out)
+        fin, fout = _checked_prices(
+            (per_m_in / 1e6, per_m_out / 1e6), "provider.pricing.fallback", 0.0
+        )
         return fin, fout, "fallback"
-
-
-def _number(value: Any) -> Any:
-    """A listing's price string ("0.0000006") as a number; anything else unchanged."""
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            return value
-    return value
 
 
 def _number(value: Any) -> Any:

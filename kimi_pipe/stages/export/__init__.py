@@ -304,8 +304,8 @@ def export(
         tokens["total"] += length
         tokens["loss"] += int(sum(mask))
         tokens["max_len"] = max(tokens["max_len"], length)
-        per_store[p.store]["samples"] += 1
-        per_store[p.store]["tokens"] += length
+        per_store[p.store]["samples"] += 1  # type: ignore[operator]
+        per_store[p.store]["tokens"] += length  # type: ignore[operator]
         entry = {"index": p.index, "store": str(store.path), "id": p.id, "length": length}
         if path is not None:
             entry["file"] = str(path.relative_to(out))
