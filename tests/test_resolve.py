@@ -142,6 +142,7 @@ def test_prefix_reuse_equals_full_forwards(smol: tuple[Any, Any], sampling: Samp
         encode(tok, " of France is Paris.") + [2],
         encode(tok, " of France is Paris.\n") + [2],
         encode(tok, " city of France is Lyon.") + [2],
+        encode(tok, " of Spain is Madrid.") + [2],  # same length as the first: one batch
     ]
     scorer = HFSuffixScorer(model, "smollm2")
     cached = scorer.score_suffixes(prefix, suffixes, sampling)
@@ -302,3 +303,32 @@ def test_kill_during_rewrites_leaves_every_record_whole(tmp_path: Path) -> None:
         assert len({r["v"] for r in rows}) == 1  # one rewrite's file, never a mix
         assert all(r["pad"] == pad for r in rows)
     assert rows[0]["v"] >= 6
+
+
+def test_a_backend_that_cannot_score_leaves_records_unresolved(tmp_path: Path) -> None:
+    from kimi_pipe.extraction.resolve import resolve_records
+
+    rec = {
+        "id": "x",
+        "ok": False,
+        "issues": ["reasoning_tail_unverifiable"],
+        "prompt_ids": [5, 6],
+        "output_ids": [7, 2],
+        "loss_mask": [0, 0, 1, 1],
+        "sampling": {"temperature": 1.0, "top_p": 0.9},
+        "candidates": {
+            "closed": True,
+            "classes": ["reasoning_tail"],
+            "diverge_at": 1,
+            "options": [
+                {"output_ids": [7, 8, 2], "loss_mask": [1, 1, 1]},
+                {"output_ids": [7, 2], "loss_mask": [1, 1]},
+            ],
+        },
+    }
+    path = tmp_path / "records.jsonl"
+    path.write_text(json.dumps(rec) + "\n")
+    before = path.read_bytes()
+    summary = resolve_records(path, None, ResolveSettings())
+    assert summary["counts"] == {"not_resolved_backend_cannot_score": 1}
+    assert path.read_bytes() == before

@@ -24,6 +24,7 @@ either the old file or the new one, never a torn mix (docs/resolve.md).
 from __future__ import annotations
 
 import contextlib
+import copy
 import fcntl
 import hashlib
 import json
@@ -160,7 +161,8 @@ class SuffixScorer(Protocol):
 
 
 class HFSuffixScorer:
-    """transformers: one cached forward over the prefix, each suffix on a cropped copy of it."""
+    """transformers: one cached forward over the prefix; the options' suffixes then run on it
+    (one batch per suffix length, each row on the same prefix cache)."""
 
     def __init__(self, model: Any, model_name: str, device: torch.device | None = None) -> None:
         self.model = model
@@ -182,20 +184,25 @@ class HFSuffixScorer:
         out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
         first_logits = out.logits[0, -1:]  # predicts each suffix's first token
         self.prefix_tokens += len(prefix)
-        scores: list[float] = []
-        for suffix in suffixes:
-            suffix = list(suffix)
-            if not suffix:
-                scores.append(0.0)
+        # Options of one length run together, one row each, on copies of the prefix cache.
+        by_length: dict[int, list[int]] = {}
+        for i, suffix in enumerate(suffixes):
+            by_length.setdefault(len(suffix), []).append(i)
+        scores = [0.0] * len(suffixes)  # an empty suffix adds nothing
+        for length, rows in by_length.items():
+            if length == 0:
                 continue
-            logits = first_logits
-            if len(suffix) > 1:
-                step = torch.tensor([suffix[:-1]], dtype=torch.long, device=self.device)
-                more = self.model(input_ids=step, cache=cache, use_cache=True).logits[0]
-                logits = torch.cat([first_logits, more], dim=0)
-                cache.crop(-(len(suffix) - 1))  # back to the shared prefix for the next option
-                self.suffix_tokens += len(suffix) - 1
-            scores.append(sum(sampled_logprobs(logits, suffix, sampling)))
+            logits = first_logits.expand(len(rows), -1).unsqueeze(1)  # [n, 1, V]
+            if length > 1:
+                group = copy.deepcopy(cache) if len(by_length) > 1 else cache
+                group.batch_repeat_interleave(len(rows))
+                steps = [list(suffixes[i][:-1]) for i in rows]
+                step = torch.tensor(steps, dtype=torch.long, device=self.device)
+                more = self.model(input_ids=step, cache=group, use_cache=True).logits
+                logits = torch.cat([logits, more], dim=1)
+                self.suffix_tokens += len(rows) * (length - 1)
+            for row, i in enumerate(rows):
+                scores[i] = sum(sampled_logprobs(logits[row], list(suffixes[i]), sampling))
         return scores
 
 
@@ -481,13 +488,14 @@ def rewrite_records(
 
 def resolve_records(
     records: str | os.PathLike[str],
-    scorer: SuffixScorer,
+    scorer: SuffixScorer | None,
     settings: ResolveSettings,
     *,
     mine: Any = None,
 ) -> dict[str, Any]:
     """Score every resolvable record of the file (those `mine(id)` accepts, e.g. this work
-    shard's) and rewrite the file once. Returns counts and the seconds spent."""
+    shard's) and rewrite the file once. Returns counts and the seconds spent. `scorer` None:
+    the backend cannot score; resolvable records are counted and left unresolved."""
     path = Path(records)
     counts: dict[str, int] = {}
     start = time.monotonic()
@@ -504,12 +512,15 @@ def resolve_records(
         if mine is not None and not mine(sid):
             continue
         why = resolvable(rec)
-        if why is None and _already_scored(rec, scorer.model_name, settings):
+        if why is None and scorer is None:
+            why = "backend_cannot_score"
+        if why is None and _already_scored(rec, scorer.model_name, settings):  # type: ignore[union-attr]
             why = "scored_before"
         if why is not None:
             if why not in ("already_ok", "no_candidates"):
                 counts[f"not_resolved_{why}"] = counts.get(f"not_resolved_{why}", 0) + 1
             continue
+        assert scorer is not None
         new = score_record(rec, scorer, settings)
         if new is None:
             counts["not_resolved_no_sampling_or_too_many"] = (
@@ -533,7 +544,14 @@ def resolve_records(
         "prefix_tokens": getattr(scorer, "prefix_tokens", None),
         "suffix_tokens": getattr(scorer, "suffix_tokens", None),
     }
-    if counts:
+    if counts.get("not_resolved_backend_cannot_score"):
+        log.warning(
+            "%s: %d records have candidate sets but this backend cannot score them (no "
+            "suffix_scorer); they stay unresolved (docs/resolve.md)",
+            path,
+            counts["not_resolved_backend_cannot_score"],
+        )
+    elif counts:
         log.info("target resolution of %s: %s", path, summary)
     return summary
 

@@ -549,15 +549,9 @@ def resolve_for_shard(
     if not settings.enabled:
         return {"enabled": False}
     make_scorer = getattr(backend, "suffix_scorer", None)
-    if make_scorer is None:
-        log.warning(
-            "extract.backend %s cannot score candidates: target resolution skipped",
-            cfg.extract.backend,
-        )
-        return {"enabled": True, "skipped": "backend has no suffix_scorer"}
     summary = resolve_records(
         records,
-        make_scorer(),
+        make_scorer() if make_scorer is not None else None,
         settings,
         mine=lambda sid: num_shards == 1 or shard_of(sid, num_shards) == shard,
     )
