@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from kimi_pipe.errors import ConfigError, MissingFile
 from kimi_pipe.extraction.layers import resolve_output_ids
+from kimi_pipe.extraction.resolve import HFSuffixScorer
 from kimi_pipe.store.conventions import POST_NORM, PRE_NORM, final_norm_spec, rms_norm
 from kimi_pipe.store.hidden_store import torch_dtype
 
@@ -165,6 +166,10 @@ class HFBackend:
             (aux[row, :n].float().cpu(), final[row, :n].float().cpu())
             for row, n in enumerate(lengths)
         ]
+
+    def suffix_scorer(self) -> HFSuffixScorer:
+        """Target resolution's scorer on the same weights (extraction.resolve)."""
+        return HFSuffixScorer(self.model, str(self.store_fields["model"]), self.device)
 
     def close(self) -> None:
         del self.model, self.decoder

@@ -534,6 +534,28 @@ def maybe_merge(store: str | os.PathLike[str], num_shards: int) -> dict[str, Any
 
 
 # --- the sharded stage run (any backend) ------------------------------------------------------
+def resolve_for_shard(
+    cfg: Any, backend: Any, records: Path, shard: int, num_shards: int
+) -> dict[str, Any]:
+    """Target resolution (`extraction.resolve`) of this work shard's records, when the config
+    enables it and the backend can score (`backend.suffix_scorer()`)."""
+    from kimi_pipe.extraction.resolve import ResolveSettings, resolve_records
+
+    settings = ResolveSettings.from_cfg(cfg)
+    if not settings.enabled:
+        return {"enabled": False}
+    make_scorer = getattr(backend, "suffix_scorer", None)
+    summary = resolve_records(
+        records,
+        make_scorer() if make_scorer is not None else None,
+        settings,
+        mine=lambda sid: num_shards == 1 or shard_of(sid, num_shards) == shard,
+    )
+    if summary.get("counts"):
+        print(f"[extract] target resolution: {summary['counts']}", file=sys.stderr, flush=True)
+    return summary
+
+
 def run_sharded(cfg: Any, backend: Any) -> dict[str, Any]:
     """Extract work shard `extract.shard` of `extract.num_shards` with `backend` into its part
     of the store, with OOM halving and NaN/inf marking; merge when the last part finishes.
@@ -549,6 +571,9 @@ def run_sharded(cfg: Any, backend: Any) -> dict[str, Any]:
     num_shards = int(OmegaConf.select(cfg, "extract.num_shards", default=1) or 1)
     check_shard(shard, num_shards)
     records = records_path(cfg)
+    # Closed candidate sets are decided by the target first, so that the states below are
+    # captured on the chosen ids only (the records file is rewritten atomically).
+    resolution = resolve_for_shard(cfg, backend, records, shard, num_shards)
     samples, counts = read_token_records(
         records, only_ok=bool(ecfg.get("only_ok", True)), accept=ecfg.get("accept")
     )
@@ -603,6 +628,7 @@ def run_sharded(cfg: Any, backend: Any) -> dict[str, Any]:
         "capture": stats.as_dict(),
         "final_batch_tokens": budget.tokens,
         "samples_in_part": len(writer.done_ids),
+        "resolve": resolution,
     }
     _write_json_atomic(part / "extract_summary.json", summary)
     if num_shards > 1:

@@ -1,0 +1,566 @@
+"""Target resolution: the target model chooses among a record's CLOSED candidate set.
+
+Where the returned text leaves a few possible id sequences (a stripped whitespace tail, a
+marker space that may be the stack's, ...), reconstruction lists them all in the record's
+`candidates` (docs/LADDER schema, `kimi_pipe.core.candidates`). Extraction runs the target
+anyway, so before capturing states it scores each option under the sampling the request sent:
+
+* one forward over the shared prefix (prompt + output ids before `diverge_at`), keeping its
+  KV cache; then each option's suffix is run on that cache (cropped back after each), so
+  the prefix is computed once, not once per option;
+* each sampled token's probability is the sampler's: logits / temperature, then top_k, then
+  the top_p nucleus, renormalised. A token outside the nucleus (or top_k) has probability 0:
+  that option is impossible, not merely unlikely (`resolution.impossible`);
+* posterior = exp(logp_i) / sum_j exp(logp_j) over the options. At or above
+  `resolve.min_posterior` the record is rewritten with the chosen ids (`evidence:
+  target_resolved`, `ok: true`); below it stays unresolved with the numbers and issue
+  `target_unresolved`.
+
+The records file is rewritten whole (tmp + fsync + rename, under the run directory's lock),
+so every reader sees resolved records without knowing about resolution, and a kill leaves
+either the old file or the new one, never a torn mix (docs/resolve.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import fcntl
+import hashlib
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from kimi_pipe.errors import ConfigError, StoreError
+
+log = logging.getLogger("kimi_pipe.resolve")
+
+TARGET_UNRESOLVED = "target_unresolved"  # scored, but no option reached resolve.min_posterior
+RESOLVED_NOTE = "resolved_by_target"
+TARGET_RESOLVED = "target_resolved"
+UNRESOLVED = "unresolved"
+# A token this close to the nucleus edge is kept: two engines' float32 reductions differ in
+# the last bits, and an option is only called impossible when no rounding could admit it.
+NUCLEUS_SLACK = 1e-5
+LOCK_FILE = ".lock"  # the run directory's lock (store/run_lock.py): generate holds it
+
+# Which error codes an ambiguity class accounts for where kimi_pipe.core.candidates (helper
+# 19a, the owner of the classes) has no CLASS_OF_CODE table. A stripped tail that billing saw
+# shows as billing_mismatch, which the tail's enumeration covers.
+_FALLBACK_CLASS_OF_CODE: dict[str, str] = {
+    "reasoning_tail_unverifiable": "reasoning_tail",
+    "leading_space_after_marker": "marker_space",
+    "space_before_tool_section": "tool_section_space",
+}
+_TAIL_CLASSES = frozenset({"reasoning_tail", "content_tail"})
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """What the request sent. temperature 0 = greedy; top_p 1 / top_k None = no cut."""
+
+    temperature: float
+    top_p: float = 1.0
+    top_k: int | None = None
+    min_p: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or not 0 <= self.min_p < 1:
+            raise ValueError(f"bad sampling {self}")
+
+    @classmethod
+    def from_record(
+        cls, sampling: Mapping[str, Any] | None, default_temperature: float | None = None
+    ) -> Sampling | None:
+        """The record's `sampling`; None when its temperature is unknown (provider default
+        and no `resolve.default_temperature`). A missing top_p counts as 1: it never makes
+        an option impossible, so not knowing it can only lower the posterior's sharpness."""
+        sampling = sampling or {}
+        temperature = sampling.get("temperature")
+        if temperature is None:
+            temperature = default_temperature
+        if temperature is None:
+            return None
+        top_p = sampling.get("top_p")
+        top_k = sampling.get("top_k")
+        return cls(
+            float(temperature),
+            1.0 if top_p is None else float(top_p),
+            int(top_k) if top_k not in (None, 0, -1) else None,
+            float(sampling.get("min_p") or 0.0),
+        )
+
+
+def sampled_logprobs(
+    logits: torch.Tensor, targets: Sequence[int], sampling: Sampling
+) -> list[float]:
+    """log P(target_t) at each row t of `logits` [T, V] under the sampler (T = len(targets)).
+
+    Order as vLLM and SGLang apply them: temperature, top_k, top_p; renormalised over what is
+    kept. -inf where the token is outside what the sampler could draw."""
+    logits = logits.double()
+    out: list[float] = []
+    for row, target in zip(logits, targets, strict=True):
+        if sampling.temperature == 0:
+            # Greedy: only the argmax (any of a tie) can come out.
+            best = row.max()
+            out.append(0.0 if row[target] >= best - 1e-6 * abs(float(best)) else -math.inf)
+            continue
+        scaled = row / sampling.temperature
+        if sampling.top_k is not None and sampling.top_k < scaled.numel():
+            kth = torch.topk(scaled, sampling.top_k).values[-1]
+            if scaled[target] < kth:
+                out.append(-math.inf)
+                continue
+            scaled = torch.where(scaled >= kth, scaled, torch.full_like(scaled, -math.inf))
+        probs = torch.softmax(scaled, dim=-1)
+        p_target = probs[target]
+        kept = probs
+        if sampling.top_p < 1.0:
+            # The nucleus: tokens whose higher-ranked mass is still below top_p (at least one).
+            ordered = torch.sort(probs, descending=True).values
+            before = torch.cumsum(ordered, 0) - ordered
+            kept = ordered[before < sampling.top_p]
+            if probs[probs > p_target].sum() >= sampling.top_p + NUCLEUS_SLACK:
+                out.append(-math.inf)
+                continue
+        if sampling.min_p > 0:
+            # min_p keeps tokens with at least min_p x the top probability (SGLang's order:
+            # after top_k and top_p).
+            floor = sampling.min_p * probs.max()
+            if p_target < floor * (1 - NUCLEUS_SLACK):
+                out.append(-math.inf)
+                continue
+            kept = kept[kept >= floor]
+        out.append(float(torch.log(p_target) - torch.log(kept.sum())))
+    return out
+
+
+# --------------------------------------------------------------------------- scoring
+
+
+class SuffixScorer(Protocol):
+    """What a backend offers resolution: per option, log P(suffix | prefix) under sampling."""
+
+    model_name: str
+
+    def score_suffixes(
+        self, prefix: Sequence[int], suffixes: Sequence[Sequence[int]], sampling: Sampling
+    ) -> list[float]: ...
+
+
+class HFSuffixScorer:
+    """transformers: one cached forward over the prefix; the options' suffixes then run on it
+    (one batch per suffix length, each row on the same prefix cache)."""
+
+    def __init__(self, model: Any, model_name: str, device: torch.device | None = None) -> None:
+        self.model = model
+        self.model_name = model_name
+        self.device = device or next(model.parameters()).device
+        self.prefix_tokens = 0  # work done, for the cost report
+        self.suffix_tokens = 0
+
+    @torch.inference_mode()
+    def score_suffixes(
+        self, prefix: Sequence[int], suffixes: Sequence[Sequence[int]], sampling: Sampling
+    ) -> list[float]:
+        from transformers import DynamicCache
+
+        if not prefix:
+            raise ValueError("target resolution needs a non-empty prefix (the prompt)")
+        ids = torch.tensor([list(prefix)], dtype=torch.long, device=self.device)
+        cache = DynamicCache()
+        out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        first_logits = out.logits[0, -1:]  # predicts each suffix's first token
+        self.prefix_tokens += len(prefix)
+        # Options of one length run together, one row each, on copies of the prefix cache.
+        by_length: dict[int, list[int]] = {}
+        for i, suffix in enumerate(suffixes):
+            by_length.setdefault(len(suffix), []).append(i)
+        scores = [0.0] * len(suffixes)  # an empty suffix adds nothing
+        for length, rows in by_length.items():
+            if length == 0:
+                continue
+            logits = first_logits.expand(len(rows), -1).unsqueeze(1)  # [n, 1, V]
+            if length > 1:
+                group = copy.deepcopy(cache) if len(by_length) > 1 else cache
+                group.batch_repeat_interleave(len(rows))
+                steps = [list(suffixes[i][:-1]) for i in rows]
+                step = torch.tensor(steps, dtype=torch.long, device=self.device)
+                more = self.model(input_ids=step, cache=group, use_cache=True).logits
+                logits = torch.cat([logits, more], dim=1)
+                self.suffix_tokens += len(rows) * (length - 1)
+            for row, i in enumerate(rows):
+                scores[i] = sum(sampled_logprobs(logits[row], list(suffixes[i]), sampling))
+        return scores
+
+
+def full_sequence_logprobs(model: Any, ids: Sequence[int], start: int, sampling: Sampling) -> float:
+    """Reference for tests and audits: the same sum from one plain forward over all of `ids`
+    (tokens `start`.. scored), no cache."""
+    with torch.inference_mode():
+        device = next(model.parameters()).device
+        logits = model(input_ids=torch.tensor([list(ids)], device=device), use_cache=False).logits
+    return sum(sampled_logprobs(logits[0, start - 1 : len(ids) - 1], list(ids[start:]), sampling))
+
+
+# --------------------------------------------------------------------------- decision
+
+
+@dataclass(frozen=True)
+class ResolveSettings:
+    enabled: bool = True
+    min_posterior: float = 0.999
+    default_temperature: float | None = None  # for records whose request sent none
+    max_options: int = 64  # a larger set is left unresolved (scoring cost)
+    lock_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if not 0.5 < self.min_posterior <= 1.0:
+            raise ConfigError(
+                f"resolve.min_posterior must be in (0.5, 1], got {self.min_posterior}"
+            )
+
+    @classmethod
+    def from_cfg(cls, cfg: Any) -> ResolveSettings:
+        from omegaconf import OmegaConf
+
+        node = OmegaConf.select(cfg, "resolve", default=None)
+        data = OmegaConf.to_container(node, resolve=True) if node is not None else {}
+        assert isinstance(data, dict)
+        known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
+        unknown = set(data) - set(known)
+        if unknown:
+            raise ConfigError(f"unknown resolve keys {sorted(unknown)} (conf/resolve/default.yaml)")
+        return cls(**known)
+
+
+def decide(logprobs: Sequence[float], min_posterior: float) -> dict[str, Any]:
+    """Posterior over the options from their log-probabilities; the numbers of `resolution`."""
+    n = len(logprobs)
+    impossible = [i for i, lp in enumerate(logprobs) if lp == -math.inf]
+    order = sorted(range(n), key=lambda i: -logprobs[i])
+    best = order[0]
+    if logprobs[best] == -math.inf:
+        return {
+            "n": n, "chosen": None, "posterior": None, "margin": None,
+            "impossible": impossible, "logprobs": [None] * n, "resolved": False,
+        }  # fmt: skip
+    top = logprobs[best]
+    weights = [math.exp(lp - top) if lp != -math.inf else 0.0 for lp in logprobs]
+    posterior = 1.0 / sum(weights)
+    second = logprobs[order[1]] if n > 1 else -math.inf
+    return {
+        "n": n,
+        "chosen": best,
+        "posterior": posterior,
+        # log-odds best vs second best (nats); null when the second is impossible (infinite)
+        "margin": None if second == -math.inf else top - second,
+        "impossible": impossible,
+        "logprobs": [None if lp == -math.inf else lp for lp in logprobs],
+        "resolved": posterior >= min_posterior,
+    }
+
+
+def covered_issues(candidates: Mapping[str, Any]) -> frozenset[str]:
+    """Error codes a candidate set accounts for (its classes'), per kimi_pipe.core.candidates."""
+    try:
+        from kimi_pipe.core import candidates as core_candidates
+    except ImportError:
+        core_candidates = None  # type: ignore[assignment]
+    table = getattr(core_candidates, "CLASS_OF_CODE", None) or _FALLBACK_CLASS_OF_CODE
+    classes = set(candidates.get("classes") or [])
+    codes = {code for code, cls in table.items() if cls in classes}
+    if classes & _TAIL_CLASSES:
+        codes.add("billing_mismatch")
+    return frozenset(codes)
+
+
+def _blocking(codes: Sequence[str]) -> set[str]:
+    """The codes that make a record unusable (notes do not; an unknown code does)."""
+    from kimi_pipe.core.logprobs import LOGPROB_NOTES
+    from kimi_pipe.core.reconstruction import NOTES
+
+    return {c for c in codes if c not in NOTES and c not in LOGPROB_NOTES}
+
+
+def resolvable(record: Mapping[str, Any]) -> str | None:
+    """Why the record cannot go to the target (None: it can)."""
+    if record.get("ok"):
+        return "already_ok"
+    cands = record.get("candidates")
+    if not isinstance(cands, Mapping):
+        return "no_candidates"
+    if cands.get("closed") is not True:
+        return "open_set"
+    options = cands.get("options")
+    if not isinstance(options, list) or len(options) < 2:
+        return "no_options"
+    diverge = cands.get("diverge_at")
+    if not isinstance(diverge, int) or diverge < 0:
+        return "no_diverge_at"
+    for opt in options:
+        ids = opt.get("output_ids") if isinstance(opt, Mapping) else None
+        mask = opt.get("loss_mask") if isinstance(opt, Mapping) else None
+        if not isinstance(ids, list) or not all(isinstance(t, int) and t >= 0 for t in ids):
+            return "bad_option"
+        if not isinstance(mask, list) or len(ids) < diverge:
+            return "bad_option"
+        if len(mask) not in (len(ids), len(record.get("prompt_ids") or []) + len(ids)):
+            return "bad_option"
+    if len({tuple(o["output_ids"]) for o in options}) != len(options):
+        return "duplicate_options"
+    rest = _blocking(record.get("issues") or []) - covered_issues(cands) - {TARGET_UNRESOLVED}
+    if rest:
+        return "other_issues"  # only a record whose one ambiguity is this set may be resolved
+    return None
+
+
+def apply_resolution(
+    record: Mapping[str, Any], numbers: Mapping[str, Any], extra: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The record after scoring (pure): rewritten with the chosen option when resolved, else
+    kept unresolved with `resolution` and issue `target_unresolved` (LADDER.md)."""
+    out = dict(record)
+    out["resolution"] = {
+        "method": "target",
+        **extra,
+        **{k: v for k, v in numbers.items() if k != "resolved"},
+    }
+    issues = [c for c in (record.get("issues") or []) if c != TARGET_UNRESOLVED]
+    if not numbers["resolved"]:
+        out["issues"] = [*issues, TARGET_UNRESOLVED]
+        out["ok"] = False
+        out["evidence"] = UNRESOLVED
+        return out
+    option = record["candidates"]["options"][numbers["chosen"]]
+    covered = covered_issues(record["candidates"])
+    moved = [c for c in issues if c in covered]
+    out["issues"] = [c for c in issues if c not in covered]
+    notes = list(record.get("notes") or [])
+    out["notes"] = list(dict.fromkeys([*notes, RESOLVED_NOTE, *moved]))
+    out["output_ids"] = list(option["output_ids"])
+    prompt_len = len(record.get("prompt_ids") or [])
+    mask = list(option["loss_mask"])
+    # An option's mask may cover the output only or, as a record's does, prompt + output.
+    if len(mask) == len(option["output_ids"]):
+        mask = list(record["loss_mask"][:prompt_len]) + mask
+    if len(mask) != prompt_len + len(option["output_ids"]):
+        raise ValueError(f"record {record.get('id')!r}: option loss_mask has the wrong length")
+    out["loss_mask"] = mask
+    out["completion_tokens_reconstructed"] = len(option["output_ids"])
+    out["ok"] = True
+    out["evidence"] = TARGET_RESOLVED
+    return out
+
+
+def score_record(
+    record: Mapping[str, Any], scorer: SuffixScorer, settings: ResolveSettings
+) -> dict[str, Any] | None:
+    """Score one resolvable record; the updated record, or None when it cannot be scored
+    (no known temperature, too many options)."""
+    sampling = Sampling.from_record(record.get("sampling"), settings.default_temperature)
+    if sampling is None:
+        return None
+    cands = record["candidates"]
+    options = cands["options"]
+    if len(options) > settings.max_options:
+        return None
+    diverge = int(cands["diverge_at"])
+    first = options[0]["output_ids"]
+    prefix = list(record.get("prompt_ids") or []) + list(first[:diverge])
+    suffixes = [list(o["output_ids"][diverge:]) for o in options]
+    logprobs = scorer.score_suffixes(prefix, suffixes, sampling)
+    numbers = decide(logprobs, settings.min_posterior)
+    extra = {
+        "model": scorer.model_name,
+        "min_posterior": settings.min_posterior,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        **({"top_k": sampling.top_k} if sampling.top_k is not None else {}),
+        **({"min_p": sampling.min_p} if sampling.min_p else {}),
+    }
+    return apply_resolution(record, numbers, extra)
+
+
+# --------------------------------------------------------------------------- records file
+
+
+def _line_id(raw: bytes) -> tuple[str | None, dict[str, Any] | None]:
+    try:
+        obj = json.loads(raw)
+    except ValueError:
+        return None, None
+    if not isinstance(obj, dict) or obj.get("id") is None:
+        return None, None
+    return str(obj["id"]), obj
+
+
+def _digest(raw: bytes) -> str:
+    return hashlib.sha256(raw.rstrip(b"\n")).hexdigest()
+
+
+@contextlib.contextmanager
+def records_lock(records: Path, timeout_s: float) -> Iterator[None]:
+    """The run directory's lock (the one generate holds while it appends): a rewrite must not
+    race an appender, whose writes would go to the replaced file. Waits for other extract
+    shards (seconds); a generate still running makes it fail after `timeout_s`."""
+    path = records.parent / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError:
+                if time.monotonic() >= deadline:
+                    holder = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+                    raise StoreError(
+                        f"{records}: its run directory is locked by another process "
+                        f"({holder or 'unknown'}) for over {timeout_s:.0f}s; target resolution "
+                        "rewrites the records and must wait for it (rerun extract after it ends)"
+                    ) from None
+                time.sleep(0.2)
+        try:
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def rewrite_records(
+    records: str | os.PathLike[str],
+    updates: Mapping[str, tuple[str, dict[str, Any]]],
+) -> int:
+    """Replace the last line of each id in `updates` ({id: (digest of the line that was
+    scored, new record)}) and write the file anew: tmp + fsync + rename + fsync of the
+    directory. Every other byte is kept as it was (bad lines, a torn tail). A line that
+    changed since it was scored is left alone. Returns the number of lines replaced.
+    Call under `records_lock`."""
+    path = Path(records)
+    lines = path.read_bytes().splitlines(keepends=True)
+    last: dict[str, int] = {}
+    for i, raw in enumerate(lines):
+        sid, _ = _line_id(raw)
+        if sid is not None:
+            last[sid] = i
+    replaced = 0
+    for sid, (digest, new) in updates.items():
+        i = last.get(sid)
+        if i is None or _digest(lines[i]) != digest:
+            log.warning("%s: record %r changed since it was scored; left as it is", path, sid)
+            continue
+        text = json.dumps(new, ensure_ascii=False, separators=(",", ":"))
+        lines[i] = text.encode("utf-8", "replace") + b"\n"
+        replaced += 1
+    if not replaced:
+        return 0
+    tmp = path.with_name(f".{path.name}.resolve-{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as fh:
+            fh.writelines(lines)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, path.stat().st_mode & 0o777)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # the rename itself survives a power cut
+    finally:
+        os.close(dir_fd)
+    return replaced
+
+
+def resolve_records(
+    records: str | os.PathLike[str],
+    scorer: SuffixScorer | None,
+    settings: ResolveSettings,
+    *,
+    mine: Any = None,
+) -> dict[str, Any]:
+    """Score every resolvable record of the file (those `mine(id)` accepts, e.g. this work
+    shard's) and rewrite the file once. Returns counts and the seconds spent. `scorer` None:
+    the backend cannot score; resolvable records are counted and left unresolved."""
+    path = Path(records)
+    counts: dict[str, int] = {}
+    start = time.monotonic()
+    if not settings.enabled or not path.exists():
+        return {"enabled": settings.enabled, "counts": counts, "seconds": 0.0}
+    latest: dict[str, tuple[bytes, dict[str, Any]]] = {}
+    with open(path, "rb") as fh:
+        for raw in fh:
+            sid, obj = _line_id(raw)
+            if sid is not None and obj is not None and raw.endswith(b"\n"):
+                latest[sid] = (raw, obj)
+    updates: dict[str, tuple[str, dict[str, Any]]] = {}
+    for sid, (raw, rec) in latest.items():
+        if mine is not None and not mine(sid):
+            continue
+        why = resolvable(rec)
+        if why is None and scorer is None:
+            why = "backend_cannot_score"
+        if why is None and _already_scored(rec, scorer.model_name, settings):  # type: ignore[union-attr]
+            why = "scored_before"
+        if why is not None:
+            if why not in ("already_ok", "no_candidates"):
+                counts[f"not_resolved_{why}"] = counts.get(f"not_resolved_{why}", 0) + 1
+            continue
+        assert scorer is not None
+        new = score_record(rec, scorer, settings)
+        if new is None:
+            counts["not_resolved_no_sampling_or_too_many"] = (
+                counts.get("not_resolved_no_sampling_or_too_many", 0) + 1
+            )
+            continue
+        key = "resolved" if new.get("ok") else TARGET_UNRESOLVED
+        counts[key] = counts.get(key, 0) + 1
+        updates[sid] = (_digest(raw), new)
+    scored_s = time.monotonic() - start
+    written = 0
+    if updates:
+        with records_lock(path, settings.lock_timeout_s):
+            written = rewrite_records(path, updates)
+    summary = {
+        "enabled": True,
+        "counts": dict(sorted(counts.items())),
+        "rewritten": written,
+        "seconds": time.monotonic() - start,
+        "scoring_seconds": scored_s,
+        "prefix_tokens": getattr(scorer, "prefix_tokens", None),
+        "suffix_tokens": getattr(scorer, "suffix_tokens", None),
+    }
+    if counts.get("not_resolved_backend_cannot_score"):
+        log.warning(
+            "%s: %d records have candidate sets but this backend cannot score them (no "
+            "suffix_scorer); they stay unresolved (docs/resolve.md)",
+            path,
+            counts["not_resolved_backend_cannot_score"],
+        )
+    elif counts:
+        log.info("target resolution of %s: %s", path, summary)
+    return summary
+
+
+def _already_scored(rec: Mapping[str, Any], model: str, settings: ResolveSettings) -> bool:
+    """Scored by this model at this threshold before: scoring again would give the same."""
+    res = rec.get("resolution")
+    return (
+        isinstance(res, Mapping)
+        and res.get("model") == model
+        and res.get("min_posterior") == settings.min_posterior
+    )
