@@ -23,6 +23,7 @@ def Stage(module: str, extra: str, summary: str, needs: tuple[str, ...] = ()) ->
     """A command entry by its module (what this table held before the registry)."""
     return StageEntry(module.rsplit(".", 1)[-1], module, summary, extra, needs)
 
+
 STAGES: dict[str, StageEntry] = {name: e for name, e in ENTRIES.items() if e.command}
 
 EXIT_USAGE = EXIT_USER_ERROR

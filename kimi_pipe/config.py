@@ -47,6 +47,7 @@ def require_conf_dir() -> Path:
         )
     return CONF_DIR
 
+
 # `${kimi_pipe_data:demo_prompts.jsonl}` in a config: a file bundled with the project.
 OmegaConf.register_new_resolver("kimi_pipe_data", lambda name: str(DATA_DIR / name), replace=True)
 
@@ -55,8 +56,10 @@ def purchase_digest(*parts: object) -> str:
     """A short digest of resolved config values (`${kimi_pipe_digest:${a},${b}}`): the
     default run directory carries one of everything that changes what is bought, so two
     jobs that buy differently never share a directory."""
-    data = [OmegaConf.to_container(p, resolve=True) if isinstance(p, DictConfig | ListConfig)
-            else p for p in parts]
+    data = [
+        OmegaConf.to_container(p, resolve=True) if isinstance(p, DictConfig | ListConfig) else p
+        for p in parts
+    ]
     text = json.dumps(data, sort_keys=True, default=str, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:10]
 

@@ -34,15 +34,24 @@ from kimi_pipe.config import compose  # noqa: E402
 from kimi_pipe.stages.generate import generate  # noqa: E402
 
 
-def one_run(work: Path, n: int, concurrency: int, slow_start: bool, tokenizer: str,
-            min_s: float, max_s: float, seed: int) -> tuple[float, dict]:
+def one_run(
+    work: Path,
+    n: int,
+    concurrency: int,
+    slow_start: bool,
+    tokenizer: str,
+    min_s: float,
+    max_s: float,
+    seed: int,
+) -> tuple[float, dict]:
     beh = Behaviour(delay_range_s=(min_s, max_s), seed=seed)
     with FakeOpenRouter(default=beh) as srv:
         prompts = work / "p.jsonl"
         write_prompts(prompts, n)
         out = work / f"run-{'on' if slow_start else 'off'}-{seed}"
-        overrides = base_overrides(prompts, srv.url(), out, Path(tokenizer), usd=10.0,
-                                   concurrency=concurrency)
+        overrides = base_overrides(
+            prompts, srv.url(), out, Path(tokenizer), usd=10.0, concurrency=concurrency
+        )
         overrides += [f"budget.slow_start={str(slow_start).lower()}", "provider.timeout_s=60"]
         status, summary = generate(compose(overrides), out)
     assert status == 0 and summary is not None, status
@@ -59,8 +68,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--min-s", type=float, default=2.0)
     ap.add_argument("--max-s", type=float, default=20.0)
-    ap.add_argument("--tokenizer", default=os.environ.get(
-        "KIMI_TOKENIZER_DIR", str(REPO.parent / "shared" / "tokenizers" / "kimi-k2.5")))
+    ap.add_argument(
+        "--tokenizer",
+        default=os.environ.get(
+            "KIMI_TOKENIZER_DIR", str(REPO.parent / "shared" / "tokenizers" / "kimi-k2.5")
+        ),
+    )
     args = ap.parse_args()
     os.environ["OPENROUTER_API_KEY"] = FAKE_KEY
     logging.basicConfig(level=logging.WARNING)
@@ -68,19 +81,31 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for round_no in range(args.rounds):
             # on, off, then off, on: a one-time cost of the first run hits both arms.
-            for slow_start in ((True, False) if round_no % 2 == 0 else (False, True)):
-                wall, summary = one_run(Path(tmp), args.n, args.concurrency, slow_start,
-                                        args.tokenizer, args.min_s, args.max_s, seed=round_no)
+            for slow_start in (True, False) if round_no % 2 == 0 else (False, True):
+                wall, summary = one_run(
+                    Path(tmp),
+                    args.n,
+                    args.concurrency,
+                    slow_start,
+                    args.tokenizer,
+                    args.min_s,
+                    args.max_s,
+                    seed=round_no,
+                )
                 walls[slow_start].append(wall)
                 startup = summary["this_run"]["startup_s"]
-                print(f"round {round_no} slow_start={slow_start}: {wall:.1f} s from first "
-                      f"request to last answer (start-up {startup:.1f} s), "
-                      f"concurrency reached {summary['this_run']['concurrency_reached']}",
-                      flush=True)
+                print(
+                    f"round {round_no} slow_start={slow_start}: {wall:.1f} s from first "
+                    f"request to last answer (start-up {startup:.1f} s), "
+                    f"concurrency reached {summary['this_run']['concurrency_reached']}",
+                    flush=True,
+                )
     on, off = statistics.median(walls[True]), statistics.median(walls[False])
-    print(f"n={args.n} concurrency={args.concurrency} answers {args.min_s:g}-{args.max_s:g} s: "
-          f"slow start {on:.1f} s, without {off:.1f} s, ratio {on / off:.2f} "
-          f"(+{on - off:.1f} s)")
+    print(
+        f"n={args.n} concurrency={args.concurrency} answers {args.min_s:g}-{args.max_s:g} s: "
+        f"slow start {on:.1f} s, without {off:.1f} s, ratio {on / off:.2f} "
+        f"(+{on - off:.1f} s)"
+    )
 
 
 if __name__ == "__main__":

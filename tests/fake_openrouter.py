@@ -609,8 +609,11 @@ def _make_handler(server: FakeOpenRouter) -> type[BaseHTTPRequestHandler]:
                 server.bill(bname, beh, body, answer["id"], cost, p, c, answer)
                 return self._send(
                     200,
-                    {"id": answer["id"], "error": {"code": 502, "message": "Upstream error"},
-                     "usage": answer["usage"]},
+                    {
+                        "id": answer["id"],
+                        "error": {"code": 502, "message": "Upstream error"},
+                        "usage": answer["usage"],
+                    },
                     seen=seen,
                 )
             if mode == "200error":

@@ -82,7 +82,7 @@ def test_stripped_reasoning_tail_is_a_closed_set_holding_the_truth(kimi: Model) 
         assert cands.classes == ["reasoning_tail"]
         assert cands.options[0].label == "as returned"
         # They differ at the reasoning's last token (the period, with or without newlines).
-        period = len(_truth(kimi, "Check it")) 
+        period = len(_truth(kimi, "Check it"))
         assert cands.diverge_at == period
         # Every option has the billed length and a mask over prompt + output.
         for o in cands.options:

@@ -59,9 +59,15 @@ def test_disk_full_mid_run_ends_in_one_line_and_nothing_torn_then_resumes(
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (40_000, 40_000))
 
-    proc = subprocess.run(generate_cmd(overrides), cwd=REPO, env=subprocess_env(),
-                          capture_output=True, text=True, timeout=600,
-                          preexec_fn=limit_file_size)
+    proc = subprocess.run(
+        generate_cmd(overrides),
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        preexec_fn=limit_file_size,
+    )
     assert proc.returncode == 2, proc.stderr
     _one_error_line(proc.stderr, "records.jsonl: file too large")
     first = _assert_whole_lines(out / "records.jsonl")
@@ -86,8 +92,9 @@ def _read_only_dir(path: Path) -> Iterator[Path]:
             path.chmod(0o755)
         return
     # root ignores permission bits: a read-only mount is what refuses it.
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(path)],
-                             capture_output=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(path)], capture_output=True
+    )
     if mounted.returncode != 0:
         pytest.skip(f"root without mount rights: {mounted.stderr!r}")
     try:
@@ -155,23 +162,26 @@ def test_a_run_dir_that_disagrees_or_is_a_system_dir_is_refused(
     write_prompts(prompts, 2)
     out, other = tmp_path / "run", tmp_path / "other"
     proc = run_subprocess(
-        [*base_overrides(prompts, srv.url(), out, kimi_dir), bad.format(other=other)],
-        timeout=600)
+        [*base_overrides(prompts, srv.url(), out, kimi_dir), bad.format(other=other)], timeout=600
+    )
     assert proc.returncode == 2, proc.stderr
     _one_error_line(proc.stderr, "run")
     assert not out.exists() and not other.exists() and not Path("/.hydra").exists()
     assert srv.requests == []
 
 
-SECRET = "tok-" "0123456789abcdefSECRET"
+SECRET = "tok-0123456789abcdefSECRET"
 
 
-@pytest.mark.parametrize("override", [
-    "output_dir={tmp}/r-${{oc.env:OPENROUTER_API_KEY}}",
-    "+provider.params.user=${{oc.env:OPENROUTER_API_KEY}}",
-    "provider.routing.order=[${{oc.env:OPENROUTER_API_KEY}}]",
-    "+provider.extra_body.note=${{oc.env:SOME_TOKEN}}",
-])
+@pytest.mark.parametrize(
+    "override",
+    [
+        "output_dir={tmp}/r-${{oc.env:OPENROUTER_API_KEY}}",
+        "+provider.params.user=${{oc.env:OPENROUTER_API_KEY}}",
+        "provider.routing.order=[${{oc.env:OPENROUTER_API_KEY}}]",
+        "+provider.extra_body.note=${{oc.env:SOME_TOKEN}}",
+    ],
+)
 def test_a_secret_reaching_the_config_through_interpolation_is_refused_before_any_write(
     tmp_path: Path, fake_openrouter, kimi_dir: Path, override: str
 ) -> None:
@@ -181,8 +191,9 @@ def test_a_secret_reaching_the_config_through_interpolation_is_refused_before_an
     out = tmp_path / "run"
     args = [*base_overrides(prompts, srv.url(), out, kimi_dir), override.format(tmp=tmp_path)]
     env = {**subprocess_env(), "SOME_TOKEN": SECRET}
-    proc = subprocess.run(generate_cmd(args), cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        generate_cmd(args), cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 2, proc.stderr
     _one_error_line(proc.stderr, "holds the value of $")
     assert FAKE_KEY not in proc.stderr + proc.stdout and SECRET not in proc.stderr
@@ -200,10 +211,20 @@ def test_a_multirun_over_routing_gives_each_job_its_own_run_directory(
     srv = fake_openrouter()
     prompts = tmp_path / "p.jsonl"
     ids = write_prompts(prompts, 3)
-    overrides = [o for o in base_overrides(prompts, srv.url(), tmp_path / "x", kimi_dir)
-                 if not o.startswith("output_dir=")]
-    proc = run_subprocess(["-m", *overrides, "provider.routing.only=[novita],[moonshotai]",
-                           f"hydra.sweep.dir={tmp_path / 'sweep'}"], timeout=600)
+    overrides = [
+        o
+        for o in base_overrides(prompts, srv.url(), tmp_path / "x", kimi_dir)
+        if not o.startswith("output_dir=")
+    ]
+    proc = run_subprocess(
+        [
+            "-m",
+            *overrides,
+            "provider.routing.only=[novita],[moonshotai]",
+            f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        ],
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr
     runs = sorted((tmp_path / "sweep").rglob("records.jsonl"))
     assert len(runs) == 2

@@ -18,8 +18,17 @@ def _by_id(path: Path) -> dict[str, dict]:
     return {r["id"]: r for r in read_jsonl(path)}
 
 
-def _run(tmp_path: Path, url: str, kimi_dir: Path, n: int = 4, extra: list[str] | None = None,
-         usd: float = 10.0, name: str = "run", concurrency: int = 8, **kw):
+def _run(
+    tmp_path: Path,
+    url: str,
+    kimi_dir: Path,
+    n: int = 4,
+    extra: list[str] | None = None,
+    usd: float = 10.0,
+    name: str = "run",
+    concurrency: int = 8,
+    **kw,
+):
     prompts = tmp_path / f"{name}.jsonl"
     write_prompts(prompts, n, **kw)
     out = tmp_path / name
@@ -47,12 +56,19 @@ def test_a_provider_billing_20x_or_100x_crosses_the_cap_by_at_most_one_request(
 ) -> None:
     """32 requests in flight at once, each billed `factor` x its listed price: the first
     wave alone would cost about twice the cap. Slow start shows the ratio on one request."""
-    srv = fake_openrouter(default=Behaviour(overbill=factor, delay_s=0.3, input_price=1e-6,
-                                            output_price=50e-6))
+    srv = fake_openrouter(
+        default=Behaviour(overbill=factor, delay_s=0.3, input_price=1e-6, output_price=50e-6)
+    )
     cap = 0.25
     status, summary, out = _run(
-        tmp_path, srv.url(), kimi_dir, n=64, usd=cap, concurrency=32,
-        extra=["provider.params.max_tokens=16", "budget.reserve_factor=1.0"])
+        tmp_path,
+        srv.url(),
+        kimi_dir,
+        n=64,
+        usd=cap,
+        concurrency=32,
+        extra=["provider.params.max_tokens=16", "budget.reserve_factor=1.0"],
+    )
     assert status == 0 and summary is not None
     one_request = max(b.cost for b in srv.bills)
     assert srv.total_cost() <= cap + one_request
@@ -79,12 +95,21 @@ def test_a_connection_dropped_after_billing_is_booked_at_its_reservation(
 def test_a_provider_that_bills_and_always_drops_the_answer_stays_under_the_cap(
     tmp_path: Path, fake_openrouter, kimi_dir: Path, api_key_env: str
 ) -> None:
-    srv = fake_openrouter(default=Behaviour(error_rate=1.0, error_mode="reset_billed",
-                                            key_endpoint=True, delay_s=0.05))
+    srv = fake_openrouter(
+        default=Behaviour(
+            error_rate=1.0, error_mode="reset_billed", key_endpoint=True, delay_s=0.05
+        )
+    )
     cap = 0.005  # about 60 answers' worth; /key is polled every budget.key_poll_s (10 s)
     status, summary, out = _run(
-        tmp_path, srv.url(), kimi_dir, n=60, usd=cap, concurrency=32,
-        extra=["provider.retry.max_attempts=3"])
+        tmp_path,
+        srv.url(),
+        kimi_dir,
+        n=60,
+        usd=cap,
+        concurrency=32,
+        extra=["provider.retry.max_attempts=3"],
+    )
     assert summary is not None, status
     assert 0 < srv.total_cost() <= cap
     assert summary["spend_usd"] >= srv.total_cost() - 1e-12
@@ -93,9 +118,13 @@ def test_a_provider_that_bills_and_always_drops_the_answer_stays_under_the_cap(
 def test_cost_and_key_under_reporting_10x_book_the_listed_price_floor(
     tmp_path: Path, fake_openrouter, kimi_dir: Path, api_key_env: str
 ) -> None:
-    srv = fake_openrouter(default=Behaviour(
-        key_endpoint=True, key_usage_factor=0.1,
-        script={f"Question s{i}:": ["cost_under"] for i in range(4)}))
+    srv = fake_openrouter(
+        default=Behaviour(
+            key_endpoint=True,
+            key_usage_factor=0.1,
+            script={f"Question s{i}:": ["cost_under"] for i in range(4)},
+        )
+    )
     status, summary, out = _run(tmp_path, srv.url(), kimi_dir, n=4)
     assert status == 0 and summary is not None
     assert summary["spend_usd"] >= srv.total_cost() * (1 - 1e-6)
@@ -121,7 +150,8 @@ def test_a_generation_lookup_of_zero_after_a_kill_is_not_believed(
         fh.write(json.dumps({"k": "g", "n": seq, "gen": bill.generation_id}) + "\n")
     spent_before = summary["spend_usd"]
     status, again = run_inprocess(
-        base_overrides(tmp_path / "run.jsonl", srv.url(), out, kimi_dir), out)
+        base_overrides(tmp_path / "run.jsonl", srv.url(), out, kimi_dir), out
+    )
     assert status == 0 and again is not None
     assert again["journal"]["recovered_requests"] == 1
     assert again["journal"]["recovered_usd"] >= bill.cost * (1 - 1e-6)

@@ -32,6 +32,8 @@ MESSAGES = [{"role": "user", "content": "Count."}]
 
 def _rebuild(kimi: Model, resp: dict[str, Any]) -> Reconstruction:
     return reconstruct(kimi, MESSAGES, None, resp, serving=TAIL_KEPT)
+
+
 REASONING = "Let me check 12345 first."
 CONTENT = "Paris has 12345 people."
 
@@ -143,9 +145,7 @@ def test_whole_output_noncanonical_split_recovered(kimi: Model) -> None:
     assert fields["logprobs"]["coverage"] == "whole"
     assert len(rec.loss_mask) == len(rec.prompt_ids) + len(truth)
 
-    keep = apply_logprobs(
-        kimi, _rebuild(kimi, resp), resp, LogprobPolicy(record_ids="reencoded")
-    )
+    keep = apply_logprobs(kimi, _rebuild(kimi, resp), resp, LogprobPolicy(record_ids="reencoded"))
     assert keep.output_ids == canonical and "noncanonical_split" in keep.issues
 
 

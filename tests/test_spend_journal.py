@@ -181,8 +181,8 @@ def test_answer_checks() -> None:
 def test_clean_text_repairs_surrogates_non_finite_numbers_and_echoed_keys() -> None:
     repair = TextRepair()
     out = clean_text(
-        {"a": ["x\ud800y", float("nan")], "b": "key sk" "-or-v1-SECRET"},
-        "sk" "-or-v1-SECRET",
+        {"a": ["x\ud800y", float("nan")], "b": ("key sk" + "-or-v1-SECRET")},
+        ("sk" + "-or-v1-SECRET"),
         repair,
     )
     assert out == {"a": ["x\ufffdy", "nan"], "b": "key ***"}
@@ -191,18 +191,18 @@ def test_clean_text_repairs_surrogates_non_finite_numbers_and_echoed_keys() -> N
 
 
 def test_keys_in_any_override_are_refused() -> None:
-    env = {"OPENROUTER_API_KEY": "sk" "-or-v1-abcdefabcdef0123456789"}
+    env = {"OPENROUTER_API_KEY": ("sk" + "-or-v1-abcdefabcdef0123456789")}
     assert key_in_overrides(["provider.api_key_env=OPENROUTER_API_KEY"], env) is None
     assert key_in_overrides(["budget.usd=3", "provider.concurrency=8"], env) is None
     # A tokenizer path in KIMI_TOKENIZER_DIR is not a secret.
     env["KIMI_TOKENIZER_DIR"] = "/work/shared/tokenizers/kimi-k2.5"
     assert key_in_overrides(["model.tokenizer.path=/work/shared/tokenizers/kimi-k2.5"], env) is None
     for bad in [
-        "provider.api_key_env=sk" "-or-v1-abcdefabcdef0123456789",
+        ("provider.api_key_env=sk" + "-or-v1-abcdefabcdef0123456789"),
         "+provider.headers.Authorization=Bearer abcdefghijkl",
         "provider.headers.X-Api-Key=whatever",
         "+provider.api_key=x",
-        "dataset.path=sk" "-or-v1-abcdefabcdef0123456789",
+        ("dataset.path=sk" + "-or-v1-abcdefabcdef0123456789"),
         "provider.api_key_env=not a variable name",
     ]:
         assert key_in_overrides([bad], env), bad

@@ -142,7 +142,7 @@ def swept(tmp_path_factory: pytest.TempPathFactory, kimi: Model, kimi_dir: Path)
     with RoutedFakeOpenRouter(behaviours=behaviours(kimi)) as srv:
         env = {
             **os.environ,
-            "OPENROUTER_API_KEY": "sk" "-test-not-a-real-key",
+            "OPENROUTER_API_KEY": ("sk" + "-test-not-a-real-key"),
             "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # no price-map download
             "PYTHONPATH": str(REPO),
         }

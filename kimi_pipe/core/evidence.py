@@ -51,8 +51,7 @@ def whole_engine_ids(record: Mapping[str, Any]) -> bool:
         return False
     sources = record.get("id_sources") or []
     return any(
-        isinstance(s, Sequence) and len(s) == 3 and s[2] in ("confirmed", "engine")
-        for s in sources
+        isinstance(s, Sequence) and len(s) == 3 and s[2] in ("confirmed", "engine") for s in sources
     )
 
 

@@ -136,4 +136,3 @@ def mark_flagged(record: dict[str, Any], codes: Sequence[str]) -> dict[str, Any]
         record["ok"] = False
         record["evidence"] = UNRESOLVED
     return record
-

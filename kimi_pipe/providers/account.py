@@ -21,7 +21,6 @@ class KeyStatus:
     limit_remaining: float | None
 
 
-
 @dataclass(frozen=True)
 class GenerationBill:
     """What the provider says one generation cost, with the tokens it counted."""
@@ -47,7 +46,8 @@ class NoAccount:
         raise ProviderConfigError(
             f"provider {self.settings.name} has no price listing (provider.account is null); "
             "set provider.pricing.input_usd_per_mtok and provider.pricing.output_usd_per_mtok "
-            "(USD per million tokens)")
+            "(USD per million tokens)"
+        )
 
     async def key_status(self, key: str) -> KeyStatus | None:
         return None
@@ -84,5 +84,6 @@ def account_for(settings: ProviderSettings) -> Account:
         return NoAccount(settings)
     if settings.account not in ACCOUNTS:
         raise ProviderConfigError(
-            f"provider.account={settings.account!r} is not one of {sorted(ACCOUNTS)} (or null)")
+            f"provider.account={settings.account!r} is not one of {sorted(ACCOUNTS)} (or null)"
+        )
     return ACCOUNTS[settings.account](settings)

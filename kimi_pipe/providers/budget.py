@@ -133,7 +133,11 @@ class Budget:
                 log.warning(
                     "an answer cost $%.6f, more than its reserved worst case $%.6f; requests "
                     "now reserve %.2fx their worst case; check provider.pricing and "
-                    "budget.reserve_factor", cost_usd, res.usd, self.overbill_ratio)
+                    "budget.reserve_factor",
+                    cost_usd,
+                    res.usd,
+                    self.overbill_ratio,
+                )
 
     def raise_floor(self, spent_usd: float) -> None:
         """An outside count proves at least this much was spent (never lowers it)."""
@@ -231,8 +235,10 @@ class SlowStart:
         """One attempt settled (`overbilled`: it cost more than its reservation)."""
         if overbilled:
             if self.limit > 1:
-                log.warning("an answer was billed above its reservation: concurrency back "
-                            "to 1 (was %d)", self.limit)
+                log.warning(
+                    "an answer was billed above its reservation: concurrency back to 1 (was %d)",
+                    self.limit,
+                )
             self.limit = 1
             return
         # One more slot per attempt settled within the guard (TCP's slow start): the window

@@ -45,11 +45,17 @@ def get_litellm() -> Any:
         _litellm = litellm
     return _litellm
 
+
 # LiteLLM's words for an HTTP-200 body it could not turn into a response.
 _UNPARSABLE_ANSWER = ("Invalid response object", "codec can't decode")
 TOO_LARGE = "exceeds provider.max_response_mb"
-_FAIL_STATUS = {400: "bad_request", 403: "forbidden", 404: "not_found", 413: "too_large",
-                422: "unprocessable"}
+_FAIL_STATUS = {
+    400: "bad_request",
+    403: "forbidden",
+    404: "not_found",
+    413: "too_large",
+    422: "unprocessable",
+}
 _STOP_STATUS = {401: "auth", 402: "payment_required"}
 
 
@@ -158,14 +164,18 @@ class Attempt:
     wire_flags: list[str] = field(default_factory=list)
 
 
-def generation_id_of(response: Mapping[str, Any] | None, hidden: Mapping[str, Any] | None,
-                     headers: Any = None) -> str | None:
+def generation_id_of(
+    response: Mapping[str, Any] | None, hidden: Mapping[str, Any] | None, headers: Any = None
+) -> str | None:
     """OpenRouter's generation id: the response `id`, or its `X-Generation-Id` header."""
     extra = (hidden or {}).get("additional_headers") or {}
     for source in (headers, extra):
         try:
-            value = source.get("x-generation-id") or source.get(
-                "llm_provider-x-generation-id") if source else None
+            value = (
+                source.get("x-generation-id") or source.get("llm_provider-x-generation-id")
+                if source
+                else None
+            )
         except AttributeError:
             value = None
         if isinstance(value, str) and value:
@@ -249,7 +259,8 @@ def http_client_for(settings: ProviderSettings) -> Any:
                     if limit is not None and seen > limit:
                         raise ResponseTooLarge(
                             f"the answer {TOO_LARGE} ({settings.max_response_mb} MB); raise "
-                            "it if such answers are expected")
+                            "it if such answers are expected"
+                        )
                     if self.tap is not None and seen <= INSPECT_LIMIT:
                         self.tap.body += chunk
                     yield chunk
@@ -312,16 +323,23 @@ BILLED_ERROR_BODY = "billed_error_body"
 
 
 async def attempt_once(
-    settings: ProviderSettings, key: str, messages: list[dict], tools: list[dict] | None,
-    price_fallback: Callable[[int, int], float] | None = None, http_client: Any = None,
+    settings: ProviderSettings,
+    key: str,
+    messages: list[dict],
+    tools: list[dict] | None,
+    price_fallback: Callable[[int, int], float] | None = None,
+    http_client: Any = None,
 ) -> Attempt:
     """One HTTP request; never raises for provider trouble (returns it as `error`)."""
     litellm = get_litellm()
     kwargs: dict[str, Any] = dict(
         # The OpenAI client under LiteLLM insists on a non-empty key even for a local server.
-        model=settings.model, messages=messages, api_key=key or "no-key",
+        model=settings.model,
+        messages=messages,
+        api_key=key or "no-key",
         timeout=settings.timeout_s,
-        num_retries=0, max_retries=0,  # retries are ours: counted, budgeted, backed off
+        num_retries=0,
+        max_retries=0,  # retries are ours: counted, budgeted, backed off
         **settings.params,
     )
     if settings.api_base:
@@ -350,13 +368,24 @@ async def attempt_once(
             # An error body that carries usage was billed, whatever else it says.
             cost, flags = response_cost(raw, None, price_fallback)
             usage = _usage(raw)
-            return Attempt(None, 0.0 if cost is None else cost,
-                           _count(usage.get("completion_tokens")) or 0, latency,
-                           replace(info, cls="provider_error"), [*flags, BILLED_ERROR_BODY],
-                           generation_id_of(raw, None, _headers_of(exc)),
-                           prompt_tokens=_count(usage.get("prompt_tokens")))
-        return Attempt(None, 0.0, 0, latency, info,
-                       generation_id=generation_id_of(None, None, _headers_of(exc)))
+            return Attempt(
+                None,
+                0.0 if cost is None else cost,
+                _count(usage.get("completion_tokens")) or 0,
+                latency,
+                replace(info, cls="provider_error"),
+                [*flags, BILLED_ERROR_BODY],
+                generation_id_of(raw, None, _headers_of(exc)),
+                prompt_tokens=_count(usage.get("prompt_tokens")),
+            )
+        return Attempt(
+            None,
+            0.0,
+            0,
+            latency,
+            info,
+            generation_id=generation_id_of(None, None, _headers_of(exc)),
+        )
     finally:
         _TAP.reset(token)
     latency = time.monotonic() - start
@@ -369,9 +398,18 @@ async def attempt_once(
     wire: list[str] = []
     if tap.body and b"tool_calls" in tap.body and tool_arguments_not_strings(tap.json()):
         wire.append(TOOL_ARGUMENTS_NOT_STRING)
-    return Attempt(data, 0.0 if cost is None else cost, completion, latency, problem, flags,
-                   generation_id_of(data, hidden), prompt_tokens=_count(usage.get("prompt_tokens")),
-                   wire_flags=wire)
+    return Attempt(
+        data,
+        0.0 if cost is None else cost,
+        completion,
+        latency,
+        problem,
+        flags,
+        generation_id_of(data, hidden),
+        prompt_tokens=_count(usage.get("prompt_tokens")),
+        wire_flags=wire,
+    )
+
 
 @dataclass
 class CallResult:
@@ -395,8 +433,9 @@ OnFailed = Callable[[ErrorInfo, int, float, int], None]
 
 # Failures after which the provider may have generated (and billed) an answer we never saw
 # or could not read: booked at the attempt's worst case.
-BILLED_UNSEEN = frozenset({"timeout", "malformed_response", "bad_body", "response_too_large",
-                           "connection_lost"})
+BILLED_UNSEEN = frozenset(
+    {"timeout", "malformed_response", "bad_body", "response_too_large", "connection_lost"}
+)
 # Billing flags after which the answer's own cost cannot be trusted.
 UNTRUSTED_COST = frozenset({"cost_invalid", "no_usage", "usage_invalid"})
 OVERBILLED = "billed_above_reservation"
@@ -406,8 +445,9 @@ BELOW_LISTED = "cost_below_listed_price"
 FLOOR_SLACK = 1e-6
 
 
-def book(attempt: Attempt, reservation: Any,
-         price_floor: Callable[[int, int], float] | None = None) -> Attempt:
+def book(
+    attempt: Attempt, reservation: Any, price_floor: Callable[[int, int], float] | None = None
+) -> Attempt:
     """The attempt as it goes into the budget: never an unvalidated or unseen cost, and
     never less than its tokens at the listed prices (`price_floor`) when both are known."""
     reserved = float(getattr(reservation, "usd", 0.0))
@@ -419,13 +459,19 @@ def book(attempt: Attempt, reservation: Any,
         if set(flags) & {"no_usage", "usage_invalid"}:
             tokens = int(getattr(reservation, "output_tokens", 0))
         return replace(attempt, cost=reserved, completion_tokens=tokens)
-    if price_floor is not None and attempt.prompt_tokens is not None and (
-        attempt.response is not None or BILLED_ERROR_BODY in flags
+    if (
+        price_floor is not None
+        and attempt.prompt_tokens is not None
+        and (attempt.response is not None or BILLED_ERROR_BODY in flags)
     ):
         floor = price_floor(attempt.prompt_tokens, attempt.completion_tokens)
         if attempt.cost < floor * (1 - FLOOR_SLACK) - 1e-12:
-            log.warning("an answer states $%.6f, below its tokens at the listed prices "
-                        "($%.6f): the floor is booked", attempt.cost, floor)
+            log.warning(
+                "an answer states $%.6f, below its tokens at the listed prices "
+                "($%.6f): the floor is booked",
+                attempt.cost,
+                floor,
+            )
             flags.append(BELOW_LISTED)
             attempt = replace(attempt, cost=floor)
     if attempt.cost > reserved + 1e-12:
@@ -434,8 +480,13 @@ def book(attempt: Attempt, reservation: Any,
 
 
 async def call_with_retries(
-    settings: ProviderSettings, key: str, messages: list[dict], tools: list[dict] | None,
-    reserve: Reserve, settle: Settle, rng: random.Random,
+    settings: ProviderSettings,
+    key: str,
+    messages: list[dict],
+    tools: list[dict] | None,
+    reserve: Reserve,
+    settle: Settle,
+    rng: random.Random,
     price_fallback: Callable[[int, int], float] | None = None,
     on_failed: OnFailed | None = None,
     stop_event: asyncio.Event | None = None,
@@ -457,13 +508,25 @@ async def call_with_retries(
         if reservation is None:
             return CallResult(None, 0.0, 0, 0.0, attempts, NO_BUDGET, errors)
         attempts += 1
-        last = book(await attempt_once(settings, key, messages, tools, price_fallback,
-                                       http_client), reservation, price_floor)
+        last = book(
+            await attempt_once(settings, key, messages, tools, price_fallback, http_client),
+            reservation,
+            price_floor,
+        )
         ok = last.error is None
         settle(reservation, last, ok)
         if ok:
-            return CallResult(last.response, last.cost, last.completion_tokens, last.latency_s,
-                              attempts, None, errors, last.billing_flags, last.wire_flags)
+            return CallResult(
+                last.response,
+                last.cost,
+                last.completion_tokens,
+                last.latency_s,
+                attempts,
+                None,
+                errors,
+                last.billing_flags,
+                last.wire_flags,
+            )
         err = last.error
         assert err is not None
         errors.append(err.cls)

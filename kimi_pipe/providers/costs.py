@@ -33,8 +33,11 @@ def _count(value: Any) -> int | None:
     return value
 
 
-def response_cost(response: Mapping[str, Any], hidden: Mapping[str, Any] | None,
-                  fallback: Callable[[int, int], float] | None) -> tuple[float | None, list[str]]:
+def response_cost(
+    response: Mapping[str, Any],
+    hidden: Mapping[str, Any] | None,
+    fallback: Callable[[int, int], float] | None,
+) -> tuple[float | None, list[str]]:
     """usage.cost (OpenRouter), else LiteLLM's response_cost, else tokens x prices; with
     the billing flags of the answer. None: no trustworthy cost (book the reservation)."""
     usage = _usage(response)
@@ -72,7 +75,8 @@ def _checked_prices(prices: tuple[Any, Any], where: str, minimum: float) -> tupl
             raise PriceError(
                 f"{where}: the {name} price {value!r} USD per token is not a usable price "
                 f"(must be a finite number >= {minimum} USD per million tokens); set "
-                "provider.pricing.input_usd_per_mtok and output_usd_per_mtok")
+                "provider.pricing.input_usd_per_mtok and output_usd_per_mtok"
+            )
         out.append(usd)
     return out[0], out[1]
 
@@ -87,7 +91,9 @@ async def fetch_pricing(settings: ProviderSettings, key: str) -> tuple[float, fl
     if settings.input_usd_per_mtok is not None and settings.output_usd_per_mtok is not None:
         fin, fout = _checked_prices(
             (settings.input_usd_per_mtok / 1e6, settings.output_usd_per_mtok / 1e6),
-            "provider.pricing", 0.0)
+            "provider.pricing",
+            0.0,
+        )
         return fin, fout, "config"
     try:
         return (*await account_for(settings).listed_prices(key), "listing")

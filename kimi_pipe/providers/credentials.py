@@ -18,8 +18,16 @@ if TYPE_CHECKING:
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # Words in a header name that mean it carries a credential (one list for the config and
 # the command line).
-CREDENTIAL_HEADER_WORDS = ("authorization", "api-key", "api_key", "apikey", "key", "token",
-                           "cookie", "secret")
+CREDENTIAL_HEADER_WORDS = (
+    "authorization",
+    "api-key",
+    "api_key",
+    "apikey",
+    "key",
+    "token",
+    "cookie",
+    "secret",
+)
 # Environment variables that hold secrets (OPENROUTER_API_KEY, HF_TOKEN, ...).
 _SECRET_VAR = re.compile(r"(?:API_?KEY|_TOKEN|_SECRET|ACCESS_KEY)$")
 # What API keys look like (OpenRouter sk-or-v1-..., OpenAI sk-..., bearer tokens).
@@ -29,8 +37,11 @@ _KEY_SHAPE = re.compile(r"(?:\bsk[-][A-Za-z0-9_-]{16,}|\bBearer\s+\S{8,})")
 def key_in_overrides(argv: list[str], environ: dict[str, str] | None = None) -> str | None:
     """Why an override would put a secret into the saved config (None: it would not)."""
     environ = dict(os.environ) if environ is None else environ
-    secrets = [v for k, v in environ.items()
-               if _SECRET_VAR.search(k.upper()) and len(v) >= 12 and not v.startswith("/")]
+    secrets = [
+        v
+        for k, v in environ.items()
+        if _SECRET_VAR.search(k.upper()) and len(v) >= 12 and not v.startswith("/")
+    ]
     for arg in argv:
         if "=" not in arg:
             continue
@@ -39,10 +50,15 @@ def key_in_overrides(argv: list[str], environ: dict[str, str] | None = None) -> 
         leaf = name.rsplit(".", 1)[-1].lower().replace("-", "_")
         if leaf.endswith(("api_key", "apikey")):
             return f"{name} must not be in the config"
-        if leaf.endswith("api_key_env") and value not in ("", "null") and not _ENV_NAME.fullmatch(
-                value):
-            return (f"{name} must name an environment variable (e.g. OPENROUTER_API_KEY), "
-                    "not hold the key")
+        if (
+            leaf.endswith("api_key_env")
+            and value not in ("", "null")
+            and not _ENV_NAME.fullmatch(value)
+        ):
+            return (
+                f"{name} must name an environment variable (e.g. OPENROUTER_API_KEY), "
+                "not hold the key"
+            )
         if ".headers" in name.lower() and header_carries_credential(leaf):
             return f"{name} would carry a credential in a header"
         if _KEY_SHAPE.search(value) or any(secret in value for secret in secrets):
@@ -69,7 +85,8 @@ def api_key(settings: ProviderSettings) -> str:
         raise MissingApiKey(
             f"no API key: the environment variable {settings.api_key_env} is not set.\n"
             f"  export {settings.api_key_env}=sk-or-v1-...   (https://openrouter.ai/keys)\n"
-            "The key is read only from the environment, never from the config.")
+            "The key is read only from the environment, never from the config."
+        )
     return key
 
 
@@ -96,7 +113,8 @@ def credential_values(environ: Mapping[str, str], key_env: str | None = None) ->
     for name, value in environ.items():
         parts = re.split(r"[^A-Z0-9]+", name.upper())
         looks_secret = name == key_env or any(
-            part in _SECRET_NAME_PARTS or part.endswith(("KEY", "TOKEN")) for part in parts)
+            part in _SECRET_NAME_PARTS or part.endswith(("KEY", "TOKEN")) for part in parts
+        )
         value = value.strip()
         if looks_secret and len(value) >= MIN_SECRET_LEN and not value.startswith("/"):
             out[value] = name
@@ -114,8 +132,9 @@ def _leaves(node: Any, where: str) -> Iterator[tuple[str, Any]]:
         yield where, node
 
 
-def refuse_secrets(cfg: Any, environ: Mapping[str, str] | None = None,
-                   extra: Mapping[str, Any] | None = None) -> None:
+def refuse_secrets(
+    cfg: Any, environ: Mapping[str, str] | None = None, extra: Mapping[str, Any] | None = None
+) -> None:
     """Refuse a config in which any resolved value (its keys included) holds the API key or
     the value of an environment variable that looks like a credential: it would reach
     `.hydra/`, the log, the records or a file name. The message names the config key and
@@ -142,4 +161,5 @@ def refuse_secrets(cfg: Any, environ: Mapping[str, str] | None = None,
                         f"{where} holds the value of ${name} (a credential); it would be "
                         "written to .hydra/, logs, records or file names. Remove it: the API "
                         "key is read only from the environment variable provider.api_key_env "
-                        "names")
+                        "names"
+                    )

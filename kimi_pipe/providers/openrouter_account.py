@@ -25,8 +25,10 @@ log = logging.getLogger(__name__)
 async def listed_prices(settings: ProviderSettings, key: str) -> tuple[float, float]:
     base = (settings.api_base or "").rstrip("/")
     model_id = settings.model.split("/", 1)[1] if "/" in settings.model else settings.model
-    how = ("set provider.pricing.input_usd_per_mtok and provider.pricing.output_usd_per_mtok "
-           "(USD per million tokens)")
+    how = (
+        "set provider.pricing.input_usd_per_mtok and provider.pricing.output_usd_per_mtok "
+        "(USD per million tokens)"
+    )
     if not base:
         raise ProviderConfigError(f"no api_base to read prices from; {how}")
     url = base + settings.models_path
@@ -39,8 +41,11 @@ async def listed_prices(settings: ProviderSettings, key: str) -> tuple[float, fl
             pricing = entry.get("pricing")
             if not isinstance(pricing, dict) or not {"prompt", "completion"} <= set(pricing):
                 break
-            return _checked_prices((_number(pricing["prompt"]), _number(pricing["completion"])),
-                                   f"{url} ({model_id})", MIN_LISTED_USD_PER_MTOK)
+            return _checked_prices(
+                (_number(pricing["prompt"]), _number(pricing["completion"])),
+                f"{url} ({model_id})",
+                MIN_LISTED_USD_PER_MTOK,
+            )
     raise ProviderConfigError(f"{url} lists no prices for {model_id!r}; {how}")
 
 
@@ -76,8 +81,12 @@ async def key_status(settings: ProviderSettings, key: str) -> KeyStatus | None:
         return None
     usage = valid_usd(data.get("usage"))
     if usage is None:
-        log.warning("%s%s: usage %r is not a USD amount; ignored", base, settings.key_path,
-                    data.get("usage"))
+        log.warning(
+            "%s%s: usage %r is not a USD amount; ignored",
+            base,
+            settings.key_path,
+            data.get("usage"),
+        )
         return None
     if data.get("limit") is None:
         return KeyStatus(usage, None, None)
@@ -88,8 +97,9 @@ async def key_status(settings: ProviderSettings, key: str) -> KeyStatus | None:
     return KeyStatus(usage, limit, max(0.0, limit - usage) if remaining is None else remaining)
 
 
-async def generation_bill(settings: ProviderSettings, key: str,
-                          generation_id: str) -> GenerationBill | None:
+async def generation_bill(
+    settings: ProviderSettings, key: str, generation_id: str
+) -> GenerationBill | None:
     """What OpenRouter billed for one generation (`GET /generation?id=`: `total_cost`,
     `native_tokens_prompt`, `native_tokens_completion`), if it says."""
     from urllib.parse import quote
@@ -104,6 +114,8 @@ async def generation_bill(settings: ProviderSettings, key: str,
     data = doc.get("data") if isinstance(doc, dict) else None
     if not isinstance(data, dict):
         return None
-    return GenerationBill(valid_usd(data.get("total_cost")),
-                          _count(data.get("native_tokens_prompt")),
-                          _count(data.get("native_tokens_completion")))
+    return GenerationBill(
+        valid_usd(data.get("total_cost")),
+        _count(data.get("native_tokens_prompt")),
+        _count(data.get("native_tokens_completion")),
+    )

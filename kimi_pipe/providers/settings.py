@@ -63,17 +63,20 @@ class ProviderSettings:
         if "api_key" in data:
             raise ProviderConfigError(
                 "provider.api_key must not be in the config (it would be saved in .hydra/); "
-                f"export {data.get('api_key_env', 'the API key variable')} instead")
+                f"export {data.get('api_key_env', 'the API key variable')} instead"
+            )
         key_env = data.get("api_key_env")
         if key_env and not valid_env_name(str(key_env)):
             raise ProviderConfigError(
                 "provider.api_key_env must name an environment variable (e.g. "
-                "OPENROUTER_API_KEY), not hold the key itself")
+                "OPENROUTER_API_KEY), not hold the key itself"
+            )
         for header in data.get("headers") or {}:
             if header_carries_credential(str(header)):
                 raise ProviderConfigError(
                     f"provider.headers.{header} would carry a credential in the saved config; "
-                    f"the key is sent from {key_env or 'the key variable'} in the environment")
+                    f"the key is sent from {key_env or 'the key variable'} in the environment"
+                )
         params = {k: v for k, v in (data.get("params") or {}).items() if v is not None}
         extra: dict[str, Any] = {}
         for key, body_key in (data.get("extra_body_keys") or {}).items():
@@ -111,15 +114,21 @@ class ProviderSettings:
             models_path=str(data.get("models_path") or "/models"),
             key_path=str(data.get("key_path") or "/key"),
             account=str(data["account"]) if data.get("account") else None,
-            max_response_mb=(float(data["max_response_mb"])
-                             if data.get("max_response_mb") is not None else None),
+            max_response_mb=(
+                float(data["max_response_mb"]) if data.get("max_response_mb") is not None else None
+            ),
             extra_headers=dict(data.get("headers") or {}),
         )
 
     def request_record(self) -> dict[str, Any]:
         """The request parameters as stored with every record (never the key)."""
-        return {"model": self.model, "api_base": self.api_base, "timeout_s": self.timeout_s,
-                **self.params, "extra_body": self.extra_body}
+        return {
+            "model": self.model,
+            "api_base": self.api_base,
+            "timeout_s": self.timeout_s,
+            **self.params,
+            "extra_body": self.extra_body,
+        }
 
 
 def _drop_nones(value: Any) -> Any:

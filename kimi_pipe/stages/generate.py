@@ -73,8 +73,17 @@ RECORDS = "records.jsonl"
 ATTEMPT_ERRORS = "attempt_errors.jsonl"
 SUMMARY = "summary.json"
 # Every file a run writes in its directory: none may be a symlink.
-RUN_FILES = (RECORDS, ATTEMPT_ERRORS, JOURNAL, SUMMARY, LOCK, RECORDS + ".torn",
-             ATTEMPT_ERRORS + ".torn", JOURNAL + ".torn", SUMMARY + ".partial")
+RUN_FILES = (
+    RECORDS,
+    ATTEMPT_ERRORS,
+    JOURNAL,
+    SUMMARY,
+    LOCK,
+    RECORDS + ".torn",
+    ATTEMPT_ERRORS + ".torn",
+    JOURNAL + ".torn",
+    SUMMARY + ".partial",
+)
 REMAINING = "the remaining budget"
 EXIT_CONFIG, EXIT_STOPPED, EXIT_ALL_FAILED, EXIT_INTERRUPTED = 2, 3, 4, 130
 
@@ -108,8 +117,9 @@ class TokenCore:
         def prompt_len(messages: list[dict], tools: list[dict] | None) -> int:
             return len(prompt_ids(model, messages, tools))
 
-        def rebuild(messages: list[dict], tools: list[dict] | None, resp: dict,
-                    request: dict | None = None) -> dict[str, Any]:
+        def rebuild(
+            messages: list[dict], tools: list[dict] | None, resp: dict, request: dict | None = None
+        ) -> dict[str, Any]:
             serving, spec, probe = route.profile_for(resp.get("provider"))
             record = replace(builder, serving=serving).build(messages, tools, resp, request)
             record |= {"serving_profile": spec, "serving_probe": probe}
@@ -157,17 +167,31 @@ def _repaired(prompt: Any, repair: TextRepair) -> Any:
 
 def _error_record(prompt: Any, request: dict, err: ErrorInfo, attempts: int) -> dict[str, Any]:
     return {
-        "id": prompt.id, "ok": False, "issues": [], "prompt_ids": [], "output_ids": [],
-        "loss_mask": [], "completion_tokens_reported": None,
-        "completion_tokens_reconstructed": 0, "messages": prompt.messages, "tools": prompt.tools,
-        "request": request, "response": None, "usage": None, "cost": 0.0, "provider": None,
-        "latency_s": None, "attempts": attempts, "error": err.to_record(),
+        "id": prompt.id,
+        "ok": False,
+        "issues": [],
+        "prompt_ids": [],
+        "output_ids": [],
+        "loss_mask": [],
+        "completion_tokens_reported": None,
+        "completion_tokens_reconstructed": 0,
+        "messages": prompt.messages,
+        "tools": prompt.tools,
+        "request": request,
+        "response": None,
+        "usage": None,
+        "cost": 0.0,
+        "provider": None,
+        "latency_s": None,
+        "attempts": attempts,
+        "error": err.to_record(),
     }
 
 
 class Generator:
-    def __init__(self, cfg: DictConfig, run_dir: Path, progress: Progress | None = None,
-                 route: Any = None) -> None:
+    def __init__(
+        self, cfg: DictConfig, run_dir: Path, progress: Progress | None = None, route: Any = None
+    ) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
         self.route = route  # serving_auto.Route: the providers probed and their profiles
@@ -180,8 +204,10 @@ class Generator:
         self.reserve_factor = float(bcfg.get("reserve_factor") or 1.0)
         capped = [k for k in ("usd", "max_output_tokens") if bcfg.get(k) is not None]
         if capped and self.max_tokens <= 0:
-            raise GenerateError(f"budget.{capped[0]} needs provider.params.max_tokens (the worst "
-                                "case of every request); set provider.params.max_tokens=N")
+            raise GenerateError(
+                f"budget.{capped[0]} needs provider.params.max_tokens (the worst "
+                "case of every request); set provider.params.max_tokens=N"
+            )
         self.stats = RunStats()
         self.progress = progress or Progress()
         self.rng = random.Random(int(OmegaConf.select(cfg, "dataset.seed", default=0) or 0))
@@ -195,8 +221,10 @@ class Generator:
 
     # --- budget -------------------------------------------------------------------------
     def _price_fallback(self, prompt_tokens: int, completion_tokens: int) -> float:
-        return (prompt_tokens * self.pricing.input_per_token
-                + completion_tokens * self.pricing.output_per_token)
+        return (
+            prompt_tokens * self.pricing.input_per_token
+            + completion_tokens * self.pricing.output_per_token
+        )
 
     @property
     def price_floor(self) -> Callable[[int, int], float] | None:
@@ -211,8 +239,11 @@ class Generator:
         if bill is None or bill.usd is None:
             return None
         floor = self.price_floor
-        if floor is not None and bill.prompt_tokens is not None and (
-                bill.completion_tokens is not None):
+        if (
+            floor is not None
+            and bill.prompt_tokens is not None
+            and (bill.completion_tokens is not None)
+        ):
             return max(bill.usd, floor(bill.prompt_tokens, bill.completion_tokens))
         return bill.usd
 
@@ -238,8 +269,12 @@ class Generator:
             raise GenerateError(str(exc)) from None  # reachable: the message says what to do
         t2 = time.monotonic()
         get_litellm()  # seconds of imports: pay them before the clock of the first request
-        log.info("start-up: model %.1fs, prompts %.1fs, litellm %.1fs", t1 - t0, t2 - t1,
-                 time.monotonic() - t2)
+        log.info(
+            "start-up: model %.1fs, prompts %.1fs, litellm %.1fs",
+            t1 - t0,
+            t2 - t1,
+            time.monotonic() - t2,
+        )
         in_price, out_price, self.price_source = await fetch_pricing(self.settings, self.key)
         self.pricing = Pricing(in_price, out_price)
         with SpendJournal(self.run_dir / JOURNAL) as journal:
@@ -249,37 +284,57 @@ class Generator:
             self.recovered = await journal.recover(self._generation_cost)
             self.spent_before = max(index.cost, journal.spent())
             if index.records or self.spent_before:
-                log.info("resuming %s: %d ids done, $%.4f already spent%s", self.run_dir,
-                         len(index.ids), self.spent_before, " (torn last line ignored)"
-                         if index.torn_tail else "")
+                log.info(
+                    "resuming %s: %d ids done, $%.4f already spent%s",
+                    self.run_dir,
+                    len(index.ids),
+                    self.spent_before,
+                    " (torn last line ignored)" if index.torn_tail else "",
+                )
             self.attempts_before = journal.billed_attempts()
             return await self._run(core, prompts, index, records_path, errors_path)
 
-    async def _run(self, core: TokenCore, prompts: Any, index: Any, records_path: Path,
-                   errors_path: Path) -> dict[str, Any]:
+    async def _run(
+        self, core: TokenCore, prompts: Any, index: Any, records_path: Path, errors_path: Path
+    ) -> dict[str, Any]:
         b = self.cfg.budget
-        budget = Budget(b.get("usd"), b.get("max_samples"), b.get("max_output_tokens"),
-                        spent_usd=self.spent_before, done_samples=index.answered,
-                        used_output_tokens=index.output_tokens,
-                        overbill_guard=float(b.get("overbill_guard") or 1.0))
+        budget = Budget(
+            b.get("usd"),
+            b.get("max_samples"),
+            b.get("max_output_tokens"),
+            spent_usd=self.spent_before,
+            done_samples=index.answered,
+            used_output_tokens=index.output_tokens,
+            overbill_guard=float(b.get("overbill_guard") or 1.0),
+        )
         self.budget = budget
         self.key_start = await self._check_key()
         self.http_client = http_client_for(self.settings)
         gate = BudgetGate(budget)
         max_per_sample = b.get("max_usd_per_sample")
-        log.info("generate: %d prompts, %d already done; provider %s (%s), concurrency %d, "
-                 "budget $%s (spent $%.4f), prices $%.3f/$%.3f per Mtok (%s)", self.total,
-                 len(index.ids), self.settings.name, self.settings.api_base,
-                 self.settings.concurrency, b.get("usd"), self.spent_before,
-                 self.pricing.input_per_token * 1e6, self.pricing.output_per_token * 1e6,
-                 self.price_source)
+        log.info(
+            "generate: %d prompts, %d already done; provider %s (%s), concurrency %d, "
+            "budget $%s (spent $%.4f), prices $%.3f/$%.3f per Mtok (%s)",
+            self.total,
+            len(index.ids),
+            self.settings.name,
+            self.settings.api_base,
+            self.settings.concurrency,
+            b.get("usd"),
+            self.spent_before,
+            self.pricing.input_per_token * 1e6,
+            self.pricing.output_per_token * 1e6,
+            self.price_source,
+        )
 
         self.startup_s = time.monotonic() - self.stats.started
         self.stats.started = time.monotonic()  # throughput counts from the first dispatch
         # Slow start: where money is capped, 1 request in flight at first (budget.slow_start).
         sem = self.window = SlowStart(
-            self.settings.concurrency, budget,
-            enabled=bool(b.get("slow_start", True)) and budget.cap_usd is not None)
+            self.settings.concurrency,
+            budget,
+            enabled=bool(b.get("slow_start", True)) and budget.cap_usd is not None,
+        )
         tasks: set[asyncio.Task] = set()
         poller = asyncio.create_task(self._poll_key()) if self.key_start else None
         max_attempts = self.settings.retry.max_attempts
@@ -295,9 +350,15 @@ class Generator:
                     if prior >= max_attempts:
                         # Bought max_attempts times over all runs (kills, unreadable answers):
                         # recorded as failed, never bought again.
-                        err = ErrorInfo("attempts_exhausted", None, (
-                            f"{prior} attempts billed over earlier runs "
-                            f"(provider.retry.max_attempts={max_attempts})"), "fail")
+                        err = ErrorInfo(
+                            "attempts_exhausted",
+                            None,
+                            (
+                                f"{prior} attempts billed over earlier runs "
+                                f"(provider.retry.max_attempts={max_attempts})"
+                            ),
+                            "fail",
+                        )
                         writer.append(_error_record(prompt, self.request, err, 0))
                         self.stats.failed[err.cls] += 1
                         self.stats.attempts_exhausted += 1
@@ -319,8 +380,9 @@ class Generator:
                     worst = self._worst_case(n_prompt)
                     if max_per_sample is not None and worst > float(max_per_sample):
                         sem.release()
-                        self._skip_over_budget(prompt.id, worst, "budget.max_usd_per_sample",
-                                               float(max_per_sample))
+                        self._skip_over_budget(
+                            prompt.id, worst, "budget.max_usd_per_sample", float(max_per_sample)
+                        )
                         continue
                     res = await gate.reserve(worst, self.max_tokens)
                     if res is None:
@@ -336,9 +398,20 @@ class Generator:
                             continue
                         self._stop_for_budget(worst)
                         break
-                    task = asyncio.create_task(self._one(
-                        prompt, worst, res, gate, core, writer, err_writer, sem, prior,
-                        ["prompt_text_replaced"] if repair.surrogates else []))
+                    task = asyncio.create_task(
+                        self._one(
+                            prompt,
+                            worst,
+                            res,
+                            gate,
+                            core,
+                            writer,
+                            err_writer,
+                            sem,
+                            prior,
+                            ["prompt_text_replaced"] if repair.surrogates else [],
+                        )
+                    )
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
                     self._show()
@@ -348,7 +421,8 @@ class Generator:
                 # Interrupted, or the host failed a write (a full disk): requests in flight
                 # are cancelled; their journal intents are booked on the next start.
                 self.stats.stop_reason = self.stats.stop_reason or (
-                    "host_error" if isinstance(exc, OSError) else "interrupted")
+                    "host_error" if isinstance(exc, OSError) else "interrupted"
+                )
                 gate.close()
                 for t in tasks:
                     t.cancel()
@@ -366,10 +440,14 @@ class Generator:
             self.stats.stop_message = (
                 f"{self.stats.skipped_over_budget} samples skipped: their worst case alone "
                 "exceeds budget.max_usd_per_sample or the remaining budget (they are tried "
-                "again on the next run); raise budget.usd or lower provider.params.max_tokens")
+                "again on the next run); raise budget.usd or lower provider.params.max_tokens"
+            )
         if prompts.skipped:
-            log.warning("dataset rows that could not become prompts (skipped): %s; first rows: "
-                        "%s", dict(prompts.skipped), dict(prompts.skipped_examples))
+            log.warning(
+                "dataset rows that could not become prompts (skipped): %s; first rows: %s",
+                dict(prompts.skipped),
+                dict(prompts.skipped_examples),
+            )
         # Which rows (line-N of dataset.path) were skipped, so they can be found and fixed.
         self.skipped_examples = {k: list(v) for k, v in prompts.skipped_examples.items()}
         summary = self.summary(records_path, errors_path, prompts.skipped)
@@ -386,14 +464,20 @@ class Generator:
             return None
         left = None if self.budget.cap_usd is None else self.budget.cap_usd - self.spent_before
         if status.limit is None:
-            log.warning("the API key has no credit limit: give the run's key a limit on "
-                        "OpenRouter (the one cap that holds whatever a client does)")
-        elif left is not None and status.limit_remaining is not None and (
-                status.limit_remaining < left):
+            log.warning(
+                "the API key has no credit limit: give the run's key a limit on "
+                "OpenRouter (the one cap that holds whatever a client does)"
+            )
+        elif (
+            left is not None
+            and status.limit_remaining is not None
+            and (status.limit_remaining < left)
+        ):
             raise GenerateError(
                 f"the API key's remaining credit limit ${status.limit_remaining:.4f} cannot "
                 f"cover the run's remaining budget ${max(left, 0.0):.4f} (budget.usd="
-                f"{self.budget.cap_usd}); lower budget.usd or raise the key's limit")
+                f"{self.budget.cap_usd}); lower budget.usd or raise the key's limit"
+            )
         log.info("API key: $%.4f used, limit %s", status.usage, status.limit)
         return status
 
@@ -422,8 +506,14 @@ class Generator:
         # The first few say why; the rest (a nearly spent budget skips every sample) are
         # counted in the summary.
         level = logging.WARNING if self.stats.skipped_over_budget <= 3 else logging.DEBUG
-        log.log(level, "%s skipped: its worst case $%.4f exceeds %s ($%.4f); the run goes on",
-                rid, worst, limit_name, limit)
+        log.log(
+            level,
+            "%s skipped: its worst case $%.4f exceeds %s ($%.4f); the run goes on",
+            rid,
+            worst,
+            limit_name,
+            limit,
+        )
 
     def _stop_for_budget(self, worst: float) -> None:
         reason = self.budget.blocker(worst, self.max_tokens, True) or "budget_usd"
@@ -431,12 +521,23 @@ class Generator:
         if reason == "budget_usd" and self.budget.spent_usd == 0 and self.budget.cap_usd:
             self.stats.stop_message = (
                 f"budget.usd=${self.budget.cap_usd} is below one request's worst case "
-                f"${worst:.4f}; raise budget.usd or lower provider.params.max_tokens")
+                f"${worst:.4f}; raise budget.usd or lower provider.params.max_tokens"
+            )
         log.info("dispatch stopped: %s", self.stats.stop_message or reason)
 
-    async def _one(self, prompt: Any, worst: float, first: Reservation, gate: BudgetGate,
-                   core: TokenCore, writer: RecordWriter, err_writer: RecordWriter,
-                   sem: SlowStart, prior_attempts: int, flags: list[str]) -> None:
+    async def _one(
+        self,
+        prompt: Any,
+        worst: float,
+        first: Reservation,
+        gate: BudgetGate,
+        core: TokenCore,
+        writer: RecordWriter,
+        err_writer: RecordWriter,
+        sem: SlowStart,
+        prior_attempts: int,
+        flags: list[str],
+    ) -> None:
         self.stats.in_flight += 1
         pending: list[Reservation] = [first]
         journal = self.journal
@@ -448,8 +549,9 @@ class Generator:
             if res is not None:
                 # Write-ahead: on disk before the request leaves, at the multiple of its worst
                 # case the budget holds for it.
-                seqs[id(res)] = journal.intent(prompt.id, prior_attempts + len(seqs) + 1,
-                                               res.usd * self.budget.overbill_ratio)
+                seqs[id(res)] = journal.intent(
+                    prompt.id, prior_attempts + len(seqs) + 1, res.usd * self.budget.overbill_ratio
+                )
             return res
 
         def settle(res: Reservation, attempt: Attempt, done: bool) -> None:
@@ -463,24 +565,42 @@ class Generator:
                 answered.append(seq)
             else:
                 billed = attempt.cost > 0 or (
-                    attempt.error is not None and attempt.error.cls in BILLED_UNSEEN)
+                    attempt.error is not None and attempt.error.cls in BILLED_UNSEEN
+                )
                 journal.settle(seq, attempt.cost, billed)
 
         def on_failed(err: ErrorInfo, attempt: int, cost: float, tokens: int) -> None:
             # Logged at once with what it cost: money billed for a failed attempt is kept
             # in the spend even if the process dies before the sample finishes.
-            err_writer.append({"id": prompt.id, "attempt": attempt, "error": err.to_record(),
-                               "action": err.action, "cost": cost,
-                               "usage": {"completion_tokens": tokens}})
+            err_writer.append(
+                {
+                    "id": prompt.id,
+                    "attempt": attempt,
+                    "error": err.to_record(),
+                    "action": err.action,
+                    "cost": cost,
+                    "usage": {"completion_tokens": tokens},
+                }
+            )
             if err.action == "retry" and attempt < self.settings.retry.max_attempts:
                 self.stats.retries += 1
 
         try:
             result = await call_with_retries(
-                self.settings, self.key, prompt.messages, prompt.tools, reserve, settle,
-                self.rng, self._price_fallback, on_failed, self.stop_event,
+                self.settings,
+                self.key,
+                prompt.messages,
+                prompt.tools,
+                reserve,
+                settle,
+                self.rng,
+                self._price_fallback,
+                on_failed,
+                self.stop_event,
                 max_attempts=max(1, self.settings.retry.max_attempts - prior_attempts),
-                http_client=self.http_client, price_floor=self.price_floor)
+                http_client=self.http_client,
+                price_floor=self.price_floor,
+            )
         finally:
             if pending:  # never used: give the first reservation back
                 gate.settle(first, 0.0, 0, False)
@@ -491,43 +611,73 @@ class Generator:
             journal.settle(seq, result.cost, True)
         self._show()
 
-    def _finish(self, prompt: Any, result: CallResult, core: TokenCore, writer: RecordWriter,
-                gate: BudgetGate, flags: list[str]) -> None:
+    def _finish(
+        self,
+        prompt: Any,
+        result: CallResult,
+        core: TokenCore,
+        writer: RecordWriter,
+        gate: BudgetGate,
+        flags: list[str],
+    ) -> None:
         err = result.error
         if err is None:
             repair = TextRepair()
             try:
                 resp = clean_text(result.response, self.key, repair)
             except RecursionError:  # nested too deeply to walk: unusable, cost already booked
-                err = ErrorInfo("malformed_response", 200, "the answer is nested too deeply",
-                                "fail")
+                err = ErrorInfo(
+                    "malformed_response", 200, "the answer is nested too deeply", "fail"
+                )
                 writer.append(_error_record(prompt, self.request, err, result.attempts))
                 self.stats.failed[err.cls] += 1
                 return
             assert resp is not None
-            if (self.route is not None and not self.route.covers(resp.get("provider"))
-                    and not self.stop_event.is_set()):
+            if (
+                self.route is not None
+                and not self.route.covers(resp.get("provider"))
+                and not self.stop_event.is_set()
+            ):
                 # The route changed: stop buying until the new provider is probed (generate()
                 # probes it and resumes); this answer is kept, reconstructed as unknown.
-                self._stop(gate, "route_changed", f"{resp.get('provider')} answered but was "
-                           "not probed (serving=auto): probing it, then resuming")
+                self._stop(
+                    gate,
+                    "route_changed",
+                    f"{resp.get('provider')} answered but was "
+                    "not probed (serving=auto): probing it, then resuming",
+                )
             try:
                 rec = core.reconstruct(prompt.messages, prompt.tools, resp, self.request)
             except Exception as exc:  # noqa: BLE001 - keep the paid answer whatever happens
                 log.exception("reconstruction of %s failed", prompt.id)
-                rec = {"ok": False, "issues": ["reconstruction_crashed"], "prompt_ids": [],
-                       "output_ids": [], "loss_mask": [], "completion_tokens_reported": None,
-                       "completion_tokens_reconstructed": 0, "reconstruction_error": str(exc),
-                       "evidence": "unresolved", "sampling": None}
+                rec = {
+                    "ok": False,
+                    "issues": ["reconstruction_crashed"],
+                    "prompt_ids": [],
+                    "output_ids": [],
+                    "loss_mask": [],
+                    "completion_tokens_reported": None,
+                    "completion_tokens_reconstructed": 0,
+                    "reconstruction_error": str(exc),
+                    "evidence": "unresolved",
+                    "sampling": None,
+                }
             extra = [*flags, *result.billing_flags, *result.wire_flags]
             extra += ["answer_text_replaced"] if repair.surrogates else []
             extra += ["api_key_echoed"] if repair.key_echoed else []
             record = {
-                "id": prompt.id, **_with_issues(rec, extra), "messages": prompt.messages,
-                "tools": prompt.tools, "request": self.request, "response": resp,
-                "usage": resp.get("usage"), "cost": result.cost,
-                "provider": resp.get("provider"), "latency_s": round(result.latency_s, 4),
-                "attempts": result.attempts, "error": None,
+                "id": prompt.id,
+                **_with_issues(rec, extra),
+                "messages": prompt.messages,
+                "tools": prompt.tools,
+                "request": self.request,
+                "response": resp,
+                "usage": resp.get("usage"),
+                "cost": result.cost,
+                "provider": resp.get("provider"),
+                "latency_s": round(result.latency_s, 4),
+                "attempts": result.attempts,
+                "error": None,
             }
             writer.append(record)
             self.stats.answered += 1
@@ -538,11 +688,16 @@ class Generator:
             self.stats.consecutive_failures += 1
             limit = self.settings.retry.max_consecutive_failures
             if self.stats.consecutive_failures >= limit and not self.stop_event.is_set():
-                self._stop(gate, "too_many_failures", (
-                    f"{limit} samples in a row failed without retry (last: {err.message}); "
-                    "check provider.model and provider.params. Their records are in "
-                    f"{RECORDS} (error set); delete those lines, or use a fresh output_dir, "
-                    "to try them again"))
+                self._stop(
+                    gate,
+                    "too_many_failures",
+                    (
+                        f"{limit} samples in a row failed without retry (last: {err.message}); "
+                        "check provider.model and provider.params. Their records are in "
+                        f"{RECORDS} (error set); delete those lines, or use a fresh output_dir, "
+                        "to try them again"
+                    ),
+                )
         elif err is NO_BUDGET:
             if not self.stop_event.is_set():
                 self._stop_for_budget(0.0)
@@ -551,13 +706,20 @@ class Generator:
         elif err.action == "stop":
             self.stats.failed[err.cls] += 1
             if not self.stop_event.is_set():
-                self._stop(gate, err.cls,
-                           _STOP_MESSAGES.get(err.cls, "the provider refused: ") + err.message)
+                self._stop(
+                    gate,
+                    err.cls,
+                    _STOP_MESSAGES.get(err.cls, "the provider refused: ") + err.message,
+                )
         else:
             self.stats.failed[err.cls] += 1
             self.stats.given_up += 1
-            log.warning("%s: gave up after %d attempts (%s); it will be tried again on the "
-                        "next run", prompt.id, result.attempts, err.cls)
+            log.warning(
+                "%s: gave up after %d attempts (%s); it will be tried again on the next run",
+                prompt.id,
+                result.attempts,
+                err.cls,
+            )
 
     def _stop(self, gate: BudgetGate, reason: str, message: str) -> None:
         """Stop dispatching: requests in flight finish, nothing new is sent."""
@@ -570,14 +732,23 @@ class Generator:
     def _show(self) -> None:
         b = self.budget
         done = self.stats.skipped_done + self.stats.answered + sum(self.stats.failed.values())
-        self.progress.update(Snapshot(
-            done=done, total=self.total, spent_usd=b.spent_usd, cap_usd=b.cap_usd,
-            output_tokens=self.stats.output_tokens, retries=self.stats.retries,
-            failures=sum(self.stats.failed.values()), in_flight=self.stats.in_flight))
+        self.progress.update(
+            Snapshot(
+                done=done,
+                total=self.total,
+                spent_usd=b.spent_usd,
+                cap_usd=b.cap_usd,
+                output_tokens=self.stats.output_tokens,
+                retries=self.stats.retries,
+                failures=sum(self.stats.failed.values()),
+                in_flight=self.stats.in_flight,
+            )
+        )
 
     # --- summary ------------------------------------------------------------------------
-    def summary(self, records_path: Path, errors_path: Path,
-                skipped_rows: Counter[str]) -> dict[str, Any]:
+    def summary(
+        self, records_path: Path, errors_path: Path, skipped_rows: Counter[str]
+    ) -> dict[str, Any]:
         counts: Counter[str] = Counter()
         flagged: Counter[str] = Counter()
         failed: Counter[str] = Counter()
@@ -603,8 +774,9 @@ class Generator:
         failed_attempts_cost = sum(record_cost(r) for r in iter_records(errors_path))
         journal_spend = self.journal.spent()
         # Every count is a lower bound of what was billed: the spend is the largest.
-        total_spend = max(spend + failed_attempts_cost, journal_spend,
-                          self.spent_before + self.key_delta)
+        total_spend = max(
+            spend + failed_attempts_cost, journal_spend, self.spent_before + self.key_delta
+        )
         wall = time.monotonic() - self.stats.started
         s = self.stats
         return {
@@ -614,9 +786,13 @@ class Generator:
             "prompts": self.total,
             "prompt_rows_skipped": dict(skipped_rows),
             "prompt_rows_skipped_examples": self.skipped_examples,
-            "counts": {"records": counts["records"], "answered": counts["answered"],
-                       "ok": counts["ok"], "flagged": counts["flagged"],
-                       "failed": sum(failed.values())},
+            "counts": {
+                "records": counts["records"],
+                "answered": counts["answered"],
+                "ok": counts["ok"],
+                "flagged": counts["flagged"],
+                "failed": sum(failed.values()),
+            },
             "flagged_by_issue": dict(flagged),
             "evidence": {rung: counts[f"evidence:{rung}"] for rung in LADDER},
             "failed_by_class": dict(failed),
@@ -625,31 +801,49 @@ class Generator:
             "spend_usd_records": spend,
             "spend_usd_failed_attempts": failed_attempts_cost,
             "spend_usd_journal": journal_spend,
-            "key": None if self.key_start is None else {
-                "usage_at_start": self.key_start.usage, "limit": self.key_start.limit,
-                "usage_delta_this_run": self.key_delta},
-            "journal": {"recovered_requests": self.recovered[0],
-                        "recovered_usd": self.recovered[1]},
-            "budget": {"usd": self.budget.cap_usd, "max_samples": self.budget.max_samples,
-                       "max_output_tokens": self.budget.max_output_tokens,
-                       "reserve_factor": self.reserve_factor,
-                       "price_in_usd_per_mtok": self.pricing.input_per_token * 1e6,
-                       "price_out_usd_per_mtok": self.pricing.output_per_token * 1e6,
-                       "price_source": self.price_source,
-                       "overruns": self.budget.overruns,
-                       "overbill_ratio": self.budget.overbill_ratio,
-                       "max_usd_per_sample": self.cfg.budget.get("max_usd_per_sample")},
-            "tokens": {"prompt": prompt_tokens, "completion_reported": reported,
-                       "completion_reconstructed": rebuilt},
-            "billing_drift": {"reconstructed_minus_reported": rebuilt - reported,
-                              "ratio": (rebuilt / reported) if reported else None},
+            "key": None
+            if self.key_start is None
+            else {
+                "usage_at_start": self.key_start.usage,
+                "limit": self.key_start.limit,
+                "usage_delta_this_run": self.key_delta,
+            },
+            "journal": {
+                "recovered_requests": self.recovered[0],
+                "recovered_usd": self.recovered[1],
+            },
+            "budget": {
+                "usd": self.budget.cap_usd,
+                "max_samples": self.budget.max_samples,
+                "max_output_tokens": self.budget.max_output_tokens,
+                "reserve_factor": self.reserve_factor,
+                "price_in_usd_per_mtok": self.pricing.input_per_token * 1e6,
+                "price_out_usd_per_mtok": self.pricing.output_per_token * 1e6,
+                "price_source": self.price_source,
+                "overruns": self.budget.overruns,
+                "overbill_ratio": self.budget.overbill_ratio,
+                "max_usd_per_sample": self.cfg.budget.get("max_usd_per_sample"),
+            },
+            "tokens": {
+                "prompt": prompt_tokens,
+                "completion_reported": reported,
+                "completion_reconstructed": rebuilt,
+            },
+            "billing_drift": {
+                "reconstructed_minus_reported": rebuilt - reported,
+                "ratio": (rebuilt / reported) if reported else None,
+            },
             "this_run": {
-                "startup_s": round(self.startup_s, 3), "wall_s": round(wall, 3),
-                "answered": s.answered, "failed": dict(s.failed),
-                "given_up_retry_next_run": s.given_up, "skipped_already_done": s.skipped_done,
+                "startup_s": round(self.startup_s, 3),
+                "wall_s": round(wall, 3),
+                "answered": s.answered,
+                "failed": dict(s.failed),
+                "given_up_retry_next_run": s.given_up,
+                "skipped_already_done": s.skipped_done,
                 "skipped_over_budget": s.skipped_over_budget,
                 "attempts_exhausted": s.attempts_exhausted,
-                "attempts": s.attempts, "retries": s.retries,
+                "attempts": s.attempts,
+                "retries": s.retries,
                 "output_tokens_billed": s.output_tokens,
                 "samples_per_s": s.answered / wall if wall > 0 else None,
                 "output_tokens_per_s": s.output_tokens / wall if wall > 0 else None,
@@ -661,8 +855,8 @@ class Generator:
 
 _STOP_MESSAGES = {
     "payment_required": "the provider answered 402 (out of credits or the key's limit); "
-                        "add credits or raise the key limit, then run the same command again "
-                        "to resume: ",
+    "add credits or raise the key limit, then run the same command again "
+    "to resume: ",
     "auth": "the provider answered 401 (bad API key); check the key in the environment: ",
 }
 
@@ -684,20 +878,30 @@ def _purchase(request: dict[str, Any]) -> dict[str, Any]:
 def refuse_other_purchase(records_path: Path, request: dict[str, Any]) -> None:
     """A run directory holds one job: refuse to resume it with settings that buy something
     else (another model, routing, sampling parameters), naming both."""
-    recorded = next((rec.get("request") for rec in iter_records(records_path)
-                     if isinstance(rec.get("request"), dict)), None)
+    recorded = next(
+        (
+            rec.get("request")
+            for rec in iter_records(records_path)
+            if isinstance(rec.get("request"), dict)
+        ),
+        None,
+    )
     if recorded is None:
         return
     old, new = _purchase(recorded), _purchase(request)
     if old == new:
         return
     keys = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
-    diff = "; ".join(f"{k}: recorded {json.dumps(old.get(k), sort_keys=True)}, now "
-                     f"{json.dumps(new.get(k), sort_keys=True)}" for k in keys)
+    diff = "; ".join(
+        f"{k}: recorded {json.dumps(old.get(k), sort_keys=True)}, now "
+        f"{json.dumps(new.get(k), sort_keys=True)}"
+        for k in keys
+    )
     raise GenerateError(
         f"{records_path.parent} holds a run bought with other settings ({diff}); resuming "
         "would mix them. Use another output_dir (the default one is derived from these "
-        "settings) or run with the recorded settings")
+        "settings) or run with the recorded settings"
+    )
 
 
 def run_dir_of(cfg: DictConfig) -> Path:
@@ -714,12 +918,14 @@ def run_dir_of(cfg: DictConfig) -> Path:
         if any(o.lstrip("+~").startswith("output_dir=") for o in hydra_cfg.overrides.task):
             raise GenerateError(
                 "output_dir with --multirun: every job writes to its own "
-                f"hydra.sweep.dir/hydra.sweep.subdir ({job_dir}); drop output_dir")
+                f"hydra.sweep.dir/hydra.sweep.subdir ({job_dir}); drop output_dir"
+            )
         return job_dir
     if not same_dir(job_dir, str(cfg.output_dir)):
         raise GenerateError(
             f"hydra.run.dir ({job_dir}) differs from output_dir ({cfg.output_dir}): records "
-            "would go to one and the logs to the other; set output_dir only")
+            "would go to one and the logs to the other; set output_dir only"
+        )
     return Path(str(cfg.output_dir))
 
 
@@ -771,10 +977,12 @@ def generate(cfg: DictConfig, run_dir: Path | None = None) -> tuple[int, dict[st
         # Every finished answer is already on disk; the requests in flight are lost.
         print(f"interrupted; run the same command again to resume ({run_dir})", file=sys.stderr)
         return EXIT_INTERRUPTED, None
-    line = (f"generate {summary['stop_reason']}: {summary['counts']['answered']} answered "
-            f"({summary['counts']['ok']} ok, {summary['counts']['flagged']} flagged), "
-            f"{summary['counts']['failed']} failed, ${summary['spend_usd']:.4f} spent "
-            f"-> {run_dir / RECORDS}")
+    line = (
+        f"generate {summary['stop_reason']}: {summary['counts']['answered']} answered "
+        f"({summary['counts']['ok']} ok, {summary['counts']['flagged']} flagged), "
+        f"{summary['counts']['failed']} failed, ${summary['spend_usd']:.4f} spent "
+        f"-> {run_dir / RECORDS}"
+    )
     log.info("%s", line)
     if summary["stop_message"]:
         print(f"generate: {summary['stop_message']}", file=sys.stderr)
@@ -784,8 +992,11 @@ def generate(cfg: DictConfig, run_dir: Path | None = None) -> tuple[int, dict[st
     if not stopped and this_run["answered"] == 0 and failed_now:
         # Nothing bought at all: a total outage or a wrong setting, never a quiet success.
         causes = ", ".join(f"{k}: {v}" for k, v in Counter(this_run["failed"]).most_common(3))
-        print(f"generate: every request of this run failed ({causes}); see "
-              f"{run_dir / ATTEMPT_ERRORS} and {run_dir / RECORDS}", file=sys.stderr)
+        print(
+            f"generate: every request of this run failed ({causes}); see "
+            f"{run_dir / ATTEMPT_ERRORS} and {run_dir / RECORDS}",
+            file=sys.stderr,
+        )
         return EXIT_ALL_FAILED, summary
     return (EXIT_STOPPED if stopped else 0), summary
 
@@ -795,8 +1006,11 @@ def _refuse_keys_on_the_command_line(argv: list[str]) -> None:
     key there, whatever the key it is given under."""
     why = key_in_overrides(argv)
     if why:
-        print(f"error: {why} (Hydra would save it in .hydra/ and the log); export the "
-              "provider's key variable (e.g. OPENROUTER_API_KEY) instead", file=sys.stderr)
+        print(
+            f"error: {why} (Hydra would save it in .hydra/ and the log); export the "
+            "provider's key variable (e.g. OPENROUTER_API_KEY) instead",
+            file=sys.stderr,
+        )
         raise SystemExit(EXIT_CONFIG)
 
 
@@ -839,8 +1053,7 @@ def check_before_launch(argv: list[str], environ: dict[str, str] | None = None) 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         for job in jobs:
             try:
-                cfg = hydra_compose(config_name="config", overrides=job,
-                                    return_hydra_config=True)
+                cfg = hydra_compose(config_name="config", overrides=job, return_hydra_config=True)
                 hydra_node = cfg.hydra
                 if multirun:
                     where = "hydra.sweep.dir/subdir"
@@ -857,7 +1070,8 @@ def check_before_launch(argv: list[str], environ: dict[str, str] | None = None) 
             if not multirun and not same_dir(run_dir, output_dir):
                 raise GenerateError(
                     f"hydra.run.dir ({run_dir}) differs from output_dir ({output_dir}): records "
-                    "would go to one and the logs to the other; set output_dir only")
+                    "would go to one and the logs to the other; set output_dir only"
+                )
             writable(Path(run_dir))  # Hydra creates it and writes its log there first
             seen.setdefault(os.path.realpath(run_dir), []).append(" ".join(job))
     shared = {d: js for d, js in seen.items() if len(js) > 1}
@@ -866,7 +1080,8 @@ def check_before_launch(argv: list[str], environ: dict[str, str] | None = None) 
         raise GenerateError(
             f"{len(js)} jobs of this multirun would share the run directory {run_dir} "
             f"({' | '.join(js)}): each would resume the other's records. Give each its own "
-            "hydra.sweep.subdir (the default one is derived from what a job buys)")
+            "hydra.sweep.subdir (the default one is derived from what a job buys)"
+        )
 
 
 def outputs(cfg: DictConfig, run_dir: Path) -> list[Path]:

@@ -345,9 +345,7 @@ def _tool_id_rule(
     return {}
 
 
-def fit_profile(
-    battery: Battery, fields: Mapping[str, str]
-) -> tuple[str, dict[str, str]]:
+def fit_profile(battery: Battery, fields: Mapping[str, str]) -> tuple[str, dict[str, str]]:
     """The conf/serving profile the measured fields name: the first listed one that equals
     them, else the closest listed one and the fields that differ (`serving=BASE
     serving.FIELD=VALUE`). Returns (spec, full fields); spec is `BASE` or
@@ -651,7 +649,8 @@ def run_stage(cfg: Any, run_dir: Path | None = None) -> dict[str, Any]:
         raise ProbeError("sweep.providers=[a,b,c] is required (OpenRouter provider slugs)")
     raw = node.providers
     providers = (
-        [p.strip() for p in raw.split(",") if p.strip()] if isinstance(raw, str)
+        [p.strip() for p in raw.split(",") if p.strip()]
+        if isinstance(raw, str)
         else [str(p) for p in raw]
     )
     probe_usd = node.get("probe_usd")

@@ -88,6 +88,7 @@ def parse_args(argv: list[str]) -> Args:
         policy=Policy(**policy_kwargs),
     )
 
+
 # --------------------------------------------------------------------------- markdown
 
 
@@ -291,8 +292,11 @@ def add_conformance(text: str, stats: list[RunStats], conformance: dict[str, Any
             shares = ", ".join(
                 f"{code} {fmt_pct(_pct(n / s.answered))}" for code, n in s.issues.most_common()
             )
-            lines.append(f"- `{s.provider}`: {shares or 'none'}" if s.answered else
-                         f"- `{s.provider}`: no answers")
+            lines.append(
+                f"- `{s.provider}`: {shares or 'none'}"
+                if s.answered
+                else f"- `{s.provider}`: no answers"
+            )
         lines.append("")
     marker = "## Recommended routing"
     block = "\n".join(lines) + "\n"

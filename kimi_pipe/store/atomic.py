@@ -75,8 +75,9 @@ def replace(tmp: str | Path, target: str | Path, durable: bool = True) -> None:
         fsync_dir(target.parent)
 
 
-def write_bytes(path: str | Path, data: bytes, durable: bool = True, suffix: str = ".tmp",
-                mode: int = 0o644) -> None:
+def write_bytes(
+    path: str | Path, data: bytes, durable: bool = True, suffix: str = ".tmp", mode: int = 0o644
+) -> None:
     path = Path(path)
     tmp = path.with_name(path.name + suffix)
     try:
@@ -84,7 +85,7 @@ def write_bytes(path: str | Path, data: bytes, durable: bool = True, suffix: str
         try:
             view = memoryview(data)
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
             if durable:
                 os.fsync(fd)
         finally:
@@ -97,13 +98,15 @@ def write_bytes(path: str | Path, data: bytes, durable: bool = True, suffix: str
         fsync_dir(path.parent)
 
 
-def write_text(path: str | Path, text: str, durable: bool = True, suffix: str = ".tmp",
-               encoding: str = "utf-8") -> None:
+def write_text(
+    path: str | Path, text: str, durable: bool = True, suffix: str = ".tmp", encoding: str = "utf-8"
+) -> None:
     write_bytes(path, text.encode(encoding), durable, suffix)
 
 
-def write_json(path: str | Path, obj: Any, durable: bool = True, suffix: str = ".tmp",
-               **dumps: Any) -> None:
+def write_json(
+    path: str | Path, obj: Any, durable: bool = True, suffix: str = ".tmp", **dumps: Any
+) -> None:
     """`obj` as JSON (keyword arguments go to `json.dumps`), with a final newline."""
     write_text(path, json.dumps(obj, **dumps) + "\n", durable, suffix)
 

@@ -120,7 +120,7 @@ def append_whole(fd: int, data: bytes, path: str | Path | None = None) -> None:
     view = memoryview(data)
     try:
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
     except OSError as exc:
         with contextlib.suppress(OSError):  # else the next open cuts the torn tail
             os.ftruncate(fd, start)

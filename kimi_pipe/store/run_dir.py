@@ -15,10 +15,29 @@ from pathlib import Path
 
 from kimi_pipe.errors import StoreError
 
-SYSTEM_DIRS = frozenset({
-    "/", "/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/opt", "/proc", "/root",
-    "/run", "/sbin", "/srv", "/sys", "/tmp", "/usr", "/var", "/home",
-})
+SYSTEM_DIRS = frozenset(
+    {
+        "/",
+        "/bin",
+        "/boot",
+        "/dev",
+        "/etc",
+        "/lib",
+        "/lib32",
+        "/lib64",
+        "/opt",
+        "/proc",
+        "/root",
+        "/run",
+        "/sbin",
+        "/srv",
+        "/sys",
+        "/tmp",
+        "/usr",
+        "/var",
+        "/home",
+    }
+)
 
 
 class RunDirRefused(StoreError, ValueError):
@@ -40,11 +59,13 @@ def check_run_dir(run_dir: str | Path, files: Iterable[str] = ()) -> Path:
     if _is_system(resolved):
         raise RunDirRefused(
             f"run directory {run_dir} is {resolved}, the root, home or a system directory; "
-            "set output_dir to a directory of its own (e.g. runs/NAME)")
+            "set output_dir to a directory of its own (e.g. runs/NAME)"
+        )
     if run_dir.is_symlink() and not run_dir.exists():
         raise RunDirRefused(
             f"run directory {run_dir} is a dangling symlink (-> {os.readlink(run_dir)}); "
-            "create its target or set output_dir elsewhere")
+            "create its target or set output_dir elsewhere"
+        )
     if run_dir.exists() and not run_dir.is_dir():
         raise RunDirRefused(f"run directory {run_dir} exists and is not a directory")
     for name in files:
@@ -52,7 +73,8 @@ def check_run_dir(run_dir: str | Path, files: Iterable[str] = ()) -> Path:
         if path.is_symlink():
             raise RunDirRefused(
                 f"{path} is a symlink (-> {os.readlink(path)}); a run never writes through "
-                "one: replace it by the file itself")
+                "one: replace it by the file itself"
+            )
     return run_dir
 
 
