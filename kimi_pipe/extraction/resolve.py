@@ -459,12 +459,12 @@ def rewrite_records(
             last[sid] = i
     replaced = 0
     for sid, (digest, new) in updates.items():
-        i = last.get(sid)
-        if i is None or _digest(lines[i]) != digest:
+        at = last.get(sid)
+        if at is None or _digest(lines[at]) != digest:
             log.warning("%s: record %r changed since it was scored; left as it is", path, sid)
             continue
         text = json.dumps(new, ensure_ascii=False, separators=(",", ":"))
-        lines[i] = text.encode("utf-8", "replace") + b"\n"
+        lines[at] = text.encode("utf-8", "replace") + b"\n"
         replaced += 1
     if not replaced:
         return 0
