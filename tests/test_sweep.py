@@ -181,7 +181,8 @@ def test_sweep_pins_one_provider_per_job_on_the_same_prompts(swept: Any) -> None
         cfg = yaml.safe_load(saved.read_text())
         assert cfg["budget"]["usd"] == pytest.approx(1 / len(PROVIDERS))
         summary = json.loads((work / "sweep" / name / "summary.json").read_text())
-        assert summary["spend_usd"] == pytest.approx(srv.total_cost(name))
+        # Issue 20: counted from two sides (at least the listed price), never below the bill.
+        assert summary["spend_usd"] >= srv.total_cost(name) - 1e-9
         assert summary["spend_usd"] <= 1 / len(PROVIDERS)
 
 

@@ -24,7 +24,8 @@ RECORDS_FILE = "records.jsonl"
 PROBES_DIR = "probes"  # where the probe stage writes inside a sweep directory
 SERVING_AUTO_DIR = "serving_auto"  # generate's serving=auto probe runs inside a run dir
 # Notes that prove a record exact rather than doubt it (core/logprobs.py).
-EXACTNESS_EVIDENCE = frozenset({"noncanonical_split"})
+# Codes that are no fidelity fault: evidence of exact ids, or notes about money only.
+EXACTNESS_EVIDENCE = frozenset({"noncanonical_split", "cost_below_listed_price"})
 ATTEMPT_ERRORS_FILE = "attempt_errors.jsonl"  # every failed attempt, with what it cost
 UNKNOWN = "unknown"
 
@@ -399,7 +400,10 @@ def summarize(run: Run) -> RunStats:
         attempts_total += tries
         stats.retried += tries > 1
         cost = _num(rec.get("cost"))
-        cost_values.append(cost if cost is not None else _num(_dig(rec, "usage", "cost")))
+        # The price a provider charges is what it says it billed (usage.cost); the booked
+        # cost (at least the listed price, issue 20) is the run's spend in summary.json.
+        reported = _num(_dig(rec, "usage", "cost"))
+        cost_values.append(reported if reported is not None else cost)
         if rec.get("error"):
             stats.errors += 1
             stats.error_classes[_error_label(rec["error"])] += 1

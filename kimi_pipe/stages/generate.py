@@ -128,6 +128,10 @@ class TokenCore:
         return cls(prompt_len, rebuild)
 
 
+# Codes about what an answer cost, not about its ids: the record stays as proven as it is.
+MONEY_NOTES = frozenset({"cost_below_listed_price"})
+
+
 def _with_issues(record: dict[str, Any], issues: list[str]) -> dict[str, Any]:
     """Add error codes to a reconstructed record: it is no longer `ok` (rung unresolved)."""
     from kimi_pipe.core.record_builder import mark_flagged
@@ -665,9 +669,13 @@ class Generator:
             extra = [*flags, *result.billing_flags, *result.wire_flags]
             extra += ["answer_text_replaced"] if repair.surrogates else []
             extra += ["api_key_echoed"] if repair.key_echoed else []
+            # A cost below the listed price is about money, not ids: a note, the floor booked.
+            notes = [c for c in extra if c in MONEY_NOTES]
+            flagged = _with_issues(rec, [c for c in extra if c not in MONEY_NOTES])
+            flagged["issues"] = list(dict.fromkeys([*flagged.get("issues", []), *notes]))
             record = {
                 "id": prompt.id,
-                **_with_issues(rec, extra),
+                **flagged,
                 "messages": prompt.messages,
                 "tools": prompt.tools,
                 "request": self.request,
