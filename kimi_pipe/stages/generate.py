@@ -261,7 +261,8 @@ class Generator:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         records_path = self.run_dir / RECORDS
         errors_path = self.run_dir / ATTEMPT_ERRORS
-        refuse_other_purchase(records_path, self.request)
+        pinned_by_probes = bool(self.route and self.route.fits and not self.route.declared)
+        refuse_other_purchase(records_path, self.request, ignore_pinning=pinned_by_probes)
         index = load_resume_index(records_path, errors_path)
         t0 = time.monotonic()
         try:
@@ -879,11 +880,20 @@ PURCHASE_KEYS = ("model", "extra_body")
 NOT_PURCHASE = frozenset({"timeout_s", "api_base"})
 
 
-def _purchase(request: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in request.items() if k not in NOT_PURCHASE}
+def _purchase(request: dict[str, Any], ignore_pinning: bool = False) -> dict[str, Any]:
+    out = {k: v for k, v in request.items() if k not in NOT_PURCHASE}
+    routing = (out.get("extra_body") or {}).get("provider")
+    if ignore_pinning and isinstance(routing, dict):
+        # serving=auto pins the job to the providers its probes fitted, and re-pins it when
+        # the route changes: that pin is the job's own, every record names its provider.
+        routing = {k: v for k, v in routing.items() if k not in ("only", "order")}
+        out["extra_body"] = {**out["extra_body"], "provider": routing}
+    return out
 
 
-def refuse_other_purchase(records_path: Path, request: dict[str, Any]) -> None:
+def refuse_other_purchase(
+    records_path: Path, request: dict[str, Any], ignore_pinning: bool = False
+) -> None:
     """A run directory holds one job: refuse to resume it with settings that buy something
     else (another model, routing, sampling parameters), naming both."""
     recorded = next(
@@ -896,7 +906,7 @@ def refuse_other_purchase(records_path: Path, request: dict[str, Any]) -> None:
     )
     if recorded is None:
         return
-    old, new = _purchase(recorded), _purchase(request)
+    old, new = _purchase(recorded, ignore_pinning), _purchase(request, ignore_pinning)
     if old == new:
         return
     keys = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
@@ -951,6 +961,8 @@ def _pointed_at(cfg: DictConfig, endpoint: dict[str, Any]) -> DictConfig:
 
 def generate(cfg: DictConfig, run_dir: Path | None = None) -> tuple[int, dict[str, Any] | None]:
     """Run the stage; returns (exit status, summary). Config/input problems -> status 2."""
+    from kimi_pipe.core.models import load_model
+    from kimi_pipe.core.serving import serving_profile
     from kimi_pipe.providers.local_server import provider_endpoint
     from kimi_pipe.stages import serving_auto
 
@@ -963,6 +975,10 @@ def generate(cfg: DictConfig, run_dir: Path | None = None) -> tuple[int, dict[st
             # provider=local: its server is started around the run, reached like any other.
             if endpoint.get("server") is not None:
                 cfg = _pointed_at(cfg, endpoint)
+            if serving_auto.is_plain_auto(serving_profile(cfg)):
+                # A model config its tokenizer contradicts fails here, once, before the
+                # probes buy anything (their own generate runs would each say it again).
+                load_model(cfg.model)
             for _ in range(serving_auto.MAX_ROUTE_CHANGES + 1):
                 # serving=auto: probes (booked in this run's journal) before any answer.
                 job_cfg, route = serving_auto.prepare(cfg, run_dir)
