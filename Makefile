@@ -151,4 +151,4 @@ check-install: wheel
 	$(PYTHON) scripts/check_install.py --python $(or $(INSTALL_PY),3.12) --wheel-dir dist
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache build dist
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache build dist
