@@ -129,7 +129,10 @@ def test_cost_and_key_under_reporting_10x_book_the_listed_price_floor(
     assert status == 0 and summary is not None
     assert summary["spend_usd"] >= srv.total_cost() * (1 - 1e-6)
     for rec in _by_id(out / "records.jsonl").values():
-        assert "cost_below_listed_price" in rec["issues"] and not rec["ok"]
+        # Flagged with its own code; a money note, so it never makes exact ids unusable:
+        # a record that is not ok has another reason.
+        assert "cost_below_listed_price" in rec["issues"]
+        assert rec["ok"] or set(rec["issues"]) - {"cost_below_listed_price"}
 
 
 def test_a_generation_lookup_of_zero_after_a_kill_is_not_believed(
