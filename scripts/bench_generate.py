@@ -182,7 +182,7 @@ def main() -> None:
     )
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    key = ("sk" + "-or-v1-BENCHMARK")
+    key = "sk" + "-or-v1-BENCHMARK"
     os.environ["OPENROUTER_API_KEY"] = key
     srv = FakeOpenRouter(default=Behaviour()).start()
     tmp = Path(tempfile.mkdtemp(prefix="bench_generate_"))

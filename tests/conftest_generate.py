@@ -18,7 +18,7 @@ from fake_openrouter import Behaviour, FakeOpenRouter, KimiCounter
 from kimi_pipe.core.models import Model
 
 REPO = Path(__file__).resolve().parent.parent
-FAKE_KEY = ("sk" + "-or-v1-FAKE-test-key-of-kimi-pipe-0123-DEADBEEF")  # recognisable, not a real key
+FAKE_KEY = "sk" + "-or-v1-FAKE-test-key-of-kimi-pipe-0123-DEADBEEF"  # recognisable, not a real key
 
 
 @pytest.fixture

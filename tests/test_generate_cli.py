@@ -176,7 +176,7 @@ def test_a_key_in_the_config_is_refused(tmp_path: Path, kimi_dir: Path) -> None:
 
 def test_a_key_given_as_api_key_env_is_refused_before_anything_is_saved(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    key = ("sk" + "-or-v1-GIVEN-AS-AN-OVERRIDE-0123456789")
+    key = "sk" + "-or-v1-GIVEN-AS-AN-OVERRIDE-0123456789"
     done = run_subprocess(
         [f"provider.api_key_env={key}", f"output_dir={out}"], key=None, timeout=120
     )

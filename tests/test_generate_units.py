@@ -254,7 +254,7 @@ def test_openrouter_config_builds_the_request_body_extras() -> None:
 
 def test_a_key_inside_the_provider_config_is_refused() -> None:
     cfg = OmegaConf.load(REPO / "conf" / "provider" / "openrouter.yaml")
-    cfg.api_key = ("sk" + "-or-v1-x")
+    cfg.api_key = "sk" + "-or-v1-x"
     with pytest.raises(ProviderConfigError, match="OPENROUTER_API_KEY"):
         ProviderSettings.from_config(cfg)
 

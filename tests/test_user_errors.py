@@ -13,7 +13,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 # A model config whose <|im_end|> is 163533 (`chas`), in a config dir of the user's own.
 WRONG_END = ["model=kimi_wrong_end", "hydra.searchpath=[file://{conf}]"]
-FAKE_KEY = ("sk" + "-test-not-a-real-key")
+FAKE_KEY = "sk" + "-test-not-a-real-key"
 
 
 def wrong_end_model(tmp: Path) -> Path:
