@@ -232,7 +232,12 @@ def test_extract_resolves_then_stores_the_chosen_ids(tmp_path: Path, smol: Any) 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose(
             config_name="config",
-            overrides=["model=smollm2", f"extract.run_dir={tmp_path}", "resolve.min_posterior=1.0"],
+            overrides=[
+                "model=smollm2",
+                f"extract.run_dir={tmp_path}",
+                "resolve.min_posterior=1.0",
+                "resolve.split_check=false",  # candidate sets only: tests/test_split_check.py
+            ],
         )
     summary = run_extract(cfg)
     assert summary["resolve"]["counts"] == {"resolved": 1, TARGET_UNRESOLVED: 1}

@@ -50,6 +50,9 @@ UNRESOLVED = "unresolved"
 # A token this close to the nucleus edge is kept: two engines' float32 reductions differ in
 # the last bits, and an option is only called impossible when no rounding could admit it.
 NUCLEUS_SLACK = 1e-5
+# Greedy (temperature 0): a token this close to the top logit (relative) may be the argmax of
+# another engine's float32 run of the same weights (cached vs full forwards differ by ~1e-5).
+GREEDY_SLACK = 1e-4
 LOCK_FILE = ".lock"  # the run directory's lock (store/run_lock.py): generate holds it
 
 # Which error codes an ambiguity class accounts for where kimi_pipe.core.candidates (helper
@@ -115,7 +118,8 @@ def sampled_logprobs(
         if sampling.temperature == 0:
             # Greedy: only the argmax (any of a tie) can come out.
             best = row.max()
-            out.append(0.0 if row[target] >= best - 1e-6 * abs(float(best)) else -math.inf)
+            edge = best - GREEDY_SLACK * max(abs(float(best)), 1.0)
+            out.append(0.0 if row[target] >= edge else -math.inf)
             continue
         scaled = row / sampling.temperature
         if sampling.top_k is not None and sampling.top_k < scaled.numel():
@@ -225,6 +229,7 @@ class ResolveSettings:
     default_temperature: float | None = None  # for records whose request sent none
     max_options: int = 64  # a larger set is left unresolved (scoring cost)
     lock_timeout_s: float = 300.0
+    split_check: bool = True  # the target confirms text-proven ids are the sampled split
 
     def __post_init__(self) -> None:
         if not 0.5 < self.min_posterior <= 1.0:
@@ -492,10 +497,13 @@ def resolve_records(
     settings: ResolveSettings,
     *,
     mine: Any = None,
+    vocab: Any = None,
 ) -> dict[str, Any]:
     """Score every resolvable record of the file (those `mine(id)` accepts, e.g. this work
     shard's) and rewrite the file once. Returns counts and the seconds spent. `scorer` None:
-    the backend cannot score; resolvable records are counted and left unresolved."""
+    the backend cannot score; resolvable records are counted and left unresolved. With
+    `vocab` (a `core.splits.Vocabulary`) and a scorer that holds a transformers model, the
+    split check (extraction/split_check.py) then runs on every text-proven record."""
     path = Path(records)
     counts: dict[str, int] = {}
     start = time.monotonic()
@@ -530,6 +538,7 @@ def resolve_records(
         key = "resolved" if new.get("ok") else TARGET_UNRESOLVED
         counts[key] = counts.get(key, 0) + 1
         updates[sid] = (_digest(raw), new)
+    split = _split_check_pass(latest, updates, scorer, settings, mine, vocab, counts)
     scored_s = time.monotonic() - start
     written = 0
     if updates:
@@ -543,6 +552,7 @@ def resolve_records(
         "scoring_seconds": scored_s,
         "prefix_tokens": getattr(scorer, "prefix_tokens", None),
         "suffix_tokens": getattr(scorer, "suffix_tokens", None),
+        **split,
     }
     if counts.get("not_resolved_backend_cannot_score"):
         log.warning(
@@ -554,6 +564,59 @@ def resolve_records(
     elif counts:
         log.info("target resolution of %s: %s", path, summary)
     return summary
+
+
+def _split_check_pass(
+    latest: Mapping[str, tuple[bytes, dict[str, Any]]],
+    updates: dict[str, tuple[str, dict[str, Any]]],
+    scorer: SuffixScorer | None,
+    settings: ResolveSettings,
+    mine: Any,
+    vocab: Any,
+    counts: dict[str, int],
+) -> dict[str, Any]:
+    """The split check of every checkable record (after candidate scoring), into `updates`."""
+    model = getattr(scorer, "model", None)
+    if not settings.split_check or vocab is None or model is None or scorer is None:
+        return {"split_check": False}
+    from kimi_pipe.extraction.split_check import check_record, checkable
+
+    started = time.monotonic()
+    tokens = 0
+    for sid, (raw, rec) in latest.items():
+        if mine is not None and not mine(sid):
+            continue
+        current = updates[sid][1] if sid in updates else rec
+        if checkable(current) is not None:
+            continue
+        new, cost = check_record(current, model, vocab, settings, scorer.model_name)
+        tokens += cost
+        if new is None:
+            counts["split_not_checked_no_sampling"] = (
+                counts.get("split_not_checked_no_sampling", 0) + 1
+            )
+            continue
+        outcome = _split_outcome(new)
+        counts[outcome] = counts.get(outcome, 0) + 1
+        updates[sid] = (_digest(raw), new)
+    return {
+        "split_check": True,
+        "split_check_seconds": time.monotonic() - started,
+        "split_check_tokens": tokens,
+    }
+
+
+def _split_outcome(record: Mapping[str, Any]) -> str:
+    check = record.get("split_check") or {}
+    if not record.get("ok"):
+        return "split_unresolved"
+    if check.get("chosen") == "other":
+        return "split_resolved_other"
+    return (
+        "split_checked"
+        if check.get("posterior") == 1.0 and check.get("paths") == 1
+        else ("split_resolved_record")
+    )
 
 
 def _already_scored(rec: Mapping[str, Any], model: str, settings: ResolveSettings) -> bool:

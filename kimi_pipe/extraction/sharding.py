@@ -550,10 +550,24 @@ def resolve_for_shard(
         make_scorer() if make_scorer is not None else None,
         settings,
         mine=lambda sid: num_shards == 1 or shard_of(sid, num_shards) == shard,
+        vocab=_split_vocabulary(cfg) if settings.split_check else None,
     )
     if summary.get("counts"):
         print(f"[extract] target resolution: {summary['counts']}", file=sys.stderr, flush=True)
     return summary
+
+
+def _split_vocabulary(cfg: Any) -> Any:
+    """The records' tokenizer as the split check sees it (None: no model config here)."""
+    from omegaconf import OmegaConf
+
+    from kimi_pipe.core.models import load_model
+    from kimi_pipe.extraction.split_check import vocabulary_of
+
+    node = OmegaConf.select(cfg, "model", default=None)
+    if node is None:
+        return None
+    return vocabulary_of(load_model(node).tokenizer)
 
 
 def run_sharded(cfg: Any, backend: Any) -> dict[str, Any]:

@@ -1,0 +1,312 @@
+"""The split check (core/splits.py, extraction/split_check.py): the target confirms that a
+record's ids are the split its sampler drew, or finds the one it drew.
+
+Pure tests on a toy vocabulary with a scripted sampler, then the real SmolLM2 weights and
+tokenizer: answers sampled by transformers' own `generate` (temperature 1, top_p 0.9) whose
+sampled ids are not the canonical encoding of their text are recovered from the text and
+the billed length alone.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from kimi_pipe.core.splits import Vocabulary, search_splits
+from kimi_pipe.extraction.resolve import ResolveSettings, Sampling, sampled_logprobs
+from kimi_pipe.extraction.split_check import (
+    SPLIT_AMBIGUOUS,
+    SPLIT_CHECKED,
+    SPLIT_RESOLVED,
+    TARGET_DISAGREES,
+    apply_split_check,
+    check_record,
+    checkable,
+    sampler_log_table,
+    vocabulary_of,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+
+# --------------------------------------------------------------------------- toy vocabulary
+TOY = [b"a", b"b", b"c", b"ab", b"bc", b"abc", b" ", b"<end>"]  # id 7 is special
+END = 7
+
+
+def toy_vocab() -> Vocabulary:
+    by_bytes = {t: i for i, t in enumerate(TOY) if i != END}
+    return Vocabulary(lambda i: TOY[i], by_bytes.get, max(len(t) for t in TOY))
+
+
+class ScriptedSampler:
+    """The sampler's support after each context: {context tuple: {token: logprob}}; any
+    token not listed is impossible (a top_p nucleus that excludes it)."""
+
+    def __init__(self, table: dict[tuple[int, ...], dict[int, float]]) -> None:
+        self.table = table
+        self.calls = 0
+
+    def logprobs_along(
+        self, ids: Sequence[int], start: int, wanted: Sequence[Sequence[int]]
+    ) -> list[list[float]]:
+        self.calls += 1
+        rows = []
+        for i, cands in enumerate(wanted):
+            support = self.table.get(tuple(ids[: start + i]), {})
+            rows.append([support.get(t, -math.inf) for t in cands])
+        return rows
+
+
+PROMPT = [6]  # " "
+AB, A, B, C, BC, ABC = 3, 0, 1, 2, 4, 5
+
+
+def test_only_the_record_split_is_possible() -> None:
+    sampler = ScriptedSampler({(6,): {AB: -0.1}, (6, AB): {C: 0.0}, (6, AB, C): {END: 0.0}})
+    search = search_splits(PROMPT, [AB, C, END], 3, toy_vocab(), sampler)
+    assert search.closed and search.record_logprob == pytest.approx(-0.1)
+    assert search.others == [] and search.suspects == 0
+
+
+def test_a_same_length_split_the_sampler_could_draw_is_found() -> None:
+    # After " " the sampler may draw "ab" or "a"; after "a" it may draw "bc": both spell
+    # "abc" in two ids, so text + billing cannot tell them apart.
+    sampler = ScriptedSampler(
+        {
+            (6,): {AB: math.log(0.7), A: math.log(0.3)},
+            (6, AB): {C: 0.0},
+            (6, A): {BC: math.log(0.5), B: math.log(0.5)},
+            (6, A, BC): {END: 0.0},
+            (6, AB, C): {END: 0.0},
+        }
+    )
+    search = search_splits(PROMPT, [AB, C, END], 3, toy_vocab(), sampler)
+    assert search.closed and [p.output_ids for p in search.others] == [(A, BC, END)]
+    assert search.others[0].logprob == pytest.approx(math.log(0.3 * 0.5))
+    rec = record([AB, C, END], billed=3)
+    out = apply_split_check(rec, search, ResolveSettings(), "toy", Sampling(1.0, 0.9))
+    # 0.7 vs 0.15: the record's own split at posterior 0.82 < 0.999: not proven, not guessed.
+    assert not out["ok"] and out["evidence"] == "unresolved"
+    assert out["issues"] == [SPLIT_AMBIGUOUS]
+    assert out["split_check"]["posterior"] == pytest.approx(0.7 / 0.85)
+    assert out["split_check"]["paths"] == 2 and out["split_check"]["chosen"] is None
+
+
+def test_a_longer_split_billing_saw_is_recovered() -> None:
+    # The engine drew "a" "b" "c" (3 ids); the canonical "abc" is 1. Billed 4 with the end.
+    sampler = ScriptedSampler(
+        {
+            (6,): {ABC: -0.01, A: -5.0},
+            (6, A): {B: 0.0},
+            (6, A, B): {C: 0.0},
+            (6, A, B, C): {END: 0.0},
+            (6, ABC): {END: 0.0},
+        }
+    )
+    rec = record([ABC, END], billed=4, ok=False, issues=["billing_mismatch"])
+    assert checkable(rec) is None
+    search = search_splits(PROMPT, [ABC, END], 4, toy_vocab(), sampler)
+    assert not search.record_fits_billing
+    assert [p.output_ids for p in search.others] == [(A, B, C, END)]
+    out = apply_split_check(rec, search, ResolveSettings(), "toy", Sampling(1.0, 0.9))
+    assert out["ok"] and out["evidence"] == "target_resolved"
+    assert out["output_ids"] == [A, B, C, END]
+    assert out["loss_mask"] == [0] + [1, 1, 1, 1]
+    assert out["issues"] == [] and {SPLIT_RESOLVED, "billing_mismatch"} <= set(out["notes"])
+    assert out["split_check"]["chosen"] == "other" and out["split_check"]["posterior"] == 1.0
+
+
+def test_ids_the_sampler_could_not_draw_are_flagged() -> None:
+    sampler = ScriptedSampler({(6,): {A: 0.0}, (6, A): {B: 0.0}})  # "ab" impossible
+    search = search_splits(PROMPT, [AB, END], 2, toy_vocab(), sampler)
+    assert search.record_logprob == -math.inf and search.others == []
+    out = apply_split_check(record([AB, END], 2), search, ResolveSettings(), "t", Sampling(1, 0.9))
+    assert not out["ok"] and out["issues"] == [TARGET_DISAGREES]
+
+
+def test_unchecked_records_and_proven_ones() -> None:
+    sampler = ScriptedSampler({(6,): {AB: 0.0}, (6, AB): {C: 0.0}, (6, AB, C): {END: 0.0}})
+    rec = record([AB, C, END], billed=3)
+    out = apply_split_check(
+        rec, search_splits(PROMPT, rec["output_ids"], 3, toy_vocab(), sampler),
+        ResolveSettings(), "toy", Sampling(1.0, 0.9),
+    )  # fmt: skip
+    assert out["ok"] and out["evidence"] == "text_proven" and SPLIT_CHECKED in out["notes"]
+    assert checkable(out) == "checked_before"
+    assert checkable({**rec, "ok": False, "issues": ["tool_index_untrusted"]}) == "other_issues"
+    assert checkable({**rec, "evidence": "engine_ids"}) == "rung"
+
+
+def record(ids: list[int], billed: int, ok: bool = True, issues: Any = None) -> dict[str, Any]:
+    return {
+        "id": "r",
+        "ok": ok,
+        "evidence": "text_proven" if ok else "unresolved",
+        "issues": issues or [],
+        "notes": [],
+        "prompt_ids": PROMPT,
+        "output_ids": ids,
+        "loss_mask": [0] + [1] * len(ids),
+        "completion_tokens_reported": billed,
+        "sampling": {"temperature": 1.0, "top_p": 0.9},
+    }
+
+
+# --------------------------------------------------------------------------- sampler table
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [Sampling(1.0, 0.9), Sampling(0.7, 0.5, 20), Sampling(1.0), Sampling(0.0),
+     Sampling(1.0, 0.95, None, 0.05), Sampling(0.8, 1.0, None, 0.1)],
+)  # fmt: skip
+def test_the_table_is_the_per_token_sampler(sampling: Sampling) -> None:
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 5000, generator=gen) * 4
+    table = sampler_log_table(logits, sampling)
+    for row in range(6):
+        targets = [*range(0, 5000, 37), int(logits[row].argmax())]
+        per_token = sampled_logprobs(logits[row : row + 1].expand(len(targets), -1), targets,
+                                     sampling)  # fmt: skip
+        for a, b in zip(per_token, table[row, targets].tolist(), strict=True):
+            assert (a == -math.inf) == (b == -math.inf)
+            if a != -math.inf:
+                assert a == pytest.approx(b, abs=1e-9)
+
+
+# --------------------------------------------------------------------------- real model
+
+QUESTIONS = [
+    "Describe the sea in one short sentence.",
+    "Write a three-word title about rain.",
+    "Say something short about chess.",
+    "Give me one word that goes with coffee.",
+]
+
+
+@pytest.fixture(scope="module")
+def smol() -> tuple[Any, Any]:
+    from kimi_pipe.config import compose as compose_cfg
+    from kimi_pipe.core.models import load_model
+    from kimi_pipe.extraction.hf_backend import HFBackend, resolve_model_path
+
+    cfg = compose_cfg(["model=smollm2"])
+    backend = HFBackend(resolve_model_path(cfg), model_name="smollm2")
+    return backend.model, load_model(cfg.model)
+
+
+def sampled_answers(hf: Any, model: Any, *, n: int, seed: int) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, sampled output ids with the end id) by transformers' own sampler."""
+    from kimi_pipe.core.prompt_render import prompt_ids
+
+    end_id = model.encode(model.format.output.end.render())[-1]
+    torch.manual_seed(seed)
+    out = []
+    for i in range(n):
+        prompt = prompt_ids(model, [{"role": "user", "content": QUESTIONS[i % 4]}], None)
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            seq = hf.generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                temperature=1.0, top_p=0.9, top_k=0, max_new_tokens=40,
+                eos_token_id=end_id, pad_token_id=end_id,
+            )[0, len(prompt) :].tolist()  # fmt: skip
+        out.append((prompt, seq[: seq.index(end_id) + 1] if end_id in seq else seq))
+    return out
+
+
+@pytest.fixture(scope="module")
+def answers(smol: Any) -> list[tuple[list[int], list[int]]]:
+    return sampled_answers(*smol, n=8, seed=0)
+
+
+def canonical_of(model: Any, truth: list[int]) -> list[int]:
+    """What reconstruction rebuilds from the text: its canonical encoding (+ the end id)."""
+    end = model.encode(model.format.output.end.render())
+    ended = truth[-1:] == end
+    text = model.tokenizer.decode(truth[:-1] if ended else truth)
+    return model.encode([text]) + (end if ended else [])
+
+
+def test_sampled_non_canonical_splits_are_recovered_from_text_and_billing(
+    smol: Any, answers: Any
+) -> None:
+    hf, model = smol
+    vocab = vocabulary_of(model.tokenizer)
+    noncanonical = 0
+    for i, (prompt, truth) in enumerate(answers):
+        canonical = canonical_of(model, truth)
+        noncanonical += canonical != truth
+        same = canonical == truth or len(canonical) == len(truth)
+        rec = {
+            "id": f"a{i}",
+            "ok": same,
+            "evidence": "text_proven" if same else "unresolved",
+            "issues": [] if same else ["billing_mismatch"],
+            "notes": [],
+            "prompt_ids": prompt,
+            "output_ids": canonical,
+            "loss_mask": [0] * len(prompt) + [1] * len(canonical),
+            "completion_tokens_reported": len(truth),
+            "sampling": {"temperature": 1.0, "top_p": 0.9},
+        }
+        assert checkable(rec) is None
+        out, cost = check_record(rec, hf, vocab, ResolveSettings(), "smollm2")
+        assert out is not None and cost > 0
+        # Never a wrong id in a usable record; here every answer is recovered exactly.
+        assert out["ok"], out["split_check"]
+        assert out["output_ids"] == truth, (i, out["split_check"])
+        if canonical != truth:
+            assert out["evidence"] == "target_resolved"
+            assert out["split_check"]["chosen"] == "other"
+            assert out["split_check"]["posterior"] >= 0.999
+    # The sample must exercise the case (seed 0 draws two non-canonical answers of 8).
+    assert noncanonical >= 1
+
+
+def test_extract_runs_the_split_check_before_capture(
+    tmp_path: Path, smol: Any, answers: Any
+) -> None:
+    from kimi_pipe.stages.extract import run_extract
+    from kimi_pipe.store.hidden_store import HiddenStore
+    from kimi_pipe.store.records import read_records
+
+    _, model = smol
+    lines = []
+    truths = {}
+    for i, (prompt, truth) in enumerate(answers):
+        canonical = canonical_of(model, truth)
+        if len(canonical) == len(truth):
+            continue  # keep the ones billing flagged (non-canonical of another length)
+        truths[f"a{i}"] = prompt + truth
+        lines.append({
+            "id": f"a{i}", "ok": False, "evidence": "unresolved", "issues": ["billing_mismatch"],
+            "notes": [], "prompt_ids": prompt, "output_ids": canonical,
+            "loss_mask": [0] * len(prompt) + [1] * len(canonical),
+            "completion_tokens_reported": len(truth),
+            "sampling": {"temperature": 1.0, "top_p": 0.9},
+        })  # fmt: skip
+    assert lines, "seed 0 draws non-canonical answers of another length"
+    records = tmp_path / "records.jsonl"
+    records.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(
+            config_name="config", overrides=["model=smollm2", f"extract.run_dir={tmp_path}"]
+        )
+    summary = run_extract(cfg)
+    assert summary["resolve"]["counts"] == {"split_resolved_other": len(lines)}
+    store = HiddenStore(tmp_path / "hidden_hf")
+    assert sorted(store.ids) == sorted(truths)
+    for sid, ids in truths.items():
+        assert store.tokens(sid)["input_ids"].tolist() == ids
+    after = {r["id"]: r for r in read_records(records)}
+    assert all(r["evidence"] == "target_resolved" for r in after.values())
+    assert OmegaConf.select(cfg, "resolve.split_check") is True
