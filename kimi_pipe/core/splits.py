@@ -204,10 +204,12 @@ def search_splits(
                 # Back on the record's ids at the wrong length: going on with them would need a
                 # second departure to come back to the billed length (not enumerated).
                 nexts = [t for t in nexts if t != out[seg_start + rel]]
+            if not nexts:
+                continue
             ids = prompt + out[:k] + branch
-            scored = scorer.logprobs_along(ids, len(ids), [nexts])[0]
+            next_lps = scorer.logprobs_along(ids, len(ids), [nexts])[0]
             search.branches += 1
-            for t, lp in zip(nexts, scored, strict=True):
+            for t, lp in zip(nexts, next_lps, strict=True):
                 if lp > -math.inf:
                     stack.append(
                         ([*branch, t], reached + len(vocab.token_bytes(t)), lp_branch + lp)
