@@ -152,10 +152,23 @@ def test_prefix_reuse_equals_full_forwards(smol: tuple[Any, Any], sampling: Samp
             assert c == -math.inf
         else:
             assert c == pytest.approx(f, abs=1e-3)
-    # The prefix ran once; each suffix ran on it (less its last token, which predicts nothing).
+    # The prefix ran once; each suffix whose first token the sampler could draw ran on it
+    # (less its last token, which predicts nothing); the others were dropped unrun.
+    first_ok = [
+        full_sequence_logprobs(model, prefix + s[:1], len(prefix), sampling) > -math.inf
+        for s in suffixes
+    ]
     assert scorer.prefix_tokens == len(prefix)
-    assert scorer.suffix_tokens == sum(len(s) - 1 for s in suffixes)
+    ran = [len(s) - 1 for s, ok in zip(suffixes, first_ok, strict=True) if ok]
+    assert scorer.suffix_tokens == sum(ran)
+    assert scorer.pruned >= first_ok.count(False)
     assert any(c > -math.inf for c in cached)
+    # Suffixes run a few positions at a time (bounded logits memory): the same sums.
+    chunked = HFSuffixScorer(model, "smollm2", chunk_tokens=2).score_suffixes(
+        prefix, suffixes, sampling
+    )
+    for c, k in zip(cached, chunked, strict=True):
+        assert k == c if c == -math.inf else k == pytest.approx(c, abs=1e-4)
 
 
 def test_top_p_makes_the_tail_option_impossible(smol: tuple[Any, Any]) -> None:

@@ -21,7 +21,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from kimi_pipe.core.splits import Vocabulary, search_splits
-from kimi_pipe.extraction.resolve import ResolveSettings, Sampling, sampled_logprobs
+from kimi_pipe.extraction.resolve import ResolveSettings
+from kimi_pipe.extraction.sampler import Sampling, sampled_logprobs, sampler_log_table
 from kimi_pipe.extraction.split_check import (
     SPLIT_AMBIGUOUS,
     SPLIT_CHECKED,
@@ -30,7 +31,6 @@ from kimi_pipe.extraction.split_check import (
     apply_split_check,
     check_record,
     checkable,
-    sampler_log_table,
     vocabulary_of,
 )
 
@@ -310,3 +310,35 @@ def test_extract_runs_the_split_check_before_capture(
     after = {r["id"]: r for r in read_records(records)}
     assert all(r["evidence"] == "target_resolved" for r in after.values())
     assert OmegaConf.select(cfg, "resolve.split_check") is True
+
+
+def test_branch_calls_reuse_the_records_cache_and_equal_plain_forwards(
+    smol: Any, answers: Any
+) -> None:
+    """The scorer keeps the record's KV cache; a branch that leaves the record's ids at k runs
+    on it cut back to k, so only the branch and what follows it are computed. Its rows equal a
+    plain forward over the branch's whole sequence (no cache)."""
+    from kimi_pipe.extraction.split_check import HFNextTokenScorer
+
+    hf, _ = smol
+    prompt, out = answers[0]
+    ids = prompt + out
+    sampling = Sampling(1.0, 0.9)
+    scorer = HFNextTokenScorer(hf, sampling, chunk_tokens=5)
+    own = scorer.logprobs_along(ids, len(prompt), [[t] for t in out])
+    assert scorer.tokens == len(ids) - 1  # the last id predicts nothing the search asks for
+    k = len(out) // 2
+    branch = [*ids[: len(prompt) + k], out[k + 1], out[k]]  # leaves the record's ids at k
+    before = scorer.tokens
+    rows = scorer.logprobs_along(branch, len(branch), [[out[k], out[k + 2]]])
+    assert scorer.tokens - before == 2  # the two branch ids, on the cached prefix
+    fresh = HFNextTokenScorer(hf, sampling)
+    plain_own = fresh.logprobs_along(ids, len(prompt), [[t] for t in out])
+    plain_rows = HFNextTokenScorer(hf, sampling).logprobs_along(
+        branch, len(branch), [[out[k], out[k + 2]]]
+    )
+    for got, want in zip([*own, *rows], [*plain_own, *plain_rows], strict=True):
+        for a, b in zip(got, want, strict=True):
+            assert (a == -math.inf) == (b == -math.inf)
+            if a != -math.inf:
+                assert a == pytest.approx(b, abs=1e-3)

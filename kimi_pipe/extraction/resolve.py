@@ -40,6 +40,13 @@ from typing import Any, Protocol
 import torch
 
 from kimi_pipe.errors import ConfigError, StoreError
+from kimi_pipe.extraction.sampler import (  # noqa: F401  (re-exported: resolve's public names)
+    GREEDY_SLACK,
+    NUCLEUS_SLACK,
+    Sampling,
+    sampled_logprobs,
+    sampler_log_table,
+)
 
 log = logging.getLogger("kimi_pipe.resolve")
 
@@ -47,12 +54,6 @@ TARGET_UNRESOLVED = "target_unresolved"  # scored, but no option reached resolve
 RESOLVED_NOTE = "resolved_by_target"
 TARGET_RESOLVED = "target_resolved"
 UNRESOLVED = "unresolved"
-# A token this close to the nucleus edge is kept: two engines' float32 reductions differ in
-# the last bits, and an option is only called impossible when no rounding could admit it.
-NUCLEUS_SLACK = 1e-5
-# Greedy (temperature 0): a token this close to the top logit (relative) may be the argmax of
-# another engine's float32 run of the same weights (cached vs full forwards differ by ~1e-5).
-GREEDY_SLACK = 1e-4
 LOCK_FILE = ".lock"  # the run directory's lock (store/run_lock.py): generate holds it
 
 # Which error codes an ambiguity class accounts for where kimi_pipe.core.candidates (helper
@@ -64,91 +65,6 @@ _FALLBACK_CLASS_OF_CODE: dict[str, str] = {
     "space_before_tool_section": "tool_section_space",
 }
 _TAIL_CLASSES = frozenset({"reasoning_tail", "content_tail"})
-
-
-# --------------------------------------------------------------------------- sampling
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """What the request sent. temperature 0 = greedy; top_p 1 / top_k None = no cut."""
-
-    temperature: float
-    top_p: float = 1.0
-    top_k: int | None = None
-    min_p: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or not 0 <= self.min_p < 1:
-            raise ValueError(f"bad sampling {self}")
-
-    @classmethod
-    def from_record(
-        cls, sampling: Mapping[str, Any] | None, default_temperature: float | None = None
-    ) -> Sampling | None:
-        """The record's `sampling`; None when its temperature is unknown (provider default
-        and no `resolve.default_temperature`). A missing top_p counts as 1: it never makes
-        an option impossible, so not knowing it can only lower the posterior's sharpness."""
-        sampling = sampling or {}
-        temperature = sampling.get("temperature")
-        if temperature is None:
-            temperature = default_temperature
-        if temperature is None:
-            return None
-        top_p = sampling.get("top_p")
-        top_k = sampling.get("top_k")
-        return cls(
-            float(temperature),
-            1.0 if top_p is None else float(top_p),
-            int(top_k) if top_k not in (None, 0, -1) else None,
-            float(sampling.get("min_p") or 0.0),
-        )
-
-
-def sampled_logprobs(
-    logits: torch.Tensor, targets: Sequence[int], sampling: Sampling
-) -> list[float]:
-    """log P(target_t) at each row t of `logits` [T, V] under the sampler (T = len(targets)).
-
-    Order as vLLM and SGLang apply them: temperature, top_k, top_p; renormalised over what is
-    kept. -inf where the token is outside what the sampler could draw."""
-    logits = logits.double()
-    out: list[float] = []
-    for row, target in zip(logits, targets, strict=True):
-        if sampling.temperature == 0:
-            # Greedy: only the argmax (any of a tie) can come out.
-            best = row.max()
-            edge = best - GREEDY_SLACK * max(abs(float(best)), 1.0)
-            out.append(0.0 if row[target] >= edge else -math.inf)
-            continue
-        scaled = row / sampling.temperature
-        if sampling.top_k is not None and sampling.top_k < scaled.numel():
-            kth = torch.topk(scaled, sampling.top_k).values[-1]
-            if scaled[target] < kth:
-                out.append(-math.inf)
-                continue
-            scaled = torch.where(scaled >= kth, scaled, torch.full_like(scaled, -math.inf))
-        probs = torch.softmax(scaled, dim=-1)
-        p_target = probs[target]
-        kept = probs
-        if sampling.top_p < 1.0:
-            # The nucleus: tokens whose higher-ranked mass is still below top_p (at least one).
-            ordered = torch.sort(probs, descending=True).values
-            before = torch.cumsum(ordered, 0) - ordered
-            kept = ordered[before < sampling.top_p]
-            if probs[probs > p_target].sum() >= sampling.top_p + NUCLEUS_SLACK:
-                out.append(-math.inf)
-                continue
-        if sampling.min_p > 0:
-            # min_p keeps tokens with at least min_p x the top probability (SGLang's order:
-            # after top_k and top_p).
-            floor = sampling.min_p * probs.max()
-            if p_target < floor * (1 - NUCLEUS_SLACK):
-                out.append(-math.inf)
-                continue
-            kept = kept[kept >= floor]
-        out.append(float(torch.log(p_target) - torch.log(kept.sum())))
-    return out
 
 
 # --------------------------------------------------------------------------- scoring
@@ -166,14 +82,28 @@ class SuffixScorer(Protocol):
 
 class HFSuffixScorer:
     """transformers: one cached forward over the prefix; the options' suffixes then run on it
-    (one batch per suffix length, each row on the same prefix cache)."""
+    (one batch per suffix length, each row on the same prefix cache).
 
-    def __init__(self, model: Any, model_name: str, device: torch.device | None = None) -> None:
+    An option whose token the sampler could not draw is dropped at that token: its score is
+    -inf whatever follows, so its remaining suffix is never run (`pruned`). Under a `top_p`
+    nucleus most options of a large set (every whitespace token of a vocabulary, say) die at
+    their first token, after the prefix forward alone. Suffixes run `chunk_tokens` positions
+    at a time, which bounds the [options, positions, vocabulary] logits held at once."""
+
+    def __init__(
+        self,
+        model: Any,
+        model_name: str,
+        device: torch.device | None = None,
+        chunk_tokens: int = 256,
+    ) -> None:
         self.model = model
         self.model_name = model_name
         self.device = device or next(model.parameters()).device
+        self.chunk_tokens = chunk_tokens
         self.prefix_tokens = 0  # work done, for the cost report
         self.suffix_tokens = 0
+        self.pruned = 0  # options dropped at a token the sampler could not draw
 
     @torch.inference_mode()
     def score_suffixes(
@@ -186,27 +116,45 @@ class HFSuffixScorer:
         ids = torch.tensor([list(prefix)], dtype=torch.long, device=self.device)
         cache = DynamicCache()
         out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
-        first_logits = out.logits[0, -1:]  # predicts each suffix's first token
+        first = sampler_log_table(out.logits[0, -1:], sampling)[0]  # each suffix's first token
         self.prefix_tokens += len(prefix)
-        # Options of one length run together, one row each, on copies of the prefix cache.
+        scores = [0.0] * len(suffixes)  # an empty suffix adds nothing
         by_length: dict[int, list[int]] = {}
         for i, suffix in enumerate(suffixes):
-            by_length.setdefault(len(suffix), []).append(i)
-        scores = [0.0] * len(suffixes)  # an empty suffix adds nothing
-        for length, rows in by_length.items():
-            if length == 0:
+            if not suffix:
                 continue
-            logits = first_logits.expand(len(rows), -1).unsqueeze(1)  # [n, 1, V]
-            if length > 1:
-                group = copy.deepcopy(cache) if len(by_length) > 1 else cache
-                group.batch_repeat_interleave(len(rows))
-                steps = [list(suffixes[i][:-1]) for i in rows]
-                step = torch.tensor(steps, dtype=torch.long, device=self.device)
-                more = self.model(input_ids=step, cache=group, use_cache=True).logits
-                logits = torch.cat([logits, more], dim=1)
-                self.suffix_tokens += len(rows) * (length - 1)
-            for row, i in enumerate(rows):
-                scores[i] = sum(sampled_logprobs(logits[row], list(suffixes[i]), sampling))
+            scores[i] = float(first[suffix[0]])
+            if scores[i] == -math.inf:
+                self.pruned += 1
+            elif len(suffix) > 1:
+                by_length.setdefault(len(suffix), []).append(i)
+        for length, rows in by_length.items():
+            # Options of one length run together, one row each, on copies of the prefix cache.
+            group = copy.deepcopy(cache) if len(by_length) > 1 else cache
+            group.batch_repeat_interleave(len(rows))
+            fed = 0  # suffix tokens run so far; row t of a chunk predicts suffix[fed + t + 1]
+            while rows and fed < length - 1:
+                stop = min(length - 1, fed + self.chunk_tokens)
+                step = torch.tensor(
+                    [list(suffixes[i][fed:stop]) for i in rows],
+                    dtype=torch.long,
+                    device=self.device,
+                )
+                logits = self.model(input_ids=step, cache=group, use_cache=True).logits
+                self.suffix_tokens += len(rows) * (stop - fed)
+                alive = []
+                for r, i in enumerate(rows):
+                    wanted = torch.tensor(suffixes[i][fed + 1 : stop + 1], device=logits.device)
+                    table = sampler_log_table(logits[r], sampling)
+                    scores[i] += float(table.gather(1, wanted[:, None]).sum())
+                    if scores[i] > -math.inf:
+                        alive.append(r)
+                if len(alive) < len(rows):
+                    self.pruned += len(rows) - len(alive)
+                    rows = [rows[r] for r in alive]
+                    if rows:
+                        group.batch_select_indices(torch.tensor(alive, device=self.device))
+                fed = stop
         return scores
 
 

@@ -21,6 +21,7 @@ another length is found and resolved the same way.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -29,91 +30,85 @@ import torch
 
 from kimi_pipe.core.evidence import TARGET_RESOLVED, TEXT_PROVEN, UNRESOLVED, evidence_of
 from kimi_pipe.core.splits import SplitSearch, Vocabulary, search_splits
-from kimi_pipe.extraction.resolve import (
-    GREEDY_SLACK,
-    NUCLEUS_SLACK,
-    ResolveSettings,
-    Sampling,
-    decide,
-)
+from kimi_pipe.extraction.resolve import ResolveSettings, decide
+from kimi_pipe.extraction.sampler import Sampling, sampler_log_table
 
 SPLIT_CHECKED = "split_checked"  # note: no other split was possible under the sampling
 SPLIT_RESOLVED = "split_resolved"  # note: the target chose among splits (posterior stated)
 SPLIT_AMBIGUOUS = "split_ambiguous"  # issue: another split is too likely, or not enumerable
 TARGET_DISAGREES = "target_disagrees"  # issue: the ids are impossible under the sampling
 ISSUES = (SPLIT_AMBIGUOUS, TARGET_DISAGREES)
-ROW_CHUNK = 256  # rows of [T, vocab] float64 worked on at once (memory on big vocabularies)
-
-
-def sampler_log_table(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
-    """log P(token) for every token of every row [T, V] under the sampler (-inf where it
-    cannot draw the token): the table form of `resolve.sampled_logprobs`, same order
-    (temperature, top_k, top_p, min_p) and the same slack at the nucleus edge."""
-    parts = []
-    for chunk in logits.double().split(ROW_CHUNK):
-        parts.append(_table(chunk, sampling))
-    return torch.cat(parts) if parts else logits.double()
-
-
-def _table(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
-    neg = torch.full_like(logits, -math.inf)
-    if sampling.temperature == 0:
-        best = logits.max(dim=-1, keepdim=True).values
-        edge = best - GREEDY_SLACK * best.abs().clamp(min=1.0)
-        return torch.where(logits >= edge, torch.zeros_like(logits), neg)
-    scaled = logits / sampling.temperature
-    if sampling.top_k is not None and sampling.top_k < scaled.shape[-1]:
-        kth = torch.topk(scaled, sampling.top_k, dim=-1).values[:, -1:]
-        scaled = torch.where(scaled >= kth, scaled, neg)
-    probs = torch.softmax(scaled, dim=-1)
-    keep = probs > 0
-    norm = probs.sum(dim=-1, keepdim=True)
-    if sampling.top_p < 1.0:
-        ordered = torch.sort(probs, dim=-1, descending=True).values
-        before = torch.cumsum(ordered, dim=-1) - ordered
-        # Kept: a token whose strictly higher-ranked mass is below top_p (+ slack); ties of
-        # the last kept value stay with it. Normalised over the nucleus proper, as the
-        # per-token form does.
-        n_keep = (before < sampling.top_p + NUCLEUS_SLACK).sum(dim=-1, keepdim=True)
-        cutoff = ordered.gather(-1, (n_keep - 1).clamp(min=0))
-        keep = keep & (probs >= cutoff)
-        norm = torch.where(before < sampling.top_p, ordered, 0.0).sum(dim=-1, keepdim=True)
-        if sampling.min_p > 0:
-            floor = sampling.min_p * probs.max(dim=-1, keepdim=True).values
-            keep = keep & (probs >= floor * (1 - NUCLEUS_SLACK))
-            norm = torch.where((before < sampling.top_p) & (ordered >= floor), ordered, 0.0).sum(
-                dim=-1, keepdim=True
-            )
-    elif sampling.min_p > 0:
-        floor = sampling.min_p * probs.max(dim=-1, keepdim=True).values
-        keep = keep & (probs >= floor * (1 - NUCLEUS_SLACK))
-        norm = torch.where(probs >= floor, probs, 0.0).sum(dim=-1, keepdim=True)
-    return torch.where(keep, torch.log(probs) - torch.log(norm), neg)
 
 
 class HFNextTokenScorer:
-    """`core.splits.NextTokenScorer` on a transformers causal LM: one plain forward per call."""
+    """`core.splits.NextTokenScorer` on a transformers causal LM.
 
-    def __init__(self, model: Any, sampling: Sampling) -> None:
+    The first call (the record's own ids) keeps its KV cache; every later call (a branch of
+    the search, which shares the record's ids up to where it leaves them) runs on a copy of
+    that cache cut back to the shared prefix, so the prompt and the record's ids before the
+    branch are never computed again. Positions run `chunk_tokens` at a time, and only the
+    wanted ids are kept of each row's table: memory stays bounded on long records and large
+    vocabularies."""
+
+    def __init__(self, model: Any, sampling: Sampling, chunk_tokens: int = 256) -> None:
         self.model = model
         self.sampling = sampling
         self.device = next(model.parameters()).device
-        self.tokens = 0  # forward work, for the cost report
+        self.chunk_tokens = chunk_tokens
+        self.tokens = 0  # forward work (positions run), for the cost report
+        self._cache: Any = None
+        self._cached_ids: list[int] = []  # the ids whose keys and values the cache holds
 
     @torch.inference_mode()
     def logprobs_along(
         self, ids: Sequence[int], start: int, wanted: Sequence[Sequence[int]]
     ) -> list[list[float]]:
+        from transformers import DynamicCache
+
         if not wanted:
             return []
         if start < 1 or len(wanted) > len(ids) - start + 1:
             raise ValueError(f"logprobs_along: start {start}, {len(wanted)} rows, {len(ids)} ids")
+        ids = list(ids)
+        first_row = start - 1  # the position whose logits predict ids[start]
+        reuse = min(_shared_prefix(self._cached_ids, ids), first_row) if self._cache else 0
+        if reuse > 0:
+            cache = copy.deepcopy(self._cache)
+            if reuse < len(self._cached_ids):
+                cache.crop(reuse - len(self._cached_ids))  # a negative count: drop from the end
+        else:
+            cache = DynamicCache()
+        pos = reuse
+        if first_row > pos:  # context the rows need, no logits kept
+            self._run(ids[pos:first_row], cache, logits=False)
+            pos = first_row
+        rows: list[list[float]] = []
+        end = first_row + len(wanted)
+        while pos < end:
+            stop = min(end, pos + self.chunk_tokens)
+            table = sampler_log_table(self._run(ids[pos:stop], cache, logits=True), self.sampling)
+            for r in range(stop - pos):
+                rows.append(table[r, list(wanted[pos - first_row + r])].tolist())
+            pos = stop
+        if self._cache is None:
+            self._cache, self._cached_ids = cache, ids[:pos]
+        return rows
+
+    def _run(self, ids: Sequence[int], cache: Any, *, logits: bool) -> torch.Tensor:
         batch = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
-        keep = len(ids) - start + 1  # rows from the one predicting ids[start] to the end
-        logits = self.model(input_ids=batch, use_cache=False, logits_to_keep=keep).logits[0]
+        keep = len(ids) if logits else 1
+        out = self.model(input_ids=batch, cache=cache, use_cache=True, logits_to_keep=keep)
         self.tokens += len(ids)
-        table = sampler_log_table(logits[: len(wanted)], self.sampling)
-        return [table[i, list(w)].tolist() for i, w in enumerate(wanted)]
+        return out.logits[0]
+
+
+def _shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def vocabulary_of(tokenizer: Any) -> Vocabulary:
