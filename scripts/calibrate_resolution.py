@@ -1,23 +1,32 @@
 """Calibrate target resolution on a real model: does a posterior of p mean "wrong 1 - p"?
 
-    .venv/bin/python scripts/calibrate_resolution.py --answers 500 --top-p 0.9
+    .venv/bin/python scripts/calibrate_resolution.py --answers 500 --top-p 0.9 \
+        --truths runs/calibration_truths.json --json docs/calibration_run500.json
 
 1. Samples answers with the demo's SmolLM2 (transformers `generate`, temperature 1, the
-   given top_p, top_k off); the sampled ids are the ground truth.
-2. A stack strips each answer's trailing whitespace the way vLLM strips the reasoning's
-   (`str.rstrip()`), keeping the billed completion_tokens.
-3. Reconstructs with the project's code (`core.reconstruction.reconstruct`, default
-   `unknown` profile) and, where `kimi_pipe.core.candidates` exists, its candidate sets.
-4. Where billing says the stack removed exactly one token of whitespace, every single
-   whitespace token of the vocabulary that fits (canonical encoding, billed length) is an
-   option: a CLOSED set under "the split is canonical". `extraction.resolve` scores them
-   under the same sampling with the same weights, at resolve.min_posterior.
-5. Prints the shares (text-proven, resolved, unresolved), resolved-wrong against the
-   ground truth and the count the posteriors predict (sum of 1 - posterior), and the answers
-   whose sampled ids are not the canonical encoding of their text (no text-only method can
-   recover those; counted apart).
-It also times a plain extraction forward over every answer (what extract does anyway) and
-reports resolution's extra forward time as a share of it.
+   given top_p, top_k off); the sampled ids are the ground truth. They are cached
+   (`--truths`) so that a second analysis does not sample again.
+2. A stack changes what it returns the way Kimi's stacks do (docs: kimi-k25-format.md),
+   keeping the billed completion_tokens: it splits the answer into a "reasoning" and a
+   "content" at the first sentence end followed by whitespace (or returns it whole), strips
+   the reasoning's trailing whitespace (vLLM strips the reasoning's) and the content's
+   leading whitespace (a parser that trims around a marker). The text it hides is a
+   whitespace string W between the two, at most one billed id beyond a space merged into the
+   next word.
+3. Candidates: every W of the form "", " ", t or t + " " (t: each whitespace token of the
+   vocabulary) whose canonical encoding of reasoning + W + content has the billed length.
+   Under "the split is canonical" the set is CLOSED for W worth at most one id (a whitespace
+   run of one token, plus the single space a word token takes before it). One option proves
+   the ids (`text_proven`); two or more go to `extraction.resolve` (pruned at the first id
+   the sampler could not draw), scored with the same weights under the same sampling.
+4. Every usable record then goes through the split check (`extraction.split_check`, as the
+   extract stage runs it): its ids are confirmed as a split the sampler could draw, or
+   replaced by the split the target prefers, or flagged.
+5. Prints the shares (text-proven, target-resolved, unresolved), every usable record whose
+   ids are not the sampled ones (silent: must be 0), resolved-wrong against the count the
+   posteriors predict (sum of 1 - posterior over resolved records), the posteriors in bins,
+   and the forward work (tokens) and time of resolution and the split check next to a plain
+   extraction forward over the same answers.
 """
 
 from __future__ import annotations
@@ -38,13 +47,16 @@ sys.path.insert(0, str(REPO))
 from kimi_pipe.config import compose  # noqa: E402
 from kimi_pipe.core.models import load_model  # noqa: E402
 from kimi_pipe.core.prompt_render import prompt_ids  # noqa: E402
-from kimi_pipe.core.reconstruction import reconstruct  # noqa: E402
-from kimi_pipe.core.serving import UNKNOWN_PROFILE  # noqa: E402
 from kimi_pipe.extraction.hf_backend import HFBackend, resolve_model_path  # noqa: E402
 from kimi_pipe.extraction.resolve import (  # noqa: E402
     HFSuffixScorer,
     ResolveSettings,
     score_record,
+)
+from kimi_pipe.extraction.split_check import (  # noqa: E402
+    check_record,
+    checkable,
+    vocabulary_of,
 )
 
 TOPICS = [
@@ -54,10 +66,11 @@ TOPICS = [
 ]  # fmt: skip
 ASKS = [
     "Describe {} in one short sentence.",
+    "Write two short lines about {}, one per line.",
     "Give me one word that goes with {}.",
-    "Write a three-word title about {}.",
+    "Name two things about {}, each on its own line.",
     "Say something short about {}.",
-    "What colour is {}? Answer briefly.",
+    "Write a title about {}, then one sentence on the next line.",
 ]
 
 
@@ -66,7 +79,6 @@ def sample_answers(
 ) -> list[list[int]]:
     """Ground-truth output ids (up to and including the end id) per prompt, batched."""
     out: list[list[int]] = []
-    gen = torch.Generator().manual_seed(args.seed)
     torch.manual_seed(args.seed)
     for start in range(0, len(prompts), args.batch):
         chunk = prompts[start : start + args.batch]
@@ -92,31 +104,94 @@ def sample_answers(
             cut = row.index(end_id) + 1 if end_id in row else len(row)
             out.append(row[:cut])
         print(f"[calibrate] sampled {len(out)}/{len(prompts)}", file=sys.stderr, flush=True)
-    del gen
     return out
 
 
-def whitespace_tokens(tok: Any) -> list[str]:
-    """Every vocabulary token that decodes to whole whitespace text."""
+def whitespace_ids(tok: Any) -> list[int]:
+    """Every vocabulary id that decodes to whole whitespace text."""
     found = []
     for i in range(len(tok)):
         text = tok.decode([i])
         if text and not text.strip() and "\ufffd" not in text:
-            found.append(text)
-    return sorted(set(found))
+            found.append(i)
+    return found
 
 
-def tail_options(
-    model: Any, content: str, missing: int, spaces: list[str], end: list[int]
+def split_point(tok: Any, body: list[int]) -> int | None:
+    """First id boundary after a sentence end whose next text starts with whitespace (and
+    has more than whitespace after it): where the stack puts its reasoning/content split."""
+    for i in range(1, len(body)):
+        before, after = tok.decode(body[:i]), tok.decode(body[i:])
+        head = before.rstrip()
+        if head[-1:] in (".", "!", "?", ":") and after[:1].isspace() and after.strip():
+            return i
+    return None
+
+
+def gap_options(
+    model: Any, reasoning: str, content: str, end: list[int], billed: int, gaps: list[str]
 ) -> list[tuple[list[int], str]]:
-    """Whitespace tails adding exactly `missing` (= 1) ids to the canonical encoding."""
-    base = len(model.encode([content]))
+    """Every (ids, W) with W in `gaps` whose canonical ids have the billed length."""
     seen: dict[tuple[int, ...], str] = {}
-    for ws in spaces:
-        ids = model.encode([content + ws])
-        if len(ids) - base == missing:
-            seen.setdefault(tuple(ids), ws)
-    return [(list(ids) + end, ws) for ids, ws in sorted(seen.items(), key=lambda kv: kv[1])]
+    for gap in gaps:
+        ids = model.encode([reasoning + gap + content]) + end
+        if len(ids) == billed:
+            seen.setdefault(tuple(ids), gap)
+    return [(list(ids), gap) for ids, gap in seen.items()]
+
+
+def diverge_of(options: list[list[int]]) -> int:
+    shortest = min(map(len, options))
+    for j in range(shortest):
+        if len({o[j] for o in options}) > 1:
+            return j
+    return shortest
+
+
+def base_record(
+    sid: str, prompt: list[int], ids: list[int], sampling: dict[str, float]
+) -> dict[str, Any]:
+    return {
+        "id": sid, "ok": True, "evidence": "text_proven", "issues": [], "notes": [],
+        "prompt_ids": prompt, "output_ids": ids,
+        "loss_mask": [0] * len(prompt) + [1] * len(ids), "sampling": sampling,
+        "completion_tokens_reported": len(ids),
+    }  # fmt: skip
+
+
+def gap_record(
+    sid: str, prompt: list[int], options: list[tuple[list[int], str]], sampling: dict[str, float]
+) -> dict[str, Any]:
+    """An unresolved record whose closed set holds every option of the hidden whitespace."""
+    first = options[0][0]
+    rec = base_record(sid, prompt, first, sampling)
+    rec.update(ok=False, evidence="unresolved", issues=["reasoning_tail_unverifiable"])
+    rec["candidates"] = {
+        "closed": True,
+        "why_open": None,
+        "classes": ["reasoning_tail"],
+        "diverge_at": diverge_of([ids for ids, _ in options]),
+        "options": [
+            {"output_ids": ids, "loss_mask": [1] * len(ids), "label": f"hidden {gap!r}"}
+            for ids, gap in options
+        ],
+    }
+    return rec
+
+
+def posterior_bins(posteriors: list[tuple[float, bool]]) -> dict[str, dict[str, float]]:
+    """Resolved records per posterior bin: how many, how many wrong, how many predicted."""
+    edges = [(0.999, 0.9999), (0.9999, 0.999999), (0.999999, 1.0), (1.0, 1.0)]
+    out = {}
+    for low, high in edges:
+        inside = [(p, w) for p, w in posteriors if (p == 1.0 if low == high else low <= p < high)]
+        name = "1.0 (others impossible or beyond float)" if low == high else f"[{low}, {high})"
+        out[name] = {
+            "records": len(inside),
+            "wrong": sum(w for _, w in inside),
+            "predicted_wrong": sum(1 - p for p, _ in inside),
+        }
+    return out
 
 
 def main() -> int:
@@ -124,12 +199,13 @@ def main() -> int:
     ap.add_argument("--answers", type=int, default=500)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--top-p", type=float, default=0.9)
-    ap.add_argument("--max-new-tokens", type=int, default=40)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--batch", type=int, default=50)
     ap.add_argument("--min-posterior", type=float, default=0.999)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--extract-sample", type=int, default=64, help="answers timed for extraction")
+    ap.add_argument("--truths", type=Path, default=None, help="cache of the sampled ids (JSON)")
     ap.add_argument("--json", type=Path, default=None, help="write the figures here too")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -149,138 +225,143 @@ def main() -> int:
                  for i in range(args.answers)]  # fmt: skip
     messages = [[{"role": "user", "content": q}] for q in questions]
     prompts = [prompt_ids(model, m, None) for m in messages]
+    key = {k: getattr(args, k) for k in ("answers", "temperature", "top_p", "max_new_tokens",
+                                         "batch", "seed")}  # fmt: skip
+    cached = json.loads(args.truths.read_text()) if args.truths and args.truths.exists() else None
     t0 = time.monotonic()
-    truths = sample_answers(hf, prompts, args, end_id)
-    sample_s = time.monotonic() - t0
+    if cached and cached.get("key") == key:
+        truths = cached["truths"]
+        sample_s = float(cached["seconds"])
+        print(f"[calibrate] {len(truths)} sampled answers from {args.truths}", file=sys.stderr)
+    else:
+        truths = sample_answers(hf, prompts, args, end_id)
+        sample_s = time.monotonic() - t0
+        if args.truths:
+            args.truths.write_text(json.dumps({"key": key, "seconds": sample_s, "truths": truths}))
 
-    try:
-        from kimi_pipe.core.candidates import enumerate_candidates
-    except ImportError:
-        enumerate_candidates = None  # type: ignore[assignment]
-    spaces = whitespace_tokens(tok)
-    settings = ResolveSettings(min_posterior=args.min_posterior, max_options=len(spaces) + 1)
+    spaces = [tok.decode([t]) for t in whitespace_ids(tok)]
+    gaps = ["", " "] + [g for t in spaces for g in (t, t + " ")]
+    settings = ResolveSettings(min_posterior=args.min_posterior, max_options=len(gaps))
     scorer = HFSuffixScorer(hf, "smollm2")
+    vocab = vocabulary_of(model.tokenizer)
     sampling = {"temperature": args.temperature, "top_p": args.top_p}
 
     counts: dict[str, int] = {}
     predicted_wrong = 0.0
     posteriors: list[tuple[float, bool]] = []
-    resolve_s = 0.0
+    set_sizes: list[int] = []
+    resolve_s = split_s = 0.0
+    split_tokens = 0
 
     def count(key: str) -> None:
         counts[key] = counts.get(key, 0) + 1
 
-    print(f"[calibrate] {len(spaces)} whitespace tokens; reconstructing", file=sys.stderr)
-    for i, (msgs, prompt, truth) in enumerate(zip(messages, prompts, truths, strict=True)):
+    print(f"[calibrate] {len(spaces)} whitespace ids, {len(gaps)} gaps; reconstructing",
+          file=sys.stderr)  # fmt: skip
+    for i, (prompt, truth) in enumerate(zip(prompts, truths, strict=True)):
         ended = truth[-1:] == [end_id]
-        text = tok.decode(truth[:-1] if ended else truth, skip_special_tokens=True)
-        canonical = model.encode([text]) + (end if ended else [])
-        if canonical != truth:
+        body = truth[:-1] if ended else truth
+        tail = end if ended else []
+        text = tok.decode(body, skip_special_tokens=True)
+        if model.encode([text]) + tail != truth:
             count("noncanonical_truth")
-        stripped = text.rstrip()
-        if stripped != text:
-            count("tail_stripped")
-        response = {
-            "choices": [
-                {
-                    "message": {"role": "assistant", "content": stripped},
-                    "finish_reason": "stop" if ended else "length",
-                }
-            ],
-            "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(truth)},
-        }
-        rec = reconstruct(model, msgs, None, response, serving=UNKNOWN_PROFILE)
         if not ended:
             count("cut_by_max_tokens")
-        if rec.ok:
-            count("text_proven")
-            if rec.output_ids != truth:
-                count("text_proven_WRONG")  # silent: must stay 0 unless the truth is non-canonical
+        at = split_point(tok, body)
+        if at is None:
+            count("shape_whole")
+            reasoning, content = text.rstrip(), ""
+        else:
+            count("shape_reasoning_content")
+            reasoning, content = tok.decode(body[:at]).rstrip(), tok.decode(body[at:]).lstrip()
+        if reasoning + content != text:
+            count("stack_hid_whitespace")
+        options = gap_options(model, reasoning, content, tail, len(truth), gaps)
+        if not options:
+            count("unresolved_no_option_fits_billing")
             continue
-        if enumerate_candidates is not None:
-            cands = enumerate_candidates(model, msgs, None, response, rec, profile=UNKNOWN_PROFILE)
-            if cands is not None:
-                count("core_candidates_closed" if cands.closed else "core_candidates_open")
-        missing = len(truth) - rec.completion_tokens_reconstructed
-        if set(rec.issues) - {"truncated"} != {"billing_mismatch"} or missing != 1 or not ended:
-            count("unresolved_other" if missing != 1 else "unresolved_not_a_tail")
+        posterior = 1.0
+        if len(options) == 1:
+            rec = base_record(f"a{i}", prompt, options[0][0], sampling)
+            rec["notes"] = ["single_candidate"]
+        else:
+            set_sizes.append(len(options))
+            t1 = time.monotonic()
+            scored = score_record(gap_record(f"a{i}", prompt, options, sampling), scorer, settings)
+            resolve_s += time.monotonic() - t1
+            assert scored is not None
+            if not scored["ok"]:
+                count("target_unresolved")
+                continue
+            posterior = scored["resolution"]["posterior"]
+            rec = {k: v for k, v in scored.items() if k != "candidates"}
+        t2 = time.monotonic()
+        checked, cost = check_record(rec, hf, vocab, settings, "smollm2")
+        split_s += time.monotonic() - t2
+        split_tokens += cost
+        assert checked is not None and checkable(rec) is None
+        outcome = (checked.get("split_check") or {}).get("chosen")
+        count(f"split_{outcome or 'unresolved'}")
+        if not checked["ok"]:
+            count("unresolved_by_split_check")
             continue
-        options = tail_options(model, stripped, missing, spaces, end)
-        if len(options) < 2:
-            count("unresolved_no_options" if not options else "text_proven_single_tail")
-            continue
-        diverge = min(
-            next((j for j, (a, b) in enumerate(zip(o[0], options[0][0], strict=False)) if a != b),
-                 min(len(o[0]), len(options[0][0])))
-            for o in options[1:]
-        )  # fmt: skip
-        record = {
-            "id": f"a{i}",
-            "ok": False,
-            "issues": ["billing_mismatch"],
-            "prompt_ids": prompt,
-            "output_ids": rec.output_ids,
-            "loss_mask": rec.loss_mask,
-            "sampling": sampling,
-            "candidates": {
-                "closed": True,
-                "why_open": None,
-                "classes": ["content_tail"],
-                "diverge_at": diverge,
-                "options": [
-                    {"output_ids": ids, "loss_mask": [1] * len(ids), "label": f"tail {ws!r}"}
-                    for ids, ws in options
-                ],
-            },
-        }
-        t1 = time.monotonic()
-        new = score_record(record, scorer, settings)
-        resolve_s += time.monotonic() - t1
-        assert new is not None
-        res = new["resolution"]
-        if not new["ok"]:
-            count("target_unresolved")
-            continue
-        count("target_resolved")
-        wrong = new["output_ids"] != truth
-        predicted_wrong += 1.0 - res["posterior"]
-        posteriors.append((res["posterior"], wrong))
+        if checked["split_check"].get("paths", 1) > 1:
+            posterior *= checked["split_check"]["posterior"]
+        rec = checked
+        wrong = rec["output_ids"] != truth
+        rung = rec["evidence"]
+        count(rung)
         if wrong:
-            count("target_resolved_WRONG")
-        if canonical != truth:
-            count("target_resolved_noncanonical")
+            count(f"{rung}_WRONG")  # silent: a usable record with ids the model did not sample
+        if rung == "target_resolved":
+            predicted_wrong += 1.0 - posterior
+            posteriors.append((posterior, wrong))
 
     # What extraction costs anyway: a plain forward over the answers, batched like extract
     # (on the first --extract-sample of them, scaled by tokens to all).
     seqs = [p + t for p, t in zip(prompts, truths, strict=True)]
     timed = seqs[: args.extract_sample]
-    t2 = time.monotonic()
+    t3 = time.monotonic()
     for start in range(0, len(timed), 16):
         backend.forward(timed[start : start + 16])
-    extract_s = (time.monotonic() - t2) * sum(map(len, seqs)) / max(1, sum(map(len, timed)))
+    extract_s = (time.monotonic() - t3) * sum(map(len, seqs)) / max(1, sum(map(len, timed)))
 
     n = len(truths)
     proven = counts.get("text_proven", 0)
     resolved = counts.get("target_resolved", 0)
+    silent = sum(v for k, v in counts.items() if k.endswith("_WRONG"))
     figures = {
         "answers": n,
         "temperature": args.temperature,
         "top_p": args.top_p,
+        "max_new_tokens": args.max_new_tokens,
         "min_posterior": args.min_posterior,
         "counts": dict(sorted(counts.items())),
         "share_text_proven": proven / n,
         "share_target_resolved": resolved / n,
         "share_proven_or_resolved": (proven + resolved) / n,
         "share_unresolved": 1 - (proven + resolved) / n,
+        "silent": silent,
         "resolved_wrong": counts.get("target_resolved_WRONG", 0),
         "resolved_wrong_predicted": predicted_wrong,
-        "whitespace_tokens": len(spaces),
+        "whitespace_ids": len(spaces),
         "seconds_sampling": round(sample_s, 1),
         "seconds_resolution": round(resolve_s, 2),
+        "seconds_split_check": round(split_s, 2),
         "seconds_extraction_forward": round(extract_s, 2),  # scaled from --extract-sample
         "resolution_share_of_extraction": resolve_s / extract_s if extract_s else None,
+        "split_check_share_of_extraction": split_s / extract_s if extract_s else None,
         "resolution_tokens": {"prefix": scorer.prefix_tokens, "suffix": scorer.suffix_tokens},
+        "options_pruned_unrun": scorer.pruned,
+        "split_check_tokens": split_tokens,
         "extraction_tokens": sum(map(len, seqs)),
+        "candidate_sets": {
+            "scored": len(set_sizes),
+            "options_min": min(set_sizes, default=0),
+            "options_max": max(set_sizes, default=0),
+            "options_mean": sum(set_sizes) / len(set_sizes) if set_sizes else 0,
+        },
+        "resolved_posterior_bins": posterior_bins(posteriors),
     }
     print(json.dumps(figures, indent=2))
     if args.json:
@@ -289,7 +370,7 @@ def main() -> int:
         low = min(p for p, _ in posteriors)
         print(f"lowest resolved posterior {low:.6f}; wrong at posteriors "
               f"{[round(p, 6) for p, w in posteriors if w]}")  # fmt: skip
-    return 0 if math.isfinite(predicted_wrong) else 1
+    return 0 if silent == 0 and math.isfinite(predicted_wrong) else 1
 
 
 if __name__ == "__main__":
