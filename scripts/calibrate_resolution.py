@@ -204,6 +204,12 @@ def main() -> int:
     ap.add_argument("--min-posterior", type=float, default=0.999)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--score-dtype",
+        default="float32",
+        help="dtype the target scores in (sampling is float32): bfloat16 stands for a provider "
+        "whose numerics differ from the target's",
+    )
     ap.add_argument("--extract-sample", type=int, default=64, help="answers timed for extraction")
     ap.add_argument("--truths", type=Path, default=None, help="cache of the sampled ids (JSON)")
     ap.add_argument("--json", type=Path, default=None, help="write the figures here too")
@@ -215,6 +221,12 @@ def main() -> int:
     path = resolve_model_path(cfg)
     backend = HFBackend(path, model_name="smollm2")  # the extraction backend's own weights
     hf = backend.model
+    # The target that resolves: the same weights, in the scoring dtype.
+    judge = (
+        hf
+        if args.score_dtype == "float32"
+        else HFBackend(path, model_name="smollm2", dtype=args.score_dtype).model
+    )
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(path))  # the same tokenizer.json the model uses
@@ -242,7 +254,7 @@ def main() -> int:
     spaces = [tok.decode([t]) for t in whitespace_ids(tok)]
     gaps = ["", " "] + [g for t in spaces for g in (t, t + " ")]
     settings = ResolveSettings(min_posterior=args.min_posterior, max_options=len(gaps))
-    scorer = HFSuffixScorer(hf, "smollm2")
+    scorer = HFSuffixScorer(judge, "smollm2")
     vocab = vocabulary_of(model.tokenizer)
     sampling = {"temperature": args.temperature, "top_p": args.top_p}
 
@@ -296,7 +308,7 @@ def main() -> int:
             posterior = scored["resolution"]["posterior"]
             rec = {k: v for k, v in scored.items() if k != "candidates"}
         t2 = time.monotonic()
-        checked, cost = check_record(rec, hf, vocab, settings, "smollm2")
+        checked, cost = check_record(rec, judge, vocab, settings, "smollm2")
         split_s += time.monotonic() - t2
         split_tokens += cost
         assert checked is not None and checkable(rec) is None
@@ -336,6 +348,7 @@ def main() -> int:
         "top_p": args.top_p,
         "max_new_tokens": args.max_new_tokens,
         "min_posterior": args.min_posterior,
+        "score_dtype": args.score_dtype,
         "counts": dict(sorted(counts.items())),
         "share_text_proven": proven / n,
         "share_target_resolved": resolved / n,
