@@ -176,19 +176,94 @@ def test_content_only_logprobs_cover_the_content_span(kimi: Model) -> None:
 
 
 def test_text_changed_by_the_server_is_a_logprob_mismatch(kimi: Model) -> None:
-    # vLLM-style spacing: the server says " Paris ..." where the engine wrote "Paris ...".
+    # The server's text differs from the engine's tokens inside a piece ("Paris" -> "paris"):
+    # either side may have been changed, so neither is trusted.
     truth = _truth(kimi)
     think = truth.index(kimi.markers["</think>"])
-    resp = _response(REASONING, " " + CONTENT, len(truth), _entries(kimi, truth[think + 1 :]))
+    changed = "p" + CONTENT[1:]
+    resp = _response(REASONING, changed, len(truth), _entries(kimi, truth[think + 1 :]))
     base = _rebuild(kimi, resp)
     rec = apply_logprobs(kimi, base, resp, LogprobPolicy())
     assert not rec.ok and "logprob_mismatch" in rec.issues
     mismatch = record_fields(rec)["logprobs"]["mismatch"]
     assert mismatch["output_token"] == think + 1 and mismatch["engine_token"] == 0
-    assert mismatch["engine_piece"] == "Paris" and mismatch["reencoded_piece"] == " Paris"
+    assert mismatch["engine_piece"] == "Paris" and mismatch["reencoded_piece"] == "par"
     assert "Paris" in mismatch["engine_context"]
     assert rec.output_ids == base.output_ids  # never trusted where the texts disagree
     assert record_fields(rec)["logprobs"]["engine_ids"] == truth[think + 1 :]  # kept to inspect
+
+
+def test_whitespace_a_stack_changes_beside_a_marker_keeps_the_engines_ids(kimi: Model) -> None:
+    # vLLM-style spacing: the server says " Paris ..." where the engine wrote "Paris ...".
+    # Whitespace at the edge of a piece between markers is what stacks add or strip; the text
+    # agrees everywhere else, so the engine's tokens are the ids (billing checked on them).
+    truth = _truth(kimi)
+    think = truth.index(kimi.markers["</think>"])
+    resp = _response(REASONING, " " + CONTENT, len(truth), _entries(kimi, truth[think + 1 :]))
+    base = _rebuild(kimi, resp)
+    assert base.output_ids != truth  # re-encoding keeps the stack's space
+    rec = apply_logprobs(kimi, base, resp, LogprobPolicy())
+    assert rec.output_ids == truth
+    assert "stack_changed_text" in rec.issues and "logprob_mismatch" not in rec.issues
+    lp = record_fields(rec)["logprobs"]
+    assert lp["stack_trims"][0]["after_marker"] == "</think>"
+    trim = lp["stack_trims"][0]
+    assert (trim["engine"], trim["text"]) == (CONTENT, " " + CONTENT)
+    assert record_fields(rec)["id_sources"][1] == [think + 1, len(truth), "engine"]
+    # A space inside the piece is not a stack's edge change: still a mismatch.
+    inner = CONTENT.replace("has ", "has  ")
+    resp = _response(REASONING, inner, len(truth), _entries(kimi, truth[think + 1 :]))
+    rec = apply_logprobs(kimi, _rebuild(kimi, resp), resp, LogprobPolicy())
+    assert not rec.ok and "logprob_mismatch" in rec.issues
+    # Billing still decides: an engine sequence one id short of the bill is flagged.
+    resp = _response(REASONING, " " + CONTENT, len(truth) + 1, _entries(kimi, truth[think + 1 :]))
+    rec = apply_logprobs(kimi, _rebuild(kimi, resp), resp, LogprobPolicy())
+    assert not rec.ok and "billing_mismatch" in rec.issues and rec.output_ids == truth
+
+
+def test_a_stripped_reasoning_tail_is_proven_by_whole_output_logprobs(kimi: Model) -> None:
+    # vLLM strips the reasoning's trailing newline ("first.\n" is one Kimi token, so billing
+    # cannot see it); whole-output logprobs hold it: the record is the engine's, tail and all.
+    reasoning = REASONING + "\n"
+    truth = _truth(kimi, reasoning=reasoning)
+    resp = _response(REASONING, CONTENT, len(truth), _entries(kimi, truth))
+    base = reconstruct(kimi, MESSAGES, None, resp)  # the unknown profile: tail unverifiable
+    assert not base.ok and "reasoning_tail_unverifiable" in base.issues
+    rec = apply_logprobs(kimi, base, resp, LogprobPolicy())
+    assert rec.ok and rec.output_ids == truth
+    assert "reasoning_tail_unverifiable" not in rec.issues and "stack_changed_text" in rec.issues
+    trim = record_fields(rec)["logprobs"]["stack_trims"][0]
+    assert trim["before_marker"] == "</think>" and trim["engine"] == reasoning
+
+
+def test_coerced_arguments_are_explained_by_whole_output_logprobs(kimi: Model) -> None:
+    # vLLM 0.33 coerces a string the schema types as integer ("10" -> 10) and re-serialises
+    # the arguments; the engine's tokens hold what the model wrote.
+    tools = [{"type": "function", "function": {"name": "wait", "parameters": {
+        "type": "object", "properties": {"seconds": {"type": "integer"}}}}}]  # fmt: skip
+    model_args, served_args = '{"seconds": "10"}', '{"seconds": 10}'
+    calls = [{"id": "functions.wait:0", "type": "function",
+              "function": {"name": "wait", "arguments": model_args}}]  # fmt: skip
+    m = kimi.markers
+    truth = (
+        _ids(kimi, REASONING) + [m["</think>"], m["<|tool_calls_section_begin|>"],
+        m["<|tool_call_begin|>"]] + _ids(kimi, "functions.wait:0")
+        + [m["<|tool_call_argument_begin|>"]] + _ids(kimi, model_args)
+        + [m["<|tool_call_end|>"], m["<|tool_calls_section_end|>"], m["<|im_end|>"]]
+    )  # fmt: skip
+    resp = _response(REASONING, "", len(truth), _entries(kimi, truth))
+    served = [{**calls[0], "function": {"name": "wait", "arguments": served_args}}]
+    resp["choices"][0]["message"]["tool_calls"] = served
+    base = reconstruct(kimi, MESSAGES, tools, resp, serving=TAIL_KEPT)
+    assert "tool_arguments_maybe_coerced" in base.issues
+    rec = apply_logprobs(kimi, base, resp, LogprobPolicy())
+    assert rec.ok and rec.output_ids == truth, rec.issues
+    assert "tool_arguments_maybe_coerced" not in rec.issues
+    # Without the coercion flag (a profile that says arguments are verbatim) the same
+    # difference is a mismatch: nothing declared explains it.
+    verbatim = reconstruct(kimi, MESSAGES, None, resp, serving=TAIL_KEPT)
+    rec = apply_logprobs(kimi, verbatim, resp, LogprobPolicy())
+    assert not rec.ok and "logprob_mismatch" in rec.issues
 
 
 def test_marker_turned_into_text_is_not_a_split(kimi: Model) -> None:

@@ -12,9 +12,14 @@ only the content after the think-end marker), and compares texts there:
   - texts agree, ids agree: the reconstruction is confirmed;
   - texts agree, ids differ: a non-canonical split recovered (note `noncanonical_split`);
     the record carries the engine's ids unless `record_ids="reencoded"`;
-  - texts disagree: error `logprob_mismatch` (position, both pieces); the record keeps
-    the re-encoded ids, because either the text or the logprobs were changed and nothing
-    here can tell which;
+  - texts differ only where stacks change text (whitespace at the edge of a piece between
+    markers: a stripped reasoning tail, marker spaces, a dropped whitespace-only content;
+    for a record flagged `tool_arguments_maybe_coerced`, argument values coerced to the
+    schema): the engine's bytes say what was there, so the record carries the engine's ids
+    (note `stack_changed_text`, each change in `stack_trims`), billing checked on them;
+  - texts disagree anywhere else: error `logprob_mismatch` (position, both pieces); the
+    record keeps the re-encoded ids, because either the text or the logprobs were changed
+    and nothing here can tell which;
   - an entry that is not a token, or a sequence that cannot be placed: error
     `logprobs_invalid`; the logprobs are ignored, never trusted, and the record is not `ok`
     on the strength of re-encoding (corrupt logprobs are not proof, whatever the profile).
@@ -41,6 +46,9 @@ LOGPROB_NOTES = frozenset(
     {
         "noncanonical_split",  # same text, other ids than re-encoding: the engine's kept
         "logprobs_missing",  # logprobs were asked for and none came back
+        # The text differs from the engine's tokens only where stacks change it (whitespace
+        # beside markers, argument values coerced to schema types): the engine's ids kept.
+        "stack_changed_text",
     }
 )
 RECORD_IDS = ("engine", "reencoded")
@@ -244,6 +252,20 @@ def apply_logprobs(
         seen += len(out_pieces[end - start])
         end += 1
     out_text = b"".join(out_pieces[: end - start])
+    coerced_ok = "tool_arguments_maybe_coerced" in rec.issues
+    lead = output[start - 1] if start else None
+    trims = (
+        _stack_trims(model, output[start:], engine, coerced_ok, lead)
+        if out_text != eng_text
+        else None
+    )
+    if trims is not None:
+        # The whole difference is whitespace a stack strips or adds beside a marker; the
+        # text agrees everywhere else, so the engine's tokens are the ids (billed below).
+        summary["stack_trims"] = trims
+        end = start + trims[-1]["output_end"] if trims else len(output)
+        out_pieces = [token_bytes(t) for t in output[start:end]]
+        out_text = eng_text = b"".join(token_bytes(t) for t in engine)
     if out_text != eng_text:
         at = _first_difference(out_text, eng_text)
         e_at, o_at = _token_at(eng_pieces, at), start + _token_at(out_pieces, at)
@@ -265,6 +287,8 @@ def apply_logprobs(
         return replace(rec, ok=_ok(issues), issues=issues, details=details)
 
     covered = output[start:end]
+    if trims is not None:
+        return _engine_ids_over_trims(model, rec, policy, details, summary, start, end, engine)
     runs = _diff_runs(
         covered, engine, [len(p) for p in out_pieces[: end - start]], [len(p) for p in eng_pieces]
     )
@@ -309,10 +333,171 @@ def apply_logprobs(
 
     reported = rec.completion_tokens_reported
     issues = [code for code in issues if code != "billing_mismatch"]
+    issues = [code for code in issues if code not in _covered_codes(coverage)]
+    if reported is not None and abs(reported - len(new_output)) > policy.billing_tolerance:
+        issues.append("billing_mismatch")
+    issues = _unique(issues)
+    return replace(
+        rec,
+        ok=_ok(issues),
+        issues=issues,
+        output_ids=new_output,
+        loss_mask=_loss_mask(rec, len(new_output)),
+        completion_tokens_reconstructed=len(new_output),
+        details=details,
+    )
+
+
+def _covered_codes(coverage: str) -> set[str]:
+    """Flags the engine's own bytes settle where they cover the output: the tool calls (their
+    arguments verbatim) from the content on; with the whole output also the reasoning's tail
+    (a newline after final punctuation) and the spaces beside every marker."""
+    codes = {"tool_arguments_maybe_coerced"} if coverage in ("whole", "content") else set()
     if coverage == "whole":
-        # The engine's own bytes span the reasoning's end: what a stripped tail could hide
-        # (a newline after final punctuation) is proven present or absent.
-        issues = [code for code in issues if code != "reasoning_tail_unverifiable"]
+        codes |= {"reasoning_tail_unverifiable", "leading_space_after_marker"}
+        codes |= {"space_before_tool_section"}
+    return codes
+
+
+def _segments(model: Model, ids: Sequence[int]) -> tuple[list[int], list[tuple[int, int]]]:
+    """The marker ids of a sequence and the [start, end) runs of text ids between them (one
+    more run than markers)."""
+    marker_ids = set(model.markers.values())
+    markers: list[int] = []
+    runs: list[tuple[int, int]] = []
+    begin = 0
+    for i, token in enumerate(ids):
+        if token in marker_ids:
+            markers.append(token)
+            runs.append((begin, i))
+            begin = i + 1
+    runs.append((begin, len(ids)))
+    return markers, runs
+
+
+def _stack_trims(
+    model: Model,
+    output: Sequence[int],
+    engine: Sequence[int],
+    allow_coerced: bool = False,
+    lead: int | None = None,
+) -> list[dict[str, Any]] | None:
+    """Where the engine's tokens and the reconstruction differ only by whitespace at the
+    ends of the text between markers, every such difference (each with `output_end`, the
+    output index up to which the engine's tokens stand for the output); None when any other
+    difference remains (same markers in the same order, the same text inside every piece).
+
+    This is what stacks do to the model's text (vLLM strips the reasoning's tail and drops a
+    whitespace-only content before tool calls, parsers trim arguments, spaces_between_special
+    _tokens adds spaces beside markers); the engine's own bytes say what was there. With
+    `allow_coerced` (the record was flagged `tool_arguments_maybe_coerced`), a piece whose
+    JSON values differ only as a coercing stack changes them ("30" -> 30) counts too. `lead`:
+    the marker before `output` (the think-end marker where only the content is covered)."""
+    out_markers, out_runs = _segments(model, output)
+    eng_markers, eng_runs = _segments(model, engine)
+    if not eng_markers or out_markers[: len(eng_markers)] != eng_markers:
+        return None
+    whole = len(eng_markers) == len(out_markers)
+    if not whole and eng_runs[-1][0] != eng_runs[-1][1]:
+        return None  # the engine stops inside a piece the output goes on with
+    token_bytes = model.tokenizer.token_bytes
+    trims: list[dict[str, Any]] = []
+    pairs = zip(eng_runs if whole else eng_runs[:-1], out_runs, strict=False)
+    for k, ((e0, e1), (o0, o1)) in enumerate(pairs):
+        eng_text = b"".join(token_bytes(t) for t in engine[e0:e1])
+        out_text = b"".join(token_bytes(t) for t in output[o0:o1])
+        if eng_text == out_text:
+            continue
+        coerced = False
+        if eng_text.strip() != out_text.strip():
+            if not (allow_coerced and _coerced_json(eng_text, out_text)):
+                return None
+            coerced = True
+        previous = out_markers[k - 1] if k else lead
+        before = model.tokenizer.piece(previous) if previous is not None else None
+        after = model.tokenizer.piece(out_markers[k]) if k < len(out_markers) else None
+        trims.append(
+            {
+                "after_marker": before,
+                "before_marker": after,
+                "engine": eng_text.decode("utf-8", "replace")[:40],
+                "text": out_text.decode("utf-8", "replace")[:40],
+                **({"why": "argument values coerced to the schema's types"} if coerced else {}),
+            }
+        )
+    if not trims:
+        return None
+    # The engine's tokens stand for the output up to its last marker they share (+ its text).
+    covered_end = out_runs[-1][1] if whole else out_runs[len(eng_markers)][0]
+    for trim in trims:
+        trim["output_end"] = covered_end
+    return trims
+
+
+def _coerced_json(engine_text: bytes, output_text: bytes) -> bool:
+    """Both pieces are JSON objects and the output's values are the engine's as a stack that
+    coerces to schema types leaves them: a string became the number or boolean it spells."""
+    import json
+
+    try:
+        engine_value = json.loads(engine_text)
+        output_value = json.loads(output_text)
+    except ValueError:
+        return False
+    return isinstance(engine_value, dict) and _coerces_to(engine_value, output_value)
+
+
+def _coerces_to(engine: Any, output: Any) -> bool:
+    if isinstance(engine, dict):
+        return (
+            isinstance(output, dict)
+            and engine.keys() == output.keys()
+            and all(_coerces_to(engine[k], output[k]) for k in engine)
+        )
+    if isinstance(engine, list):
+        return (
+            isinstance(output, list)
+            and len(engine) == len(output)
+            and all(_coerces_to(a, b) for a, b in zip(engine, output, strict=True))
+        )
+    if type(engine) is type(output):
+        return bool(engine == output)
+    if not isinstance(engine, str) or isinstance(output, str):
+        return False
+    text = engine.strip()
+    if isinstance(output, bool):
+        return text.lower() == str(output).lower()
+    if output is None:
+        return text.lower() == "null"
+    try:
+        return bool(int(text) == output) if isinstance(output, int) else float(text) == output
+    except ValueError:
+        return False
+
+
+def _engine_ids_over_trims(
+    model: Model,
+    rec: Reconstruction,
+    policy: LogprobPolicy,
+    details: dict[str, Any],
+    summary: dict[str, Any],
+    start: int,
+    end: int,
+    engine: Sequence[int],
+) -> Reconstruction:
+    """The record on the engine's ids where the text differs from them only by whitespace a
+    stack trims beside markers (`_stack_trims`): what the stack changed is noted, the
+    re-encoded rest kept, and billing checked on the result."""
+    output = list(rec.output_ids)
+    new_output = output[:start] + list(engine) + output[end:]
+    head = [[0, start, "reencoded"]] if start else []
+    tail = [[start + len(engine), len(new_output), "reencoded"]] if end < len(output) else []
+    details["id_sources"] = head + [[start, start + len(engine), "engine"]] + tail
+    summary["agree"] = False
+    cleared = {"billing_mismatch", *_covered_codes(str(summary.get("coverage")))}
+    issues = [code for code in rec.issues if code not in cleared]
+    issues.append("stack_changed_text")
+    reported = rec.completion_tokens_reported
     if reported is not None and abs(reported - len(new_output)) > policy.billing_tolerance:
         issues.append("billing_mismatch")
     issues = _unique(issues)
