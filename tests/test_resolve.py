@@ -27,6 +27,7 @@ from kimi_pipe.extraction.resolve import (
     resolvable,
     rewrite_records,
     sampled_logprobs,
+    sampler_log_table,
 )
 from kimi_pipe.stages.extract import run_extract
 from kimi_pipe.store.hidden_store import HiddenStore
@@ -350,3 +351,21 @@ def test_a_backend_that_cannot_score_leaves_records_unresolved(tmp_path: Path) -
     summary = resolve_records(path, None, ResolveSettings())
     assert summary["counts"] == {"not_resolved_backend_cannot_score": 1}
     assert path.read_bytes() == before
+
+
+def test_nucleus_slack_decides_what_is_impossible_at_the_edge() -> None:
+    """A token whose higher-ranked mass passes top_p by 0.005 is outside the nucleus; a judge
+    that allows for other numerics (`resolve.nucleus_slack` 0.01) keeps it drawable."""
+    probs = torch.tensor([0.5, 0.405, 0.05, 0.045])  # mass above the third token: 0.905
+    logits = torch.log(probs)[None, :]
+    strict = sampled_logprobs(logits, [2], Sampling(1.0, 0.9))
+    loose = sampled_logprobs(logits, [2], Sampling(1.0, 0.9, slack=0.01))
+    assert strict == [-math.inf] and loose[0] > -math.inf
+    table = sampler_log_table(logits, Sampling(1.0, 0.9, slack=0.01))
+    assert table[0, 2].item() == pytest.approx(loose[0]) and table[0, 3] == -math.inf
+    settings = ResolveSettings(nucleus_slack=0.01)
+    sent = {"temperature": 1.0, "top_p": 0.9}
+    sampling = Sampling.from_record(sent, None, settings.nucleus_slack)
+    assert sampling is not None and sampling.slack == 0.01
+    with pytest.raises(ValueError):
+        ResolveSettings(nucleus_slack=1.5)

@@ -178,12 +178,15 @@ class ResolveSettings:
     max_options: int = 64  # a larger set is left unresolved (scoring cost)
     lock_timeout_s: float = 300.0
     split_check: bool = True  # the target confirms text-proven ids are the sampled split
+    nucleus_slack: float = NUCLEUS_SLACK  # mass past top_p still counted as drawable
 
     def __post_init__(self) -> None:
         if not 0.5 < self.min_posterior <= 1.0:
             raise ConfigError(
                 f"resolve.min_posterior must be in (0.5, 1], got {self.min_posterior}"
             )
+        if not 0 <= self.nucleus_slack < 1:
+            raise ConfigError(f"resolve.nucleus_slack must be in [0, 1), got {self.nucleus_slack}")
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> ResolveSettings:
@@ -323,7 +326,9 @@ def score_record(
 ) -> dict[str, Any] | None:
     """Score one resolvable record; the updated record, or None when it cannot be scored
     (no known temperature, too many options)."""
-    sampling = Sampling.from_record(record.get("sampling"), settings.default_temperature)
+    sampling = Sampling.from_record(
+        record.get("sampling"), settings.default_temperature, settings.nucleus_slack
+    )
     if sampling is None:
         return None
     cands = record["candidates"]

@@ -16,8 +16,10 @@ from typing import Any
 
 import torch
 
-# A token this close to the nucleus edge is kept: two engines' float32 reductions differ in
-# the last bits, and an option is only called impossible when no rounding could admit it.
+# A token this close to the nucleus edge is kept: the provider sampled with its own numerics
+# and the target recomputes with others, so an option is only called impossible when the
+# difference cannot admit it. The default for `resolve.nucleus_slack`; its measurement is in
+# docs/resolve.md ("Numerics at the nucleus edge").
 NUCLEUS_SLACK = 1e-5
 # Greedy (temperature 0): a token this close to the top logit (relative) may be the argmax of
 # another engine's float32 run of the same weights (cached vs full forwards differ by ~1e-5).
@@ -33,14 +35,20 @@ class Sampling:
     top_p: float = 1.0
     top_k: int | None = None
     min_p: float = 0.0
+    slack: float = NUCLEUS_SLACK  # mass past top_p (and share below min_p) still kept
 
     def __post_init__(self) -> None:
         if self.temperature < 0 or not 0 < self.top_p <= 1 or not 0 <= self.min_p < 1:
             raise ValueError(f"bad sampling {self}")
+        if not 0 <= self.slack < 1:
+            raise ValueError(f"bad nucleus slack {self.slack}")
 
     @classmethod
     def from_record(
-        cls, sampling: Mapping[str, Any] | None, default_temperature: float | None = None
+        cls,
+        sampling: Mapping[str, Any] | None,
+        default_temperature: float | None = None,
+        slack: float = NUCLEUS_SLACK,
     ) -> Sampling | None:
         """The record's `sampling`; None when its temperature is unknown (provider default
         and no `resolve.default_temperature`). A missing top_p counts as 1: it never makes
@@ -58,6 +66,7 @@ class Sampling:
             1.0 if top_p is None else float(top_p),
             int(top_k) if top_k not in (None, 0, -1) else None,
             float(sampling.get("min_p") or 0.0),
+            slack,
         )
 
 
@@ -92,14 +101,14 @@ def sampled_logprobs(
             ordered = torch.sort(probs, descending=True).values
             before = torch.cumsum(ordered, 0) - ordered
             kept = ordered[before < sampling.top_p]
-            if probs[probs > p_target].sum() >= sampling.top_p + NUCLEUS_SLACK:
+            if probs[probs > p_target].sum() >= sampling.top_p + sampling.slack:
                 out.append(-math.inf)
                 continue
         if sampling.min_p > 0:
             # min_p keeps tokens with at least min_p x the top probability (SGLang's order:
             # after top_k and top_p).
             floor = sampling.min_p * probs.max()
-            if p_target < floor * (1 - NUCLEUS_SLACK):
+            if p_target < floor * (1 - sampling.slack):
                 out.append(-math.inf)
                 continue
             kept = kept[kept >= floor]
@@ -136,18 +145,18 @@ def _table(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
         # Kept: a token whose strictly higher-ranked mass is below top_p (+ slack); ties of
         # the last kept value stay with it. Normalised over the nucleus proper, as the
         # per-token form does.
-        n_keep = (before < sampling.top_p + NUCLEUS_SLACK).sum(dim=-1, keepdim=True)
+        n_keep = (before < sampling.top_p + sampling.slack).sum(dim=-1, keepdim=True)
         cutoff = ordered.gather(-1, (n_keep - 1).clamp(min=0))
         keep = keep & (probs >= cutoff)
         norm = torch.where(before < sampling.top_p, ordered, 0.0).sum(dim=-1, keepdim=True)
         if sampling.min_p > 0:
             floor = sampling.min_p * probs.max(dim=-1, keepdim=True).values
-            keep = keep & (probs >= floor * (1 - NUCLEUS_SLACK))
+            keep = keep & (probs >= floor * (1 - sampling.slack))
             norm = torch.where((before < sampling.top_p) & (ordered >= floor), ordered, 0.0).sum(
                 dim=-1, keepdim=True
             )
     elif sampling.min_p > 0:
         floor = sampling.min_p * probs.max(dim=-1, keepdim=True).values
-        keep = keep & (probs >= floor * (1 - NUCLEUS_SLACK))
+        keep = keep & (probs >= floor * (1 - sampling.slack))
         norm = torch.where(probs >= floor, probs, 0.0).sum(dim=-1, keepdim=True)
     return torch.where(keep, torch.log(probs) - torch.log(norm), neg)

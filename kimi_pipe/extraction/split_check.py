@@ -146,7 +146,9 @@ def check_record(
 ) -> tuple[dict[str, Any] | None, int]:
     """The record after its split check (None: the request's temperature is unknown), and
     the forward tokens it cost."""
-    sampling = Sampling.from_record(record.get("sampling"), settings.default_temperature)
+    sampling = Sampling.from_record(
+        record.get("sampling"), settings.default_temperature, settings.nucleus_slack
+    )
     if sampling is None:
         return None, 0
     scorer = HFNextTokenScorer(model, sampling)
