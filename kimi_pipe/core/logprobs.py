@@ -331,19 +331,30 @@ def apply_logprobs(
     tail = [[tail_start, len(new_output), "reencoded"]] if tail_start < len(new_output) else []
     details["id_sources"] = head + sources + tail
 
+    cleared = {"billing_mismatch", *_covered_codes(coverage)}
+    issues = [code for code in issues if code not in cleared]
+    return _billed(rec, policy, details, new_output, issues)
+
+
+def _billed(
+    rec: Reconstruction,
+    policy: LogprobPolicy,
+    details: dict[str, Any],
+    output: list[int],
+    issues: list[str],
+) -> Reconstruction:
+    """The record on `output` (the ids it will carry), with the billing check redone on them."""
     reported = rec.completion_tokens_reported
-    issues = [code for code in issues if code != "billing_mismatch"]
-    issues = [code for code in issues if code not in _covered_codes(coverage)]
-    if reported is not None and abs(reported - len(new_output)) > policy.billing_tolerance:
-        issues.append("billing_mismatch")
+    if reported is not None and abs(reported - len(output)) > policy.billing_tolerance:
+        issues = [*issues, "billing_mismatch"]
     issues = _unique(issues)
     return replace(
         rec,
         ok=_ok(issues),
         issues=issues,
-        output_ids=new_output,
-        loss_mask=_loss_mask(rec, len(new_output)),
-        completion_tokens_reconstructed=len(new_output),
+        output_ids=output,
+        loss_mask=_loss_mask(rec, len(output)),
+        completion_tokens_reconstructed=len(output),
         details=details,
     )
 
@@ -496,20 +507,7 @@ def _engine_ids_over_trims(
     summary["agree"] = False
     cleared = {"billing_mismatch", *_covered_codes(str(summary.get("coverage")))}
     issues = [code for code in rec.issues if code not in cleared]
-    issues.append("stack_changed_text")
-    reported = rec.completion_tokens_reported
-    if reported is not None and abs(reported - len(new_output)) > policy.billing_tolerance:
-        issues.append("billing_mismatch")
-    issues = _unique(issues)
-    return replace(
-        rec,
-        ok=_ok(issues),
-        issues=issues,
-        output_ids=new_output,
-        loss_mask=_loss_mask(rec, len(new_output)),
-        completion_tokens_reconstructed=len(new_output),
-        details=details,
-    )
+    return _billed(rec, policy, details, new_output, [*issues, "stack_changed_text"])
 
 
 def _loss_mask(rec: Reconstruction, output_len: int) -> list[int]:
