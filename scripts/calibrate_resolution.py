@@ -130,14 +130,28 @@ def split_point(tok: Any, body: list[int]) -> int | None:
 
 def gap_options(
     model: Any, reasoning: str, content: str, end: list[int], billed: int, gaps: list[str]
-) -> list[tuple[list[int], str]]:
-    """Every (ids, W) with W in `gaps` whose canonical ids have the billed length."""
+) -> tuple[list[tuple[list[int], str]], list[tuple[list[int], str]]]:
+    """Every (ids, W) with W in `gaps` whose canonical ids have the billed length, and those
+    one id short of it (a non-canonical split of one of these fits the bill too)."""
     seen: dict[tuple[int, ...], str] = {}
+    short: dict[tuple[int, ...], str] = {}
     for gap in gaps:
         ids = model.encode([reasoning + gap + content]) + end
         if len(ids) == billed:
             seen.setdefault(tuple(ids), gap)
-    return [(list(ids), gap) for ids, gap in seen.items()]
+        elif len(ids) == billed - 1:
+            short.setdefault(tuple(ids), gap)
+    return (
+        [(list(ids), gap) for ids, gap in seen.items()],
+        [(list(ids), gap) for ids, gap in short.items()],
+    )
+
+
+def readings(options: list[tuple[list[int], str]]) -> list[dict[str, Any]]:
+    return [
+        {"output_ids": ids, "loss_mask": [1] * len(ids), "label": f"hidden {gap!r}"}
+        for ids, gap in options
+    ]
 
 
 def diverge_of(options: list[list[int]]) -> int:
@@ -171,10 +185,7 @@ def gap_record(
         "why_open": None,
         "classes": ["reasoning_tail"],
         "diverge_at": diverge_of([ids for ids, _ in options]),
-        "options": [
-            {"output_ids": ids, "loss_mask": [1] * len(ids), "label": f"hidden {gap!r}"}
-            for ids, gap in options
-        ],
+        "options": readings(options),
     }
     return rec
 
@@ -262,6 +273,7 @@ def main() -> int:
     predicted_wrong = 0.0
     posteriors: list[tuple[float, bool]] = []
     set_sizes: list[int] = []
+    wrong_examples: list[dict[str, Any]] = []
     resolve_s = split_s = 0.0
     split_tokens = 0
 
@@ -288,7 +300,7 @@ def main() -> int:
             reasoning, content = tok.decode(body[:at]).rstrip(), tok.decode(body[at:]).lstrip()
         if reasoning + content != text:
             count("stack_hid_whitespace")
-        options = gap_options(model, reasoning, content, tail, len(truth), gaps)
+        options, short = gap_options(model, reasoning, content, tail, len(truth), gaps)
         if not options:
             count("unresolved_no_option_fits_billing")
             continue
@@ -306,7 +318,8 @@ def main() -> int:
                 count("target_unresolved")
                 continue
             posterior = scored["resolution"]["posterior"]
-            rec = {k: v for k, v in scored.items() if k != "candidates"}
+            rec = dict(scored)
+        rec["short_readings"] = readings(short)
         t2 = time.monotonic()
         checked, cost = check_record(rec, judge, vocab, settings, "smollm2")
         split_s += time.monotonic() - t2
@@ -317,14 +330,29 @@ def main() -> int:
         if not checked["ok"]:
             count("unresolved_by_split_check")
             continue
-        if checked["split_check"].get("paths", 1) > 1:
-            posterior *= checked["split_check"]["posterior"]
+        # The split check weighs the set's other options with every split: its posterior
+        # is the record's whole posterior.
+        posterior = checked["split_check"].get("posterior", posterior)
         rec = checked
         wrong = rec["output_ids"] != truth
         rung = rec["evidence"]
         count(rung)
         if wrong:
             count(f"{rung}_WRONG")  # silent: a usable record with ids the model did not sample
+            wrong_examples.append(
+                {
+                    "answer": i,
+                    "rung": rung,
+                    "posterior": posterior,
+                    "truth_text": text,
+                    "truth_ids": len(truth),
+                    "truth_canonical_ids": len(model.encode([text])) + len(tail),
+                    "record_text": tok.decode(rec["output_ids"], skip_special_tokens=True),
+                    "options": len(options),
+                    "option_gaps": [g for _, g in options][:8],
+                    "split_check": rec.get("split_check"),
+                }
+            )
         if rung == "target_resolved":
             predicted_wrong += 1.0 - posterior
             posteriors.append((posterior, wrong))
@@ -375,6 +403,7 @@ def main() -> int:
             "options_mean": sum(set_sizes) / len(set_sizes) if set_sizes else 0,
         },
         "resolved_posterior_bins": posterior_bins(posteriors),
+        "wrong_examples": wrong_examples,
     }
     print(json.dumps(figures, indent=2))
     if args.json:

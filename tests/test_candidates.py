@@ -330,3 +330,24 @@ def test_faithful_provider_under_the_default_profile(
             faults = {"malformed_response", "provider_error", "billing_mismatch"}
             assert faults & set(record["issues"]), (case["id"], record["issues"])
     assert proven >= 6 and resolvable >= 13  # measured: 6 proven, 13 closed sets of 24
+
+
+def test_a_reading_one_id_short_of_the_bill_is_kept_for_the_split_check(kimi: Model) -> None:
+    """Spaces on both sides of the think-end marker: the model's or the stack's? With them the
+    model's, " I count " ends in a space token of its own; without them "I count" does not, so
+    the unspaced reading is one id short of the bill and billing keeps the spaced one. But the
+    engine may have drawn the unspaced text with a split one id longer: that reading is kept
+    in `short_readings` for the split check (extraction/split_check.py) to weigh."""
+    spaced = _truth(kimi, " I count </think> Hello<|im_end|>")
+    plain = _truth(kimi, "I count</think>Hello<|im_end|>")
+    assert len(plain) == len(spaced) - 1
+    response = _response(" I count ", " Hello", len(spaced))
+    rec, cands = _options(kimi, response, ServingProfile(reasoning_tail="kept"))
+    assert cands is not None and cands.closed
+    assert [o.output_ids for o in cands.options] == [spaced]
+    assert [o.output_ids for o in cands.short] == [plain]
+    record = RecordBuilder(kimi, ServingProfile(reasoning_tail="kept")).build(
+        MESSAGES, None, response
+    )
+    assert record["ok"] and SINGLE_CANDIDATE in record["issues"]
+    assert [r["output_ids"] for r in record["short_readings"]] == [plain]

@@ -31,6 +31,7 @@ from kimi_pipe.extraction.split_check import (
     apply_split_check,
     check_record,
     checkable,
+    neighbour_readings,
     vocabulary_of,
 )
 
@@ -143,6 +144,53 @@ def test_unchecked_records_and_proven_ones() -> None:
     assert checkable(out) == "checked_before"
     assert checkable({**rec, "ok": False, "issues": ["tool_index_untrusted"]}) == "other_issues"
     assert checkable({**rec, "evidence": "engine_ids"}) == "rung"
+
+
+SPACE = 6
+
+
+def test_a_split_of_a_short_reading_is_weighed_against_the_chosen_reading() -> None:
+    """Billing chose the reading "ab " (a hidden space: [ab, " ", end], 3 ids). The engine
+    drew "ab" as "a" "b" instead (3 ids too): the reading without the space, one id short of
+    the bill in its canonical form, fits it split. The record's own splits cannot show that
+    (another text); its `short_readings` do."""
+    sampler = ScriptedSampler(
+        {
+            (6,): {AB: math.log(0.5), A: math.log(0.5)},
+            (6, AB): {SPACE: math.log(1e-4), END: math.log(1 - 1e-4)},
+            (6, AB, SPACE): {END: 0.0},
+            (6, A): {B: 0.0},
+            (6, A, B): {END: 0.0},
+        }
+    )
+    rec = record([AB, SPACE, END], billed=3)
+    rec["short_readings"] = [{"output_ids": [AB, END], "loss_mask": [1, 1], "label": "no space"}]
+    search = search_splits(PROMPT, rec["output_ids"], 3, toy_vocab(), sampler)
+    alone = apply_split_check(rec, search, ResolveSettings(), "toy", Sampling(1.0, 0.9))
+    assert alone["ok"] and alone["output_ids"] == [AB, SPACE, END]  # silent without them
+    found, limits = neighbour_readings(rec, search, 3, toy_vocab(), sampler)
+    assert [r.output_ids for r in found] == [(A, B, END)] and limits == []
+    out = apply_split_check(
+        rec, search, ResolveSettings(), "toy", Sampling(1.0, 0.9), found, limits
+    )
+    assert out["ok"] and out["evidence"] == "target_resolved"
+    assert out["output_ids"] == [A, B, END] and out["loss_mask"] == [0, 1, 1, 1]
+    assert out["split_check"]["chosen"] == "other"
+    assert out["split_check"]["chosen_from"] == "short_reading"
+    assert out["split_check"]["posterior"] == pytest.approx(0.5 / (0.5 + 0.5 * 1e-4))
+    # A resolved record's other options are weighed too, from the target's own numbers.
+    resolved = {
+        **rec,
+        "short_readings": [],
+        "candidates": {"options": [
+            {"output_ids": [AB, SPACE, END], "loss_mask": [1, 1, 1]},
+            {"output_ids": [AB, END, END], "loss_mask": [1, 1, 1]},
+        ]},
+        "resolution": {"chosen": 0, "logprobs": [math.log(1e-4), math.log(0.5)]},
+    }  # fmt: skip
+    found, _ = neighbour_readings(resolved, search, 3, toy_vocab(), sampler)
+    assert [r.source for r in found] == ["option"]
+    assert found[0].logprob == pytest.approx(search.record_logprob - math.log(1e-4) + math.log(0.5))
 
 
 def record(ids: list[int], billed: int, ok: bool = True, issues: Any = None) -> dict[str, Any]:

@@ -18,7 +18,7 @@ model (extraction/resolve.py). Schema: the `candidates` field in docs/design.md.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kimi_pipe.core.models import Model
@@ -67,6 +67,9 @@ class Candidates:
     classes: list[str]
     diverge_at: int | None
     options: list[Option]
+    # Readings one id short of the bill: a non-canonical split of one of them (one id longer)
+    # fits the bill as well as the options do; the split check weighs them (`short_readings`).
+    short: list[Option] = field(default_factory=list)
 
     def to_record(self) -> dict[str, Any]:
         return {
@@ -144,6 +147,7 @@ def enumerate_candidates(
         why_open.append(f"billing tolerance {billing_tolerance}: billing cannot bound the options")
     options: list[Option] = []
     seen: set[tuple[int, ...]] = set()
+    short: dict[tuple[int, ...], Option] = {}
     for spacing in spacings:
         hypothesis = replace(
             profile,
@@ -161,6 +165,7 @@ def enumerate_candidates(
             base = _build(
                 model, messages, tools, response, moved, hypothesis, billing_tolerance, prompt
             )
+            short_tails = [""]
             tails = [""]
             if enum_tail and _closed_reasoning(moved):
                 if reported is None:
@@ -182,6 +187,28 @@ def enumerate_candidates(
                     )
                     if not complete:
                         why_open.append("the stripped tail's search budget ran out")
+                if reported is not None and missing == 1 and not billing_tolerance:
+                    short_tails, _ = _newline_tails(model, moved.reasoning, 0, 0)
+            for tail in short_tails:
+                variant = replace(moved, reasoning=moved.reasoning + tail) if tail else moved
+                rebuilt = (
+                    base
+                    if not tail
+                    else _build(model, messages, tools, response, variant, hypothesis, 0, prompt)
+                )
+                if (
+                    reported is not None
+                    and _errors(rebuilt.issues) == {"billing_mismatch"}
+                    and rebuilt.completion_tokens_reconstructed == reported - 1
+                ):
+                    short.setdefault(
+                        tuple(rebuilt.output_ids),
+                        Option(
+                            rebuilt.output_ids,
+                            rebuilt.loss_mask,
+                            _label(spacing if len(spacings) > 1 else None, move, tail),
+                        ),
+                    )
             for tail in tails:
                 variant = replace(moved, reasoning=moved.reasoning + tail) if tail else moved
                 rebuilt = (
@@ -223,6 +250,7 @@ def enumerate_candidates(
         classes=classes,
         diverge_at=_diverge_at([o.output_ids for o in options]),
         options=options,
+        short=[o for key, o in short.items() if key not in seen],
     )
 
 

@@ -97,6 +97,9 @@ class RecordBuilder:
             record = _proven_by(record, candidates)
         elif candidates is not None:
             record["candidates"] = candidates.to_record()
+        if candidates is not None and candidates.closed and candidates.short:
+            # Readings one id short of the bill: the split check weighs their longer splits.
+            record["short_readings"] = [o.to_record() for o in candidates.short]
         record["evidence"] = evidence_of(record)
         record["sampling"] = sampling_of(request) if request is not None else None
         return record

@@ -24,12 +24,13 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from kimi_pipe.core.evidence import TARGET_RESOLVED, TEXT_PROVEN, UNRESOLVED, evidence_of
-from kimi_pipe.core.splits import SplitSearch, Vocabulary, search_splits
+from kimi_pipe.core.splits import NextTokenScorer, SplitSearch, Vocabulary, search_splits
 from kimi_pipe.extraction.resolve import ResolveSettings, decide
 from kimi_pipe.extraction.sampler import Sampling, sampler_log_table
 
@@ -157,7 +158,70 @@ def check_record(
     if not isinstance(billed, int) or billed < 0:
         billed = None
     search = search_splits(record["prompt_ids"], output, billed, vocab, scorer)
-    return apply_split_check(record, search, settings, model_name, sampling), scorer.tokens
+    neighbours, limits = neighbour_readings(record, search, billed, vocab, scorer)
+    out = apply_split_check(record, search, settings, model_name, sampling, neighbours, limits)
+    return out, scorer.tokens
+
+
+@dataclass(frozen=True)
+class Reading:
+    """A whole output the engine may have drawn instead of the record's: its ids, mask
+    (prompt + output) and the sampler's log-probability of it."""
+
+    output_ids: tuple[int, ...]
+    loss_mask: tuple[int, ...]
+    logprob: float
+    source: str  # "option" (a candidate the target ranked) or "short_reading" (its split)
+
+
+def neighbour_readings(
+    record: Mapping[str, Any],
+    search: SplitSearch,
+    billed: int | None,
+    vocab: Vocabulary,
+    scorer: NextTokenScorer,
+) -> tuple[list[Reading], list[str]]:
+    """Readings of the answer beyond the splits of the record's own text, and the limits
+    that leave them open.
+
+    A record whose ids billing chose among readings (a candidate set: hidden whitespace, a
+    marker space) was chosen under "the split is canonical". Two kinds of reading escape that:
+    * the set's other options (a resolved record): their log-probabilities follow from the
+      target's own numbers (`resolution.logprobs`, from the shared prefix on);
+    * the `short_readings`, whose canonical ids are one id short of the bill: a non-canonical
+      split of one of them (one id longer) fits the bill as well as the chosen reading. The
+      search looks for those splits at the billed length."""
+    readings: list[Reading] = []
+    limits: list[str] = []
+    resolution = record.get("resolution")
+    options = (record.get("candidates") or {}).get("options") or []
+    if isinstance(resolution, Mapping) and resolution.get("chosen") is not None and options:
+        scores = resolution.get("logprobs") or []
+        own = scores[resolution["chosen"]]
+        for i, option in enumerate(options):
+            if i == resolution["chosen"] or scores[i] is None or own is None:
+                continue
+            mask = _full_mask(record, option)
+            lp = search.record_logprob - own + scores[i]
+            readings.append(Reading(tuple(option["output_ids"]), tuple(mask), lp, "option"))
+    for short in record.get("short_readings") or []:
+        ids = list(short["output_ids"])
+        found = search_splits(record["prompt_ids"], ids, billed, vocab, scorer)
+        limits.extend(found.limits)
+        base = {**record, "output_ids": ids, "loss_mask": _full_mask(record, short)}
+        for path in found.others:
+            mask = _mask_for(base, path.diverge_at, path.window, path.output_ids)
+            readings.append(Reading(path.output_ids, tuple(mask), path.logprob, "short_reading"))
+    return readings, limits
+
+
+def _full_mask(record: Mapping[str, Any], option: Mapping[str, Any]) -> list[int]:
+    """An option's mask over prompt + output (options may carry the output part only)."""
+    mask = list(option["loss_mask"])
+    prompt_len = len(record.get("prompt_ids") or [])
+    if len(mask) == len(option["output_ids"]):
+        mask = list(record["loss_mask"][:prompt_len]) + mask
+    return mask
 
 
 def apply_split_check(
@@ -166,11 +230,30 @@ def apply_split_check(
     settings: ResolveSettings,
     model_name: str,
     sampling: Sampling,
+    neighbours: Sequence[Reading] = (),
+    neighbour_limits: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """Pure: the record with its `split_check` numbers and the rung they support."""
+    """Pure: the record with its `split_check` numbers and the rung they support.
+    `neighbours`: whole readings beyond the splits of the record's own text
+    (`neighbour_readings`), weighed with them."""
     out = dict(record)
     output = list(record["output_ids"])
-    options = search.options(output)
+    drawable = [n for n in neighbours if n.logprob > -math.inf]
+    options = [
+        Reading(
+            path.output_ids,
+            tuple(
+                record["loss_mask"]
+                if path.output_ids == tuple(output)
+                else _mask_for(record, path.diverge_at, path.window, path.output_ids)
+            ),
+            path.logprob,
+            "split",
+        )
+        for path in search.options(output)
+    ] + drawable
+    limits = sorted({*search.limits, *neighbour_limits})
+    closed = not limits
     facts: dict[str, Any] = {
         "model": model_name,
         "min_posterior": settings.min_posterior,
@@ -182,12 +265,13 @@ def apply_split_check(
         "branches_scored": search.branches,
         "pruned": search.pruned,
         "approximate": search.pruned > 0,
-        "closed": search.closed,
+        "closed": closed,
+        **({"neighbours": len(drawable)} if neighbours else {}),
     }
-    if search.limits:
-        facts["limits"] = sorted(set(search.limits))
+    if limits:
+        facts["limits"] = limits
     own_possible = search.record_fits_billing and search.record_logprob > -math.inf
-    if search.closed and own_possible and not search.others:
+    if closed and own_possible and not search.others and not drawable:
         out["split_check"] = {**facts, "chosen": "record", "posterior": 1.0}
         out["notes"] = _add(record.get("notes"), SPLIT_CHECKED)
         return out
@@ -195,7 +279,7 @@ def apply_split_check(
     if numbers is not None:
         facts["posterior"] = numbers["posterior"]
         facts["margin"] = numbers["margin"]
-    if not search.closed or numbers is None or not numbers["resolved"]:
+    if not closed or numbers is None or not numbers["resolved"]:
         code = TARGET_DISAGREES if numbers is None or numbers["chosen"] is None else SPLIT_AMBIGUOUS
         out["split_check"] = {**facts, "chosen": None}
         out["ok"] = False
@@ -207,11 +291,11 @@ def apply_split_check(
     out["split_check"] = {
         **facts,
         "chosen": "record" if own else "other",
-        **({} if own else {"diverge_at": chosen.diverge_at, "window": chosen.window}),
+        **({} if own else {"chosen_from": chosen.source}),
     }
     if not own:
         out["output_ids"] = list(chosen.output_ids)
-        out["loss_mask"] = _mask_for(record, chosen.diverge_at, chosen.window, chosen.output_ids)
+        out["loss_mask"] = list(chosen.loss_mask)
         out["completion_tokens_reconstructed"] = len(chosen.output_ids)
     out["issues"] = [c for c in (record.get("issues") or []) if c != "billing_mismatch"]
     notes = [*(record.get("notes") or []), SPLIT_RESOLVED]
