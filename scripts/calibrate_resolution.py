@@ -283,6 +283,9 @@ def main() -> int:
     print(f"[calibrate] {len(spaces)} whitespace ids, {len(gaps)} gaps; reconstructing",
           file=sys.stderr)  # fmt: skip
     for i, (prompt, truth) in enumerate(zip(prompts, truths, strict=True)):
+        if i and i % 50 == 0:
+            print(f"[calibrate] {i}/{len(truths)} {dict(sorted(counts.items()))}",
+                  file=sys.stderr, flush=True)  # fmt: skip
         ended = truth[-1:] == [end_id]
         body = truth[:-1] if ended else truth
         tail = end if ended else []
