@@ -154,7 +154,9 @@ def check_record(
     sampling = Sampling.from_record(record.get("sampling"), settings.default_temperature)
     if sampling is None:
         return None, 0
-    scorer = HFNextTokenScorer(model, sampling)
+    # A serving engine's target (sglang_backend.SGLangTarget) brings its own scorer.
+    own_scorer = getattr(model, "next_token_scorer", None)
+    scorer = own_scorer(sampling) if own_scorer is not None else HFNextTokenScorer(model, sampling)
     output = list(record["output_ids"])
     billed = record.get("completion_tokens_reported")
     if not isinstance(billed, int) or billed < 0:
