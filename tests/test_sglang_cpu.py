@@ -46,7 +46,9 @@ def _demo_model() -> Path:
     return path
 
 
-def _extract(backend: str, store: Path, model: Path, *extra: str) -> dict[str, Any]:
+def _extract(
+    backend: str, store: Path, model: Path, *extra: str, records: Path = RECORDS
+) -> dict[str, Any]:
     """One extract stage through the real CLI; returns its summary plus the wall time."""
     cmd = [
         sys.executable,
@@ -54,7 +56,7 @@ def _extract(backend: str, store: Path, model: Path, *extra: str) -> dict[str, A
         "kimi_pipe.extract",
         f"extract={backend}",
         "model=smollm2",
-        f"extract.records={RECORDS}",
+        f"extract.records={records}",
         "extract.only_ok=false",  # as the demo: cut answers keep exact ids
         f"extract.model_path={model}",
         f"extract.output_dir={store}",
@@ -206,3 +208,178 @@ def test_sglang_cpu_exports_load_in_the_trainers_own_loaders(stores: dict[str, A
             # own greedy tokens (a pre-norm state mislabelled post-norm: rms 20.8, argmax 14.5 %).
             assert checks["rms"], (name, res)
             assert res["argmax_next_token"] >= 0.95, (name, res)
+
+
+# --- target resolution and the split check through SGLang ------------------------------------
+QA = [
+    ("What is the capital of France?", "The capital of France is Paris."),
+    ("Name a primary colour.", "Red is a primary colour."),
+    ("What is 2 + 2?", "2 + 2 = 4."),
+]
+SAMPLINGS = [
+    {"temperature": 1.0, "top_p": 1.0},
+    {"temperature": 1.0, "top_p": 0.5},
+    {"temperature": 0.7, "top_p": 0.95, "top_k": 50},
+    {"temperature": 0.0, "top_p": None},
+]
+
+
+def _candidate_records(model: Path) -> list[dict[str, Any]]:
+    """Closed candidate sets on SmolLM2's own tokens: an answer whose stack stripped its
+    trailing newline, 'restored' vs 'as returned' (tests/test_resolve.py's case), per
+    question and sampling."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model))
+    end = int(tok.convert_tokens_to_ids("<|im_end|>"))
+
+    def enc(text: str) -> list[int]:
+        return list(tok.encode(text, add_special_tokens=False))
+
+    out = []
+    for q, (question, answer) in enumerate(QA):
+        prompt = enc(f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n")
+        returned, restored = enc(answer) + [end], enc(answer + "\n") + [end]
+        diverge = next(
+            i for i, (a, b) in enumerate(zip(returned, restored, strict=False)) if a != b
+        )
+        for k, sampling in enumerate(SAMPLINGS):
+            out.append(
+                {
+                    "id": f"cand-{q}-{k}",
+                    "ok": False,
+                    "evidence": "unresolved",
+                    "issues": ["reasoning_tail_unverifiable"],
+                    "notes": [],
+                    "prompt_ids": prompt,
+                    "output_ids": returned,
+                    "loss_mask": [0] * len(prompt) + [1] * len(returned),
+                    "sampling": sampling,
+                    "candidates": {
+                        "closed": True,
+                        "why_open": None,
+                        "classes": ["reasoning_tail"],
+                        "diverge_at": diverge,
+                        "options": [
+                            {"output_ids": ids, "loss_mask": [1] * len(ids)}
+                            for ids in (restored, returned)
+                        ],
+                    },
+                }
+            )
+    return out
+
+
+def _unchecked_demo_records() -> list[dict[str, Any]]:
+    """The demo's records as reconstruction left them, before extract's split check."""
+    from kimi_pipe.store.records import read_records
+
+    out = []
+    for rec in read_records(RECORDS):
+        rec = dict(rec)
+        rec.pop("split_check", None)
+        rec["notes"] = [n for n in rec.get("notes") or [] if not n.startswith("split_")]
+        out.append(rec)
+    return out
+
+
+def _close(a: float | None, b: float | None, tol: float) -> bool:
+    if a is None or b is None:
+        return a is b
+    return abs(a - b) <= tol
+
+
+def _compare_decisions(
+    hf: dict[str, dict[str, Any]], sg: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
+    """Per record: the same outcome (ok, rung, ids, issues, notes, chosen option or split) and
+    how far apart the numbers are."""
+    assert hf.keys() == sg.keys()
+    same_outcome, different, d_post, d_logp = 0, [], 0.0, 0.0
+    for sid, a in hf.items():
+        b = sg[sid]
+        da, db = (
+            a.get("resolution") or a.get("split_check"),
+            b.get("resolution") or b.get("split_check"),
+        )
+        keys = ("ok", "evidence", "output_ids", "issues", "notes")
+        outcome = all(a.get(k) == b.get(k) for k in keys) and (da or {}).get("chosen") == (
+            db or {}
+        ).get("chosen")
+        if outcome:
+            same_outcome += 1
+        else:
+            different.append(sid)
+        if da and db:
+            if da.get("posterior") is not None and db.get("posterior") is not None:
+                d_post = max(d_post, abs(da["posterior"] - db["posterior"]))
+            for x, y in zip(da.get("logprobs") or [], db.get("logprobs") or [], strict=True):
+                if x is not None and y is not None:
+                    d_logp = max(d_logp, abs(x - y))
+                elif (x is None) != (y is None):
+                    different.append(f"{sid}: option possible in one engine only")
+    return {
+        "records": len(hf),
+        "same_outcome": same_outcome,
+        "different": different,
+        "max_abs_posterior_diff": d_post,
+        "max_abs_option_logprob_diff": d_logp,
+    }
+
+
+@pytest.fixture(scope="module")
+def resolution_runs() -> dict[str, Any]:
+    """The same records (candidate sets + the demo's, split check undone) resolved by
+    extract=hf (float32) and by extract=sglang in float32 and in bfloat16."""
+    from kimi_pipe.store.records import read_records
+
+    model = _demo_model()
+    root = OUT / "resolve"
+    if root.exists():
+        import shutil
+
+        shutil.rmtree(root)
+    root.mkdir(parents=True)
+    recs = _candidate_records(model) + _unchecked_demo_records()
+    runs: dict[str, Any] = {}
+    for name, backend, extra in (
+        ("hf", "hf", ["extract.device=cpu"]),
+        ("sglang_float32", "sglang", ["extract.device=cpu", "extract.dtype=float32"]),
+        ("sglang_bfloat16", "sglang", ["extract.device=cpu", "extract.dtype=bfloat16"]),
+    ):
+        path = root / name / "records.jsonl"
+        path.parent.mkdir()
+        path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+        summary = _extract(
+            backend,
+            path.parent / "hidden",
+            model,
+            *extra,
+            "extract.store_dtype=bfloat16",
+            records=path,
+        )
+        runs[name] = {
+            "records": {r["id"]: r for r in read_records(path)},
+            "resolve": summary["resolve"],
+        }
+    return runs
+
+
+def test_sglang_cpu_resolution_and_split_check_equal_hf(resolution_runs: dict[str, Any]) -> None:
+    """Candidate sets scored through SGLang (prefix KV once in its pool, every option extended
+    on it) and the split check through SGLang decide as the hf backend does; in float32 the
+    posteriors agree to 1e-4. The bfloat16 figures are measured and written out."""
+    hf = resolution_runs["hf"]["records"]
+    report = {}
+    for name in ("sglang_float32", "sglang_bfloat16"):
+        report[name] = _compare_decisions(hf, resolution_runs[name]["records"])
+        report[name]["resolve_counts"] = resolution_runs[name]["resolve"]["counts"]
+    report["hf_resolve_counts"] = resolution_runs["hf"]["resolve"]["counts"]
+    (OUT / "resolve.json").write_text(json.dumps(report, indent=1) + "\n")
+    print("\n" + json.dumps(report, indent=1))
+    counts = resolution_runs["hf"]["resolve"]["counts"]
+    assert counts.get("resolved", 0) > 0 and counts.get("split_checked", 0) > 0  # a real test
+    f32 = report["sglang_float32"]
+    assert f32["resolve_counts"] == counts
+    assert not f32["different"], f32["different"]
+    assert f32["max_abs_posterior_diff"] <= 1e-4 and f32["max_abs_option_logprob_diff"] <= 1e-3
