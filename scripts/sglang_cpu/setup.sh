@@ -58,6 +58,7 @@ elif has avx2 fma; then
 else
     die "this CPU has neither AMX (Intel Xeon 4th gen or later) nor AVX2+FMA; SGLang's CPU engine needs one of them"
 fi
+# (SGL_KERNEL_* reach only the kernel build: SGLang itself reads every SGL_* variable as SGLANG_*.)
 # -O3 as SGLang builds it; the avx2 build defaults to -O1: SGLang calls few of its kernels on a
 # CPU without AMX, and it compiles several times faster (37 min here on 2 loaded cores).
 if [ "$ISA" = avx2 ]; then OPT=${SGL_KERNEL_OPT:--O1}; else OPT=${SGL_KERNEL_OPT:--O3}; fi
@@ -145,7 +146,7 @@ say "sglang $SGLANG_VERSION (--no-deps: its CUDA-only pins do not install on CPU
 "${PIP[@]}" --no-deps --no-build-isolation -e .
 
 # --- proof it works: the kernel loads, sglang's CPU engine module imports, AMX where built --------
-SGL_KERNEL_ISA=$ISA SGLANG_USE_CPU_ENGINE=1 "$VPY" - <<'EOF'
+BUILT_ISA=$ISA SGLANG_USE_CPU_ENGINE=1 "$VPY" - <<'EOF'
 import os
 
 import sgl_kernel, torch
@@ -156,7 +157,7 @@ import kimi_pipe.extraction.sglang_backend as b
 assert is_cpu(), "sglang did not select its CPU engine"
 assert sglang.__version__ == b.SGLANG_VERSION, (sglang.__version__, b.SGLANG_VERSION)
 amx = cpu_has_amx_support()
-if os.environ["SGL_KERNEL_ISA"] == "amx":
+if os.environ["BUILT_ISA"] == "amx":
     assert amx, "sglang sees no AMX on this CPU"
     x = torch.randn(4, 64, dtype=torch.bfloat16)
     y = torch.ops.sgl_kernel.rmsnorm_cpu(x, torch.ones(64, dtype=torch.bfloat16), 1e-6)
