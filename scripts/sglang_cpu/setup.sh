@@ -123,7 +123,6 @@ if [ -z "$WHEEL" ]; then
     [ "$got" = "$KERNEL_CONTENT" ] || die "SGLANG_SRC=$SRC: the kernel sources differ from the pinned ones (content $got, pinned $KERNEL_CONTENT; commit $KERNEL_COMMIT)"
     rm -rf "$BUILD/src"
     cp scripts/sglang_cpu/kernel_setup.py "$BUILD/setup.py"
-    "${PIP[@]}" setuptools wheel ninja
     say "compiling $(find "$BUILD/csrc/cpu" -name '*.cpp' -not -path '*/aarch64/*' | wc -l) files with ${MAX_JOBS:-$(nproc)} jobs (log: $BUILD/build.log)"
     if ! (cd "$BUILD" && MAX_JOBS=${MAX_JOBS:-$(nproc)} SGL_KERNEL_VERSION=$KERNEL_VERSION SGL_KERNEL_ISA=$ISA SGL_KERNEL_OPT=$OPT \
             "$OLDPWD/$VPY" -m pip wheel --no-deps --no-build-isolation -w dist . >build.log 2>&1); then
