@@ -788,33 +788,20 @@ def test_engine_next_token_scorer_equals_hf(tiny_model: Path, tiny_lm: Any) -> N
             for g, w in zip(got, want, strict=True):
                 assert g == pytest.approx(w, abs=1e-4)
             assert engine.tokens == len(ids)
+        with pytest.raises(ValueError, match="outside"):  # past the ids: never a wrapped row
+            scorer.model.next_token_scorer(Sampling(1.0)).logprobs_along(ids, 0, [[1]])
     finally:
         backend.close()
 
 
-def _candidate_record(sid: str, rng: random.Random, top_p: float) -> dict[str, Any]:
-    """A closed two-option set (as reconstruction writes for a stripped tail)."""
-    prompt = [rng.randrange(1, VOCAB) for _ in range(12)]
-    common = [rng.randrange(1, VOCAB) for _ in range(5)]
-    options = [common + [rng.randrange(1, VOCAB) for _ in range(n)] for n in (2, 3)]
-    return {
-        "id": sid,
-        "ok": False,
-        "evidence": "unresolved",
-        "issues": ["reasoning_tail_unverifiable"],
-        "notes": [],
-        "prompt_ids": prompt,
-        "output_ids": options[1],
-        "loss_mask": [0] * len(prompt) + [1] * len(options[1]),
-        "sampling": {"temperature": 1.0, "top_p": top_p},
-        "candidates": {
-            "closed": True,
-            "why_open": None,
-            "classes": ["reasoning_tail"],
-            "diverge_at": len(common),
-            "options": [{"output_ids": o, "loss_mask": [1] * len(o)} for o in options],
-        },
-    }
+class CharTokenizer:
+    """Ids of the tiny vocabulary, one per character: enough for test_resolve's candidate set."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [1 + ord(c) % (VOCAB - 3) for c in text]
+
+    def convert_tokens_to_ids(self, token: str) -> int:
+        return VOCAB - 1  # the end-of-turn id
 
 
 def test_extract_sglang_resolves_candidates_like_hf(
@@ -822,11 +809,15 @@ def test_extract_sglang_resolves_candidates_like_hf(
 ) -> None:
     """extract=sglang (tp_size=2: the follower runs the scoring steps too) resolves the closed
     candidate sets before capture, with the hf scorer's numbers, and stores the chosen ids."""
+    from test_resolve import tail_record  # a stripped tail: 'restored' vs 'as returned'
+
     from kimi_pipe.extraction.resolve import HFSuffixScorer, ResolveSettings, score_record
     from kimi_pipe.store.records import read_records
 
-    rng = random.Random(11)
-    recs = [_candidate_record(f"c{i}", rng, top_p) for i, top_p in enumerate((1.0, 0.3, 1.0))]
+    recs = [
+        tail_record(CharTokenizer(), f"c{i}", {"temperature": t, "top_p": top_p})
+        for i, (t, top_p) in enumerate(((1.0, 1.0), (1.0, 0.3), (0.7, 0.9)))
+    ]
     records = tmp_path / "records.jsonl"
     records.write_text("".join(json.dumps(r) + "\n" for r in recs))
     out = tmp_path / "store"

@@ -211,10 +211,10 @@ def test_sglang_cpu_exports_load_in_the_trainers_own_loaders(stores: dict[str, A
 
 
 # --- target resolution and the split check through SGLang ------------------------------------
-QA = [
-    ("What is the capital of France?", "The capital of France is Paris."),
-    ("Name a primary colour.", "Red is a primary colour."),
-    ("What is 2 + 2?", "2 + 2 = 4."),
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name a city in Europe and say what it is the capital of.",
+    "Finish the sentence: The capital of France is",
 ]
 SAMPLINGS = [
     {"temperature": 1.0, "top_p": 1.0},
@@ -225,48 +225,22 @@ SAMPLINGS = [
 
 
 def _candidate_records(model: Path) -> list[dict[str, Any]]:
-    """Closed candidate sets on SmolLM2's own tokens: an answer whose stack stripped its
-    trailing newline, 'restored' vs 'as returned' (tests/test_resolve.py's case), per
-    question and sampling."""
+    """Closed candidate sets on SmolLM2's own tokens: tests/test_resolve.py's answer whose
+    stack stripped its trailing newline ('restored' vs 'as returned'), after other questions
+    too, under each sampling."""
+    from test_resolve import tail_record
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model))
-    end = int(tok.convert_tokens_to_ids("<|im_end|>"))
-
-    def enc(text: str) -> list[int]:
-        return list(tok.encode(text, add_special_tokens=False))
-
     out = []
-    for q, (question, answer) in enumerate(QA):
-        prompt = enc(f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n")
-        returned, restored = enc(answer) + [end], enc(answer + "\n") + [end]
-        diverge = next(
-            i for i, (a, b) in enumerate(zip(returned, restored, strict=False)) if a != b
-        )
+    for q, question in enumerate(QUESTIONS):
+        chat = f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
+        prompt = list(tok.encode(chat, add_special_tokens=False))
         for k, sampling in enumerate(SAMPLINGS):
-            out.append(
-                {
-                    "id": f"cand-{q}-{k}",
-                    "ok": False,
-                    "evidence": "unresolved",
-                    "issues": ["reasoning_tail_unverifiable"],
-                    "notes": [],
-                    "prompt_ids": prompt,
-                    "output_ids": returned,
-                    "loss_mask": [0] * len(prompt) + [1] * len(returned),
-                    "sampling": sampling,
-                    "candidates": {
-                        "closed": True,
-                        "why_open": None,
-                        "classes": ["reasoning_tail"],
-                        "diverge_at": diverge,
-                        "options": [
-                            {"output_ids": ids, "loss_mask": [1] * len(ids)}
-                            for ids in (restored, returned)
-                        ],
-                    },
-                }
-            )
+            rec = tail_record(tok, f"cand-{q}-{k}", sampling)
+            answer_mask = rec["loss_mask"][len(rec["prompt_ids"]) :]
+            rec.update(prompt_ids=prompt, loss_mask=[0] * len(prompt) + answer_mask)
+            out.append(rec)
     return out
 
 

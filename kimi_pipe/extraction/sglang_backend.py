@@ -433,6 +433,11 @@ class SGLangBackend:
         scorer = getattr(self.rank, "logits", None)
         if scorer is None:
             raise RuntimeError(f"{type(self.rank).__name__} cannot return logits")
+        for cont, want in zip(continuations, rows, strict=True):
+            if any(not 0 <= r < len(cont) for r in want):
+                raise ValueError(
+                    f"logit rows {list(want)} outside a {len(cont)}-token continuation"
+                )
         out: list[torch.Tensor] = []
         for group in self._logit_groups(len(prefix), [len(c) for c in continuations]):
             request = (
@@ -559,10 +564,10 @@ class SGLangNextTokenScorer:
     ) -> list[list[float]]:
         if not wanted:
             return []
-        if start < 1 or len(wanted) > len(ids) - start + 1:
-            raise ValueError(f"logprobs_along: start {start}, {len(wanted)} rows, {len(ids)} ids")
-        rows = list(range(start - 1, start - 1 + len(wanted)))
-        (logits,) = self.backend.logits([], [list(ids)], [rows])
+        # Row start - 1 predicts ids[start]; SGLangBackend.logits refuses rows past the ids.
+        (logits,) = self.backend.logits(
+            [], [list(ids)], [range(start - 1, start - 1 + len(wanted))]
+        )
         self.tokens += len(ids)
         table = sampler_log_table(logits, self.sampling)
         return [table[i, list(w)].tolist() for i, w in enumerate(wanted)]
@@ -900,12 +905,6 @@ class _RankRunner:
                 offsets.append(at)
                 at += len(cont)
             wanted = [o + r for o, want in zip(offsets, rows, strict=True) for r in want]
-            if any(
-                r < 0 or r >= len(c)
-                for c, want in zip(continuations, rows, strict=True)
-                for r in want
-            ):
-                raise ValueError("a logit row lies outside its continuation")
             for head in heads:
                 head.logit_rows = torch.tensor(wanted, dtype=torch.long)
             reqs = [self._req(f"c{i}", prefix + c, slots) for i, c in enumerate(continuations)]
