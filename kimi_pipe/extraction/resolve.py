@@ -174,6 +174,15 @@ class HFSuffixScorer:
         self.device = device or next(model.parameters()).device
         self.prefix_tokens = 0  # work done, for the cost report
         self.suffix_tokens = 0
+        # transformers 5.2x calls the KV cache argument `cache`, earlier 5.x (5.8.1, which
+        # SGLang's venv pins) `past_key_values`; a wrong name is swallowed by **kwargs and
+        # every suffix would run without its prefix.
+        import inspect
+
+        params = inspect.signature(model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        if self._cache_arg not in params:
+            raise TypeError(f"{type(model).__name__}.forward takes no KV cache argument")
 
     @torch.inference_mode()
     def score_suffixes(
@@ -185,7 +194,9 @@ class HFSuffixScorer:
             raise ValueError("target resolution needs a non-empty prefix (the prompt)")
         ids = torch.tensor([list(prefix)], dtype=torch.long, device=self.device)
         cache = DynamicCache()
-        out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        out = self.model(
+            input_ids=ids, **{self._cache_arg: cache}, use_cache=True, logits_to_keep=1
+        )
         first_logits = out.logits[0, -1:]  # predicts each suffix's first token
         self.prefix_tokens += len(prefix)
         # Options of one length run together, one row each, on copies of the prefix cache.
@@ -202,7 +213,8 @@ class HFSuffixScorer:
                 group.batch_repeat_interleave(len(rows))
                 steps = [list(suffixes[i][:-1]) for i in rows]
                 step = torch.tensor(steps, dtype=torch.long, device=self.device)
-                more = self.model(input_ids=step, cache=group, use_cache=True).logits
+                more = self.model(input_ids=step, **{self._cache_arg: group}, use_cache=True)
+                more = more.logits
                 logits = torch.cat([logits, more], dim=1)
                 self.suffix_tokens += len(rows) * (length - 1)
             for row, i in enumerate(rows):
