@@ -279,34 +279,41 @@ def _compare_decisions(
     hf: dict[str, dict[str, Any]], sg: dict[str, dict[str, Any]], min_posterior: float = 0.999
 ) -> dict[str, Any]:
     """Per record: the same outcome (ok, rung, ids, issues, notes, chosen option or split)?
-    and how far apart the numbers are. An outcome may differ only where hf's own decision is
-    within bf16 noise of a boundary: its margin near the threshold's (log(p / (1 - p))), or
-    (greedy) a near-tie; those are listed apart."""
+    and how far apart the numbers are. An outcome may differ only at a sampler boundary that
+    bf16 noise can cross, listed apart: hf's margin within that noise of the threshold's
+    (log(p / (1 - p))), or an option inside the nucleus / top_k for one engine and just
+    outside it for the other (the chosen option staying the same)."""
     assert hf.keys() == sg.keys()
     threshold = math.log(min_posterior / (1 - min_posterior))
-    same, near, different, d_post, d_logp = 0, [], [], 0.0, 0.0
+    same, boundary, different, d_post, d_logp = 0, [], [], 0.0, 0.0
     for sid, a in hf.items():
         b = sg[sid]
         da = a.get("resolution") or a.get("split_check") or {}
         db = b.get("resolution") or b.get("split_check") or {}
-        keys = ("ok", "evidence", "output_ids", "issues", "notes")
-        if all(a.get(k) == b.get(k) for k in keys) and da.get("chosen") == db.get("chosen"):
-            same += 1
-        elif da.get("margin") is not None and abs(da["margin"] - threshold) <= BF16_LOGPROB_NOISE:
-            near.append(sid)
-        else:
-            different.append(sid)
-        if da.get("posterior") is not None and db.get("posterior") is not None:
-            d_post = max(d_post, abs(da["posterior"] - db["posterior"]))
+        edge = False
         for x, y in zip(da.get("logprobs") or [], db.get("logprobs") or [], strict=True):
             if x is not None and y is not None:
                 d_logp = max(d_logp, abs(x - y))
             elif (x is None) != (y is None):
-                different.append(f"{sid}: an option possible in one engine only")
+                edge = True  # possible under one engine's sampler only
+        if da.get("posterior") is not None and db.get("posterior") is not None:
+            d_post = max(d_post, abs(da["posterior"] - db["posterior"]))
+        keys = ("ok", "evidence", "output_ids", "issues", "notes")
+        if all(a.get(k) == b.get(k) for k in keys) and da.get("chosen") == db.get("chosen"):
+            same += 1
+        elif da.get("chosen") == db.get("chosen") and (
+            edge
+            or (
+                da.get("margin") is not None and abs(da["margin"] - threshold) <= BF16_LOGPROB_NOISE
+            )
+        ):
+            boundary.append(sid)
+        else:
+            different.append(sid)
     return {
         "records": len(hf),
         "same_outcome": same,
-        "differ_near_threshold": near,
+        "differ_at_a_sampler_boundary": boundary,
         "different": different,
         "max_abs_posterior_diff": d_post,
         "max_abs_option_logprob_diff": d_logp,
@@ -369,6 +376,8 @@ def test_sglang_cpu_resolution_and_split_check_equal_hf(resolution_runs: dict[st
     cand = report["candidates"]
     assert not cand["different"], cand["different"]
     assert cand["max_abs_option_logprob_diff"] <= BF16_LOGPROB_NOISE
-    # The split check ran through SGLang on every record hf checked.
-    checked = {k for k, r in hf.items() if r.get("split_check")}
-    assert checked and checked == {k for k, r in sg.items() if r.get("split_check")}
+    # The split check ran through SGLang on every demo record hf checked (a candidate record
+    # is checked after it resolves, so those follow their resolution).
+    demo = [k for k in hf if k not in cands]
+    checked = {k for k in demo if hf[k].get("split_check")}
+    assert checked and checked == {k for k in demo if sg[k].get("split_check")}
