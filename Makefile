@@ -102,7 +102,7 @@ interop: setup
 
 # SGLang's real engine on this CPU (Intel Xeon with AMX, or AVX2 with SGLang's torch-native
 # paths), in its own venv .venv-sglang; the CPU kernel is compiled once from SGLang's sources
-# (SGLANG_SRC=a clone holding the pinned commit) and cached in ~/.cache/kimi_pipe. docs/sglang.md.
+# (SGLANG_SRC=a clone or an archive of them, else ../shared/sglang/) and cached in ~/.cache/kimi_pipe.
 sglang-cpu:
 	bash scripts/sglang_cpu/setup.sh
 
