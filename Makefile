@@ -102,17 +102,20 @@ interop: setup
 
 # SGLang's real engine on this CPU (Intel Xeon with AMX, or AVX2 with SGLang's torch-native
 # paths), in its own venv .venv-sglang; the CPU kernel is compiled once from SGLang's sources
-# (SGLANG_SRC=a clone holding the pinned commit) and cached in ~/.cache/kimi_pipe. docs/sglang.md.
+# (SGLANG_SRC=a clone or an archive of them, else ../shared/sglang/) and cached in ~/.cache/kimi_pipe.
 sglang-cpu:
 	bash scripts/sglang_cpu/setup.sh
 
-# The sglang_cpu tier: extract=sglang extract.device=cpu against extract=hf on the demo's records
-# (makes them first with `make demo` when missing), figures in runs/sglang_cpu/.
-SGLANG_DEMO_ARGS ?= dataset.limit=8
+# The sglang_cpu tier: extract=sglang extract.device=cpu against extract=hf on every record of the
+# demo (made first with `make demo` when missing), target resolution and the split check through
+# SGLang, the trainers' loaders on its export (their venv, as `make interop` makes it); figures in
+# runs/sglang_cpu/. Here nothing skips: a missing piece fails (KIMI_PIPE_SGLANG_CPU=1).
+SGLANG_DEMO_ARGS ?=
 test-sglang-cpu: setup
 	@test -x .venv-sglang/bin/python || { echo "error: .venv-sglang missing: run make sglang-cpu first"; exit 2; }
 	test -f runs/demo/records.jsonl || $(PYTHON) -m kimi_pipe.demo $(SGLANG_DEMO_ARGS)
-	.venv-sglang/bin/python -m pytest -q -s -p no:cacheprovider -m sglang_cpu tests/test_sglang_cpu.py
+	INTEROP_VENV_ONLY=1 bash scripts/interop.sh
+	KIMI_PIPE_SGLANG_CPU=1 .venv-sglang/bin/python -m pytest -q -s -p no:cacheprovider -m sglang_cpu tests/test_sglang_cpu.py
 
 # Locks (uv, from PyPI): one universal requirements.lock for Python 3.11-3.13 and Linux,
 # with torch's own dependencies but not torch (its metadata comes from PyTorch's CPU index,

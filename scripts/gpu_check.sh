@@ -136,6 +136,11 @@ S=$(date +%s%N)
     "${COMMON[@]}" "${SGL_EXTRA[@]:1}"
 E2E_HF=$(( ($(date +%s%N) - S) / 1000000 ))
 
+say "hf backend in float32 (the parity reference; the bf16 run above is its measured tolerance)"
+rm -rf "$WORK/hidden_hf_fp32"
+"$PY" -m kimi_pipe.extract extract=hf extract.device=$DEVICE extract.output_dir="$WORK/hidden_hf_fp32" \
+    "${COMMON[@]}" "${SGL_EXTRA[@]:1}" extract.dtype=float32
+
 say "sglang backend ($SGLANG_PIN, tp 1, bf16)"
 rm -rf "$WORK/hidden_sglang"
 S=$(date +%s%N)
@@ -145,8 +150,9 @@ E2E_SGL=$(( ($(date +%s%N) - S) / 1000000 ))
 
 say "comparison (kimi_pipe.extraction.parity: the same check the sglang_cpu tier runs on CPU)"
 PARITY_RC=0
-"$PY" -m kimi_pipe.extraction.parity "$WORK/hidden_hf" "$WORK/hidden_sglang" \
-    --records "$RECORDS" --max-len "$MAX_LEN" --json "$WORK/parity.json" || PARITY_RC=$?
+"$PY" -m kimi_pipe.extraction.parity "$WORK/hidden_hf_fp32" "$WORK/hidden_sglang" \
+    --baseline "$WORK/hidden_hf" --records "$RECORDS" --max-len "$MAX_LEN" \
+    --json "$WORK/parity.json" || PARITY_RC=$?
 
 say "speed and disk"
 "$PY" - "$WORK" "$E2E_HF" "$E2E_SGL" <<'EOF'

@@ -25,6 +25,7 @@ if [ ! -f "$STAMP" ]; then
     hs-connectors==0.9.0 nvidia-modelopt==0.47.0
   touch "$STAMP"
 fi
+[ -z "${INTEROP_VENV_ONLY:-}" ] || exit 0  # make test-sglang-cpu: only the trainers' venv
 
 # 2. Demo data: 8 prompts, up to 64 answer tokens, greedy, real SmolLM2 weights. The demo's
 # store (hidden_hf) is pre-norm with its final norm (the extract default); hidden_post is the

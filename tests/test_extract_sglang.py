@@ -41,6 +41,7 @@ class StandInRank:
     (RuntimeError after that many forwards: a crash)."""
 
     forwards = 0  # forwards (batches) run in this process (all instances)
+    logit_calls: list[tuple[int, list[int]]] = []  # (prefix, continuation lengths) per step
     sequences = 0  # sequences forwarded in this process (all instances)
 
     def __init__(self, settings: EngineSettings, tp_rank: int, nccl_port: int) -> None:
@@ -51,8 +52,10 @@ class StandInRank:
         self.model = AutoModel.from_pretrained(settings.model_path, dtype=torch.float32).eval()
         self.num_layers = int(self.model.config.num_hidden_layers)
         self.hidden_size = int(self.model.config.hidden_size)
-        self.max_total_tokens = 10_000
+        self.max_total_tokens = int(self.knobs.get("standin_pool_tokens", 10_000))
         self.max_requests = 64
+        self.path = settings.model_path
+        self.lm: Any = None
         self.capture: list[int] = []
         self.count = 0
 
@@ -86,6 +89,24 @@ class StandInRank:
         if self.tp_rank != 0:
             return None
         return torch.cat(aux_rows), torch.cat(final_rows)
+
+    @torch.inference_mode()
+    def logits(
+        self, prefix: list[int], continuations: list[list[int]], rows: list[list[int]]
+    ) -> list[torch.Tensor] | None:
+        """The engine's logits of the rows asked for: here a plain forward per continuation
+        over prefix + continuation, no cache (the reference the scorers' arrangement of
+        prefix and rows must reproduce)."""
+        from transformers import AutoModelForCausalLM
+
+        StandInRank.logit_calls.append((len(prefix), [len(c) for c in continuations]))
+        if self.lm is None:
+            self.lm = AutoModelForCausalLM.from_pretrained(self.path, dtype=torch.float32).eval()
+        out = []
+        for cont, want in zip(continuations, rows, strict=True):
+            logits = self.lm(torch.tensor([prefix + cont])).logits[0, len(prefix) :]
+            out.append(logits[want].float())
+        return out if self.tp_rank == 0 else None
 
     def close(self) -> None:
         self.model = None
@@ -689,6 +710,142 @@ def test_tensor_parallel_ranks_agree_on_oom(tmp_path: Path, tiny_model: Path) ->
     summary = run_extract(cfg, StandInRank)
     assert summary["capture"]["oom_retries"] >= 1
     assert sorted(HiddenStore(out).ids) == [r["id"] for r in recs]
+
+
+# --- target resolution through the engine ---------------------------------------------------
+def _scoring_backend(model: Path, tp_size: int = 1, pool: int = 10_000) -> Any:
+    from kimi_pipe.extraction.sglang_backend import SGLangBackend
+
+    settings = EngineSettings(
+        model_path=str(model),
+        dtype="float32",
+        tp_size=tp_size,
+        server_args={"standin_pool_tokens": pool},
+    )
+    return SGLangBackend(settings, layer_ids=[1, 3, 4], rank_factory=StandInRank)
+
+
+@pytest.fixture(scope="module")
+def tiny_lm(tiny_model: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+
+
+SAMPLINGS = [(1.0, 1.0, None), (0.7, 0.9, 20), (0.0, 1.0, None)]  # temperature, top_p, top_k
+
+
+@pytest.mark.parametrize(("pool", "steps"), [(10_000, 1), (28, 2)])
+def test_engine_suffix_scorer_equals_hf_scorer(
+    tiny_model: Path, tiny_lm: Any, pool: int, steps: int
+) -> None:
+    """The engine's scorer (prefix KV once, every option extended on it) gives the hf
+    scorer's log-probabilities; options that overflow the KV pool go in more steps."""
+    from kimi_pipe.extraction.resolve import HFSuffixScorer, Sampling
+
+    rng = random.Random(3)
+    prefix = [rng.randrange(1, VOCAB) for _ in range(20)]
+    suffixes = [[rng.randrange(1, VOCAB) for _ in range(n)] for n in (1, 4, 4, 7, 0)]
+    backend = _scoring_backend(tiny_model, pool=pool)
+    try:
+        scorer = backend.suffix_scorer()
+        assert scorer is not None
+        for temperature, top_p, top_k in SAMPLINGS:
+            sampling = Sampling(temperature, top_p, top_k)
+            StandInRank.logit_calls.clear()
+            got = scorer.score_suffixes(prefix, suffixes, sampling)
+            want = HFSuffixScorer(tiny_lm, "tiny").score_suffixes(prefix, suffixes, sampling)
+            assert got == pytest.approx(want, abs=1e-4)
+            assert got[-1] == 0.0  # an empty suffix adds nothing
+            # The prefix (less its last token, which goes with each option) once per step.
+            assert len(StandInRank.logit_calls) == steps
+            assert all(p == len(prefix) - 1 for p, _ in StandInRank.logit_calls)
+            assert sum(sum(n) for _, n in StandInRank.logit_calls) == sum(map(len, suffixes))
+        assert scorer.prefix_tokens == len(SAMPLINGS) * (len(prefix) - 1)
+    finally:
+        backend.close()
+
+
+def test_engine_next_token_scorer_equals_hf(tiny_model: Path, tiny_lm: Any) -> None:
+    """The split check's scorer through the engine (`SGLangTarget.next_token_scorer`, what
+    split_check.check_record uses for an engine) gives transformers' table."""
+    from kimi_pipe.extraction.resolve import Sampling
+    from kimi_pipe.extraction.split_check import HFNextTokenScorer
+
+    rng = random.Random(5)
+    ids = [rng.randrange(1, VOCAB) for _ in range(30)]
+    start = 12
+    wanted = [[ids[start + i], rng.randrange(VOCAB)] for i in range(len(ids) - start)]
+    wanted.append([rng.randrange(VOCAB) for _ in range(3)])  # the token after the end
+    backend = _scoring_backend(tiny_model)
+    try:
+        scorer = backend.suffix_scorer()
+        for temperature, top_p, top_k in SAMPLINGS:
+            sampling = Sampling(temperature, top_p, top_k)
+            engine = scorer.model.next_token_scorer(sampling)
+            got = engine.logprobs_along(ids, start, wanted)
+            want = HFNextTokenScorer(tiny_lm, sampling).logprobs_along(ids, start, wanted)
+            for g, w in zip(got, want, strict=True):
+                assert g == pytest.approx(w, abs=1e-4)
+            assert engine.tokens == len(ids)
+        with pytest.raises(ValueError, match="outside"):  # past the ids: never a wrapped row
+            scorer.model.next_token_scorer(Sampling(1.0)).logprobs_along(ids, 0, [[1]])
+    finally:
+        backend.close()
+
+
+class CharTokenizer:
+    """Ids of the tiny vocabulary, one per character: enough for test_resolve's candidate set."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [1 + ord(c) % (VOCAB - 3) for c in text]
+
+    def convert_tokens_to_ids(self, token: str) -> int:
+        return VOCAB - 1  # the end-of-turn id
+
+
+def test_extract_sglang_resolves_candidates_like_hf(
+    tmp_path: Path, tiny_model: Path, tiny_lm: Any
+) -> None:
+    """extract=sglang (tp_size=2: the follower runs the scoring steps too) resolves the closed
+    candidate sets before capture, with the hf scorer's numbers, and stores the chosen ids."""
+    from test_resolve import tail_record  # a stripped tail: 'restored' vs 'as returned'
+
+    from kimi_pipe.extraction.resolve import HFSuffixScorer, ResolveSettings, score_record
+    from kimi_pipe.store.records import read_records
+
+    recs = [
+        tail_record(CharTokenizer(), f"c{i}", {"temperature": t, "top_p": top_p})
+        for i, (t, top_p) in enumerate(((1.0, 1.0), (1.0, 0.3), (0.7, 0.9)))
+    ]
+    records = tmp_path / "records.jsonl"
+    records.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    out = tmp_path / "store"
+    cfg = _cfg(
+        records,
+        tiny_model,
+        out,
+        "extract.tp_size=2",
+        "resolve.min_posterior=0.6",
+        "resolve.split_check=false",
+    )
+    summary = run_extract(cfg, StandInRank)
+    after = {r["id"]: r for r in read_records(records)}
+    hf = HFSuffixScorer(tiny_lm, "tiny")
+    settings = ResolveSettings(min_posterior=0.6)
+    for rec in recs:
+        want = score_record(rec, hf, settings)
+        assert want is not None
+        got = after[rec["id"]]
+        assert got["resolution"]["chosen"] == want["resolution"]["chosen"]
+        assert got["resolution"]["posterior"] == pytest.approx(want["resolution"]["posterior"])
+        assert (got["ok"], got["output_ids"]) == (want["ok"], want["output_ids"])
+    resolved = [r for r in after.values() if r["ok"]]
+    assert resolved and sum(summary["resolve"]["counts"].values()) == len(recs)
+    store = HiddenStore(out)
+    assert sorted(store.ids) == sorted(r["id"] for r in resolved)
+    for rec in resolved:
+        assert store.tokens(rec["id"])["input_ids"].tolist() == _ids(rec)
 
 
 def test_hydra_multirun_over_shards_cli(tmp_path: Path, tiny_model: Path) -> None:

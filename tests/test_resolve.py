@@ -369,3 +369,28 @@ def test_nucleus_slack_decides_what_is_impossible_at_the_edge() -> None:
     assert sampling is not None and sampling.slack == 0.01
     with pytest.raises(ValueError):
         ResolveSettings(nucleus_slack=1.5)
+
+
+def test_prefix_cache_reaches_a_model_that_calls_it_past_key_values(smol: tuple[Any, Any]) -> None:
+    """transformers before the `cache` rename (5.8.1, SGLang's venv) takes `past_key_values`
+    and swallows an unknown `cache=`: the scorer must hand the prefix cache over by the name
+    the model takes, or every suffix is scored without its prefix (found by the sglang_cpu
+    tier: -19.6 instead of -4.3 nats)."""
+    model, tok = smol
+
+    class PastKeyValuesModel(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = model
+
+        def forward(self, input_ids: Any, past_key_values: Any = None, **kwargs: Any) -> Any:
+            assert "cache" not in kwargs
+            return self.inner(input_ids=input_ids, cache=past_key_values, **kwargs)
+
+    prefix = prompt_ids(tok) + encode(tok, "The capital")
+    suffixes = [encode(tok, " of France is Paris.\n") + [2], encode(tok, " of France.") + [2]]
+    want = HFSuffixScorer(model, "smollm2").score_suffixes(prefix, suffixes, Sampling(1.0))
+    got = HFSuffixScorer(PastKeyValuesModel(), "smollm2").score_suffixes(
+        prefix, suffixes, Sampling(1.0)
+    )
+    assert got == pytest.approx(want, abs=1e-4)

@@ -2,7 +2,7 @@
 another: `extract=sglang` against `extract=hf`).
 
     python -m kimi_pipe.extraction.parity REFERENCE_STORE CANDIDATE_STORE [--records R.jsonl]
-        [--max-len N] [--json OUT.json]
+        [--max-len N] [--baseline BASELINE_STORE] [--json OUT.json]
 
 For every sample in both stores and every stored state (each auxiliary layer, and the final
 state taken post-norm in both, the one convention every store can give), per token row:
@@ -11,9 +11,14 @@ over all rows, the global relative L2 error, the min and mean cosine, the max ab
 Also checked exactly: the layer ids of the two manifests, each sample's input_ids and
 loss_mask (against each other, and against the token records when given).
 
-Verdict per state: global relative L2 < REL_L2_TOL and every row's cosine >= MIN_COSINE: the
-tolerance of bf16 compute (8 mantissa bits, about 4e-3 per rounding, compounded through the
-layers). Exit 0 only when every state passes and every exact check holds.
+Verdict per state: global relative L2 < REL_L2_TOL and every row's cosine >= MIN_COSINE, a
+fixed guess at the tolerance of bf16 compute (8 mantissa bits, about 4e-3 per rounding,
+compounded through the layers). With a BASELINE store (the reference's own engine run in the
+candidate's compute dtype, e.g. transformers in bf16 against transformers in float32) the
+tolerance is measured instead: per state, the candidate's relative L2 error and its worst
+cosine gap (1 - min cosine) may be at most BASELINE_FACTOR times the baseline's. That is the
+honest bf16 tolerance: on SmolLM2, transformers' own bf16 run misses the fixed 2e-2 on the
+final state (2.3e-2). Exit 0 only when every state passes and every exact check holds.
 """
 
 from __future__ import annotations
@@ -35,6 +40,12 @@ from kimi_pipe.store.hidden_store import HiddenStore
 
 REL_L2_TOL = 2e-2
 MIN_COSINE = 0.99
+# With a baseline: how many times the reference engine's own bf16 error another engine may
+# make (different kernels round differently; a wrong layer or token is orders of magnitude off).
+BASELINE_FACTOR = 4.0
+# ... and never less than float32's own run-to-run noise (a float32 baseline equal to the
+# reference would otherwise demand bit-exact agreement).
+BASELINE_FLOOR = 1e-5
 
 
 @dataclass
@@ -49,6 +60,8 @@ class StateParity:
     cosine_sum: float = 0.0
     err2: float = 0.0
     ref2: float = 0.0
+    rel_l2_limit: float = REL_L2_TOL  # pass: rel_l2 below it
+    cosine_gap_limit: float = 1.0 - MIN_COSINE  # pass: 1 - min_cosine at most this
 
     def add(self, ref: torch.Tensor, cand: torch.Tensor) -> None:
         r, c = ref.float(), cand.float()
@@ -76,7 +89,11 @@ class StateParity:
 
     @property
     def ok(self) -> bool:
-        return self.tokens > 0 and self.rel_l2 < REL_L2_TOL and self.min_cosine >= MIN_COSINE
+        return (
+            self.tokens > 0
+            and self.rel_l2 < self.rel_l2_limit
+            and 1.0 - self.min_cosine <= self.cosine_gap_limit
+        )
 
     def row(self) -> dict[str, Any]:
         return {
@@ -87,6 +104,8 @@ class StateParity:
             "min_cosine": self.min_cosine,
             "mean_cosine": self.mean_cosine,
             "max_abs_diff": self.max_abs_diff,
+            "rel_l2_limit": self.rel_l2_limit,
+            "min_cosine_limit": 1.0 - self.cosine_gap_limit,
             "ok": self.ok,
         }
 
@@ -103,6 +122,12 @@ class StoreParity:
     tokens: int = 0
     states: list[StateParity] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)  # exact checks that failed
+    baseline: StoreParity | None = None  # the reference against its own bf16 run, when given
+
+    @property
+    def ok_exact(self) -> bool:
+        """Ids, masks, layer ids and sample counts: what must hold whatever the numbers."""
+        return not self.problems and self.compared > 0 and self.compared == self.samples_reference
 
     @property
     def ok(self) -> bool:
@@ -117,20 +142,28 @@ class StoreParity:
         out = asdict(self)
         out["states"] = [s.row() for s in self.states]
         out["ok"] = self.ok
-        out["tolerance"] = {"rel_l2_below": REL_L2_TOL, "min_cosine_at_least": MIN_COSINE}
+        if self.baseline is not None:
+            out["baseline"] = self.baseline.as_dict()
+            out["tolerance"] = {"times_the_baseline_error": BASELINE_FACTOR}
+        else:
+            out["tolerance"] = {"rel_l2_below": REL_L2_TOL, "min_cosine_at_least": MIN_COSINE}
         return out
 
     def table(self) -> str:
         lines = [
             f"{'state':<34} {'tokens':>7} {'max rel err':>11} {'rel L2':>9} "
-            f"{'min cos':>9} {'mean cos':>9} {'max |diff|':>10}  verdict",
+            f"{'min cos':>9} {'mean cos':>9} {'max |diff|':>10}  verdict (limits: rel L2, min cos)",
         ]
         for s in self.states:
             lines.append(
                 f"{s.name:<34} {s.tokens:>7} {s.max_rel_err:>11.3e} {s.rel_l2:>9.2e} "
                 f"{s.min_cosine:>9.5f} {s.mean_cosine:>9.5f} {s.max_abs_diff:>10.3e}  "
-                f"{'PASS' if s.ok else 'FAIL'}"
+                f"{'PASS' if s.ok else 'FAIL'} ({s.rel_l2_limit:.2e}, "
+                f"{1.0 - s.cosine_gap_limit:.5f})"
             )
+        if self.baseline is not None:
+            lines.append(f"baseline ({self.baseline.candidate} against the reference):")
+            lines.extend(self.baseline.table().splitlines()[1:])
         return "\n".join(lines)
 
 
@@ -141,8 +174,24 @@ def compare_stores(
     records: str | Path | None = None,
     max_len: int | None = None,
     only_ok: bool = False,
+    baseline: str | Path | None = None,
 ) -> StoreParity:
-    """Compare `candidate` against `reference` on every sample the reference holds."""
+    """Compare `candidate` against `reference` on every sample the reference holds; with a
+    `baseline` store, each state's tolerance is BASELINE_FACTOR times the baseline's error."""
+    if baseline is not None:
+        base = compare_stores(
+            reference, baseline, records=records, max_len=max_len, only_ok=only_ok
+        )
+        report = compare_stores(
+            reference, candidate, records=records, max_len=max_len, only_ok=only_ok
+        )
+        report.baseline = base
+        for mine, theirs in zip(report.states, base.states, strict=True):
+            mine.rel_l2_limit = max(BASELINE_FACTOR * theirs.rel_l2, BASELINE_FLOOR)
+            mine.cosine_gap_limit = max(BASELINE_FACTOR * (1.0 - theirs.min_cosine), BASELINE_FLOOR)
+        if not base.ok_exact:
+            report.problems.extend(f"baseline: {p}" for p in base.problems)
+        return report
     ref, cand = HiddenStore(reference), HiddenStore(candidate)
     layers = [int(i) for i in ref.manifest["layer_ids"]]
     capture = cand.manifest.get("sglang_capture_ids")  # make_manifest puts extras at the top
@@ -210,10 +259,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("candidate")
     parser.add_argument("--records", default=None, help="token records both stores were made from")
     parser.add_argument("--max-len", type=int, default=None, help="the extract.max_len used")
+    parser.add_argument(
+        "--baseline",
+        default=None,
+        help="the reference's engine in the candidate's dtype: the tolerance is measured from it",
+    )
     parser.add_argument("--json", default=None, help="also write the report here")
     args = parser.parse_args(argv)
     report = compare_stores(
-        args.reference, args.candidate, records=args.records, max_len=args.max_len
+        args.reference,
+        args.candidate,
+        records=args.records,
+        max_len=args.max_len,
+        baseline=args.baseline,
     )
     print(
         f"samples: reference {report.samples_reference}, candidate {report.samples_candidate}, "

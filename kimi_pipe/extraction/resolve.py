@@ -104,6 +104,7 @@ class HFSuffixScorer:
         self.prefix_tokens = 0  # work done, for the cost report
         self.suffix_tokens = 0
         self.pruned = 0  # options dropped at a token the sampler could not draw
+        self._cache_arg = cache_argument(model)
 
     @torch.inference_mode()
     def score_suffixes(
@@ -115,7 +116,9 @@ class HFSuffixScorer:
             raise ValueError("target resolution needs a non-empty prefix (the prompt)")
         ids = torch.tensor([list(prefix)], dtype=torch.long, device=self.device)
         cache = DynamicCache()
-        out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        out = self.model(
+            input_ids=ids, **{self._cache_arg: cache}, use_cache=True, logits_to_keep=1
+        )
         first = sampler_log_table(out.logits[0, -1:], sampling)[0]  # each suffix's first token
         self.prefix_tokens += len(prefix)
         scores = [0.0] * len(suffixes)  # an empty suffix adds nothing
@@ -140,7 +143,9 @@ class HFSuffixScorer:
                     dtype=torch.long,
                     device=self.device,
                 )
-                logits = self.model(input_ids=step, cache=group, use_cache=True).logits
+                logits = self.model(
+                    input_ids=step, **{self._cache_arg: group}, use_cache=True
+                ).logits
                 self.suffix_tokens += len(rows) * (stop - fed)
                 alive = []
                 for r, i in enumerate(rows):
@@ -156,6 +161,19 @@ class HFSuffixScorer:
                         group.batch_select_indices(torch.tensor(alive, device=self.device))
                 fed = stop
         return scores
+
+
+def cache_argument(model: Any) -> str:
+    """The name `model.forward` takes its KV cache by: `cache` in transformers 5.2x,
+    `past_key_values` in earlier 5.x (5.8.1, which SGLang's venv pins). A wrong name is
+    swallowed by **kwargs, and every suffix would then run without its prefix."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in params:
+            return name
+    raise TypeError(f"{type(model).__name__}.forward takes no KV cache argument")
 
 
 def full_sequence_logprobs(model: Any, ids: Sequence[int], start: int, sampling: Sampling) -> float:

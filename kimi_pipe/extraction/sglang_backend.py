@@ -43,6 +43,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from kimi_pipe.errors import ConfigError
 from kimi_pipe.extraction.layers import output_to_capture_ids, resolve_output_ids
+from kimi_pipe.extraction.resolve import Sampling, sampled_logprobs
+from kimi_pipe.extraction.split_check import sampler_log_table
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +195,22 @@ class Rank(Protocol):
     def close(self) -> None: ...
 
 
+class ScoringRank(Rank, Protocol):
+    """A rank that also returns the engine's logits (target resolution and the split check)."""
+
+    def logits(
+        self, prefix: list[int], continuations: list[list[int]], rows: list[list[int]]
+    ) -> list[torch.Tensor] | None:
+        """The KV of `prefix` is computed once in the engine's pool; every continuation is then
+        extended on it, all in one batch (prefix sharing, as SGLang's radix cache does). Per
+        continuation, the float32 logits [len(rows[i]), vocab] of its positions `rows[i]` (row
+        j = continuation token j, predicting the token after it). Rank 0; others None."""
+        ...
+
+
 RankFactory = Callable[[EngineSettings, int, int], Rank]  # (settings, tp_rank, nccl_port)
+# What rank 0 sends its followers: a capture batch, or ("logits", prefix, continuations, rows).
+LOGITS_REQUEST = "logits"
 
 
 def _base_gpu_id(cfg: DictConfig) -> int:
@@ -239,7 +256,10 @@ def _follower_main(
             rank.close()
             return
         try:
-            rank.forward(batch)
+            if isinstance(batch, tuple) and batch[0] == LOGITS_REQUEST:
+                rank.logits(*batch[1:])  # type: ignore[attr-defined]
+            else:
+                rank.forward(batch)
             outbox.put(("ok", tp_rank, None))
         except torch.OutOfMemoryError:
             outbox.put(("oom", tp_rank, None))
@@ -401,6 +421,76 @@ class SGLangBackend:
             zip(torch.split(aux, lengths, dim=0), torch.split(final, lengths, dim=0), strict=True)
         )
 
+    def logits(
+        self,
+        prefix: Sequence[int],
+        continuations: Sequence[Sequence[int]],
+        rows: Sequence[Sequence[int]],
+    ) -> list[torch.Tensor]:
+        """`ScoringRank.logits` on every tensor-parallel rank. Continuations that do not fit
+        the KV pool (or its request slots) with the prefix go in several steps, each on its
+        own copy of the prefix."""
+        scorer = getattr(self.rank, "logits", None)
+        if scorer is None:
+            raise RuntimeError(f"{type(self.rank).__name__} cannot return logits")
+        for cont, want in zip(continuations, rows, strict=True):
+            if any(not 0 <= r < len(cont) for r in want):
+                raise ValueError(
+                    f"logit rows {list(want)} outside a {len(cont)}-token continuation"
+                )
+        out: list[torch.Tensor] = []
+        for group in self._logit_groups(len(prefix), [len(c) for c in continuations]):
+            request = (
+                LOGITS_REQUEST,
+                list(prefix),
+                [list(continuations[i]) for i in group],
+                [list(rows[i]) for i in group],
+            )
+            for inbox in self._inboxes:
+                inbox.put(request)
+            own_oom = False
+            got = None
+            try:
+                got = scorer(*request[1:])
+            except torch.OutOfMemoryError:
+                own_oom = True
+            if self._wait_followers({"ok"}) or own_oom:
+                raise torch.OutOfMemoryError(
+                    f"out of memory scoring {len(group)} continuations of a "
+                    f"{len(prefix)}-token prefix"
+                )
+            assert got is not None
+            out.extend(got)
+        return out
+
+    def _logit_groups(self, prefix_len: int, lengths: list[int]) -> list[list[int]]:
+        """Consecutive continuations per engine step: prefix + theirs within the KV pool, one
+        request slot each plus the prefix's."""
+        groups: list[list[int]] = []
+        tokens = prefix_len
+        for i, n in enumerate(lengths):
+            if prefix_len + n > self.max_batch_tokens:
+                raise torch.OutOfMemoryError(
+                    f"a {prefix_len}-token prefix and a {n}-token continuation exceed the KV "
+                    f"pool ({self.max_batch_tokens} tokens)"
+                )
+            if (
+                not groups
+                or tokens + n > self.max_batch_tokens
+                or (len(groups[-1]) + 2 > self.max_batch_samples)
+            ):
+                groups.append([])
+                tokens = prefix_len
+            groups[-1].append(i)
+            tokens += n
+        return groups
+
+    def suffix_scorer(self) -> SGLangSuffixScorer | None:
+        """Target resolution's scorer on this engine (None: the rank returns no logits)."""
+        if not hasattr(self.rank, "logits"):
+            return None
+        return SGLangSuffixScorer(SGLangTarget(self), str(self.store_fields["model"]))
+
     def close(self) -> None:
         for inbox in self._inboxes:
             inbox.put(None)
@@ -414,6 +504,73 @@ class SGLangBackend:
         if rank is not None:
             rank.close()
             self.rank = None  # type: ignore[assignment]
+
+
+class SGLangTarget:
+    """The engine as target resolution sees it: logits of token rows (`SGLangBackend.logits`)
+    and, for the split check, a `core.splits.NextTokenScorer` under a request's sampling
+    (extraction.split_check.check_record asks a target that has `next_token_scorer`)."""
+
+    def __init__(self, backend: SGLangBackend) -> None:
+        self.backend = backend
+
+    def next_token_scorer(self, sampling: Sampling) -> SGLangNextTokenScorer:
+        return SGLangNextTokenScorer(self.backend, sampling)
+
+
+class SGLangSuffixScorer:
+    """`extraction.resolve.SuffixScorer` through the engine: the prefix's KV is computed once
+    in SGLang's pool and every option's suffix is extended on it, in one batch (prefix
+    sharing, as SGLang's radix cache does); the option's log-probability is the request's
+    sampler (`resolve.sampled_logprobs`, as the hf scorer) over SGLang's logits."""
+
+    def __init__(self, target: SGLangTarget, model_name: str) -> None:
+        self.model = target  # the split check's target (resolve._split_check_pass)
+        self.model_name = model_name
+        self.prefix_tokens = 0  # work done, for the cost report
+        self.suffix_tokens = 0
+
+    def score_suffixes(
+        self, prefix: Sequence[int], suffixes: Sequence[Sequence[int]], sampling: Sampling
+    ) -> list[float]:
+        if not prefix:
+            raise ValueError("target resolution needs a non-empty prefix (the prompt)")
+        scored = [i for i, s in enumerate(suffixes) if s]  # an empty suffix adds nothing
+        # The prefix's last token goes with each option: its row predicts the option's first
+        # token, and the option's own tokens (less the last) predict the rest.
+        conts = [[prefix[-1], *suffixes[i][:-1]] for i in scored]
+        logits = self.model.backend.logits(
+            list(prefix[:-1]), conts, [list(range(len(c))) for c in conts]
+        )
+        self.prefix_tokens += len(prefix) - 1
+        self.suffix_tokens += sum(map(len, conts))
+        scores = [0.0] * len(suffixes)
+        for i, rows in zip(scored, logits, strict=True):
+            scores[i] = sum(sampled_logprobs(rows, list(suffixes[i]), sampling))
+        return scores
+
+
+class SGLangNextTokenScorer:
+    """`core.splits.NextTokenScorer` through the engine: one request over the ids, SGLang's
+    logits of the rows asked for, the request's sampler (`split_check.sampler_log_table`)."""
+
+    def __init__(self, backend: SGLangBackend, sampling: Sampling) -> None:
+        self.backend = backend
+        self.sampling = sampling
+        self.tokens = 0  # forward work, for the cost report
+
+    def logprobs_along(
+        self, ids: Sequence[int], start: int, wanted: Sequence[Sequence[int]]
+    ) -> list[list[float]]:
+        if not wanted:
+            return []
+        # Row start - 1 predicts ids[start]; SGLangBackend.logits refuses rows past the ids.
+        (logits,) = self.backend.logits(
+            [], [list(ids)], [range(start - 1, start - 1 + len(wanted))]
+        )
+        self.tokens += len(ids)
+        table = sampler_log_table(logits, self.sampling)
+        return [table[i, list(w)].tolist() for i, w in enumerate(wanted)]
 
 
 def _num_layers_from_config(model_path: str) -> int | None:
@@ -509,7 +666,16 @@ def _import_sglang(device: str = "cuda") -> Any:
 
 
 class _StatesOnlyHead(torch.nn.Module):
-    """Stands where the model's LogitsProcessor was: returns the states, computes no logits."""
+    """Stands where the model's LogitsProcessor was: returns the states and computes no
+    logits, except when the runner asks for the logits of chosen token rows (`logit_rows`,
+    target resolution); those come from the replaced processor's own `_get_logits` (SGLang's
+    LM head, logit scale, tensor-parallel gather, soft-capping), never for a whole batch."""
+
+    def __init__(self, processor: Any = None) -> None:
+        super().__init__()
+        # A bound method, not the module: the processor must not stay a submodule of the model.
+        self._get_logits = getattr(processor, "_get_logits", None)
+        self.logit_rows: torch.Tensor | None = None
 
     def forward(
         self,
@@ -519,7 +685,16 @@ class _StatesOnlyHead(torch.nn.Module):
         logits_metadata: Any,
         aux_hidden_states: list[torch.Tensor] | None = None,
         hidden_states_before_norm: torch.Tensor | None = None,
-    ) -> _Captured:
+    ) -> _Captured | _Logits:
+        if self.logit_rows is not None:
+            if self._get_logits is None:
+                raise RuntimeError("this head replaced no LogitsProcessor; it has no logits")
+            from sglang.srt.layers.logits_processor import LogitsMetadata
+
+            if not isinstance(logits_metadata, LogitsMetadata):
+                logits_metadata = LogitsMetadata.from_forward_batch(logits_metadata)
+            rows = hidden_states.index_select(0, self.logit_rows.to(hidden_states.device))
+            return _Logits(self._get_logits(rows, lm_head, logits_metadata))
         if not aux_hidden_states:
             raise RuntimeError("the model returned no auxiliary states: capture is not enabled")
         # hidden_states is the last layer's output after the final norm, one row per token.
@@ -530,6 +705,11 @@ class _StatesOnlyHead(torch.nn.Module):
 class _Captured:
     aux: torch.Tensor
     final: torch.Tensor
+
+
+@dataclass
+class _Logits:
+    logits: torch.Tensor  # float32 [rows, vocab]
 
 
 def _replace_heads(model: torch.nn.Module, head_type: type) -> list[str]:
@@ -543,7 +723,8 @@ def _replace_heads(model: torch.nn.Module, head_type: type) -> list[str]:
     for name in heads:
         parent_name, _, child = name.rpartition(".")
         # get_submodule("") is the model itself: a head held directly by the model.
-        setattr(model.get_submodule(parent_name), child, _StatesOnlyHead())
+        parent = model.get_submodule(parent_name)
+        setattr(parent, child, _StatesOnlyHead(getattr(parent, child)))
     return heads
 
 
@@ -646,30 +827,38 @@ class _RankRunner:
                 holder.layers_to_capture = list(expected)
         return list(holders[0].layers_to_capture)
 
-    def _extend(self, batch: list[list[int]]) -> _Captured:
+    def _req(self, rid: str, ids: list[int], prefix_slots: torch.Tensor | None = None) -> Any:
+        """One request over `ids`; with `prefix_slots`, the KV of ids[:len(prefix_slots)] is
+        already in the pool at those slots and only the rest is computed (how SGLang's radix
+        cache and bench_one_batch's correctness test hand a cached prefix to a request)."""
         from array import array
 
-        from sglang.bench_one_batch import TreeCacheNamespace, _maybe_prepare_mlp_sync_batch
-        from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
-        from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+        from sglang.srt.managers.schedule_batch import Req
         from sglang.srt.sampling.sampling_params import SamplingParams
+
+        req = Req(
+            rid=rid,
+            origin_input_text="",
+            origin_input_ids=array("q", ids),
+            sampling_params=SamplingParams(temperature=0, max_new_tokens=1),
+        )
+        req.full_untruncated_fill_ids = req.origin_input_ids
+        req.fill_len = len(req.full_untruncated_fill_ids)
+        req.logprob_start_len = -1
+        if prefix_slots is not None:
+            req.prefix_indices = prefix_slots.to(req.prefix_indices.dtype)
+        req.set_extend_input_len(req.fill_len - len(req.prefix_indices))
+        return req
+
+    def _run(self, reqs: list[Any]) -> Any:
+        """One extend pass over the requests (as sglang.bench_one_batch.extend, without
+        sampling); the head's output."""
+        from sglang.bench_one_batch import TreeCacheNamespace, _maybe_prepare_mlp_sync_batch
+        from sglang.srt.managers.schedule_batch import ScheduleBatch
+        from sglang.srt.model_executor.forward_batch_info import ForwardBatch
         from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
         runner = self.runner
-        params = SamplingParams(temperature=0, max_new_tokens=1)
-        reqs = []
-        for i, ids in enumerate(batch):
-            req = Req(
-                rid=str(i),
-                origin_input_text="",
-                origin_input_ids=array("q", ids),
-                sampling_params=params,
-            )
-            req.full_untruncated_fill_ids = req.origin_input_ids
-            req.fill_len = len(req.full_untruncated_fill_ids)
-            req.logprob_start_len = -1
-            req.set_extend_input_len(req.fill_len - len(req.prefix_indices))
-            reqs.append(req)
         tree_cache = TreeCacheNamespace(
             page_size=runner.server_args.page_size,
             device=runner.device,
@@ -689,20 +878,52 @@ class _RankRunner:
         if sched.input_ids is None and getattr(sched, "prefill_input_ids_cpu", None) is not None:
             sched.input_ids = sched.prefill_input_ids_cpu.to(sched.device, non_blocking=True)
             sched.prefill_input_ids_cpu = None
-        out = runner.forward(ForwardBatch.init_new(sched, runner)).logits_output
+        return runner.forward(ForwardBatch.init_new(sched, runner)).logits_output
+
+    def _extend(self, batch: list[list[int]]) -> _Captured:
+        out = self._run([self._req(str(i), ids) for i, ids in enumerate(batch)])
         if not isinstance(out, _Captured):
             raise RuntimeError(f"expected captured states, SGLang returned {type(out).__name__}")
         return out
 
-    @torch.no_grad()
-    def forward(self, batch: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _extend_logits(
+        self, prefix: list[int], continuations: list[list[int]], rows: list[list[int]]
+    ) -> list[torch.Tensor]:
+        heads = [m for m in self.runner.model.modules() if isinstance(m, _StatesOnlyHead)]
+        slots = None
+        try:
+            if prefix:
+                # The prefix alone first (no row asked for): its KV stays in the pool.
+                for head in heads:
+                    head.logit_rows = torch.empty(0, dtype=torch.long)
+                first = self._req("prefix", prefix)
+                self._run([first])
+                pool = self.runner.req_to_token_pool.req_to_token
+                slots = pool[first.req_pool_idx, : len(prefix)].clone()
+            offsets, at = [], 0
+            for cont in continuations:
+                offsets.append(at)
+                at += len(cont)
+            wanted = [o + r for o, want in zip(offsets, rows, strict=True) for r in want]
+            for head in heads:
+                head.logit_rows = torch.tensor(wanted, dtype=torch.long)
+            reqs = [self._req(f"c{i}", prefix + c, slots) for i, c in enumerate(continuations)]
+            out = self._run(reqs)
+        finally:
+            for head in heads:
+                head.logit_rows = None
+        if not isinstance(out, _Logits):
+            raise RuntimeError(f"expected logits, SGLang returned {type(out).__name__}")
+        return list(torch.split(out.logits, [len(r) for r in rows], dim=0))
+
+    def _agree(self, run: Callable[[], Any], what: str) -> Any:
+        """Run one engine step on this rank; every rank then agrees on how it went (so all
+        raise together, or none) and the pool is emptied for the next step."""
         status = _OK
         error: BaseException | None = None
-        result: tuple[torch.Tensor, torch.Tensor] | None = None
+        result = None
         try:
-            captured = self._extend(batch)
-            if self.tp_rank == 0:
-                result = (_to_host(captured.aux), _to_host(captured.final))
+            result = run()
         except Exception as exc:  # noqa: BLE001 - re-raised after the ranks agree
             oom = isinstance(exc, torch.OutOfMemoryError) or (
                 isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
@@ -723,13 +944,32 @@ class _RankRunner:
         if agreed == _ERROR:
             if status == _ERROR and error is not None:
                 raise error
-            raise RuntimeError(
-                f"another tensor-parallel rank failed capturing {len(batch)} sequences"
-            ) from error
+            raise RuntimeError(f"another tensor-parallel rank failed {what}") from error
         if agreed == _OOM:
             _empty_cache(self.device)
-            raise torch.OutOfMemoryError(f"out of memory capturing {len(batch)} sequences")
+            raise torch.OutOfMemoryError(f"out of memory {what}")
         return result
+
+    @torch.no_grad()
+    def forward(self, batch: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        def capture() -> tuple[torch.Tensor, torch.Tensor] | None:
+            captured = self._extend(batch)
+            if self.tp_rank != 0:
+                return None
+            return _to_host(captured.aux), _to_host(captured.final)
+
+        return self._agree(capture, f"capturing {len(batch)} sequences")  # type: ignore[no-any-return]
+
+    @torch.no_grad()
+    def logits(
+        self, prefix: list[int], continuations: list[list[int]], rows: list[list[int]]
+    ) -> list[torch.Tensor] | None:
+        def score() -> list[torch.Tensor] | None:
+            logits = self._extend_logits(prefix, continuations, rows)
+            return [_to_host(t.float()) for t in logits] if self.tp_rank == 0 else None
+
+        what = f"scoring {len(continuations)} continuations of a {len(prefix)}-token prefix"
+        return self._agree(score, what)  # type: ignore[no-any-return]
 
     def close(self) -> None:
         del self.runner

@@ -31,7 +31,7 @@ import torch
 
 from kimi_pipe.core.evidence import TARGET_RESOLVED, TEXT_PROVEN, UNRESOLVED, evidence_of
 from kimi_pipe.core.splits import NextTokenScorer, SplitSearch, Vocabulary, search_splits
-from kimi_pipe.extraction.resolve import ResolveSettings, decide
+from kimi_pipe.extraction.resolve import ResolveSettings, cache_argument, decide
 from kimi_pipe.extraction.sampler import Sampling, sampler_log_table
 
 SPLIT_CHECKED = "split_checked"  # note: no other split was possible under the sampling
@@ -58,7 +58,8 @@ class HFNextTokenScorer:
         self.chunk_tokens = chunk_tokens
         self.tokens = 0  # forward work (positions run), for the cost report
         self._cache: Any = None
-        self._cached_ids: list[int] = []  # the ids whose keys and values the cache holds
+        self._cached_ids: list[int] = []
+        self._cache_arg = cache_argument(model)  # the ids whose keys and values the cache holds
 
     @torch.inference_mode()
     def logprobs_along(
@@ -98,7 +99,9 @@ class HFNextTokenScorer:
     def _run(self, ids: Sequence[int], cache: Any, *, logits: bool) -> torch.Tensor:
         batch = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
         keep = len(ids) if logits else 1
-        out = self.model(input_ids=batch, cache=cache, use_cache=True, logits_to_keep=keep)
+        out = self.model(
+            input_ids=batch, **{self._cache_arg: cache}, use_cache=True, logits_to_keep=keep
+        )
         self.tokens += len(ids)
         return out.logits[0]
 
@@ -152,7 +155,9 @@ def check_record(
     )
     if sampling is None:
         return None, 0
-    scorer = HFNextTokenScorer(model, sampling)
+    # A serving engine's target (sglang_backend.SGLangTarget) brings its own scorer.
+    own_scorer = getattr(model, "next_token_scorer", None)
+    scorer = own_scorer(sampling) if own_scorer is not None else HFNextTokenScorer(model, sampling)
     output = list(record["output_ids"])
     billed = record.get("completion_tokens_reported")
     if not isinstance(billed, int) or billed < 0:

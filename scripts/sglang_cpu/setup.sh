@@ -10,8 +10,13 @@
 # a second setup (another clone, a rebuilt venv) reuses it.
 #
 # Settings (environment):
-#   SGLANG_SRC   a git clone of sgl-project/sglang (or a fork) holding KERNEL_COMMIT below;
-#                only needed when the kernel wheel is not cached yet. A bare repo works.
+#   SGLANG_SRC   SGLang's kernel sources, only needed when the kernel wheel is not cached yet:
+#                a git clone of sgl-project/sglang (or a fork, bare works) holding KERNEL_COMMIT,
+#                or a directory / .tar.gz holding python/sglang/kernels/aot/{csrc/cpu,include,
+#                python/sgl_kernel} with the pinned contents (KERNEL_CONTENT), e.g. made once by
+#                  git -C CLONE archive --format=tar.gz -o sglang-kernel-cpu-src-7f8f0300.tar.gz \
+#                    7f8f0300 python/sglang/kernels/aot/{csrc/cpu,include,python/sgl_kernel}
+#                Default: ../shared/sglang/sglang-kernel-cpu-src-7f8f0300.tar.gz when it exists.
 #   SGLANG_VENV  the venv to make (default .venv-sglang)
 #   PY           Python 3.11 (the sglang wheel is cp311 only; default: python3.11)
 #   MAX_JOBS     parallel compiler jobs (default: the number of cores)
@@ -26,7 +31,10 @@ TORCH_VERSION=2.11.0            # what sglang 0.5.14 pins; the kernel is built a
 # checked by git tree hash so any clone that has the same trees is accepted.
 KERNEL_COMMIT=7f8f030000b628ea2cb033e7457a13dd0ac80f99
 KERNEL_TREES="csrc/cpu=201f4b22565bf5f051c6f18dbf7e2fc5c1707e50 include=148800b41f3af611ca28d299cc69d269e0725474 python/sgl_kernel=183cd4659875c8f36e4ef5fb911d77820ea3440a"
+# The same sources as file contents: sha256 of `sha256sum` over their sorted paths (any copy).
+KERNEL_CONTENT=def606f2b0f93ffa21c29b171b9adf84cd62255af01cd28758dab65123f11dbb
 KERNEL_VERSION=0.4.6.post1+kp.${KERNEL_COMMIT:0:8}  # the fork's pyproject_cpu.toml version
+SHARED_SRC=../shared/sglang/sglang-kernel-cpu-src-${KERNEL_COMMIT:0:8}.tar.gz
 AOT=python/sglang/kernels/aot
 VENV=${SGLANG_VENV:-.venv-sglang}
 PY=${PY:-python3.11}
@@ -50,6 +58,7 @@ elif has avx2 fma; then
 else
     die "this CPU has neither AMX (Intel Xeon 4th gen or later) nor AVX2+FMA; SGLang's CPU engine needs one of them"
 fi
+# (SGL_KERNEL_* reach only the kernel build: SGLang itself reads every SGL_* variable as SGLANG_*.)
 # -O3 as SGLang builds it; the avx2 build defaults to -O1: SGLang calls few of its kernels on a
 # CPU without AMX, and it compiles several times faster (37 min here on 2 loaded cores).
 if [ "$ISA" = avx2 ]; then OPT=${SGL_KERNEL_OPT:--O1}; else OPT=${SGL_KERNEL_OPT:--O3}; fi
@@ -81,19 +90,39 @@ if [ -z "$WHEEL" ]; then
     # g++ prints a full path only for a library its linker finds.
     { [ -f /usr/include/numa.h ] && [ "$(g++ -print-file-name=libnuma.so)" != libnuma.so ]; } \
         || die "libnuma headers not found: install them (apt-get install libnuma-dev)"
-    [ -n "${SGLANG_SRC:-}" ] || die "the kernel needs SGLang's sources: set SGLANG_SRC to a git clone of sgl-project/sglang holding commit $KERNEL_COMMIT (a bare clone works)"
-    git -C "$SGLANG_SRC" cat-file -e "$KERNEL_COMMIT^{commit}" 2>/dev/null \
-        || die "SGLANG_SRC=$SGLANG_SRC has no commit $KERNEL_COMMIT: fetch it (git -C $SGLANG_SRC fetch origin $KERNEL_COMMIT)"
-    for pair in $KERNEL_TREES; do
-        want=${pair#*=}; got=$(git -C "$SGLANG_SRC" rev-parse "$KERNEL_COMMIT:$AOT/${pair%%=*}")
-        [ "$got" = "$want" ] || die "$AOT/${pair%%=*} at $KERNEL_COMMIT is tree $got, pinned $want"
-    done
+    SRC=${SGLANG_SRC:-}
+    [ -n "$SRC" ] || { [ -f "$SHARED_SRC" ] && SRC=$SHARED_SRC; } \
+        || die "the kernel needs SGLang's sources: set SGLANG_SRC to a git clone of sgl-project/sglang holding commit $KERNEL_COMMIT (a bare clone works) or to an archive of its kernel sources (see the top of $0), or put that archive at $SHARED_SRC"
+    [ -e "$SRC" ] || die "SGLANG_SRC=$SRC does not exist"
     BUILD=$(mktemp -d "${TMPDIR:-/tmp}/sgl-kernel-cpu.XXXXXX")
     trap 'rm -rf "$BUILD"' EXIT
-    git -C "$SGLANG_SRC" archive "$KERNEL_COMMIT" "$AOT/csrc/cpu" "$AOT/include" "$AOT/python/sgl_kernel" \
-        | tar -x -C "$BUILD" --strip-components=4
+    if git -C "$SRC" rev-parse --git-dir >/dev/null 2>&1; then
+        git -C "$SRC" cat-file -e "$KERNEL_COMMIT^{commit}" 2>/dev/null \
+            || die "SGLANG_SRC=$SRC has no commit $KERNEL_COMMIT: fetch it (git -C $SRC fetch origin $KERNEL_COMMIT)"
+        for pair in $KERNEL_TREES; do
+            want=${pair#*=}; got=$(git -C "$SRC" rev-parse "$KERNEL_COMMIT:$AOT/${pair%%=*}")
+            [ "$got" = "$want" ] || die "$AOT/${pair%%=*} at $KERNEL_COMMIT is tree $got, pinned $want"
+        done
+        git -C "$SRC" archive "$KERNEL_COMMIT" "$AOT/csrc/cpu" "$AOT/include" "$AOT/python/sgl_kernel" \
+            | tar -x -C "$BUILD" --strip-components=4
+    else
+        # A directory or an archive: find the aot folder in it (at its top or one level down).
+        if [ -f "$SRC" ]; then
+            mkdir "$BUILD/src" && tar -xf "$SRC" -C "$BUILD/src" || die "SGLANG_SRC=$SRC is not a tar archive"
+            TOP=$BUILD/src
+        else
+            TOP=$SRC
+        fi
+        FOUND=$(ls -d "$TOP/$AOT" "$TOP"/*/"$AOT" 2>/dev/null | head -n1 || true)
+        [ -n "$FOUND" ] || die "SGLANG_SRC=$SRC holds no $AOT"
+        for sub in csrc/cpu include python/sgl_kernel; do
+            mkdir -p "$BUILD/$(dirname "$sub")" && cp -r "$FOUND/$sub" "$BUILD/$sub"
+        done
+    fi
+    got=$(cd "$BUILD" && find csrc/cpu include python/sgl_kernel -type f | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -c1-64)
+    [ "$got" = "$KERNEL_CONTENT" ] || die "SGLANG_SRC=$SRC: the kernel sources differ from the pinned ones (content $got, pinned $KERNEL_CONTENT; commit $KERNEL_COMMIT)"
+    rm -rf "$BUILD/src"
     cp scripts/sglang_cpu/kernel_setup.py "$BUILD/setup.py"
-    "${PIP[@]}" setuptools wheel ninja
     say "compiling $(find "$BUILD/csrc/cpu" -name '*.cpp' -not -path '*/aarch64/*' | wc -l) files with ${MAX_JOBS:-$(nproc)} jobs (log: $BUILD/build.log)"
     if ! (cd "$BUILD" && MAX_JOBS=${MAX_JOBS:-$(nproc)} SGL_KERNEL_VERSION=$KERNEL_VERSION SGL_KERNEL_ISA=$ISA SGL_KERNEL_OPT=$OPT \
             "$OLDPWD/$VPY" -m pip wheel --no-deps --no-build-isolation -w dist . >build.log 2>&1); then
@@ -116,7 +145,7 @@ say "sglang $SGLANG_VERSION (--no-deps: its CUDA-only pins do not install on CPU
 "${PIP[@]}" --no-deps --no-build-isolation -e .
 
 # --- proof it works: the kernel loads, sglang's CPU engine module imports, AMX where built --------
-SGL_KERNEL_ISA=$ISA SGLANG_USE_CPU_ENGINE=1 "$VPY" - <<'EOF'
+BUILT_ISA=$ISA SGLANG_USE_CPU_ENGINE=1 "$VPY" - <<'EOF'
 import os
 
 import sgl_kernel, torch
@@ -127,7 +156,7 @@ import kimi_pipe.extraction.sglang_backend as b
 assert is_cpu(), "sglang did not select its CPU engine"
 assert sglang.__version__ == b.SGLANG_VERSION, (sglang.__version__, b.SGLANG_VERSION)
 amx = cpu_has_amx_support()
-if os.environ["SGL_KERNEL_ISA"] == "amx":
+if os.environ["BUILT_ISA"] == "amx":
     assert amx, "sglang sees no AMX on this CPU"
     x = torch.randn(4, 64, dtype=torch.bfloat16)
     y = torch.ops.sgl_kernel.rmsnorm_cpu(x, torch.ones(64, dtype=torch.bfloat16), 1e-6)
