@@ -363,12 +363,30 @@ def test_nucleus_slack_decides_what_is_impossible_at_the_edge() -> None:
     assert strict == [-math.inf] and loose[0] > -math.inf
     table = sampler_log_table(logits, Sampling(1.0, 0.9, slack=0.01))
     assert table[0, 2].item() == pytest.approx(loose[0]) and table[0, 3] == -math.inf
-    settings = ResolveSettings(nucleus_slack=0.01)
-    sent = {"temperature": 1.0, "top_p": 0.9}
-    sampling = Sampling.from_record(sent, None, settings.nucleus_slack)
+    sent = {"sampling": {"temperature": 1.0, "top_p": 0.9}}
+    sampling = ResolveSettings(nucleus_slack=0.01).sampling_of(sent)
     assert sampling is not None and sampling.slack == 0.01
     with pytest.raises(ValueError):
         ResolveSettings(nucleus_slack=1.5)
+
+
+def test_the_judges_dtype_sets_the_default_slacks() -> None:
+    """A judge in bfloat16 puts the provider's float32 greedy argmax up to 0.6 % below its top
+    logit (measured on the demo): with float32's slack it would call the provider's token
+    impossible; its own default keeps it. The extract stage's dtype picks the default."""
+    logits = torch.tensor([[20.0, 19.9, 5.0]])  # token 1: 0.5 % below the top logit
+    greedy = {"sampling": {"temperature": 0}}
+    full = ResolveSettings().sampling_of(greedy)
+    half = ResolveSettings(judge_dtype="bfloat16").sampling_of(greedy)
+    assert full is not None and half is not None
+    assert sampled_logprobs(logits, [1], full) == [-math.inf]
+    assert sampled_logprobs(logits, [1], half) == [0.0]
+    assert sampler_log_table(logits, half)[0, 2] == -math.inf
+    assert ResolveSettings(judge_dtype="bfloat16", greedy_slack=1e-4).slacks[1] == 1e-4
+    cfg = OmegaConf.create({"resolve": {"min_posterior": 0.999}, "extract": {"dtype": "bfloat16"}})
+    assert ResolveSettings.from_cfg(cfg).judge_dtype == "bfloat16"
+    with pytest.raises(ValueError, match="judge_dtype"):
+        ResolveSettings.from_cfg(OmegaConf.create({"resolve": {"judge_dtype": "float32"}}))
 
 
 def test_prefix_cache_reaches_a_model_that_calls_it_past_key_values(smol: tuple[Any, Any]) -> None:

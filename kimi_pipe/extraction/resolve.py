@@ -42,6 +42,8 @@ import torch
 from kimi_pipe.errors import ConfigError, StoreError
 from kimi_pipe.extraction.sampler import (  # noqa: F401  (re-exported: resolve's public names)
     GREEDY_SLACK,
+    LOW_PRECISION_GREEDY_SLACK,
+    LOW_PRECISION_NUCLEUS_SLACK,
     NUCLEUS_SLACK,
     Sampling,
     sampled_logprobs,
@@ -196,15 +198,36 @@ class ResolveSettings:
     max_options: int = 64  # a larger set is left unresolved (scoring cost)
     lock_timeout_s: float = 300.0
     split_check: bool = True  # the target confirms text-proven ids are the sampled split
-    nucleus_slack: float = NUCLEUS_SLACK  # mass past top_p still counted as drawable
+    # How far past the sampler's edge a token still counts as drawable (the provider's numerics
+    # are not the judge's); None: by the judge's compute dtype (`judge_dtype`, set by extract).
+    nucleus_slack: float | None = None
+    greedy_slack: float | None = None
+    judge_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         if not 0.5 < self.min_posterior <= 1.0:
             raise ConfigError(
                 f"resolve.min_posterior must be in (0.5, 1], got {self.min_posterior}"
             )
-        if not 0 <= self.nucleus_slack < 1:
-            raise ConfigError(f"resolve.nucleus_slack must be in [0, 1), got {self.nucleus_slack}")
+        for name in ("nucleus_slack", "greedy_slack"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < 1:
+                raise ConfigError(f"resolve.{name} must be in [0, 1) or null, got {value}")
+
+    @property
+    def slacks(self) -> tuple[float, float]:
+        """(nucleus, greedy) slack: as configured, else by the judge's compute dtype."""
+        full = self.judge_dtype in ("float32", "float64")
+        nucleus = NUCLEUS_SLACK if full else LOW_PRECISION_NUCLEUS_SLACK
+        greedy = GREEDY_SLACK if full else LOW_PRECISION_GREEDY_SLACK
+        return (
+            nucleus if self.nucleus_slack is None else self.nucleus_slack,
+            greedy if self.greedy_slack is None else self.greedy_slack,
+        )
+
+    def sampling_of(self, record: Mapping[str, Any]) -> Sampling | None:
+        """The sampling a record's request sent, as this judge reads it (None: unknown)."""
+        return Sampling.from_record(record.get("sampling"), self.default_temperature, *self.slacks)
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> ResolveSettings:
@@ -215,9 +238,12 @@ class ResolveSettings:
         assert isinstance(data, dict)
         known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
         unknown = set(data) - set(known)
-        if unknown:
-            raise ConfigError(f"unknown resolve keys {sorted(unknown)} (conf/resolve/default.yaml)")
-        return cls(**known)
+        if unknown or "judge_dtype" in known:
+            extra = sorted(unknown | ({"judge_dtype"} & set(known)))
+            raise ConfigError(f"unknown resolve keys {extra} (conf/resolve/default.yaml)")
+        # The judge is the extraction model: its compute dtype sets the default slacks.
+        dtype = OmegaConf.select(cfg, "extract.dtype", default=None)
+        return cls(**known, judge_dtype=str(dtype or "float32"))
 
 
 def decide(logprobs: Sequence[float], min_posterior: float) -> dict[str, Any]:
@@ -344,9 +370,7 @@ def score_record(
 ) -> dict[str, Any] | None:
     """Score one resolvable record; the updated record, or None when it cannot be scored
     (no known temperature, too many options)."""
-    sampling = Sampling.from_record(
-        record.get("sampling"), settings.default_temperature, settings.nucleus_slack
-    )
+    sampling = settings.sampling_of(record)
     if sampling is None:
         return None
     cands = record["candidates"]
@@ -364,6 +388,7 @@ def score_record(
         "min_posterior": settings.min_posterior,
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
+        "slack": {"nucleus": sampling.slack, "greedy": sampling.greedy_slack},
         **({"top_k": sampling.top_k} if sampling.top_k is not None else {}),
         **({"min_p": sampling.min_p} if sampling.min_p else {}),
     }

@@ -24,6 +24,12 @@ NUCLEUS_SLACK = 1e-5
 # Greedy (temperature 0): a token this close to the top logit (relative) may be the argmax of
 # another engine's float32 run of the same weights (cached vs full forwards differ by ~1e-5).
 GREEDY_SLACK = 1e-4
+# A judge computing in bfloat16/float16 differs from the provider by more: measured on the
+# demo's greedy answers, hf in bfloat16 puts the float32 argmax up to 0.6 % (relative) below
+# its own top logit, and SGLang's AMX kernels err up to 3x more than hf's bfloat16 run
+# (docs/resolve.md, "Numerics at the nucleus edge").
+LOW_PRECISION_GREEDY_SLACK = 2e-2
+LOW_PRECISION_NUCLEUS_SLACK = 1e-3
 ROW_CHUNK = 256  # rows of [T, vocab] float64 worked on at once (memory on big vocabularies)
 
 
@@ -36,12 +42,13 @@ class Sampling:
     top_k: int | None = None
     min_p: float = 0.0
     slack: float = NUCLEUS_SLACK  # mass past top_p (and share below min_p) still kept
+    greedy_slack: float = GREEDY_SLACK  # relative gap below the top logit still drawable
 
     def __post_init__(self) -> None:
         if self.temperature < 0 or not 0 < self.top_p <= 1 or not 0 <= self.min_p < 1:
             raise ValueError(f"bad sampling {self}")
-        if not 0 <= self.slack < 1:
-            raise ValueError(f"bad nucleus slack {self.slack}")
+        if not 0 <= self.slack < 1 or not 0 <= self.greedy_slack < 1:
+            raise ValueError(f"bad slack {self.slack} / {self.greedy_slack}")
 
     @classmethod
     def from_record(
@@ -49,6 +56,7 @@ class Sampling:
         sampling: Mapping[str, Any] | None,
         default_temperature: float | None = None,
         slack: float = NUCLEUS_SLACK,
+        greedy_slack: float = GREEDY_SLACK,
     ) -> Sampling | None:
         """The record's `sampling`; None when its temperature is unknown (provider default
         and no `resolve.default_temperature`). A missing top_p counts as 1: it never makes
@@ -67,6 +75,7 @@ class Sampling:
             int(top_k) if top_k not in (None, 0, -1) else None,
             float(sampling.get("min_p") or 0.0),
             slack,
+            greedy_slack,
         )
 
 
@@ -83,7 +92,7 @@ def sampled_logprobs(
         if sampling.temperature == 0:
             # Greedy: only the argmax (any of a tie) can come out.
             best = row.max()
-            edge = best - GREEDY_SLACK * max(abs(float(best)), 1.0)
+            edge = best - sampling.greedy_slack * max(abs(float(best)), 1.0)
             out.append(0.0 if row[target] >= edge else -math.inf)
             continue
         scaled = row / sampling.temperature
@@ -130,7 +139,7 @@ def _table(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     neg = torch.full_like(logits, -math.inf)
     if sampling.temperature == 0:
         best = logits.max(dim=-1, keepdim=True).values
-        edge = best - GREEDY_SLACK * best.abs().clamp(min=1.0)
+        edge = best - sampling.greedy_slack * best.abs().clamp(min=1.0)
         return torch.where(logits >= edge, torch.zeros_like(logits), neg)
     scaled = logits / sampling.temperature
     if sampling.top_k is not None and sampling.top_k < scaled.shape[-1]:

@@ -150,9 +150,7 @@ def check_record(
 ) -> tuple[dict[str, Any] | None, int]:
     """The record after its split check (None: the request's temperature is unknown), and
     the forward tokens it cost."""
-    sampling = Sampling.from_record(
-        record.get("sampling"), settings.default_temperature, settings.nucleus_slack
-    )
+    sampling = settings.sampling_of(record)
     if sampling is None:
         return None, 0
     # A serving engine's target (sglang_backend.SGLangTarget) brings its own scorer.
@@ -264,6 +262,7 @@ def apply_split_check(
         "min_posterior": settings.min_posterior,
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
+        "slack": {"nucleus": sampling.slack, "greedy": sampling.greedy_slack},
         **({"top_k": sampling.top_k} if sampling.top_k is not None else {}),
         "paths": len(options),
         "suspect_positions": search.suspects,
