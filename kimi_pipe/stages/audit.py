@@ -1,4 +1,4 @@
-"""Stage `audit`: measured reconstruction fidelity against ids an engine really produced.
+r"""Stage `audit`: measured reconstruction fidelity against ids an engine really produced.
 
     python -m kimi_pipe.audit model=smollm2 audit.run_dir=runs/demo/local
     python -m kimi_pipe.audit model=M audit.records=R.jsonl audit.truth=replies \
@@ -594,7 +594,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"audit: {summary['audit_json']}", file=sys.stderr)
         return 0
 
-    return compose_command(audit_stage, argv)
+    return compose_command(audit_stage, argv, usage=__doc__)
 
 
 if __name__ == "__main__":

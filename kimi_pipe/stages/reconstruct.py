@@ -1,4 +1,4 @@
-"""Stage `reconstruct`: provider answers in, exact token records out.
+r"""Stage `reconstruct`: provider answers in, exact token records out.
 
     python -m kimi_pipe.reconstruct model=kimi_k25 model.tokenizer.path=DIR \
         input=IN.jsonl output=OUT.jsonl
@@ -308,7 +308,7 @@ def compare_with_generate(source: Path, target: Path) -> dict[str, int]:
 def main(argv: Sequence[str] | None = None) -> int:
     from kimi_pipe.stages.command import compose_command
 
-    return compose_command(run_stage, argv)
+    return compose_command(run_stage, argv, usage=__doc__)
 
 
 def run_configured(
