@@ -79,13 +79,34 @@ def compose(overrides: Sequence[str]) -> DictConfig:
 Settings = TypeVar("Settings")
 
 
+def typed_settings(
+    values: Any,
+    schema: type[Settings],
+    key: str,
+    fix: Callable[[dict[str, Any]], None] | None = None,
+) -> Settings:
+    """Plain config values (a mapping, or None for all defaults) as the dataclass `schema`,
+    checked the way Hydra's structured configs check a node: a value of the wrong type, an
+    unknown key or a missing mandatory value is a ConfigError naming `key.field`. `fix` may
+    rewrite the values first (a comma-separated string into a list, say)."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    if values is not None and not isinstance(values, dict):
+        raise ConfigError(f"{key} must be a mapping of settings, not {values!r}")
+    values = dict(values or {})
+    if fix is not None:
+        fix(values)
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(schema), values)
+        return cast(Settings, OmegaConf.to_object(merged))
+    except OmegaConfBaseException as exc:
+        raise _setting_error(exc, key) from None
+
+
 def node_settings(
     cfg: Any, key: str, schema: type[Settings], fix: Callable[[dict[str, Any]], None] | None = None
 ) -> Settings:
-    """The config node `key` (interpolations resolved) as the dataclass `schema`, the way
-    Hydra's structured configs check a node: a value of the wrong type, an unknown key or a
-    missing mandatory value is a ConfigError naming `key.field`. `fix` may rewrite the plain
-    values first (a comma-separated string into a list, say)."""
+    """The composed config's node `key` (interpolations resolved) as `typed_settings`."""
     from omegaconf.errors import OmegaConfBaseException
 
     try:
@@ -95,18 +116,16 @@ def node_settings(
             if OmegaConf.is_config(node)
             else node
         )
-        if plain is not None and not isinstance(plain, dict):
-            raise ConfigError(f"{key} must be a mapping of settings, not {plain!r}")
-        values = dict(plain or {})
-        if fix is not None:
-            fix(values)
-        merged = OmegaConf.merge(OmegaConf.structured(schema), values)
-        return cast(Settings, OmegaConf.to_object(merged))
     except OmegaConfBaseException as exc:
-        full = str(exc.full_key or "")
-        where = full if full == key or full.startswith(f"{key}.") else f"{key}.{full}".rstrip(".")
-        reason = str(getattr(exc, "msg", "") or exc).split("\n", 1)[0]
-        raise ConfigError(f"{where}: {reason}") from None
+        raise _setting_error(exc, key) from None
+    return typed_settings(plain, schema, key, fix)
+
+
+def _setting_error(exc: Any, key: str) -> ConfigError:
+    full = str(exc.full_key or "")
+    where = full if full == key or full.startswith(f"{key}.") else f"{key}.{full}".rstrip(".")
+    reason = str(getattr(exc, "msg", "") or exc).split("\n", 1)[0]
+    return ConfigError(f"{where}: {reason}")
 
 
 def comma_lists(*keys: str) -> Callable[[dict[str, Any]], None]:
@@ -118,3 +137,13 @@ def comma_lists(*keys: str) -> Callable[[dict[str, Any]], None]:
                 values[key] = [part.strip() for part in values[key].split(",") if part.strip()]
 
     return fix
+
+
+def whole_number(value: Any, key: str) -> int | None:
+    """A setting that is null or a whole number (its default null says nothing of its kind,
+    so the command line's type check cannot); a ConfigError naming `key` otherwise."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{key}={value!r}: expected a whole number (or null)")
+    return value

@@ -54,10 +54,11 @@ def compose_overrides(
     command took before it was a Hydra app to its config key, said in the message."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
+    from yaml import YAMLError
 
     try:
-        return compose(list(overrides))
-    except (HydraException, OmegaConfBaseException) as exc:
+        cfg = compose(list(overrides))
+    except (HydraException, OmegaConfBaseException, YAMLError, UnicodeDecodeError) as exc:
         # Hydra appends its search path to a missing group option: noise on one line.
         message = str(exc).split("\nConfig search path", 1)[0]
         old = [o for o in overrides if override_key(o) in (moved or {})]
@@ -68,6 +69,63 @@ def compose_overrides(
                 + ", ".join(f"{override_key(o)}= is now {moved[override_key(o)]}=" for o in old)
             )
         raise ConfigError(f"bad override or config: {message}") from None
+    check_value_types(overrides)
+    return cfg
+
+
+def _expected(default: Any, value: Any) -> str | None:
+    """What a value given for a setting whose default is `default` should have been; None
+    when it fits (null always does: it says "not set")."""
+    if value is None or isinstance(value, str) and "${" in value:
+        return None
+    if isinstance(default, bool):
+        return None if isinstance(value, bool) else "true or false"
+    if isinstance(default, int):
+        ok = isinstance(value, int) and not isinstance(value, bool)
+        return None if ok else "a whole number"
+    if isinstance(default, float):
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        return None if ok else "a number"
+    return None
+
+
+def check_value_types(overrides: Sequence[str]) -> None:
+    """`budget.usd=abc`, `seed=1.5`, `sweep.probes=maybe`: a value of another kind than the
+    setting's default (a number, a whole number, true/false) is a ConfigError naming it,
+    before a stage reads it deep inside. Settings whose default is null are the stage's to
+    check; new keys (`+key=`) and interpolations are not checked."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except HydraException:
+        return  # compose said it already
+    values = [
+        o
+        for o in parsed
+        if not (CONF_DIR / o.key_or_group).is_dir()  # a group choice: Hydra checks it
+        and not o.key_or_group.startswith("hydra")
+        and not (o.is_add() or o.is_force_add() or o.is_delete() or o.is_sweep_override())
+        and isinstance(o.value(), str | int | float | bool)
+    ]
+    if not values:
+        return
+    # The defaults of the same groups: the choices and Hydra settings without the values.
+    base = compose([str(o.input_line) for o in parsed if o not in values])
+    for item in values:
+        try:
+            default = OmegaConf.select(base, item.key_or_group, throw_on_missing=False)
+        except OmegaConfBaseException:
+            continue
+        expected = _expected(default, item.value())
+        if expected is not None:
+            raise ConfigError(
+                f"{item.key_or_group}={item.value()!r}: expected {expected} "
+                f"(its default is {default!r})"
+            )
 
 
 def report(exc: BaseException) -> int | None:

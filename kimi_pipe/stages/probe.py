@@ -78,7 +78,14 @@ def load_battery(path: Path) -> Battery:
 
     if not path.is_file():
         raise ProbeError(f"probe battery {path} not found; name one: probe.battery=PATH.yaml")
-    data = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    from omegaconf.errors import OmegaConfBaseException
+    from yaml import YAMLError
+
+    try:
+        data = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    except (YAMLError, UnicodeDecodeError, OmegaConfBaseException) as exc:
+        why = str(exc).split("\n", 1)[0]
+        raise ProbeError(f"probe battery {path} is not readable YAML: {why}") from None
     if not isinstance(data, dict):
         raise ProbeError(f"{path}: not a mapping")
     quirks = {
