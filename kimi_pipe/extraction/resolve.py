@@ -35,10 +35,11 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
+from kimi_pipe.core.token_record import TokenRecord
 from kimi_pipe.errors import ConfigError, StoreError
 
 log = logging.getLogger("kimi_pipe.resolve")
@@ -334,10 +335,10 @@ def resolvable(record: Mapping[str, Any]) -> str | None:
 
 def apply_resolution(
     record: Mapping[str, Any], numbers: Mapping[str, Any], extra: Mapping[str, Any]
-) -> dict[str, Any]:
+) -> TokenRecord:
     """The record after scoring (pure): rewritten with the chosen option when resolved, else
     kept unresolved with `resolution` and issue `target_unresolved` (LADDER.md)."""
-    out = dict(record)
+    out = cast(TokenRecord, dict(record))
     out["resolution"] = {
         "method": "target",
         **extra,
@@ -372,7 +373,7 @@ def apply_resolution(
 
 def score_record(
     record: Mapping[str, Any], scorer: SuffixScorer, settings: ResolveSettings
-) -> dict[str, Any] | None:
+) -> TokenRecord | None:
     """Score one resolvable record; the updated record, or None when it cannot be scored
     (no known temperature, too many options)."""
     sampling = Sampling.from_record(record.get("sampling"), settings.default_temperature)
@@ -448,7 +449,7 @@ def records_lock(records: Path, timeout_s: float) -> Iterator[None]:
 
 def rewrite_records(
     records: str | os.PathLike[str],
-    updates: Mapping[str, tuple[str, dict[str, Any]]],
+    updates: Mapping[str, tuple[str, TokenRecord]],
 ) -> int:
     """Replace the last line of each id in `updates` ({id: (digest of the line that was
     scored, new record)}) and write the file anew: tmp + fsync + rename + fsync of the
@@ -515,7 +516,7 @@ def resolve_records(
             sid, obj = _line_id(raw)
             if sid is not None and obj is not None and raw.endswith(b"\n"):
                 latest[sid] = (raw, obj)
-    updates: dict[str, tuple[str, dict[str, Any]]] = {}
+    updates: dict[str, tuple[str, TokenRecord]] = {}
     for sid, (raw, rec) in latest.items():
         if mine is not None and not mine(sid):
             continue
@@ -568,7 +569,7 @@ def resolve_records(
 
 def _split_check_pass(
     latest: Mapping[str, tuple[bytes, dict[str, Any]]],
-    updates: dict[str, tuple[str, dict[str, Any]]],
+    updates: dict[str, tuple[str, TokenRecord]],
     scorer: SuffixScorer | None,
     settings: ResolveSettings,
     mine: Any,

@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from kimi_pipe.core.evidence import TARGET_RESOLVED, TEXT_PROVEN, UNRESOLVED, evidence_of
 from kimi_pipe.core.splits import SplitSearch, Vocabulary, search_splits
+from kimi_pipe.core.token_record import TokenRecord
 from kimi_pipe.extraction.resolve import (
     GREEDY_SLACK,
     NUCLEUS_SLACK,
@@ -148,7 +149,7 @@ def check_record(
     vocab: Vocabulary,
     settings: ResolveSettings,
     model_name: str,
-) -> tuple[dict[str, Any] | None, int]:
+) -> tuple[TokenRecord | None, int]:
     """The record after its split check (None: the request's temperature is unknown), and
     the forward tokens it cost."""
     sampling = Sampling.from_record(record.get("sampling"), settings.default_temperature)
@@ -169,9 +170,9 @@ def apply_split_check(
     settings: ResolveSettings,
     model_name: str,
     sampling: Sampling,
-) -> dict[str, Any]:
+) -> TokenRecord:
     """Pure: the record with its `split_check` numbers and the rung they support."""
-    out = dict(record)
+    out = cast(TokenRecord, dict(record))
     output = list(record["output_ids"])
     options = search.options(output)
     facts: dict[str, Any] = {

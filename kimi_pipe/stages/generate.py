@@ -40,6 +40,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from kimi_pipe.config import CONF_DIR
 from kimi_pipe.core.answer_checks import TextRepair, answer_issues, clean_text
 from kimi_pipe.core.evidence import LADDER, evidence_of
+from kimi_pipe.core.token_record import TokenRecord
 from kimi_pipe.errors import KimiPipeError, one_line
 from kimi_pipe.progress import Progress, Snapshot
 from kimi_pipe.providers.account import KeyStatus, account_for
@@ -99,7 +100,7 @@ class GenerateError(KimiPipeError, RuntimeError):
 @dataclass
 class TokenCore:
     prompt_len: Callable[[list[dict], list[dict] | None], int]
-    reconstruct: Callable[..., dict[str, Any]]
+    reconstruct: Callable[..., TokenRecord]
 
     @classmethod
     def load(cls, cfg: DictConfig, asked_model: str = "", route: Any = None) -> TokenCore:
@@ -119,7 +120,7 @@ class TokenCore:
 
         def rebuild(
             messages: list[dict], tools: list[dict] | None, resp: dict, request: dict | None = None
-        ) -> dict[str, Any]:
+        ) -> TokenRecord:
             serving, spec, probe = route.profile_for(resp.get("provider"))
             record = replace(builder, serving=serving).build(messages, tools, resp, request)
             record |= {"serving_profile": spec, "serving_probe": probe}
@@ -132,7 +133,7 @@ class TokenCore:
 MONEY_NOTES = frozenset({"cost_below_listed_price"})
 
 
-def _with_issues(record: dict[str, Any], issues: list[str]) -> dict[str, Any]:
+def _with_issues(record: TokenRecord, issues: list[str]) -> TokenRecord:
     """Add error codes to a reconstructed record: it is no longer `ok` (rung unresolved)."""
     from kimi_pipe.core.record_builder import mark_flagged
 
@@ -169,7 +170,7 @@ def _repaired(prompt: Any, repair: TextRepair) -> Any:
     return replace(prompt, messages=messages, tools=tools) if repair.surrogates else prompt
 
 
-def _error_record(prompt: Any, request: dict, err: ErrorInfo, attempts: int) -> dict[str, Any]:
+def _error_record(prompt: Any, request: dict, err: ErrorInfo, attempts: int) -> TokenRecord:
     return {
         "id": prompt.id,
         "ok": False,
@@ -990,9 +991,12 @@ def run_generate(cfg: DictConfig, run_dir: Path | None = None) -> tuple[Path, di
     from kimi_pipe.core.serving import serving_profile
     from kimi_pipe.providers.local_server import provider_endpoint
     from kimi_pipe.stages import serving_auto
+    from kimi_pipe.store.prompt_datasets import check_prompt_source
 
-    # Before anything is written: no secret in any value, a run directory that may be one.
+    # Before anything is written: no secret in any value, a run directory that may be one,
+    # a prompt file that is there (before serving=auto's probes buy anything).
     refuse_secrets(cfg)
+    check_prompt_source(cfg.dataset)
     run_dir = check_run_dir(run_dir or run_dir_of(cfg), RUN_FILES)
     # One process per run directory, held until the summary is written.
     with RunLock(run_dir), provider_endpoint(cfg, run_dir) as endpoint:
@@ -1081,11 +1085,15 @@ def check_before_launch(argv: list[str], environ: dict[str, str] | None = None) 
     from hydra import initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
+    from yaml import YAMLError
 
+    # A config that does not compose is reported by the command (one line), before Hydra
+    # writes anything.
+    not_composed = (HydraException, OmegaConfBaseException, YAMLError, UnicodeDecodeError)
     multirun = any(a in ("-m", "--multirun") for a in argv)
     try:
         jobs = job_overrides(argv)
-    except (HydraException, OmegaConfBaseException):
+    except not_composed:
         return
     seen: dict[str, list[str]] = {}
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
@@ -1101,8 +1109,8 @@ def check_before_launch(argv: list[str], environ: dict[str, str] | None = None) 
                 output_dir = str(cfg.output_dir)
                 with open_dict(cfg):
                     del cfg["hydra"]
-            except (HydraException, OmegaConfBaseException):
-                return  # Hydra reports it, before it writes anything
+            except not_composed:
+                return
             refuse_secrets(cfg, environ, {where: run_dir})
             check_run_dir(run_dir)
             if not multirun and not same_dir(run_dir, output_dir):
