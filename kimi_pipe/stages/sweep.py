@@ -215,8 +215,12 @@ def sweep(
     if settings.dry_run:
         return 0, summary
     from kimi_pipe.core.models import load_model
+    from kimi_pipe.store.prompt_datasets import check_prompt_source
 
-    load_model(base.model)  # a model config its tokenizer contradicts: said once, buys nothing
+    # What every job shares is checked once, before the probes buy anything: the prompts,
+    # and a model config its tokenizer contradicts.
+    check_prompt_source(base.dataset)
+    load_model(base.model)
     if settings.probes:
         run_probe_step(base, settings, sweep_dir)
     status = run_jobs(base, settings, sweep_dir, limit_key)
