@@ -331,7 +331,7 @@ def test_cli_end_to_end_and_errors(
     assert "report.sweep_dir=PATH is required" in capsys.readouterr().err
     # The policy's numbers are typed; the old `key=value` form names its new key.
     assert report.main([f"report.sweep_dir={sweep}", "report.rank_step=wide"]) == 2
-    assert "report.rank_step: " in capsys.readouterr().err
+    assert "report.rank_step='wide': expected a number" in capsys.readouterr().err
     assert report.main([f"sweep_dir={sweep}"]) == 2
     assert "sweep_dir= is now report.sweep_dir=" in capsys.readouterr().err
 
