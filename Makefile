@@ -79,17 +79,19 @@ generate: setup
 # Provider sweep (docs/sweep.md): one generate job per OpenRouter provider on the same n
 # prompts, sharing one budget, then runs/sweep/<dataset>/report.md with charts.
 #   make sweep dataset=B5 providers=moonshotai,fireworks,novita n=50 usd=6
+# The short names are the sweep group's settings (conf/sweep/default.yaml): sweep.providers=[...].
 sweep: setup
-	$(PYTHON) -m kimi_pipe.sweep dataset=$(dataset) providers=$(providers) n=$(or $(n),50) $(if $(usd),usd=$(usd)) $(ARGS)
+	$(PYTHON) -m kimi_pipe.sweep $(if $(dataset),dataset=$(dataset)) $(if $(providers),'sweep.providers=[$(providers)]') \
+	  $(if $(n),sweep.n=$(n)) $(if $(usd),sweep.usd=$(usd)) $(ARGS)
 
 # Conformance probes (docs/provider-truth.md): conf/probes/<model>.yaml pinned to each provider,
 # then runs/probe/conformance.md.   make probe providers=moonshotai,fireworks [usd=0.3]
 probe: setup
-	$(PYTHON) -m kimi_pipe.probe providers=$(providers) $(if $(usd),usd=$(usd)) $(ARGS)
+	$(PYTHON) -m kimi_pipe.probe $(if $(providers),'probe.providers=[$(providers)]') $(if $(usd),probe.usd=$(usd)) $(ARGS)
 
 # Report over finished runs: make report sweep_dir=runs/sweep/B5 (a single run dir works too)
 report: setup
-	$(PYTHON) -m kimi_pipe.report sweep_dir=$(sweep_dir) $(ARGS)
+	$(PYTHON) -m kimi_pipe.report $(if $(sweep_dir),report.sweep_dir=$(sweep_dir)) $(ARGS)
 
 bench: setup
 	$(PYTHON) scripts/bench_reconstruct.py

@@ -6,7 +6,8 @@ What a script uses, from one place (the submodules stay importable for everythin
 
     model = kp.load_model(kp.compose(["model=kimi_k25"]).model)
     rec = kp.reconstruct(model, messages, tools, response)   # pure: ids, loss mask, issues
-    rec.to_record()                                           # the token record's fields
+    rec.to_record()                                           # kp.TokenIds: the contract's keys
+    for record in kp.iter_records("run/records.jsonl"): ...   # each a kp.TokenRecord (a dict)
     run = kp.run_pipeline(kp.compose(["pipeline=demo"]))      # a whole pipeline
 
 Names load on first use, so `import kimi_pipe` stays light (no torch, no LiteLLM).
@@ -26,6 +27,8 @@ _EXPORTS: dict[str, str] = {
     "Model": "kimi_pipe.core.models",
     "reconstruct": "kimi_pipe.core.reconstruction",
     "Reconstruction": "kimi_pipe.core.reconstruction",
+    "TokenIds": "kimi_pipe.core.token_record",
+    "TokenRecord": "kimi_pipe.core.token_record",
     "ServingProfile": "kimi_pipe.core.serving",
     "serving_profile": "kimi_pipe.core.serving",
     "iter_records": "kimi_pipe.store.records",
@@ -55,6 +58,8 @@ __all__ = [
     "Stage",
     "StageContext",
     "StoreError",
+    "TokenIds",
+    "TokenRecord",
     "compose",
     "iter_records",
     "load_model",
@@ -68,6 +73,7 @@ if TYPE_CHECKING:
     from kimi_pipe.core.models import Model, load_model
     from kimi_pipe.core.reconstruction import Reconstruction, reconstruct
     from kimi_pipe.core.serving import ServingProfile, serving_profile
+    from kimi_pipe.core.token_record import TokenIds, TokenRecord
     from kimi_pipe.errors import (
         BudgetError,
         ConfigError,

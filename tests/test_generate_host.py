@@ -21,6 +21,7 @@ from conftest_generate import (
     REPO,
     base_overrides,
     generate_cmd,
+    prompts_and_run,
     read_jsonl,
     run_inprocess,
     run_subprocess,
@@ -50,10 +51,7 @@ def test_disk_full_mid_run_ends_in_one_line_and_nothing_torn_then_resumes(
     """A file size limit (RLIMIT_FSIZE, SIGXFSZ ignored) fails a write half-way, as a full
     disk does: the partial line is taken back, the error is one line naming the file."""
     srv = fake_openrouter(default=Behaviour(delay_s=0.05))
-    prompts = tmp_path / "p.jsonl"
-    ids = write_prompts(prompts, 24)
-    out = tmp_path / "run"
-    overrides = base_overrides(prompts, srv.url(), out, kimi_dir)
+    out, overrides, ids = prompts_and_run(tmp_path, srv.url(), kimi_dir, n=24)
 
     def limit_file_size() -> None:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -121,11 +119,9 @@ def test_a_dangling_symlink_as_run_directory_is_refused(
     tmp_path: Path, fake_openrouter, kimi_dir: Path
 ) -> None:
     srv = fake_openrouter()
-    prompts = tmp_path / "p.jsonl"
-    write_prompts(prompts, 2)
-    out = tmp_path / "run"
+    out, overrides, _ = prompts_and_run(tmp_path, srv.url(), kimi_dir)
     out.symlink_to(tmp_path / "nowhere")
-    proc = run_subprocess(base_overrides(prompts, srv.url(), out, kimi_dir), timeout=600)
+    proc = run_subprocess(overrides, timeout=600)
     assert proc.returncode == 2, proc.stderr
     _one_error_line(proc.stderr, "dangling symlink")
     assert srv.requests == [] and not (tmp_path / "nowhere").exists()
@@ -158,12 +154,9 @@ def test_a_run_dir_that_disagrees_or_is_a_system_dir_is_refused(
     tmp_path: Path, fake_openrouter, kimi_dir: Path, bad: str
 ) -> None:
     srv = fake_openrouter()
-    prompts = tmp_path / "p.jsonl"
-    write_prompts(prompts, 2)
-    out, other = tmp_path / "run", tmp_path / "other"
-    proc = run_subprocess(
-        [*base_overrides(prompts, srv.url(), out, kimi_dir), bad.format(other=other)], timeout=600
-    )
+    out, overrides, _ = prompts_and_run(tmp_path, srv.url(), kimi_dir)
+    other = tmp_path / "other"
+    proc = run_subprocess([*overrides, bad.format(other=other)], timeout=600)
     assert proc.returncode == 2, proc.stderr
     _one_error_line(proc.stderr, "run")
     assert not out.exists() and not other.exists() and not Path("/.hydra").exists()
@@ -186,10 +179,8 @@ def test_a_secret_reaching_the_config_through_interpolation_is_refused_before_an
     tmp_path: Path, fake_openrouter, kimi_dir: Path, override: str
 ) -> None:
     srv = fake_openrouter()
-    prompts = tmp_path / "p.jsonl"
-    write_prompts(prompts, 2)
-    out = tmp_path / "run"
-    args = [*base_overrides(prompts, srv.url(), out, kimi_dir), override.format(tmp=tmp_path)]
+    out, overrides, _ = prompts_and_run(tmp_path, srv.url(), kimi_dir)
+    args = [*overrides, override.format(tmp=tmp_path)]
     env = {**subprocess_env(), "SOME_TOKEN": SECRET}
     proc = subprocess.run(
         generate_cmd(args), cwd=REPO, env=env, capture_output=True, text=True, timeout=600
@@ -241,10 +232,7 @@ def test_a_resume_with_other_purchase_settings_is_refused_naming_both(
     tmp_path: Path, fake_openrouter, kimi_dir: Path, api_key_env: str, capsys
 ) -> None:
     srv = fake_openrouter()
-    prompts = tmp_path / "p.jsonl"
-    write_prompts(prompts, 2)
-    out = tmp_path / "run"
-    base = base_overrides(prompts, srv.url(), out, kimi_dir)
+    out, base, _ = prompts_and_run(tmp_path, srv.url(), kimi_dir)
     status, _ = run_inprocess([*base, "provider.params.temperature=1.0"], out)
     assert status == 0
     n = len(srv.requests)

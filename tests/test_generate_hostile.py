@@ -9,33 +9,18 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest_generate import FAKE_KEY, base_overrides, read_jsonl, run_inprocess, write_prompts
+from conftest_generate import (
+    FAKE_KEY,
+    base_overrides,
+    read_jsonl,
+    records_by_id,
+    run_inprocess,
+    run_prompts,
+    write_prompts,
+)
 from fake_openrouter import Behaviour
 
 pytestmark = [pytest.mark.kimi, pytest.mark.slow]
-
-
-def _by_id(path: Path) -> dict[str, dict]:
-    return {r["id"]: r for r in read_jsonl(path)}
-
-
-def _run(
-    tmp_path: Path,
-    url: str,
-    kimi_dir: Path,
-    n: int = 4,
-    extra: list[str] | None = None,
-    usd: float = 10.0,
-    name: str = "run",
-    **kw,
-) -> tuple[int, dict | None, Path, list[str]]:
-    prompts = tmp_path / f"{name}.jsonl"
-    ids = write_prompts(prompts, n, **kw)
-    out = tmp_path / name
-    status, summary = run_inprocess(
-        base_overrides(prompts, url, out, kimi_dir, usd=usd) + (extra or []), out
-    )
-    return status, summary, out, ids
 
 
 def test_f4_invalid_costs_book_the_reservation_and_flag_the_sample(
@@ -45,9 +30,9 @@ def test_f4_invalid_costs_book_the_reservation_and_flag_the_sample(
     srv = fake_openrouter(
         default=Behaviour(script={f"Question s{i}:": [m] for i, m in enumerate(modes)})
     )
-    status, summary, out, ids = _run(tmp_path, srv.url(), kimi_dir, n=6)
+    status, summary, out, ids = run_prompts(tmp_path, srv.url(), kimi_dir, n=6)
     assert status == 0 and summary is not None
-    records = _by_id(out / "records.jsonl")
+    records = records_by_id(out / "records.jsonl")
     expected = {
         "cost_nan": "cost_invalid",
         "cost_inf": "cost_invalid",
@@ -73,9 +58,9 @@ def test_f5_an_answer_that_does_not_parse_is_booked_failed_and_never_bought_agai
     modes = ["finish_list", "tool_calls_str", "message_null"]
     script = {f"Question s{i}:": [m] * 10 for i, m in enumerate(modes)}
     srv = fake_openrouter(default=Behaviour(script=script))
-    status, summary, out, ids = _run(tmp_path, srv.url(), kimi_dir, n=4)
+    status, summary, out, ids = run_prompts(tmp_path, srv.url(), kimi_dir, n=4)
     assert status == 0 and summary is not None
-    records = _by_id(out / "records.jsonl")
+    records = records_by_id(out / "records.jsonl")
     for i in range(3):
         rec = records[f"s{i}"]
         assert rec["error"]["class"] == "malformed_response" and rec["attempts"] == 1
@@ -96,9 +81,9 @@ def test_f10_answers_from_another_model_or_without_a_known_finish_are_errors(
     srv = fake_openrouter(
         default=Behaviour(script={f"Question s{i}:": [m] for i, m in enumerate(modes)})
     )
-    status, summary, out, ids = _run(tmp_path, srv.url(), kimi_dir, n=6)
+    status, summary, out, ids = run_prompts(tmp_path, srv.url(), kimi_dir, n=6)
     assert status == 0 and summary is not None
-    records = _by_id(out / "records.jsonl")
+    records = records_by_id(out / "records.jsonl")
     codes = ["other_model", "finish_reason_null", "finish_reason_unknown", "content_filter"]
     for i, code in enumerate(codes):
         assert code in records[f"s{i}"]["issues"] and not records[f"s{i}"]["ok"], code
@@ -123,7 +108,7 @@ def test_f3_lone_surrogates_and_bad_bytes_are_replaced_flagged_and_written(
     out = tmp_path / "run"
     status, summary = run_inprocess(base_overrides(prompts, srv.url(), out, kimi_dir), out)
     assert status == 0 and summary is not None
-    records = _by_id(out / "records.jsonl")
+    records = records_by_id(out / "records.jsonl")
     assert sorted(records) == ["s0", "s1", "s2", "s3"]
     assert records["s0"]["ok"]  # the BOM line is a prompt like any other
     assert "answer_text_replaced" in records["s1"]["issues"] and not records["s1"]["ok"]
@@ -149,7 +134,7 @@ def test_f6_unusable_listed_prices_are_refused(
         ]
     ):
         srv = fake_openrouter(default=Behaviour(listed_prices=prices))
-        status, summary, out, _ = _run(tmp_path, srv.url(), kimi_dir, n=2, name=f"r{i}")
+        status, summary, out, _ = run_prompts(tmp_path, srv.url(), kimi_dir, n=2, name=f"r{i}")
         assert status == 2 and summary is None, prices
         assert srv.requests == [], prices
         assert "price" in capsys.readouterr().err
@@ -160,7 +145,7 @@ def test_f8_a_provider_billing_3x_its_prices_cannot_push_spend_past_the_cap(
 ) -> None:
     srv = fake_openrouter(default=Behaviour(overbill=3.0, delay_s=0.05))
     cap = 0.01
-    status, summary, out, ids = _run(
+    status, summary, out, ids = run_prompts(
         tmp_path,
         srv.url(),
         kimi_dir,
@@ -187,7 +172,7 @@ def test_f7_a_sample_too_big_for_the_budget_is_skipped_and_the_run_goes_on(
 ) -> None:
     srv = fake_openrouter()
     big = "word " * 20_000
-    status, summary, out, ids = _run(
+    status, summary, out, ids = run_prompts(
         tmp_path,
         srv.url(),
         kimi_dir,
@@ -196,13 +181,13 @@ def test_f7_a_sample_too_big_for_the_budget_is_skipped_and_the_run_goes_on(
         text=lambda i: big if i == 1 else f"Question s{i}: what is {i}+{i}?",
     )
     assert status == 0 and summary is not None
-    records = _by_id(out / "records.jsonl")
+    records = records_by_id(out / "records.jsonl")
     assert sorted(records) == ["s0", "s2", "s3", "s4"]  # after the big one, the run went on
     assert summary["this_run"]["skipped_over_budget"] == 1
     assert "skipped" in summary["stop_message"]
     # A per-sample cap skips it the same way.
     srv2 = fake_openrouter()
-    status, summary, out, _ = _run(
+    status, summary, out, _ = run_prompts(
         tmp_path,
         srv2.url(),
         kimi_dir,
@@ -211,7 +196,7 @@ def test_f7_a_sample_too_big_for_the_budget_is_skipped_and_the_run_goes_on(
         extra=["budget.max_usd_per_sample=0.005"],
         text=lambda i: big if i == 0 else f"Question s{i}: what is {i}+{i}?",
     )
-    assert sorted(_by_id(out / "records.jsonl")) == ["s1", "s2"]
+    assert sorted(records_by_id(out / "records.jsonl")) == ["s1", "s2"]
     assert summary is not None and summary["this_run"]["skipped_over_budget"] == 1
 
 
@@ -236,7 +221,7 @@ def test_key_limit_below_the_budget_refuses_to_start_and_key_usage_is_counted(
     tmp_path: Path, fake_openrouter, kimi_dir: Path, api_key_env: str, capsys
 ) -> None:
     srv = fake_openrouter(default=Behaviour(key_limit=0.5))
-    status, summary, out, _ = _run(tmp_path, srv.url(), kimi_dir, n=2, usd=1.0)
+    status, summary, out, _ = run_prompts(tmp_path, srv.url(), kimi_dir, n=2, usd=1.0)
     assert status == 2 and srv.requests == []
     assert "cannot cover" in capsys.readouterr().err
     # A provider that reports a tenth of what it bills: the key's own usage is counted.
@@ -245,7 +230,9 @@ def test_key_limit_below_the_budget_refuses_to_start_and_key_usage_is_counted(
             key_endpoint=True, script={f"Question s{i}:": ["cost_under"] for i in range(4)}
         )
     )
-    status, summary, out, _ = _run(tmp_path, srv2.url(), kimi_dir, n=4, usd=1.0, name="under")
+    status, summary, out, _ = run_prompts(
+        tmp_path, srv2.url(), kimi_dir, n=4, usd=1.0, name="under"
+    )
     assert status == 0 and summary is not None
     assert summary["key"]["usage_delta_this_run"] == pytest.approx(srv2.total_cost())
     assert summary["spend_usd"] >= srv2.total_cost() - 1e-12
@@ -260,9 +247,9 @@ def test_an_echoed_key_is_redacted_and_flagged(
     tmp_path: Path, fake_openrouter, kimi_dir: Path, api_key_env: str
 ) -> None:
     srv = fake_openrouter(default=Behaviour(script={"Question s0:": ["echo_key"]}))
-    status, summary, out, _ = _run(tmp_path, srv.url(), kimi_dir, n=2)
+    status, summary, out, _ = run_prompts(tmp_path, srv.url(), kimi_dir, n=2)
     assert status == 0
-    rec = _by_id(out / "records.jsonl")["s0"]
+    rec = records_by_id(out / "records.jsonl")["s0"]
     assert "api_key_echoed" in rec["issues"] and not rec["ok"]
     for path in out.rglob("*"):
         if path.is_file():
@@ -273,7 +260,7 @@ def test_a_run_where_every_request_failed_exits_4_with_the_cause(
     tmp_path: Path, fake_openrouter, kimi_dir: Path, api_key_env: str, capsys
 ) -> None:
     srv = fake_openrouter(default=Behaviour(error_rate=1.0, error_mode="503"))
-    status, summary, out, _ = _run(
+    status, summary, out, _ = run_prompts(
         tmp_path, srv.url(), kimi_dir, n=3, extra=["provider.retry.max_attempts=2"]
     )
     assert status == 4 and summary is not None
@@ -286,7 +273,7 @@ def test_torn_attempt_errors_line_keeps_its_cost_and_attempts_count_over_runs(
     # s0's answers are empty but billed for the prompt (retried), s1 answers normally.
     srv = fake_openrouter(default=Behaviour(script={"Question s0:": ["empty"] * 50}))
     extra = ["provider.retry.max_attempts=3"]
-    status, summary, out, _ = _run(tmp_path, srv.url(), kimi_dir, n=2, extra=extra)
+    status, summary, out, _ = run_prompts(tmp_path, srv.url(), kimi_dir, n=2, extra=extra)
     errors = out / "attempt_errors.jsonl"
     assert len(read_jsonl(errors)) == 3
     # A kill while writing the last failed attempt: its line is torn.
@@ -299,7 +286,7 @@ def test_torn_attempt_errors_line_keeps_its_cost_and_attempts_count_over_runs(
     assert summary["spend_usd"] >= srv.total_cost() - 1e-12
     # s0 was bought 3 times (max_attempts) over the first run: never again.
     assert sum(1 for r in srv.requests if "Question s0:" in json.dumps(r.body)) == 3
-    assert _by_id(out / "records.jsonl")["s0"]["error"]["class"] == "attempts_exhausted"
+    assert records_by_id(out / "records.jsonl")["s0"]["error"]["class"] == "attempts_exhausted"
 
 
 def test_unsettled_intents_of_a_killed_process_are_booked_on_resume(
@@ -336,11 +323,11 @@ def test_an_answer_above_max_response_mb_is_cut_off_booked_and_failed(
     tmp_path: Path, fake_openrouter, kimi_dir: Path, api_key_env: str
 ) -> None:
     srv = fake_openrouter(default=Behaviour(script={"Question s0:": ["huge"]}))
-    status, summary, out, _ = _run(
+    status, summary, out, _ = run_prompts(
         tmp_path, srv.url(), kimi_dir, n=2, extra=["provider.max_response_mb=1"]
     )
     assert status == 0 and summary is not None
-    records = _by_id(out / "records.jsonl")
+    records = records_by_id(out / "records.jsonl")
     assert records["s0"]["error"]["class"] == "response_too_large"
     assert records["s1"]["ok"]
     failed = read_jsonl(out / "attempt_errors.jsonl")
@@ -358,7 +345,7 @@ def test_f8_the_first_wave_at_3x_overbilling_stays_under_the_cap(
     that bills 3x its prices under the cap; without the guard the first wave alone crosses it."""
     srv = fake_openrouter(default=Behaviour(overbill=3.0, delay_s=0.3))
     cap = 0.004
-    status, summary, out, ids = _run(
+    status, summary, out, ids = run_prompts(
         tmp_path,
         srv.url(),
         kimi_dir,

@@ -8,46 +8,29 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest_generate import base_overrides, read_jsonl, run_inprocess, write_prompts
+from conftest_generate import (
+    base_overrides,
+    read_jsonl,
+    records_by_id,
+    run_inprocess,
+    run_prompts,
+)
 from fake_openrouter import Behaviour
 
 pytestmark = [pytest.mark.kimi, pytest.mark.slow]
-
-
-def _by_id(path: Path) -> dict[str, dict]:
-    return {r["id"]: r for r in read_jsonl(path)}
-
-
-def _run(
-    tmp_path: Path,
-    url: str,
-    kimi_dir: Path,
-    n: int = 4,
-    extra: list[str] | None = None,
-    usd: float = 10.0,
-    name: str = "run",
-    concurrency: int = 8,
-    **kw,
-):
-    prompts = tmp_path / f"{name}.jsonl"
-    write_prompts(prompts, n, **kw)
-    out = tmp_path / name
-    overrides = base_overrides(prompts, url, out, kimi_dir, usd=usd, concurrency=concurrency)
-    status, summary = run_inprocess(overrides + (extra or []), out)
-    return status, summary, out
 
 
 def test_an_http_200_error_body_that_carries_usage_is_billed_on_every_retry(
     tmp_path: Path, fake_openrouter, kimi_dir: Path, api_key_env: str
 ) -> None:
     srv = fake_openrouter(default=Behaviour(script={"Question s0:": ["200error_billed"] * 2}))
-    status, summary, out = _run(tmp_path, srv.url(), kimi_dir, n=2)
+    status, summary, out, _ = run_prompts(tmp_path, srv.url(), kimi_dir, n=2)
     assert status == 0 and summary is not None
     failed = [f for f in read_jsonl(out / "attempt_errors.jsonl") if f["id"] == "s0"]
     assert [f["error"]["class"] for f in failed] == ["provider_error", "provider_error"]
     assert all(f["cost"] > 0 for f in failed)
     assert summary["spend_usd"] >= srv.total_cost() - 1e-12
-    assert _by_id(out / "records.jsonl")["s0"]["attempts"] == 3
+    assert records_by_id(out / "records.jsonl")["s0"]["attempts"] == 3
 
 
 @pytest.mark.parametrize("factor", [20.0, 100.0])
@@ -60,7 +43,7 @@ def test_a_provider_billing_20x_or_100x_crosses_the_cap_by_at_most_one_request(
         default=Behaviour(overbill=factor, delay_s=0.3, input_price=1e-6, output_price=50e-6)
     )
     cap = 0.25
-    status, summary, out = _run(
+    status, summary, out, _ = run_prompts(
         tmp_path,
         srv.url(),
         kimi_dir,
@@ -82,7 +65,7 @@ def test_a_connection_dropped_after_billing_is_booked_at_its_reservation(
     tmp_path: Path, fake_openrouter, kimi_dir: Path, api_key_env: str
 ) -> None:
     srv = fake_openrouter(default=Behaviour(script={"Question s0:": ["reset_billed"] * 2}))
-    status, summary, out = _run(tmp_path, srv.url(), kimi_dir, n=2)
+    status, summary, out, _ = run_prompts(tmp_path, srv.url(), kimi_dir, n=2)
     assert status == 0 and summary is not None
     failed = [f for f in read_jsonl(out / "attempt_errors.jsonl") if f["id"] == "s0"]
     assert [f["error"]["class"] for f in failed] == ["connection_lost", "connection_lost"]
@@ -101,7 +84,7 @@ def test_a_provider_that_bills_and_always_drops_the_answer_stays_under_the_cap(
         )
     )
     cap = 0.005  # about 60 answers' worth; /key is polled every budget.key_poll_s (10 s)
-    status, summary, out = _run(
+    status, summary, out, _ = run_prompts(
         tmp_path,
         srv.url(),
         kimi_dir,
@@ -125,10 +108,10 @@ def test_cost_and_key_under_reporting_10x_book_the_listed_price_floor(
             script={f"Question s{i}:": ["cost_under"] for i in range(4)},
         )
     )
-    status, summary, out = _run(tmp_path, srv.url(), kimi_dir, n=4)
+    status, summary, out, _ = run_prompts(tmp_path, srv.url(), kimi_dir, n=4)
     assert status == 0 and summary is not None
     assert summary["spend_usd"] >= srv.total_cost() * (1 - 1e-6)
-    for rec in _by_id(out / "records.jsonl").values():
+    for rec in records_by_id(out / "records.jsonl").values():
         # Flagged with its own code; a money note, so it never makes exact ids unusable:
         # a record that is not ok has another reason.
         assert "cost_below_listed_price" in rec["issues"]
@@ -142,7 +125,7 @@ def test_a_generation_lookup_of_zero_after_a_kill_is_not_believed(
     settle): on resume `/generation` says $0 for it; its tokens at the listed prices are
     booked instead."""
     srv = fake_openrouter(default=Behaviour(generation_cost_factor=0.0))
-    status, summary, out = _run(tmp_path, srv.url(), kimi_dir, n=1)
+    status, summary, out, _ = run_prompts(tmp_path, srv.url(), kimi_dir, n=1)
     assert status == 0 and summary is not None
     bill = srv.bills[0]
     journal = out / "spend_journal.jsonl"
@@ -165,8 +148,8 @@ def test_tool_arguments_sent_as_an_object_are_flagged_never_ok(
     tmp_path: Path, fake_openrouter, kimi_dir: Path, api_key_env: str
 ) -> None:
     srv = fake_openrouter(default=Behaviour(script={"Question s0:": ["tool_args_object"]}))
-    status, summary, out = _run(tmp_path, srv.url(), kimi_dir, n=2, tools_every=1)
+    status, summary, out, _ = run_prompts(tmp_path, srv.url(), kimi_dir, n=2, tools_every=1)
     assert status == 0 and summary is not None
-    records = _by_id(out / "records.jsonl")
+    records = records_by_id(out / "records.jsonl")
     assert "tool_arguments_not_string" in records["s0"]["issues"] and not records["s0"]["ok"]
     assert records["s1"]["ok"], records["s1"]["issues"]

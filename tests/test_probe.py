@@ -159,7 +159,8 @@ def test_bad_battery_names_the_file_and_probe(tmp_path: Path) -> None:
         load_battery(bad)
     with pytest.raises(ProbeError, match="not found"):
         load_battery(tmp_path / "missing.yaml")
-    assert main(["usd=1"]) == 2  # no providers
+    assert main(["probe.usd=1"]) == 2  # no providers
+    assert main(["usd=1"]) == 2  # the old form: names its new key
 
 
 def test_report_routes_only_to_faithful_providers(
@@ -231,7 +232,7 @@ def test_probe_stage_of_the_sweep_pipeline(
     stack_server: Any, kimi_dir: Path, tmp_path: Path, api_key_env: str
 ) -> None:
     """The runner's probe stage and `kimi_pipe.sweep`'s own probe step write the same
-    table into <sweep_dir>/probes; dataset and budget overrides stay with the sweep."""
+    table into <sweep_dir>/probes; dataset and budget settings stay with the sweep."""
     from kimi_pipe.config import compose
     from kimi_pipe.pipeline.registry import ProbeStage
     from kimi_pipe.pipeline.stage import StageContext
@@ -255,16 +256,18 @@ def test_probe_stage_of_the_sweep_pipeline(
     assert result["usable"] == ["exact_whole"] and result["left_out"] == ["stripping"]
     assert stage.is_complete(ctx)
 
-    args = sweep.parse_args(
-        ["dataset=B5", "providers=exact_whole,stripping", "n=1", "usd=1", "probe_usd=0.2",
-         *extra, "dataset.num_samples=3"]
+    # The sweep command's config: the same settings as command-line overrides.
+    cli = compose(
+        ["dataset=B5", "sweep.providers=[exact_whole,stripping]", "sweep.n=1", "sweep.usd=1",
+         "sweep.probe_usd=0.2", *extra, "dataset.num_samples=3", "budget.max_samples=1"]
     )  # fmt: skip
+    args = sweep.settings_of(cli)
     assert args.probes and args.probe_usd == 0.2
-    sweep.run_probe_stage(args, tmp_path / "cli")
+    sweep.run_probe_step(cli, args, tmp_path / "cli")
     table = (tmp_path / "cli" / "probes" / "conformance.md").read_text()
     assert table == (tmp_path / "pipe" / "probes" / "conformance.md").read_text()
-    assert not sweep.parse_args(
-        ["dataset=B5", "providers=a", "n=1", "usd=1", "probes=false"]
+    assert not sweep.settings_of(
+        compose(["dataset=B5", "sweep.providers=[a]", "sweep.probes=false"])
     ).probes
 
 
@@ -272,13 +275,13 @@ def test_probe_cli(stack_server: Any, kimi_dir: Path, tmp_path: Path, api_key_en
     srv, _ = stack_server
     out = tmp_path / "probe"
     args = [
-        "providers=exact_whole",
-        f"output_dir={out}",
-        "usd=0.1",
+        "probe.providers=exact_whole",  # one slug, no list
+        f"probe.output_dir={out}",
+        "probe.usd=0.1",
         f"provider.api_base={srv.url()}",
         f"model.tokenizer.path={kimi_dir}",
         "dataset=B5",  # a sweep's dataset setting: not the probes' business, left out
     ]
     assert main(args) == 0
     assert "| exact_whole |" in (out / "conformance.md").read_text()
-    assert main([*args[:-1], f"battery={tmp_path / 'none.yaml'}"]) == 2
+    assert main([*args[:-1], f"probe.battery={tmp_path / 'none.yaml'}"]) == 2

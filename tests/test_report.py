@@ -305,11 +305,13 @@ def test_percentile_matches_numpy() -> None:
     assert run_data.percentile([], 50) is None
 
 
-def test_cli_end_to_end_and_errors(sweep: Path, tmp_path: Path) -> None:
+def test_cli_end_to_end_and_errors(
+    sweep: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "cli"
     done = subprocess.run(
-        [sys.executable, "-m", "kimi_pipe.report", f"sweep_dir={sweep}", f"out_dir={out}",
-         "max_error_rate=0.01"],
+        [sys.executable, "-m", "kimi_pipe.report", f"report.sweep_dir={sweep}",
+         f"report.out_dir={out}", "report.max_error_rate=0.01"],
         capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
@@ -317,13 +319,32 @@ def test_cli_end_to_end_and_errors(sweep: Path, tmp_path: Path) -> None:
     assert "[report] 5/5 reading" in done.stderr
 
     missing = tmp_path / "nowhere"
-    done = subprocess.run([sys.executable, "-m", "kimi_pipe.report", f"sweep_dir={missing}"],
-                          capture_output=True, text=True, check=False)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "kimi_pipe.report", f"report.sweep_dir={missing}"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
     assert done.returncode == 2 and str(missing) in done.stderr and "make sweep" in done.stderr
-    with pytest.raises(SystemExit, match="unknown argument"):
-        report.parse_args([f"sweep_dir={sweep}", "colour=red"])
-    with pytest.raises(SystemExit, match="required"):
-        report.parse_args([])
+    capsys.readouterr()
+    assert report.main([f"report.sweep_dir={sweep}", "colour=red"]) == 2
+    assert "colour" in capsys.readouterr().err
+    assert report.main([]) == 2
+    assert "report.sweep_dir=PATH is required" in capsys.readouterr().err
+    # The policy's numbers are typed; the old `key=value` form names its new key.
+    assert report.main([f"report.sweep_dir={sweep}", "report.rank_step=wide"]) == 2
+    assert "report.rank_step='wide': expected a number" in capsys.readouterr().err
+    assert report.main([f"sweep_dir={sweep}"]) == 2
+    assert "sweep_dir= is now report.sweep_dir=" in capsys.readouterr().err
+
+
+def test_report_group_defaults_are_the_policy_defaults() -> None:
+    """conf/report/default.yaml spells out the Policy a Python caller gets by default."""
+    from kimi_pipe.config import compose
+
+    settings = report.settings_of(compose([]))
+    assert settings.policy() == run_data.Policy()
+    assert (settings.sweep_dir, settings.out_dir) == (None, None)
+    short = report.settings_of(compose(["report.ignore_quantizations=fp4"]))  # one, no list
+    assert short.policy().ignore_quantizations == ("fp4",)
 
 
 def test_given_up_samples_and_failed_attempt_cost(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -181,16 +182,31 @@ def test_sweep_stage_runs_the_sweep_as_a_function(
     from kimi_pipe.pipeline.runner import stage_config
     from kimi_pipe.stages import sweep
 
-    seen: list[sweep.SweepArgs] = []
-    monkeypatch.setattr(sweep, "sweep", lambda args: seen.append(args) or 0)
+    seen: list[tuple[str, sweep.SweepSettings, Path | None]] = []
+
+    def fake_sweep(
+        cfg: Any, args: sweep.SweepSettings, run_dir: Path | None = None, given: Any = None
+    ) -> tuple[int, dict[str, Any]]:
+        seen.append((str(cfg.dataset.name), args, run_dir))
+        return 0, {}
+
+    monkeypatch.setattr(sweep, "sweep", fake_sweep)
     cfg = compose(["pipeline=sweep", "dataset=B5", "sweep.providers=[a,b]", "sweep.usd=2"])
     SweepStage().run(StageContext(cfg, tmp_path))
-    args = seen[-1]
-    assert (args.dataset, args.providers, args.n, args.usd) == ("B5", ["a", "b"], 50, 2.0)
-    assert args.probes and args.sweep_dir == tmp_path  # run alone, the sweep probes first
-    [_, sweep_spec] = stage_specs(cfg)
+    dataset, args, sweep_dir = seen[-1]
+    assert (dataset, args.providers, args.n, args.usd) == ("B5", ["a", "b"], 50, 2.0)
+    assert args.probes and sweep_dir == tmp_path  # run alone, the sweep probes first
+    [probe_spec, sweep_spec] = stage_specs(cfg)
     SweepStage().run(StageContext(stage_config(cfg, sweep_spec.overrides), tmp_path))
-    assert not seen[-1].probes
+    assert not seen[-1][1].probes
+    # The probe stage probes the sweep's providers under the sweep's probe budget.
+    from kimi_pipe.stages import probe
+
+    staged = stage_config(
+        compose(["pipeline=sweep", "dataset=B5", "sweep.providers=[a,b]", "sweep.probe_usd=0.4"]),
+        probe_spec.overrides,
+    )
+    assert (probe.settings_of(staged).providers, probe.settings_of(staged).usd) == (["a", "b"], 0.4)
     missing = compose(["pipeline=sweep", "dataset=B5"])
     with pytest.raises(Exception, match="sweep.providers"):
         SweepStage().run(StageContext(missing, tmp_path))

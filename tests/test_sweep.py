@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 import yaml
+from omegaconf import open_dict
 
 from kimi_pipe.core.models import Model
 from kimi_pipe.core.prompt_render import prompt_ids
@@ -149,12 +150,13 @@ def swept(tmp_path_factory: pytest.TempPathFactory, kimi: Model, kimi_dir: Path)
         done = subprocess.run(
             [
                 sys.executable, "-m", "kimi_pipe.sweep", "dataset=jsonl",
-                f"providers={','.join(PROVIDERS)}", f"n={N}", "usd=1", "sweep_dir=sweep",
+                f"sweep.providers=[{','.join(PROVIDERS)}]", f"sweep.n={N}", "sweep.usd=1",
+                "sweep.sweep_dir=sweep",
                 "dataset.path=prompts.jsonl", f"model.tokenizer.path={kimi_dir}",
                 f"provider.api_base={srv.url()}", "provider.concurrency=8",
                 "provider.params.max_tokens=512", "provider.timeout_s=60",
                 "provider.retry.max_attempts=3", "provider.retry.base_delay_s=0.05",
-                "probes=false",  # the probe stage has its own tests (tests/test_probe.py)
+                "sweep.probes=false",  # the probe stage has its own tests (tests/test_probe.py)
             ],
             cwd=work, env=env, capture_output=True, text=True, timeout=600, check=False,
         )  # fmt: skip
@@ -243,33 +245,97 @@ def test_charts_are_non_empty_images(swept: Any) -> None:
             shutil.copy2(path, dest / path.name)
 
 
+def sweep_config(*overrides: str) -> Any:
+    from kimi_pipe.config import compose
+
+    return compose(list(overrides))
+
+
 def test_sweep_arguments() -> None:
-    args = sweep.parse_args(
-        ["dataset=B5", "providers=moonshotai, deepinfra/fp8", "n=50", "usd=5",
-         "provider.params.max_tokens=4096"]
-    )  # fmt: skip
+    cfg = sweep_config("dataset=B5", "sweep.providers=[moonshotai,deepinfra/fp8]", "sweep.n=50",
+                       "sweep.usd=5", "provider.params.max_tokens=4096")  # fmt: skip
+    args = sweep.settings_of(cfg)
     assert args.providers == ["moonshotai", "deepinfra/fp8"] and args.usd_each == 2.5
-    command = sweep.build_command(args, "B5", "num_samples")
+    given = ["dataset=B5", "provider.params.max_tokens=4096"]
+    command = sweep.build_command(
+        args, "num_samples", Path("runs/sweep/B5"), given, sweep.measures_as_is(cfg)
+    )
     assert command[3:] == [
-        "--multirun", "dataset=B5", "provider.name=moonshotai,deepinfra/fp8",
+        "--multirun", "dataset=B5", "provider.params.max_tokens=4096",
+        "provider.name=moonshotai,deepinfra/fp8",
         "provider.routing.order=[${provider.name}]", "provider.routing.allow_fallbacks=false",
         "dataset.num_samples=50", "budget.usd=2.5", "serving=unknown",
-        "provider.params.max_tokens=4096",
         "hydra.sweep.dir=runs/sweep/B5", "hydra.sweep.subdir=${provider.name}",
     ]  # fmt: skip
-    assert sweep.parse_args(["dataset=x", "providers=a,b,c", "n=1", "usd=1"]).usd_each == 0.333333
-    # budget.usd is the shared total too: passed through it would give each job all of it.
-    shared = sweep.parse_args(["dataset=x", "providers=a,b", "n=1", "budget.usd=3"])
+    # Each job: the sweep's own config with one provider pinned, n prompts, its share.
+    job = sweep.job_config(cfg, args, "deepinfra/fp8", "num_samples")
+    assert job.provider.routing.order == ["deepinfra/fp8"]
+    assert job.provider.routing.allow_fallbacks is False and job.provider.name == "deepinfra/fp8"
+    assert (job.dataset.num_samples, job.budget.usd, job.serving.name) == (50, 2.5, "unknown")
+    assert job.provider.params.max_tokens == 4096 and job.dataset.name == cfg.dataset.name
+    # A profile named on the command line is kept; serving=auto (the default) is not used.
+    declared = sweep_config("dataset=B5", "sweep.providers=[a]", "serving=vllm_0_33")
+    assert sweep.job_config(declared, sweep.settings_of(declared), "a", "limit").serving.name == (
+        "vllm_0_33"
+    )
+    three = sweep_config("sweep.providers=[a,b,c]", "sweep.n=1", "sweep.usd=1")
+    assert sweep.settings_of(three).usd_each == 0.333333
+    # budget.usd is the shared total when sweep.usd is not given: never each job's whole cap.
+    shared = sweep.settings_of(sweep_config("sweep.providers=[a,b]", "budget.usd=3"))
     assert shared.usd_each == 1.5 and shared.overrides == []
-    with pytest.raises(SystemExit, match="bad dataset or override"):
-        sweep.resolve_dataset(sweep.parse_args(["dataset=B5", "providers=a", "n=1", "usd=1",
-                                                "colour=red"]))  # fmt: skip
+    one = sweep.settings_of(sweep_config("sweep.providers=moonshotai"))  # one slug, no list
+    assert one.providers == ["moonshotai"]
     for bad, message in (
-        (["providers=a", "n=1", "usd=1"], "missing dataset="),
-        (["dataset=x", "providers=a,a", "n=1", "usd=1"], "twice"),
-        (["dataset=x", "providers=a b", "n=1", "usd=1"], "slugs"),
-        (["dataset=x", "providers=a", "n=0", "usd=1"], "n must be"),
-        (["dataset=x", "providers=a", "n=1", "usd=1", "budget.usd=2"], "disagree"),
+        (["sweep.n=1"], "sweep.providers=.* is required"),
+        (["sweep.providers=[a,a]"], "twice"),
+        (["sweep.providers=['a b']"], "slugs"),
+        (["sweep.providers=[a]", "sweep.n=0"], "n must be"),
+        (["sweep.providers=[a]", "sweep.n=many"], "sweep.n: .*Integer"),
+        (["sweep.providers=[a]", "sweep.dry_run=maybe"], "sweep.dry_run: .*bool"),
     ):
-        with pytest.raises(SystemExit, match=message):
-            sweep.parse_args(bad)
+        with pytest.raises(ValueError, match=message):
+            sweep.settings_of(sweep_config(*bad))
+    uncapped = sweep_config("sweep.providers=[a]")
+    with open_dict(uncapped):
+        del uncapped.dataset["limit"]  # a dataset with no key that caps its prompt count
+    with pytest.raises(ValueError, match="none of"):
+        sweep.resolve_dataset(uncapped)
+
+
+def run_sweep_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OPENROUTER_API_KEY": "sk" + "-test-x"}
+    return subprocess.run([sys.executable, "-m", "kimi_pipe.sweep", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+
+
+def test_sweep_command_line_dry_run(tmp_path: Path) -> None:
+    """The Hydra command line: group settings in, the plan and the equivalent multirun out,
+    nothing bought; the old `providers=` form names its new key."""
+    done = run_sweep_cli("dataset=B5", "sweep.providers=[moonshotai,novita]", "sweep.n=7",
+                         "sweep.usd=2", "sweep.dry_run=true", cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "2 providers x 7 prompts of" in done.stderr and "$1.0 each (of $2)" in done.stderr
+    assert "kimi_pipe.generate --multirun dataset=B5 provider.name=moonshotai,novita" in (
+        done.stderr
+    )
+    assert not (tmp_path / "runs").exists()  # a dry run writes nothing
+    old = run_sweep_cli("dataset=B5", "providers=a,b", "n=1", "usd=1", cwd=tmp_path)
+    assert old.returncode == 2 and "providers= is now sweep.providers=" in old.stderr
+    assert "Traceback" not in old.stderr
+
+
+def test_make_sweep_translates_the_short_names(tmp_path: Path) -> None:
+    """`make sweep dataset=B5 providers=a,b,c n=50 usd=6` keeps working (Hydra overrides)."""
+    make = shutil.which("make")
+    if make is None:
+        pytest.fail("make is needed: the documented command is a make target")
+    done = subprocess.run(
+        [make, "-n", "-C", str(REPO), "sweep", "dataset=B5", "providers=moonshotai,deepinfra/fp8",
+         "n=50", "usd=6", "PYTHON=python"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    commands = done.stdout.replace("\\\n", " ").splitlines()  # recipe lines joined
+    line = next(x for x in commands if "kimi_pipe.sweep" in x)
+    assert "'sweep.providers=[moonshotai,deepinfra/fp8]'" in line
+    assert "dataset=B5" in line and "sweep.n=50" in line and "sweep.usd=6" in line

@@ -42,6 +42,14 @@ def records_file(tmp: Path) -> Path:
     return path
 
 
+def broken_files(tmp: Path, conf: Path) -> dict[str, Path]:
+    """An empty file, and a YAML file that is not YAML (as a model config and a battery)."""
+    (tmp / "empty.jsonl").write_text("")
+    (conf / "model" / "not_yaml.yaml").write_text("tokenizer: [unclosed\n")
+    (tmp / "not_yaml.yaml").write_text("quirks: [unclosed\n")
+    return {"empty": tmp / "empty.jsonl", "not_yaml": tmp / "not_yaml.yaml"}
+
+
 CASES: list[tuple[str, list[str], str]] = [
     ("export: missing store", ["export", "stores=[/missing/store]", "output=out"],
      "/missing/store"),
@@ -61,24 +69,94 @@ CASES: list[tuple[str, list[str], str]] = [
      "local_model"),
     ("generate: unknown dataset", ["generate", "dataset=nosuch"], "nosuch"),
     ("generate: unknown key", ["generate", "colour=red"], "colour"),
-    ("sweep: no providers", ["sweep", "providers="], "providers"),
-    ("sweep: unknown dataset", ["sweep", "dataset=nosuch", "providers=a", "n=1", "usd=1"],
-     "nosuch"),
+    ("sweep: no providers", ["sweep", "sweep.providers=[]"], "providers"),
+    ("sweep: no providers (old form)", ["sweep", "providers="], "providers"),
+    ("sweep: no providers at all", ["sweep", "dataset=B5"], "sweep.providers"),
+    ("sweep: unknown dataset", ["sweep", "dataset=nosuch", "sweep.providers=[a]", "sweep.n=1",
+                                "sweep.usd=1"], "nosuch"),
+    ("sweep: unknown dataset (old form)", ["sweep", "dataset=nosuch", "providers=a", "n=1",
+                                           "usd=1"], "nosuch"),
+    ("sweep: n not a number", ["sweep", "sweep.providers=[a]", "sweep.n=many"], "sweep.n"),
+    ("sweep: unknown sweep key", ["sweep", "sweep.providers=[a]", "sweep.colour=red"],
+     "colour"),
+    ("sweep: wrong special id", ["sweep", *WRONG_END, "sweep.providers=[a]",
+                                 "dataset.path={records}", "sweep.sweep_dir=sw"], "163533"),
     ("probe: no providers", ["probe"], "providers"),
+    ("probe: missing battery", ["probe", "probe.providers=[a]", "probe.battery=/missing.yaml"],
+     "/missing.yaml"),
+    ("probe: usd not a number", ["probe", "probe.providers=[a]", "probe.usd=lots"], "probe.usd"),
+    ("probe: wrong special id", ["probe", *WRONG_END, "probe.providers=[a]",
+                                 "probe.output_dir=pr"], "163533"),
     ("run: unknown pipeline", ["run", "pipeline=nosuch"], "nosuch"),
     ("run: no pipeline", ["run"], "pipeline"),
     ("reconstruct: missing input", ["reconstruct", "input=/missing/in.jsonl",
                                     "output=out.jsonl"], "/missing/in.jsonl"),
-    ("report: missing dir", ["report", "sweep_dir=/missing/sweep"], "/missing/sweep"),
-    ("report: unknown argument", ["report", "sweep_dir=.", "colour=red"], "colour"),
+    ("report: missing dir", ["report", "report.sweep_dir=/missing/sweep"], "/missing/sweep"),
+    ("report: missing dir (old form)", ["report", "sweep_dir=/missing/sweep"], "sweep_dir"),
+    ("report: unknown argument", ["report", "report.sweep_dir=.", "colour=red"], "colour"),
+    ("report: no dir", ["report"], "report.sweep_dir"),
+    ("report: dir without runs", ["report", "report.sweep_dir=conf"], "records.jsonl"),
+    ("report: rate not a number", ["report", "report.sweep_dir=.", "report.min_ok_rate=high"],
+     "report.min_ok_rate"),
     ("unknown stage", ["nosuch"], "nosuch"),
+    # More than the issue named: bad kinds of values, files that are empty, directories,
+    # config files that are not YAML, group options that do not exist (issue 18, reviewers).
+    ("generate: missing prompt file", ["generate", "dataset.path=/missing.jsonl",
+                                       "output_dir=run"], "/missing.jsonl"),
+    ("generate: empty prompt file", ["generate", "dataset.path={empty}", "output_dir=run"],
+     "empty"),
+    ("generate: prompt file is a directory", ["generate", "dataset.path={conf}",
+                                              "output_dir=run"], "is a directory"),
+    ("generate: usd not a number", ["generate", "budget.usd=lots", "dataset.path={records}",
+                                    "output_dir=run"], "budget.usd"),
+    ("generate: limit not a number", ["generate", "dataset.limit=some", "serving=unknown",
+                                      "dataset.path={records}", "output_dir=run"],
+     "dataset.limit"),
+    ("generate: model config not YAML", ["generate", "model=not_yaml",
+                                         "hydra.searchpath=[file://{conf}]",
+                                         "dataset.path={records}"], "not_yaml.yaml"),
+    ("generate: unknown serving option", ["generate", "serving=nosuch"], "nosuch"),
+    ("reconstruct: empty input", ["reconstruct", "input={empty}", "output=out.jsonl"], "empty"),
+    ("reconstruct: input is a directory", ["reconstruct", "input={conf}", "output=out.jsonl"],
+     "is a directory"),
+    ("reconstruct: tolerance not a number", ["reconstruct", "input={records}", "output=o.jsonl",
+                                             "validation.billing_tolerance=some"],
+     "validation.billing_tolerance"),
+    ("audit: limit not a number", ["audit", "audit.records={records}", "audit.limit=some"],
+     "audit.limit"),
+    ("audit: unknown audit key", ["audit", "audit.records={records}", "+audit.colour=red"],
+     "colour"),
+    ("extract: unknown engine option", ["extract", "extract=nosuch"], "nosuch"),
+    ("export: seed not a number", ["export", "seed=some", "stores=[/missing]", "output=o"],
+     "seed"),
+    ("export: max_length not a number", ["export", "max_length=some", "stores=[/missing]",
+                                         "output=o"], "max_length"),
+    ("export: unknown format option", ["export", "export=nosuch"], "nosuch"),
+    ("sweep: missing prompt file", ["sweep", "sweep.providers=[a]", "sweep.probes=false",
+                                    "dataset.path=/missing.jsonl", "sweep.sweep_dir=sw"],
+     "/missing.jsonl"),
+    ("sweep: probes not a bool", ["sweep", "sweep.providers=[a]", "sweep.probes=maybe"],
+     "sweep.probes"),
+    ("probe: battery not YAML", ["probe", "probe.providers=[a]", "probe.battery={not_yaml}"],
+     "not_yaml.yaml"),
+    ("run: wrong special id", ["run", "pipeline=openrouter_sglang", *WRONG_END, "dataset=jsonl",
+                               "dataset.path={records}", "output_dir=run",
+                               "provider.api_base=http://127.0.0.1:9/v1"], "163533"),
+    ("run: missing prompt file", ["run", "pipeline=openrouter_sglang", "dataset=jsonl",
+                                  "dataset.path=/missing.jsonl", "output_dir=run"],
+     "/missing.jsonl"),
+    ("run: sweep without providers", ["run", "pipeline=sweep", "dataset=B5"], "providers"),
+    ("demo: unknown model option", ["demo", "model=nosuch"], "nosuch"),
+    ("demo: not a local provider", ["demo", "provider=openrouter"], "local"),
 ]  # fmt: skip
 
 
 @pytest.mark.parametrize(("args", "named"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_a_mistake_is_one_line_and_exit_2(args: list[str], named: str, tmp_path: Path) -> None:
     records, conf = records_file(tmp_path), wrong_end_model(tmp_path)
-    args = [a.replace("{records}", str(records)).replace("{conf}", str(conf)) for a in args]
+    paths = {"records": records, "conf": conf, **broken_files(tmp_path, conf)}
+    for name, path in paths.items():
+        args = [a.replace("{" + name + "}", str(path)) for a in args]
     done = run_stage(args, tmp_path)
     assert done.returncode == 2, (done.returncode, done.stderr[-2000:])
     assert "Traceback" not in done.stderr and "HYDRA_FULL_ERROR" not in done.stderr
@@ -96,3 +174,14 @@ def test_a_bug_keeps_its_traceback() -> None:
 
     with pytest.raises(ZeroDivisionError):
         compose_command(broken, [])
+
+
+@pytest.mark.parametrize("stage", ["reconstruct", "audit", "probe", "sweep", "report"])
+def test_help_is_the_stage_usage(stage: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--help` of a composed stage prints its usage and runs nothing (exit 0)."""
+    import importlib
+
+    module = importlib.import_module(f"kimi_pipe.stages.{stage}")
+    assert module.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert f"python -m kimi_pipe.{stage}" in out

@@ -32,6 +32,7 @@ from kimi_pipe.core.reconstruction import (
     undo_serving,
 )
 from kimi_pipe.core.serving import UNKNOWN, ServingProfile
+from kimi_pipe.core.token_record import CandidateOption, CandidateSet
 
 # Flag code -> ambiguity class this module enumerates.
 CLASS_OF_CODE = {
@@ -56,7 +57,7 @@ class Option:
     loss_mask: list[int]
     label: str
 
-    def to_record(self) -> dict[str, Any]:
+    def to_record(self) -> CandidateOption:
         return {"output_ids": self.output_ids, "loss_mask": self.loss_mask, "label": self.label}
 
 
@@ -71,7 +72,7 @@ class Candidates:
     # fits the bill as well as the options do; the split check weighs them (`short_readings`).
     short: list[Option] = field(default_factory=list)
 
-    def to_record(self) -> dict[str, Any]:
+    def to_record(self) -> CandidateSet:
         return {
             "closed": self.closed,
             "why_open": self.why_open,

@@ -22,6 +22,7 @@ from kimi_pipe.core.prompt_render import (
     prompt_ids,
 )
 from kimi_pipe.core.serving import UNKNOWN, UNKNOWN_PROFILE, ServingProfile
+from kimi_pipe.core.token_record import TokenIds
 
 # Issue codes. Errors make `ok` false; notes are listed but leave `ok` as it is.
 ERRORS = frozenset(
@@ -77,7 +78,7 @@ class Reconstruction:
     completion_tokens_reconstructed: int
     details: dict[str, Any] = field(default_factory=dict)
 
-    def to_record(self) -> dict[str, Any]:
+    def to_record(self) -> TokenIds:
         return {
             "ok": self.ok,
             "issues": list(self.issues),

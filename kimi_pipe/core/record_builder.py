@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 from kimi_pipe.core.candidates import SINGLE_CANDIDATE, Candidates, enumerate_candidates
 from kimi_pipe.core.evidence import UNRESOLVED, evidence_of, sampling_of
@@ -19,6 +19,7 @@ from kimi_pipe.core.logprobs import LogprobPolicy, apply_logprobs, record_fields
 from kimi_pipe.core.models import Model
 from kimi_pipe.core.reconstruction import ERRORS, Reconstruction, reconstruct
 from kimi_pipe.core.serving import UNKNOWN_PROFILE, ServingProfile
+from kimi_pipe.core.token_record import TokenRecord
 
 
 def billing_tolerance(cfg: Any) -> int:
@@ -70,7 +71,7 @@ class RecordBuilder:
         tools: Sequence[Mapping[str, Any]] | None,
         response: Any,
         request: Any = None,
-    ) -> dict[str, Any]:
+    ) -> TokenRecord:
         """The token record: reconstruction keys, id sources/logprobs, `evidence`,
         `sampling` (None when no request is known) and `candidates` where enumerable."""
         rec = self.reconstruction(messages, tools, response)
@@ -92,7 +93,7 @@ class RecordBuilder:
                     closed=False,
                     why_open="the engine's own ids in part of the output are not in the options",
                 )
-        record = rec.to_record() | record_fields(rec)
+        record = cast(TokenRecord, rec.to_record() | record_fields(rec))
         if candidates is not None and candidates.proves:
             record = _proven_by(record, candidates)
         elif candidates is not None:
@@ -109,7 +110,7 @@ def _engine_spans(rec: Reconstruction) -> bool:
     return any(span[2] == "engine" for span in rec.details.get("id_sources") or [])
 
 
-def _proven_by(record: dict[str, Any], candidates: Candidates) -> dict[str, Any]:
+def _proven_by(record: TokenRecord, candidates: Candidates) -> TokenRecord:
     """A closed one-member set: its ids are proven; the flags it covered become a note."""
     option = candidates.options[0]
     covered = {
@@ -120,18 +121,16 @@ def _proven_by(record: dict[str, Any], candidates: Candidates) -> dict[str, Any]
     # Each option passed its own billing check: a mismatch of the as-returned reading goes too.
     drop = set().union({"billing_mismatch"}, *(covered[c] for c in candidates.classes))
     issues = [c for c in record["issues"] if c not in drop] + [SINGLE_CANDIDATE]
-    record = dict(record)
-    record.update(
-        issues=list(dict.fromkeys(issues)),
-        ok=not any(c in ERRORS for c in issues),
-        output_ids=option.output_ids,
-        loss_mask=option.loss_mask,
-        completion_tokens_reconstructed=len(option.output_ids),
-    )
-    return record
+    return record | {
+        "issues": list(dict.fromkeys(issues)),
+        "ok": not any(c in ERRORS for c in issues),
+        "output_ids": option.output_ids,
+        "loss_mask": option.loss_mask,
+        "completion_tokens_reconstructed": len(option.output_ids),
+    }
 
 
-def mark_flagged(record: dict[str, Any], codes: Sequence[str]) -> dict[str, Any]:
+def mark_flagged(record: TokenRecord, codes: Sequence[str]) -> TokenRecord:
     """Add error codes from outside reconstruction (answer checks, billing of the call):
     the record is no longer `ok`, its rung `unresolved`."""
     if codes:

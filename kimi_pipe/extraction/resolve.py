@@ -35,10 +35,11 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
+from kimi_pipe.core.token_record import TokenRecord
 from kimi_pipe.errors import ConfigError, StoreError
 from kimi_pipe.extraction.sampler import (  # noqa: F401  (re-exported: resolve's public names)
     GREEDY_SLACK,
@@ -329,10 +330,10 @@ def resolvable(record: Mapping[str, Any]) -> str | None:
 
 def apply_resolution(
     record: Mapping[str, Any], numbers: Mapping[str, Any], extra: Mapping[str, Any]
-) -> dict[str, Any]:
+) -> TokenRecord:
     """The record after scoring (pure): rewritten with the chosen option when resolved, else
     kept unresolved with `resolution` and issue `target_unresolved` (LADDER.md)."""
-    out = dict(record)
+    out = cast(TokenRecord, dict(record))
     out["resolution"] = {
         "method": "target",
         **extra,
@@ -367,7 +368,7 @@ def apply_resolution(
 
 def score_record(
     record: Mapping[str, Any], scorer: SuffixScorer, settings: ResolveSettings
-) -> dict[str, Any] | None:
+) -> TokenRecord | None:
     """Score one resolvable record; the updated record, or None when it cannot be scored
     (no known temperature, too many options)."""
     sampling = settings.sampling_of(record)
@@ -444,7 +445,7 @@ def records_lock(records: Path, timeout_s: float) -> Iterator[None]:
 
 def rewrite_records(
     records: str | os.PathLike[str],
-    updates: Mapping[str, tuple[str, dict[str, Any]]],
+    updates: Mapping[str, tuple[str, TokenRecord]],
 ) -> int:
     """Replace the last line of each id in `updates` ({id: (digest of the line that was
     scored, new record)}) and write the file anew: tmp + fsync + rename + fsync of the
@@ -511,7 +512,7 @@ def resolve_records(
             sid, obj = _line_id(raw)
             if sid is not None and obj is not None and raw.endswith(b"\n"):
                 latest[sid] = (raw, obj)
-    updates: dict[str, tuple[str, dict[str, Any]]] = {}
+    updates: dict[str, tuple[str, TokenRecord]] = {}
     for sid, (raw, rec) in latest.items():
         if mine is not None and not mine(sid):
             continue
@@ -564,7 +565,7 @@ def resolve_records(
 
 def _split_check_pass(
     latest: Mapping[str, tuple[bytes, dict[str, Any]]],
-    updates: dict[str, tuple[str, dict[str, Any]]],
+    updates: dict[str, tuple[str, TokenRecord]],
     scorer: SuffixScorer | None,
     settings: ResolveSettings,
     mine: Any,

@@ -25,12 +25,13 @@ import copy
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from kimi_pipe.core.evidence import TARGET_RESOLVED, TEXT_PROVEN, UNRESOLVED, evidence_of
 from kimi_pipe.core.splits import NextTokenScorer, SplitSearch, Vocabulary, search_splits
+from kimi_pipe.core.token_record import TokenRecord
 from kimi_pipe.extraction.resolve import ResolveSettings, cache_argument, decide
 from kimi_pipe.extraction.sampler import Sampling, sampler_log_table
 
@@ -58,8 +59,8 @@ class HFNextTokenScorer:
         self.chunk_tokens = chunk_tokens
         self.tokens = 0  # forward work (positions run), for the cost report
         self._cache: Any = None
-        self._cached_ids: list[int] = []
-        self._cache_arg = cache_argument(model)  # the ids whose keys and values the cache holds
+        self._cached_ids: list[int] = []  # the ids whose keys and values the cache holds
+        self._cache_arg = cache_argument(model)
 
     @torch.inference_mode()
     def logprobs_along(
@@ -147,7 +148,7 @@ def check_record(
     vocab: Vocabulary,
     settings: ResolveSettings,
     model_name: str,
-) -> tuple[dict[str, Any] | None, int]:
+) -> tuple[TokenRecord | None, int]:
     """The record after its split check (None: the request's temperature is unknown), and
     the forward tokens it cost."""
     sampling = settings.sampling_of(record)
@@ -235,11 +236,11 @@ def apply_split_check(
     sampling: Sampling,
     neighbours: Sequence[Reading] = (),
     neighbour_limits: Sequence[str] = (),
-) -> dict[str, Any]:
+) -> TokenRecord:
     """Pure: the record with its `split_check` numbers and the rung they support.
     `neighbours`: whole readings beyond the splits of the record's own text
     (`neighbour_readings`), weighed with them."""
-    out = dict(record)
+    out = cast(TokenRecord, dict(record))
     output = list(record["output_ids"])
     drawable = [n for n in neighbours if n.logprob > -math.inf]
     options = [

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from kimi_pipe.core.token_record import record_problem
 from kimi_pipe.errors import ConfigError, MissingFile
 from kimi_pipe.store.records import ReadStats, iter_records
 
@@ -45,24 +46,6 @@ class TokenSample:
 
 
 # --------------------------------------------------------------------------- records
-
-
-def _record_problem(rec: Any) -> str | None:
-    """Why a record cannot be used (None when it can)."""
-    if not isinstance(rec, dict):
-        return "not_an_object"
-    if rec.get("id") is None:
-        return "no_id"
-    prompt, output, mask = rec.get("prompt_ids"), rec.get("output_ids"), rec.get("loss_mask")
-    if not isinstance(prompt, list) or not isinstance(output, list) or not isinstance(mask, list):
-        return "no_ids"
-    if not prompt and not output:
-        return "no_ids"
-    if len(mask) != len(prompt) + len(output):
-        return "loss_mask_length"
-    if not all(isinstance(t, int) and t >= 0 for t in prompt + output):
-        return "bad_token_id"
-    return None
 
 
 def read_token_records(
@@ -94,7 +77,7 @@ def read_token_records(
         if only_ok and accept is None and not rec.get("ok", False):
             counts["skipped_not_ok"] += 1  # an error record (no ids)
             continue
-        problem = _record_problem(rec)
+        problem = record_problem(rec)
         if problem:
             counts[f"skipped_{problem}"] += 1
             log.warning("%s: record %r unusable (%s), skipped", path, rec.get("id"), problem)

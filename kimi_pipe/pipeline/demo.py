@@ -34,7 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from kimi_pipe.config import DATA_DIR
 from kimi_pipe.errors import KimiPipeError
-from kimi_pipe.pipeline.runner import PipelineError, PipelineRun, print_run, run_pipeline
+from kimi_pipe.pipeline.runner import PipelineRun, print_run, raise_user_error, run_pipeline
 
 DEMO_PROMPTS = DATA_DIR / "demo_prompts.jsonl"
 
@@ -42,7 +42,11 @@ log = logging.getLogger("kimi_pipe.demo")
 
 
 class DemoError(KimiPipeError, RuntimeError):
-    """A step failed; the message names the step and where to look."""
+    """The demo cannot run as asked (a provider that is not a local server)."""
+
+
+class DemoFailed(RuntimeError):
+    """A step failed for a reason other than the user's (the message names the step)."""
 
 
 def compose_demo(overrides: Sequence[str]) -> DictConfig:
@@ -134,31 +138,40 @@ def print_summary(run: PipelineRun) -> None:
 
 
 def run_demo(overrides: Sequence[str] = ()) -> PipelineRun:
-    cfg = compose_demo(overrides)
+    return run_demo_config(compose_demo(overrides))
+
+
+def run_demo_config(cfg: DictConfig) -> PipelineRun:
     if not cfg.provider.get("server"):
         raise DemoError(f"provider={cfg.provider.name} is not a local server; the demo needs one")
     run_dir = Path(str(cfg.pipeline.run_dir)).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "demo_config.yaml").write_text(OmegaConf.to_yaml(cfg))  # holds no key
     run = run_pipeline(cfg)
+    raise_user_error(run)  # the user's mistake: one line, exit 2
     if not run.ok:
         failed = next(o for o in run.outcomes if o.status == "failed")
-        raise DemoError(f"step {failed.name!r} failed: {failed.error}")
+        raise DemoFailed(f"step {failed.name!r} failed: {failed.error}")
     return run
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from kimi_pipe.stages.command import compose_command
+
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     overrides = list(sys.argv[1:] if argv is None else argv)
-    from hydra.errors import HydraException
 
-    try:
-        run = run_demo(overrides)
-    except (DemoError, PipelineError, HydraException) as exc:
-        print(f"\ndemo failed: {exc}", file=sys.stderr)
-        return 1
-    print_run(run, print_summary)  # what `python -m kimi_pipe.run pipeline=demo` prints
-    return 0
+    def demo_task(cfg: DictConfig) -> int:
+        try:
+            run = run_demo_config(cfg)
+        except DemoFailed as exc:  # not the user's mistake: the step's own failure
+            print(f"\ndemo failed: {exc}", file=sys.stderr)
+            return 1
+        print_run(run, print_summary)  # what `python -m kimi_pipe.run pipeline=demo` prints
+        return 0
+
+    # conf/pipeline/demo.yaml first, so that the user's overrides win over it.
+    return compose_command(demo_task, ["pipeline=demo", *overrides], usage=__doc__)
 
 
 if __name__ == "__main__":

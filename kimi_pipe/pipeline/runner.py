@@ -31,7 +31,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from kimi_pipe.errors import KimiPipeError
+from kimi_pipe.errors import KimiPipeError, one_line
 from kimi_pipe.pipeline.registry import resolve_stage
 from kimi_pipe.pipeline.stage import Stage, StageContext
 from kimi_pipe.store import atomic
@@ -60,6 +60,9 @@ class StageOutcome:
     result: dict[str, Any] | None = None
     error: str | None = None
     token: str | None = None  # this run of the stage (from its marker when skipped)
+    # The failure was the user's to fix (a kimi_pipe.errors class, a missing input): the
+    # command says it as one line and exits 2, like a stage run alone.
+    user_error: bool = False
 
 
 @dataclass
@@ -233,7 +236,7 @@ def _run_one(
     if missing:
         why = f"needs {', '.join(map(str, missing))}, which does not exist"
         say(f"== {tag} {name}: cannot start: {why}")
-        return StageOutcome(name, "failed", 0.0, writes, None, why)
+        return StageOutcome(name, "failed", 0.0, writes, None, why, user_error=True)
     why_rerun = "" if marker is None else " (settings changed)" if marker.get(
         "fingerprint") != print_ else " (outputs incomplete)"  # fmt: skip
     say(f"== {tag} {name}: running{why_rerun}")
@@ -244,9 +247,14 @@ def _run_one(
         raise
     except Exception as exc:  # one failed stage ends the pipeline with its reason, not a trace
         log.debug("stage %s failed", name, exc_info=True)
+        mistake = one_line(exc)
+        seconds = time.monotonic() - started
+        if mistake is not None:  # said once, as the command's `error:` line
+            say(f"== {tag} {name}: failed after {seconds:.1f}s")
+            return StageOutcome(name, "failed", seconds, writes, None, mistake, user_error=True)
         why = f"{type(exc).__name__}: {exc}"
-        say(f"== {tag} {name}: failed after {time.monotonic() - started:.1f}s: {why}")
-        return StageOutcome(name, "failed", time.monotonic() - started, writes, None, why)
+        say(f"== {tag} {name}: failed after {seconds:.1f}s: {why}")
+        return StageOutcome(name, "failed", seconds, writes, None, why)
     seconds = time.monotonic() - started
     result = json.loads(json.dumps(result or {}, default=str))  # what the marker will hold
     token = uuid.uuid4().hex
@@ -330,9 +338,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         hook = _summary_hook(cfg)
         run = run_pipeline(cfg)
         print_run(run, hook)
+        raise_user_error(run)
         return 0 if run.ok else 1
 
     return compose_command(pipeline_task, overrides)
+
+
+def raise_user_error(run: PipelineRun) -> None:
+    """A stage stopped by the user's mistake: raised as one line (exit 2), as that stage
+    run alone would say it."""
+    failed = next((o for o in run.outcomes if o.status == "failed"), None)
+    if failed is not None and failed.user_error:
+        raise PipelineError(f"stage {failed.name}: {failed.error}")
 
 
 def print_run(run: PipelineRun, hook: Any = None) -> None:

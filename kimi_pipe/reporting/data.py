@@ -19,6 +19,7 @@ import yaml
 from omegaconf import DictConfig
 
 from kimi_pipe.core.evidence import LADDER, evidence_of
+from kimi_pipe.errors import MissingFile
 
 RECORDS_FILE = "records.jsonl"
 PROBES_DIR = "probes"  # where the probe stage writes inside a sweep directory
@@ -66,9 +67,9 @@ class Run:
 def find_run_dirs(root: Path) -> list[Path]:
     """Every directory at or below `root` holding a records file, in a stable order."""
     if not root.exists():
-        raise FileNotFoundError(
-            f"{root} does not exist; pass sweep_dir= a generate run directory or a sweep "
-            "directory (made by `make sweep` or `python -m kimi_pipe.generate`)"
+        raise MissingFile(
+            f"{root} does not exist; pass report.sweep_dir= a generate run directory or a "
+            "sweep directory (made by `make sweep` or `python -m kimi_pipe.generate`)"
         )
     # The probe stage's runs (<sweep_dir>/probes/<slug>/) and serving=auto's
     # (<run>/serving_auto/<slug>/) are probes, not provider runs.
@@ -77,7 +78,7 @@ def find_run_dirs(root: Path) -> list[Path]:
         {p.parent for p in root.rglob(RECORDS_FILE) if not probes & set(p.relative_to(root).parts)}
     )
     if not found:
-        raise FileNotFoundError(
+        raise MissingFile(
             f"no {RECORDS_FILE} at or below {root}; run the generate stage or `make sweep` first"
         )
     return found

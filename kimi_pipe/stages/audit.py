@@ -1,4 +1,4 @@
-"""Stage `audit`: measured reconstruction fidelity against ids an engine really produced.
+r"""Stage `audit`: measured reconstruction fidelity against ids an engine really produced.
 
     python -m kimi_pipe.audit model=smollm2 audit.run_dir=runs/demo/local
     python -m kimi_pipe.audit model=M audit.records=R.jsonl audit.truth=replies \
@@ -138,12 +138,11 @@ class AuditSettings:
 
     @classmethod
     def from_cfg(cls, cfg: Mapping[str, Any] | None) -> AuditSettings:
-        data = dict(cfg or {})
-        known = set(cls.__dataclass_fields__)
-        unknown = set(data) - known
-        if unknown:
-            raise AuditError(f"unknown audit keys: {sorted(unknown)} (known: {sorted(known)})")
-        settings = cls(**data)
+        """Typed from the `audit` node: an unknown key or a value of the wrong kind is a
+        ConfigError naming `audit.KEY`."""
+        from kimi_pipe.config import typed_settings
+
+        settings = typed_settings(dict(cfg or {}), cls, "audit")
         if settings.truth not in ("hf_greedy", "replies", "response"):
             raise AuditError(f"audit.truth={settings.truth!r}: use hf_greedy, replies or response")
         return settings
@@ -594,7 +593,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"audit: {summary['audit_json']}", file=sys.stderr)
         return 0
 
-    return compose_command(audit_stage, argv)
+    return compose_command(audit_stage, argv, usage=__doc__)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ A stage module exposes `run_stage(cfg, run_dir) -> summary` and a `main()` made 
   write a run directory (generate, extract, export).
 - `compose_command(task, argv)`: the same overrides composed without a Hydra job (no
   `.hydra/` written): stages that read runs and write one file or table (reconstruct,
-  audit, report, probe, sweep).
+  audit, report, probe, sweep). A stage's own settings are a config group
+  (`conf/<stage>/default.yaml`: `audit.*`, `probe.*`, `sweep.*`, `report.*`), read
+  through `kimi_pipe.config.node_settings` (typed: a wrong value is one line, exit 2).
 
 Both check the overrides first (an unknown group option or key is one line, exit 2, not
 Hydra's traceback or exit 1), and turn every `kimi_pipe.errors` failure raised by the task
@@ -17,7 +19,7 @@ into one line and exit 2. A bug keeps its traceback.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from omegaconf import DictConfig
@@ -40,17 +42,90 @@ def _status(result: Any) -> int:
     return result if isinstance(result, int) else 0
 
 
-def compose_overrides(overrides: Sequence[str]) -> DictConfig:
-    """The composed config, or a ConfigError naming the bad override."""
+def override_key(override: str) -> str:
+    """`key` of `key=value`, `+key=value`, `++key=value` or `~key`."""
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def compose_overrides(
+    overrides: Sequence[str], moved: Mapping[str, str] | None = None
+) -> DictConfig:
+    """The composed config, or a ConfigError naming the bad override. `moved` maps a key the
+    command took before it was a Hydra app to its config key, said in the message."""
     from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+    from yaml import YAMLError
+
+    try:
+        cfg = compose(list(overrides))
+    except (HydraException, OmegaConfBaseException, YAMLError, UnicodeDecodeError) as exc:
+        # Hydra appends its search path to a missing group option: noise on one line.
+        message = str(exc).split("\nConfig search path", 1)[0]
+        old = [o for o in overrides if override_key(o) in (moved or {})]
+        if old and moved:  # Hydra's own hint (`+key=value`) would add a stray key
+            message = (
+                message.split("\n", 1)[0]
+                + " "
+                + ", ".join(f"{override_key(o)}= is now {moved[override_key(o)]}=" for o in old)
+            )
+        raise ConfigError(f"bad override or config: {message}") from None
+    check_value_types(overrides)
+    return cfg
+
+
+def _expected(default: Any, value: Any) -> str | None:
+    """What a value given for a setting whose default is `default` should have been; None
+    when it fits (null always does: it says "not set")."""
+    if value is None or isinstance(value, str) and "${" in value:
+        return None
+    if isinstance(default, bool):
+        return None if isinstance(value, bool) else "true or false"
+    if isinstance(default, int):
+        ok = isinstance(value, int) and not isinstance(value, bool)
+        return None if ok else "a whole number"
+    if isinstance(default, float):
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        return None if ok else "a number"
+    return None
+
+
+def check_value_types(overrides: Sequence[str]) -> None:
+    """`budget.usd=abc`, `seed=1.5`, `sweep.probes=maybe`: a value of another kind than the
+    setting's default (a number, a whole number, true/false) is a ConfigError naming it,
+    before a stage reads it deep inside. Settings whose default is null are the stage's to
+    check; new keys (`+key=`) and interpolations are not checked."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     try:
-        return compose(list(overrides))
-    except (HydraException, OmegaConfBaseException) as exc:
-        # Hydra appends its search path to a missing group option: noise on one line.
-        message = str(exc).split("\nConfig search path", 1)[0]
-        raise ConfigError(f"bad override or config: {message}") from None
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except HydraException:
+        return  # compose said it already
+    values = [
+        o
+        for o in parsed
+        if not (CONF_DIR / o.key_or_group).is_dir()  # a group choice: Hydra checks it
+        and not o.key_or_group.startswith("hydra")
+        and not (o.is_add() or o.is_force_add() or o.is_delete() or o.is_sweep_override())
+        and isinstance(o.value(), str | int | float | bool)
+    ]
+    if not values:
+        return
+    # The defaults of the same groups: the choices and Hydra settings without the values.
+    base = compose([str(o.input_line) for o in parsed if o not in values])
+    for item in values:
+        try:
+            default = OmegaConf.select(base, item.key_or_group, throw_on_missing=False)
+        except OmegaConfBaseException:
+            continue
+        expected = _expected(default, item.value())
+        if expected is not None:
+            raise ConfigError(
+                f"{item.key_or_group}={item.value()!r}: expected {expected} "
+                f"(its default is {default!r})"
+            )
 
 
 def report(exc: BaseException) -> int | None:
@@ -62,11 +137,25 @@ def report(exc: BaseException) -> int | None:
     return EXIT_USER_ERROR
 
 
-def compose_command(task: Task, argv: Sequence[str] | None = None) -> int:
-    """Compose the overrides (argv, else sys.argv) and run `task`; exit status returned."""
+HELP_FLAGS = ("-h", "--help")
+
+
+def compose_command(
+    task: Task,
+    argv: Sequence[str] | None = None,
+    *,
+    usage: str | None = None,
+    moved: Mapping[str, str] | None = None,
+) -> int:
+    """Compose the overrides (argv, else sys.argv) and run `task`; exit status returned.
+    `-h`/`--help` prints `usage` (the stage module's docstring) and runs nothing; `moved`:
+    see `compose_overrides`."""
     overrides = list(sys.argv[1:] if argv is None else argv)
+    if HELP_FLAGS[0] in overrides or HELP_FLAGS[1] in overrides:
+        print((usage or "usage: [group=option] [key=value ...] (Hydra overrides of conf/)").strip())
+        return 0
     try:
-        return _status(task(compose_overrides(overrides)))
+        return _status(task(compose_overrides(overrides, moved)))
     except Exception as exc:
         status = report(exc)
         if status is None:

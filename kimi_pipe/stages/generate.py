@@ -40,6 +40,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from kimi_pipe.config import CONF_DIR
 from kimi_pipe.core.answer_checks import TextRepair, answer_issues, clean_text
 from kimi_pipe.core.evidence import LADDER, evidence_of
+from kimi_pipe.core.token_record import TokenRecord
 from kimi_pipe.errors import KimiPipeError, one_line
 from kimi_pipe.progress import Progress, Snapshot
 from kimi_pipe.providers.account import KeyStatus, account_for
@@ -99,7 +100,7 @@ class GenerateError(KimiPipeError, RuntimeError):
 @dataclass
 class TokenCore:
     prompt_len: Callable[[list[dict], list[dict] | None], int]
-    reconstruct: Callable[..., dict[str, Any]]
+    reconstruct: Callable[..., TokenRecord]
 
     @classmethod
     def load(cls, cfg: DictConfig, asked_model: str = "", route: Any = None) -> TokenCore:
@@ -119,7 +120,7 @@ class TokenCore:
 
         def rebuild(
             messages: list[dict], tools: list[dict] | None, resp: dict, request: dict | None = None
-        ) -> dict[str, Any]:
+        ) -> TokenRecord:
             serving, spec, probe = route.profile_for(resp.get("provider"))
             record = replace(builder, serving=serving).build(messages, tools, resp, request)
             record |= {"serving_profile": spec, "serving_probe": probe}
@@ -132,7 +133,7 @@ class TokenCore:
 MONEY_NOTES = frozenset({"cost_below_listed_price"})
 
 
-def _with_issues(record: dict[str, Any], issues: list[str]) -> dict[str, Any]:
+def _with_issues(record: TokenRecord, issues: list[str]) -> TokenRecord:
     """Add error codes to a reconstructed record: it is no longer `ok` (rung unresolved)."""
     from kimi_pipe.core.record_builder import mark_flagged
 
@@ -169,7 +170,7 @@ def _repaired(prompt: Any, repair: TextRepair) -> Any:
     return replace(prompt, messages=messages, tools=tools) if repair.surrogates else prompt
 
 
-def _error_record(prompt: Any, request: dict, err: ErrorInfo, attempts: int) -> dict[str, Any]:
+def _error_record(prompt: Any, request: dict, err: ErrorInfo, attempts: int) -> TokenRecord:
     return {
         "id": prompt.id,
         "ok": False,
@@ -960,32 +961,10 @@ def _pointed_at(cfg: DictConfig, endpoint: dict[str, Any]) -> DictConfig:
 
 
 def generate(cfg: DictConfig, run_dir: Path | None = None) -> tuple[int, dict[str, Any] | None]:
-    """Run the stage; returns (exit status, summary). Config/input problems -> status 2."""
-    from kimi_pipe.core.models import load_model
-    from kimi_pipe.core.serving import serving_profile
-    from kimi_pipe.providers.local_server import provider_endpoint
-    from kimi_pipe.stages import serving_auto
-
+    """Run the stage; returns (exit status, summary). Config/input problems -> status 2,
+    said as one line here."""
     try:
-        # Before anything is written: no secret in any value, a run directory that may be one.
-        refuse_secrets(cfg)
-        run_dir = check_run_dir(run_dir or run_dir_of(cfg), RUN_FILES)
-        # One process per run directory, held until the summary is written.
-        with RunLock(run_dir), provider_endpoint(cfg, run_dir) as endpoint:
-            # provider=local: its server is started around the run, reached like any other.
-            if endpoint.get("server") is not None:
-                cfg = _pointed_at(cfg, endpoint)
-            if serving_auto.is_plain_auto(serving_profile(cfg)):
-                # A model config its tokenizer contradicts fails here, once, before the
-                # probes buy anything (their own generate runs would each say it again).
-                load_model(cfg.model)
-            for _ in range(serving_auto.MAX_ROUTE_CHANGES + 1):
-                # serving=auto: probes (booked in this run's journal) before any answer.
-                job_cfg, route = serving_auto.prepare(cfg, run_dir)
-                gen = Generator(job_cfg, run_dir, route=route)
-                summary = asyncio.run(gen.run())
-                if summary["stop_reason"] != "route_changed":
-                    break
+        run_dir, summary = run_generate(cfg, run_dir)
     except (KimiPipeError, OSError) as exc:
         # A user's mistake or the host's fault (a full disk, a read-only directory): one
         # line naming the path; every complete record and the journal are on disk.
@@ -999,8 +978,47 @@ def generate(cfg: DictConfig, run_dir: Path | None = None) -> tuple[int, dict[st
         return EXIT_CONFIG, None
     except KeyboardInterrupt:
         # Every finished answer is already on disk; the requests in flight are lost.
-        print(f"interrupted; run the same command again to resume ({run_dir})", file=sys.stderr)
+        where = run_dir if run_dir is not None else cfg.get("output_dir")
+        print(f"interrupted; run the same command again to resume ({where})", file=sys.stderr)
         return EXIT_INTERRUPTED, None
+    return finish_status(run_dir, summary), summary
+
+
+def run_generate(cfg: DictConfig, run_dir: Path | None = None) -> tuple[Path, dict[str, Any]]:
+    """The stage's work: (run directory, summary). A user-facing failure is raised, not
+    printed (`generate` says it; a sweep or the probes say it once for all their jobs)."""
+    from kimi_pipe.core.models import load_model
+    from kimi_pipe.core.serving import serving_profile
+    from kimi_pipe.providers.local_server import provider_endpoint
+    from kimi_pipe.stages import serving_auto
+    from kimi_pipe.store.prompt_datasets import check_prompt_source
+
+    # Before anything is written: no secret in any value, a run directory that may be one,
+    # a prompt file that is there (before serving=auto's probes buy anything).
+    refuse_secrets(cfg)
+    check_prompt_source(cfg.dataset)
+    run_dir = check_run_dir(run_dir or run_dir_of(cfg), RUN_FILES)
+    # One process per run directory, held until the summary is written.
+    with RunLock(run_dir), provider_endpoint(cfg, run_dir) as endpoint:
+        # provider=local: its server is started around the run, reached like any other.
+        if endpoint.get("server") is not None:
+            cfg = _pointed_at(cfg, endpoint)
+        if serving_auto.is_plain_auto(serving_profile(cfg)):
+            # A model config its tokenizer contradicts fails here, once, before the
+            # probes buy anything (their own generate runs would each say it again).
+            load_model(cfg.model)
+        for _ in range(serving_auto.MAX_ROUTE_CHANGES + 1):
+            # serving=auto: probes (booked in this run's journal) before any answer.
+            job_cfg, route = serving_auto.prepare(cfg, run_dir)
+            gen = Generator(job_cfg, run_dir, route=route)
+            summary = asyncio.run(gen.run())
+            if summary["stop_reason"] != "route_changed":
+                break
+    return run_dir, summary
+
+
+def finish_status(run_dir: Path, summary: dict[str, Any]) -> int:
+    """Say how a finished run ended; its exit status (0, stopped, or every request failed)."""
     line = (
         f"generate {summary['stop_reason']}: {summary['counts']['answered']} answered "
         f"({summary['counts']['ok']} ok, {summary['counts']['flagged']} flagged), "
@@ -1021,8 +1039,8 @@ def generate(cfg: DictConfig, run_dir: Path | None = None) -> tuple[int, dict[st
             f"{run_dir / ATTEMPT_ERRORS} and {run_dir / RECORDS}",
             file=sys.stderr,
         )
-        return EXIT_ALL_FAILED, summary
-    return (EXIT_STOPPED if stopped else 0), summary
+        return EXIT_ALL_FAILED
+    return EXIT_STOPPED if stopped else 0
 
 
 def _refuse_keys_on_the_command_line(argv: list[str]) -> None:
@@ -1067,11 +1085,15 @@ def check_before_launch(argv: list[str], environ: dict[str, str] | None = None) 
     from hydra import initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
+    from yaml import YAMLError
 
+    # A config that does not compose is reported by the command (one line), before Hydra
+    # writes anything.
+    not_composed = (HydraException, OmegaConfBaseException, YAMLError, UnicodeDecodeError)
     multirun = any(a in ("-m", "--multirun") for a in argv)
     try:
         jobs = job_overrides(argv)
-    except (HydraException, OmegaConfBaseException):
+    except not_composed:
         return
     seen: dict[str, list[str]] = {}
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
@@ -1087,8 +1109,8 @@ def check_before_launch(argv: list[str], environ: dict[str, str] | None = None) 
                 output_dir = str(cfg.output_dir)
                 with open_dict(cfg):
                     del cfg["hydra"]
-            except (HydraException, OmegaConfBaseException):
-                return  # Hydra reports it, before it writes anything
+            except not_composed:
+                return
             refuse_secrets(cfg, environ, {where: run_dir})
             check_run_dir(run_dir)
             if not multirun and not same_dir(run_dir, output_dir):
@@ -1129,10 +1151,11 @@ def complete_note(cfg: DictConfig, run_dir: Path) -> str:
 def run_stage(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:
     """The stage entry: buy every prompt's answer into the run directory; its summary.
 
-    A run that could not start, or whose every request failed, raises GenerateError."""
-    status, summary = generate(cfg, run_dir)
-    if status or summary is None:
-        where = Path(run_dir) if run_dir is not None else Path(str(cfg.output_dir))
+    A mistake is raised as it is; a run stopped by the provider, or whose every request
+    failed, raises GenerateError."""
+    where, summary = run_generate(cfg, run_dir)
+    status = finish_status(where, summary)
+    if status:
         raise GenerateError(
             f"generate exited with status {status}; see the messages above and "
             f"{where / 'summary.json'}"

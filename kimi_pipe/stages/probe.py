@@ -1,8 +1,11 @@
-"""Stage `probe`: conformance probes, pinned to each provider, and a conformance table.
+r"""Stage `probe`: conformance probes, pinned to each provider, and a conformance table.
 
-    python -m kimi_pipe.probe providers=moonshotai,fireworks [usd=0.3] \
-        [output_dir=runs/probe] [battery=conf/probes/kimi_k25.yaml] [group.key=value ...]
+    python -m kimi_pipe.probe probe.providers=[moonshotai,fireworks] [probe.usd=0.3] \
+        [probe.output_dir=runs/probe] [probe.battery=PATH.yaml] [group.key=value ...]
+    make probe providers=moonshotai,fireworks [usd=0.3]          # the same
 
+A Hydra app over the shared config; its settings are the `probe` group
+(conf/probe/default.yaml), the model and provider settings those of generate.
 A battery (`conf/probes/<model>.yaml`) holds small prompts built so that one server
 transformation (a quirk) shows in the answer, each with a deterministic check. For every
 provider the battery is bought through the generate stage, pinned to it
@@ -33,10 +36,6 @@ from kimi_pipe.errors import ConfigError
 
 CLEAN, SEEN, UNKNOWN = "clean", "seen", "unknown"
 NATIVE_ID = re.compile(r"^functions\.(?P<name>[^:\s]+):(?P<index>\d+)$")
-USAGE = (
-    "usage: python -m kimi_pipe.probe providers=a,b,c [usd=0.3] [output_dir=DIR] "
-    "[battery=PATH.yaml] [group.key=value ...]"
-)
 
 
 class ProbeError(ConfigError):
@@ -78,8 +77,15 @@ def load_battery(path: Path) -> Battery:
     from omegaconf import OmegaConf
 
     if not path.is_file():
-        raise ProbeError(f"probe battery {path} not found; give battery=PATH.yaml")
-    data = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+        raise ProbeError(f"probe battery {path} not found; name one: probe.battery=PATH.yaml")
+    from omegaconf.errors import OmegaConfBaseException
+    from yaml import YAMLError
+
+    try:
+        data = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    except (YAMLError, UnicodeDecodeError, OmegaConfBaseException) as exc:
+        why = str(exc).split("\n", 1)[0]
+        raise ProbeError(f"probe battery {path} is not readable YAML: {why}") from None
     if not isinstance(data, dict):
         raise ProbeError(f"{path}: not a mapping")
     quirks = {
@@ -587,14 +593,47 @@ def buy_battery(
 ) -> list[dict[str, Any]]:
     """Buy the battery through the generate stage (pinned to `slug`, or the route as
     configured when None) into `run`; returns its records (resumes what `run` holds)."""
-    from kimi_pipe.stages.generate import RECORDS, generate
+    from kimi_pipe.stages.generate import RECORDS, finish_status, run_generate
     from kimi_pipe.store.records import iter_records
 
     cfg = with_overrides(base_cfg, provider_overrides(battery, prompts, slug, usd, run))
-    status, _ = generate(cfg, run)
-    if status == 2:
-        raise ProbeError(f"generate could not start for {slug or 'the route'} (see above)")
+    # A mistake (a config, the key, a price) is raised and said once by the caller's
+    # command; a run stopped by the provider still has its answers judged.
+    finish_status(*run_generate(cfg, run))
     return list(iter_records(run / RECORDS)) if (run / RECORDS).exists() else []
+
+
+# Settings that belong to the battery, not to the command that asked for the probes (a
+# sweep's dataset, budget and serving profile): left out of the overrides the probes take.
+NOT_THE_PROBES = ("dataset", "budget", "serving")
+
+
+def probe_overrides(overrides: Sequence[str]) -> list[str]:
+    return [o for o in overrides if not o.lstrip("+~").startswith(NOT_THE_PROBES)]
+
+
+def probe_providers(
+    base: Any, providers: Sequence[str], out_dir: Path, battery: Battery, usd: float | None
+) -> list[ProviderConformance]:
+    """The battery bought pinned to each provider on the composed config `base` (its model
+    and provider settings; the battery brings its own prompts, budget and profile), judged,
+    written to `out_dir` and cached for serving=auto."""
+    from kimi_pipe.stages.serving_auto import cache_conformance
+
+    check_providers(providers, "providers")
+    base = with_overrides(base, ["budget=default"])  # the battery's cap, not the caller's
+    prompts = out_dir / "prompts.jsonl"
+    write_probe_prompts(battery, prompts)
+    total = usd if usd is not None else battery.usd_each * len(providers)
+    each = int(total / len(providers) * 1e6) / 1e6  # micro-dollars, never more than the total
+    results = []
+    for slug in providers:
+        run = out_dir / slug.replace("/", "_")
+        records = buy_battery(base, battery, prompts, slug, each, run)
+        results.append(judge(battery, slug, records))
+    write_conformance(out_dir, battery, results)
+    cache_conformance(base, battery.source, results)  # serving=auto reads these verdicts
+    return results
 
 
 def run_probes(
@@ -604,62 +643,84 @@ def run_probes(
     usd: float | None,
     overrides: Sequence[str] = (),
 ) -> list[ProviderConformance]:
+    """`probe_providers` on the config composed from `overrides` (for scripts and tests)."""
     from kimi_pipe.config import compose
 
-    # The battery is the dataset and has its own budget: such overrides are not the probes'.
-    overrides = [
-        o for o in overrides if not o.lstrip("+~").startswith(("dataset", "budget", "serving"))
-    ]
-    prompts = out_dir / "prompts.jsonl"
-    write_probe_prompts(battery, prompts)
-    each = (
-        int((usd if usd is not None else battery.usd_each * len(providers)) / len(providers) * 1e6)
-        / 1e6
-    )
-    base = compose(overrides)
-    results = []
-    for slug in providers:
-        run = out_dir / slug.replace("/", "_")
-        records = buy_battery(base, battery, prompts, slug, each, run)
-        results.append(judge(battery, slug, records))
-    write_conformance(out_dir, battery, results)
-    from kimi_pipe.stages.serving_auto import cache_conformance
-
-    cache_conformance(base, battery.source, results)  # serving=auto reads these verdicts
-    return results
+    return probe_providers(compose(probe_overrides(overrides)), providers, out_dir, battery, usd)
 
 
 def write_conformance(
     out_dir: Path, battery: Battery, results: Sequence[ProviderConformance]
 ) -> None:
+    from kimi_pipe.store import atomic
+
     data = {"battery": str(battery.source), "providers": [r.to_json() for r in results]}
-    (out_dir / "conformance.json").write_text(json.dumps(data, indent=2) + "\n")
-    (out_dir / "conformance.md").write_text(render_table(battery, results))
+    atomic.write_text(out_dir / "conformance.json", json.dumps(data, indent=2) + "\n")
+    atomic.write_text(out_dir / "conformance.md", render_table(battery, results))
+
+
+# ---------------------------------------------------------------------------------------
+# The stage: settings, entry, command line
+
+SLUG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]*$")  # OpenRouter slugs, e.g. deepinfra/fp8
+
+
+@dataclass
+class ProbeSettings:
+    """The `probe` config node (conf/probe/default.yaml)."""
+
+    providers: list[str] = field(default_factory=list)
+    usd: float | None = None
+    output_dir: str = "runs/probe"
+    battery: str | None = None
+    overrides: list[str] = field(default_factory=list)
+
+
+def check_providers(providers: Sequence[str], key: str) -> None:
+    """OpenRouter provider slugs, each once; a ConfigError naming `key` otherwise."""
+    if not providers:
+        raise ProbeError(f"{key}=[a,b,c] is required (OpenRouter provider slugs)")
+    bad = [p for p in providers if not SLUG.match(p)]
+    if bad:
+        raise ProbeError(f"{key}: {bad} are not OpenRouter provider slugs (e.g. deepinfra/fp8)")
+    twice = sorted({p for p in providers if list(providers).count(p) > 1})
+    if twice:
+        raise ProbeError(f"{key} names {twice} twice")
+
+
+def settings_of(cfg: Any) -> ProbeSettings:
+    from kimi_pipe.config import comma_lists, node_settings
+
+    settings = node_settings(cfg, "probe", ProbeSettings, fix=comma_lists("providers"))
+    check_providers(settings.providers, "probe.providers")
+    if settings.usd is not None and settings.usd <= 0:
+        raise ProbeError(f"probe.usd={settings.usd}: give a positive USD cap (or null)")
+    return settings
+
+
+def battery_of(cfg: Any, settings: ProbeSettings | None = None) -> Battery:
+    """The battery a probe run uses: `probe.battery`, else conf/probes/<model.name>.yaml."""
+    given = settings.battery if settings is not None else None
+    return load_battery(Path(given) if given else default_battery(str(cfg.model.name)))
+
+
+def probe(
+    cfg: Any, out_dir: Path, settings: ProbeSettings | None = None
+) -> list[ProviderConformance]:
+    """The probes the composed config's `probe` node asks for, into `out_dir`."""
+    settings = settings or settings_of(cfg)
+    base = with_overrides(cfg, probe_overrides(settings.overrides))
+    battery = battery_of(base, settings)
+    return probe_providers(base, settings.providers, out_dir, battery, settings.usd)
 
 
 def run_stage(cfg: Any, run_dir: Path | None = None) -> dict[str, Any]:
-    """The stage entry in a sweep pipeline: probes pinned to each of `sweep.providers` (their
-    own small budget, `sweep.probe_usd`) into <run_dir>/probes."""
-    from omegaconf import OmegaConf
-
+    """The stage entry: probes pinned to each of `probe.providers` (in pipeline=sweep, the
+    sweep's providers and probe budget) into <run_dir>/probes."""
     from kimi_pipe.reporting.data import PROBES_DIR
 
-    node = OmegaConf.select(cfg, "sweep", default=None)
-    if node is None or not node.get("providers"):
-        raise ProbeError("sweep.providers=[a,b,c] is required (OpenRouter provider slugs)")
-    raw = node.providers
-    providers = (
-        [p.strip() for p in raw.split(",") if p.strip()]
-        if isinstance(raw, str)
-        else [str(p) for p in raw]
-    )
-    probe_usd = node.get("probe_usd")
-    overrides = [str(o) for o in node.get("overrides") or []]
-    battery = load_battery(default_battery(str(cfg.model.name)))
     out = Path(run_dir if run_dir is not None else "runs/probe") / PROBES_DIR
-    results = run_probes(
-        providers, out, battery, None if probe_usd is None else float(probe_usd), overrides
-    )
+    results = probe(cfg, out)
     return {
         "conformance": str(out / "conformance.md"),
         "usable": [r.provider for r in results if r.usable],
@@ -677,51 +738,26 @@ def default_battery(model_name: str) -> Path:
     return CONF_DIR / "probes" / f"{model_name}.yaml"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if any(a in ("-h", "--help") for a in args):
-        print(USAGE)
-        return 0
-    mine: dict[str, str] = {}
-    overrides: list[str] = []
-    for arg in args:
-        key, sep, value = arg.partition("=")
-        if not sep:
-            print(f"error: bad argument {arg!r}\n{USAGE}", file=sys.stderr)
-            return 2
-        if key in ("providers", "usd", "output_dir", "battery"):
-            mine[key] = value
-        else:
-            overrides.append(arg)
-    providers = [p.strip() for p in mine.get("providers", "").split(",") if p.strip()]
-    if not providers:
-        print(f"error: give providers=a,b,c (OpenRouter provider slugs)\n{USAGE}", file=sys.stderr)
-        return 2
-    from kimi_pipe.stages.command import compose_overrides, report
+# The command line before it was a Hydra app: `providers=a,b` is now `probe.providers=[a,b]`.
+MOVED = {key: f"probe.{key}" for key in ("providers", "usd", "output_dir", "battery")}
 
-    try:
-        model_name = str(compose_overrides(overrides).model.name)
-        battery = load_battery(Path(mine.get("battery") or default_battery(model_name)))
-        usd = float(mine["usd"]) if "usd" in mine else None
-        results = run_probes(
-            providers, Path(mine.get("output_dir") or "runs/probe"), battery, usd, overrides
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from kimi_pipe.stages.command import compose_command
+
+    def probe_command(cfg: Any) -> int:
+        settings = settings_of(cfg)
+        out = Path(settings.output_dir)
+        results = probe(cfg, out, settings)
+        usable = [r.provider for r in results if r.usable]
+        print(
+            f"probe: {len(usable)}/{len(results)} providers usable "
+            f"({', '.join(usable) or 'none'}) -> {out / 'conformance.md'}",
+            file=sys.stderr,
         )
-    except (ProbeError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except Exception as exc:
-        status = report(exc)
-        if status is None:
-            raise
-        return status
-    out = Path(mine.get("output_dir") or "runs/probe")
-    usable = [r.provider for r in results if r.usable]
-    print(
-        f"probe: {len(usable)}/{len(results)} providers usable ({', '.join(usable) or 'none'})"
-        f" -> {out / 'conformance.md'}",
-        file=sys.stderr,
-    )
-    return 0
+        return 0
+
+    return compose_command(probe_command, argv, usage=__doc__, moved=MOVED)
 
 
 if __name__ == "__main__":

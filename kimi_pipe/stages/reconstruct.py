@@ -1,4 +1,4 @@
-"""Stage `reconstruct`: provider answers in, exact token records out.
+r"""Stage `reconstruct`: provider answers in, exact token records out.
 
     python -m kimi_pipe.reconstruct model=kimi_k25 model.tokenizer.path=DIR \
         input=IN.jsonl output=OUT.jsonl
@@ -33,6 +33,7 @@ from kimi_pipe.core.models import Model, load_model
 from kimi_pipe.core.reconstruction import ERRORS
 from kimi_pipe.core.record_builder import RecordBuilder
 from kimi_pipe.core.serving import UNKNOWN_PROFILE, ServingProfile, serving_profile
+from kimi_pipe.core.token_record import TokenRecord
 from kimi_pipe.errors import ConfigError, InputError, MissingFile
 from kimi_pipe.stages.serving_auto import is_plain_auto, recorded_profile
 from kimi_pipe.store import atomic
@@ -95,7 +96,7 @@ def reconstruct_line(
     source: str = "input",
     policy: LogprobPolicy | None = None,
     serving: ServingProfile | None = None,
-) -> dict[str, Any]:
+) -> TokenRecord:
     """One input line to one output record; never raises on bad data. `model`: a
     RecordBuilder (the one reconstruction entry), or a Model with the settings beside it."""
     builder = (
@@ -129,14 +130,14 @@ def reconstruct_line(
         )
     except RecursionError:
         return _bad_record(sample_id, MALFORMED, f"{where}: nested too deep to reconstruct")
-    out = {"id": sample_id, **record}
+    out: TokenRecord = {"id": sample_id, **record}
     if recorded is not None:
         out |= {"serving_profile": sample["serving_profile"],
                 "serving_probe": sample.get("serving_probe")}  # fmt: skip
     return out
 
 
-def _bad_record(sample_id: Any, code: str, why: str) -> dict[str, Any]:
+def _bad_record(sample_id: Any, code: str, why: str) -> TokenRecord:
     print(f"warning: {why}", file=sys.stderr)
     return {
         "id": sample_id,
@@ -199,7 +200,7 @@ def run(
     return counts
 
 
-def count_record(counts: Counter[str], record: dict[str, Any]) -> None:
+def count_record(counts: Counter[str], record: TokenRecord) -> None:
     issues = list(record["issues"])
     counts["records"] += 1
     counts["ok" if record["ok"] else "not_ok"] += 1
@@ -270,7 +271,13 @@ def run_stage(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:
     if source is None or target is None:
         raise ConfigError("give input=IN.jsonl and output=OUT.jsonl")
     if not source.is_file():
-        raise MissingFile(f"input file {source} not found")
+        raise MissingFile(
+            f"input file {source} {'is a directory' if source.is_dir() else 'not found'}"
+        )
+    with source.open("rb") as lines:
+        if not any(line.strip() for line in lines):
+            # Nothing to prove, and an empty output is easily taken for a finished run.
+            raise InputError(f"input file {source} is empty: no answers to reconstruct")
     try:
         model = load_model(cfg.model)
     except (ConfigError, ValueError) as exc:
@@ -308,7 +315,7 @@ def compare_with_generate(source: Path, target: Path) -> dict[str, int]:
 def main(argv: Sequence[str] | None = None) -> int:
     from kimi_pipe.stages.command import compose_command
 
-    return compose_command(run_stage, argv)
+    return compose_command(run_stage, argv, usage=__doc__)
 
 
 def run_configured(

@@ -1,11 +1,16 @@
-"""Provider report: per-run fidelity, cost and speed from finished generate runs.
+r"""Provider report: per-run fidelity, cost and speed from finished generate runs.
 
-    python -m kimi_pipe.report sweep_dir=runs/sweep/B5 [out_dir=...] [min_ok_rate=0.95] ...
+    python -m kimi_pipe.report report.sweep_dir=runs/sweep/B5 [report.out_dir=DIR] \
+        [report.min_ok_rate=0.95] [report.max_error_rate=0.10] [report.min_tool_valid_rate=0.95] \
+        [report.ignore_quantizations=[fp4,nvfp4,mxfp4,fp6]] [report.rank_step=0.02]
+    make report sweep_dir=runs/sweep/B5                          # the same
 
-`sweep_dir` is one generate run directory (it holds `records.jsonl`) or any directory
-above several of them (a Hydra multirun sweep, or `runs/<dataset>`). Writes `report.md`
-and PNG charts into `out_dir` (default: `sweep_dir`) and ends with a recommended OpenRouter
-`provider` routing block. Reads only what generate wrote; needs no network and no model.
+A Hydra app over the shared config; its settings are the `report` group
+(conf/report/default.yaml). `report.sweep_dir` is one generate run directory (it holds
+`records.jsonl`) or any directory above several of them (a sweep, or `runs/<dataset>`).
+Writes `report.md`, `report.json` and PNG charts into `report.out_dir` (default:
+`sweep_dir`) and ends with a recommended OpenRouter `provider` routing block. Reads only
+what generate wrote; needs no network and no model, and writes no run directory of its own.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from kimi_pipe.core.evidence import LADDER
-from kimi_pipe.errors import UsageError
+from kimi_pipe.errors import ConfigError
 from kimi_pipe.reporting.charts import write_charts
 from kimi_pipe.reporting.data import (
     PROBES_DIR,
@@ -42,51 +47,27 @@ from kimi_pipe.store import atomic
 
 
 @dataclass(frozen=True)
-class Args:
-    sweep_dir: Path
-    out_dir: Path
-    policy: Policy
+class ReportSettings(Policy):
+    """The `report` config node (conf/report/default.yaml): where, and the routing policy."""
+
+    sweep_dir: str | None = None
+    out_dir: str | None = None
+
+    def policy(self) -> Policy:
+        values = {f.name: getattr(self, f.name) for f in fields(Policy)}
+        values["ignore_quantizations"] = tuple(values["ignore_quantizations"])
+        return Policy(**values)
 
 
-USAGE = (
-    "usage: python -m kimi_pipe.report sweep_dir=PATH [out_dir=PATH] [min_ok_rate=0.95] "
-    "[max_error_rate=0.10] [min_tool_valid_rate=0.95] "
-    "[ignore_quantizations=fp4,nvfp4,mxfp4,fp6] [rank_step=0.02]"
-)
+def settings_of(cfg: Any) -> ReportSettings:
+    from kimi_pipe.config import comma_lists, node_settings
+
+    return node_settings(cfg, "report", ReportSettings, fix=comma_lists("ignore_quantizations"))
 
 
-def parse_args(argv: list[str]) -> Args:
-    """Hydra-style `key=value` arguments (the report needs no composed config)."""
-    values: dict[str, str] = {}
-    for arg in argv:
-        key, sep, value = arg.partition("=")
-        if not sep:
-            raise UsageError(f"bad argument {arg!r}: expected key=value\n{USAGE}")
-        values[key.lstrip("+")] = value
-    known = {"sweep_dir", "out_dir"} | {f.name for f in fields(Policy)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise UsageError(f"unknown argument(s) {unknown}; known: {sorted(known)}\n{USAGE}")
-    if "sweep_dir" not in values:
-        raise UsageError(f"sweep_dir=PATH is required\n{USAGE}")
-    policy_kwargs: dict[str, Any] = {}
-    for f in fields(Policy):
-        if f.name not in values:
-            continue
-        raw = values[f.name]
-        if f.name == "ignore_quantizations":
-            policy_kwargs[f.name] = tuple(q.strip() for q in raw.split(",") if q.strip())
-        else:
-            try:
-                policy_kwargs[f.name] = float(raw)
-            except ValueError:
-                raise UsageError(f"{f.name}={raw!r} is not a number") from None
-    sweep_dir = Path(values["sweep_dir"])
-    return Args(
-        sweep_dir=sweep_dir,
-        out_dir=Path(values.get("out_dir") or sweep_dir),
-        policy=Policy(**policy_kwargs),
-    )
+def policy_of(cfg: Any) -> Policy:
+    """The routing policy of a composed config (`report.*`)."""
+    return settings_of(cfg).policy()
 
 
 # --------------------------------------------------------------------------- markdown
@@ -309,32 +290,31 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def run_stage(cfg: Any, run_dir: Path | None = None) -> dict[str, Any]:
-    """The stage entry: the report over the run directory's runs, written beside them."""
-    where = Path(run_dir if run_dir is not None else cfg.output_dir)
-    path = build_report(where, where)
-    data = json.loads((where / "report.json").read_text(encoding="utf-8"))
+    """The stage entry: the report over the run directory's runs (else `report.sweep_dir`),
+    written beside them (else into `report.out_dir`)."""
+    settings = settings_of(cfg)
+    if run_dir is not None:
+        where, out = Path(run_dir), Path(run_dir)
+    elif settings.sweep_dir:
+        where = Path(settings.sweep_dir)
+        out = Path(settings.out_dir or settings.sweep_dir)
+    else:
+        raise ConfigError("report.sweep_dir=PATH is required (a run or sweep directory)")
+    path = build_report(where, out, settings.policy())
+    data = json.loads((out / "report.json").read_text(encoding="utf-8"))
     return {"report": str(path), "routing": data.get("routing")}
 
 
-def main(argv: list[str] | None = None) -> int:
-    from kimi_pipe.stages.command import report
+# The command line before it was a Hydra app: `sweep_dir=X` is now `report.sweep_dir=X`.
+MOVED = {
+    key: f"report.{key}" for key in ("sweep_dir", "out_dir", *(f.name for f in fields(Policy)))
+}
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if any(a in ("-h", "--help") for a in argv):
-        print(USAGE)
-        return 0
-    try:
-        args = parse_args(argv)
-        build_report(args.sweep_dir, args.out_dir, args.policy)
-    except FileNotFoundError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except Exception as exc:
-        status = report(exc)
-        if status is None:
-            raise
-        return status
-    return 0
+
+def main(argv: list[str] | None = None) -> int:
+    from kimi_pipe.stages.command import compose_command
+
+    return compose_command(lambda cfg: run_stage(cfg), argv, usage=__doc__, moved=MOVED)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
+from kimi_pipe.errors import ConfigError, InputError, MissingFile
+
 log = logging.getLogger(__name__)
 
 ROLES = frozenset({"system", "user", "assistant", "tool"})
@@ -284,24 +286,53 @@ def _jsonl_converter(drop_trailing_assistant: bool) -> RowConverter:
     return convert
 
 
-def load_jsonl_prompts(cfg: DictConfig) -> PromptSet:
+def jsonl_prompt_file(cfg: DictConfig) -> Path:
+    """`dataset.path` of a JSONL dataset: a file that holds at least one line, or a
+    user-facing error naming it (checked before anything is bought)."""
     raw_path = _cfg_get(cfg, "path")
     if not raw_path:
-        raise ValueError(
+        raise ConfigError(
             "dataset jsonl: `dataset.path` is required, e.g. "
             "`dataset=jsonl dataset.path=prompts.jsonl`"
         )
     path = Path(str(raw_path)).expanduser()
     if not path.is_file():
-        raise FileNotFoundError(
-            f"dataset jsonl: prompt file not found: {path.resolve()} "
+        what = "is a directory" if path.is_dir() else "not found"
+        raise MissingFile(
+            f"dataset jsonl: prompt file {what}: {path.resolve()} "
             f'(set dataset.path to a JSONL file of {{"id", "messages", "tools"?}} records)'
         )
+    with path.open("rb") as handle:
+        if not any(line.strip() for line in handle):
+            raise InputError(f"dataset jsonl: prompt file {path.resolve()} is empty")
+    return path
+
+
+def _limit(cfg: DictConfig, key: str) -> int | None:
+    value = _cfg_get(cfg, key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"dataset.{key}={value!r}: give a whole number of prompts (or null)")
+    return value
+
+
+def check_prompt_source(dataset_cfg: DictConfig) -> None:
+    """What can be checked of a dataset without loading it (a JSONL file: there, a file,
+    not empty; the prompt cap a number): before a stage spends anything on it."""
+    source = _cfg_get(dataset_cfg, "source", "jsonl")
+    if source == "jsonl":
+        jsonl_prompt_file(dataset_cfg)
+    _limit(dataset_cfg, "limit" if source == "jsonl" else "num_samples")
+
+
+def load_jsonl_prompts(cfg: DictConfig) -> PromptSet:
+    path = jsonl_prompt_file(cfg)
     return PromptSet(
         name=str(_cfg_get(cfg, "name", "jsonl")),
         source=lambda: _jsonl_rows(path),
         convert=_jsonl_converter(bool(_cfg_get(cfg, "drop_trailing_assistant", True))),
-        limit=_cfg_get(cfg, "limit"),
+        limit=_limit(cfg, "limit"),
     )
 
 
@@ -532,7 +563,7 @@ def load_hf_prompts(cfg: DictConfig) -> PromptSet:
             for index, row in _indexed_rows(ds, seed):
                 yield f"{split}-{index}", row
 
-    return PromptSet(name=name, source=rows, convert=convert, limit=_cfg_get(cfg, "num_samples"))
+    return PromptSet(name=name, source=rows, convert=convert, limit=_limit(cfg, "num_samples"))
 
 
 # ---------------------------------------------------------------------------------------
@@ -547,7 +578,7 @@ def load_prompts(dataset_cfg: DictConfig) -> PromptSet:
     """Build the prompt set described by a `conf/dataset/*.yaml` config."""
     source = _cfg_get(dataset_cfg, "source", "jsonl")
     if source not in SOURCES:
-        raise ValueError(
+        raise ConfigError(
             f"dataset {dataset_cfg.get('name', '?')}: unknown source {source!r} "
             f"(one of {sorted(SOURCES)})"
         )

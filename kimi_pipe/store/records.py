@@ -14,7 +14,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -142,7 +142,7 @@ class RecordWriter:
         self._fsync_every_s = fsync_every_s
         self._last_sync = time.monotonic()
 
-    def append(self, record: dict[str, Any]) -> None:
+    def append(self, record: Mapping[str, Any]) -> None:
         # One write call per line: the line is either whole in the file or torn at the end.
         text = json.dumps(record, ensure_ascii=False, separators=(",", ":"))
         try:

@@ -13,13 +13,12 @@ The tokenizer is registered as tokenizer mode `kimi_tiktoken` (rendered by vLLM'
 
 from __future__ import annotations
 
-import base64
-import json
 from pathlib import Path
 from typing import Any
 
 import tiktoken
 import torch
+from kimi_slow_vocab import byte_chars, load_kimi_vocab  # copied beside this file
 from transformers import BatchEncoding
 from transformers.utils import chat_template_utils
 from vllm.v1.sample.logits_processor import AdapterLogitsProcessor
@@ -43,19 +42,6 @@ KIMI_PAT = "|".join(
 END_OF_TURN = "<|im_end|>"
 
 
-def _byte_chars() -> dict[int, str]:
-    """GPT-2's byte -> printable character table (how slow byte-level tokenizers name tokens)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    table, extra = {}, 0
-    for byte in range(256):
-        if byte in printable:
-            table[byte] = chr(byte)
-        else:
-            table[byte] = chr(256 + extra)
-            extra += 1
-    return table
-
-
 class KimiTikTokenTokenizer:
     """vLLM `TokenizerLike` over Kimi's tiktoken.model + tokenizer_config.json."""
 
@@ -68,26 +54,18 @@ class KimiTikTokenTokenizer:
     def __init__(self, directory: Path, truncation_side: str = "left") -> None:
         self.name_or_path = str(directory)
         self.truncation_side = truncation_side
-        ranks: dict[bytes, int] = {}
-        for line in (directory / "tiktoken.model").read_text().splitlines():
-            if line.strip():
-                token, rank = line.split()
-                ranks[base64.b64decode(token)] = int(rank)
-        config = json.loads((directory / "tokenizer_config.json").read_text())
-        self.added = {int(i): v["content"] for i, v in config["added_tokens_decoder"].items()}
-        for i in range(len(ranks), len(ranks) + 256):
-            self.added.setdefault(i, f"<|reserved_token_{i}|>")
+        vocab = load_kimi_vocab(directory)
+        ranks = {token: i for i, token in vocab.ranks.items()}
+        config, self.added = vocab.config, vocab.added
         self.encoding = tiktoken.Encoding(
             name="kimi_k25",
             pat_str=KIMI_PAT,
             mergeable_ranks=ranks,
             special_tokens={name: i for i, name in self.added.items()},
         )
-        special = [config[k] for k in ("bos_token", "eos_token", "unk_token", "pad_token")]
-        special += list(config.get("additional_special_tokens") or [])
-        self.all_special_tokens = special
-        self.all_special_ids = [i for i, name in self.added.items() if name in special]
-        chars = _byte_chars()
+        self.all_special_tokens = vocab.special
+        self.all_special_ids = [i for i, name in self.added.items() if name in vocab.special]
+        chars = byte_chars()
         self.char_bytes = {c: b for b, c in chars.items()}
         self.id_token = {i: "".join(chars[b] for b in t) for t, i in ranks.items()}
         self.id_token.update(self.added)

@@ -548,9 +548,13 @@ def export_choice(cfg: DictConfig) -> tuple[str, dict[str, Any]]:
     settings = dict(group_settings) if group_settings.get("name") == fmt else {}
     settings.pop("name", None)
     settings.pop("accept", None)  # the export policy, not a format setting (run_export)
-    max_length = OmegaConf.select(cfg, "max_length", default=None)
+    from kimi_pipe.config import whole_number
+
+    if "max_length" in settings:
+        settings["max_length"] = whole_number(settings["max_length"], "export.max_length")
+    max_length = whole_number(OmegaConf.select(cfg, "max_length", default=None), "max_length")
     if max_length is not None:
-        settings["max_length"] = int(max_length)
+        settings["max_length"] = max_length
     return fmt, settings
 
 

@@ -90,6 +90,25 @@ class Exporter:
         """What the written files hold: layout, tensors, dtype, final state, scale layout."""
         return {"final_state": self.final_state}
 
+    def states_description(
+        self,
+        ctx: ExportContext,
+        dtype: str,
+        layer_convention: str = "output_of_layer",
+        scale_layout: str | None = None,
+    ) -> dict[str, Any]:
+        """The end of `files` for a format that writes hidden states: their dtype and scale
+        layout, the final-state convention, and the layer ids in the trainer's convention
+        (`output_of_layer`: the store's output ids; `input_of_layer`: its capture ids)."""
+        key = "output_layer_ids" if layer_convention == "output_of_layer" else "capture_layer_ids"
+        return {
+            "dtype": dtype,
+            "scale_layout": scale_layout,
+            "final_state": self.final_state,
+            "layer_convention": layer_convention,
+            "layer_ids": list(ctx.conventions[key]),
+        }
+
     # --- the dataset card ---------------------------------------------------------------
     def card_layout(self, summary: dict[str, Any]) -> list[str]:
         return []

@@ -53,11 +53,7 @@ class ModelOptExporter(Exporter):
             },
             # ModelOpt re-applies the final norm when this flag is True.
             "flags": {"hidden_states_prenorm": False},
-            "dtype": dtype,
-            "scale_layout": None,
-            "final_state": self.final_state,
-            "layer_convention": "output_of_layer",
-            "layer_ids": list(ctx.conventions["output_layer_ids"]),
+            **self.states_description(ctx, dtype),
         }
 
     def card_layout(self, summary: dict[str, Any]) -> list[str]:

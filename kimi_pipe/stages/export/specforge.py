@@ -208,11 +208,7 @@ class SpecForgeExporter(Exporter):
                 "hidden_state": [f"1, L, {h}", dtype],
                 "aux_hidden_state": [f"1, L, {aux_h}", dtype],
             },
-            "dtype": dtype,
-            "scale_layout": None,
-            "final_state": self.final_state,
-            "layer_convention": "output_of_layer",
-            "layer_ids": list(ctx.conventions["output_layer_ids"]),
+            **self.states_description(ctx, dtype),
         }
 
     def card_layout(self, summary: dict[str, Any]) -> list[str]:

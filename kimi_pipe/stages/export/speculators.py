@@ -131,11 +131,9 @@ class SpeculatorsExporter(Exporter):
             "compression": None,
             "tensors": tensors,
             "rows": {"input_ids": "int64 list", "loss_mask": "int64 list", "seq_len": "int"},
-            "dtype": dtype,
-            "scale_layout": FP8_SCALE_LAYOUT if self.fp8 else None,
-            "final_state": self.final_state,
-            "layer_convention": "input_of_layer",
-            "layer_ids": list(ctx.conventions["capture_layer_ids"]),
+            **self.states_description(
+                ctx, dtype, "input_of_layer", FP8_SCALE_LAYOUT if self.fp8 else None
+            ),
         }
 
     def card_layout(self, summary: dict[str, Any]) -> list[str]:

@@ -1,0 +1,97 @@
+"""The token record: one JSON object a line, what every stage after reconstruction reads.
+
+Typed as `TypedDict`s, not classes: a record is the very dict that is written to JSONL (same
+keys, same order, byte for byte), so the types cost nothing at run time and change nothing
+on disk. `TokenIds` is the reconstruct contract (README, "The `reconstruct` contract");
+`TokenRecord` adds what the evidence ladder, generate and extraction write beside it. A
+record read back from a file is whatever the line holds: `record_problem` says whether it
+carries usable ids before a reader trusts them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypedDict
+
+
+class TokenIds(TypedDict):
+    """The ids of one answer and how far they are proven (`Reconstruction.to_record`)."""
+
+    ok: bool
+    issues: list[str]  # issue codes: errors make `ok` false, notes do not
+    prompt_ids: list[int]
+    output_ids: list[int]
+    loss_mask: list[int]  # over prompt_ids + output_ids
+    completion_tokens_reported: int | None  # usage.completion_tokens, or null
+    completion_tokens_reconstructed: int
+
+
+class CandidateOption(TypedDict):
+    """One reading of an ambiguous answer (core/candidates.py)."""
+
+    output_ids: list[int]
+    loss_mask: list[int]
+    label: str
+
+
+class CandidateSet(TypedDict):
+    """The readings an unresolved record may be (core/candidates.py)."""
+
+    closed: bool
+    why_open: str | None
+    classes: list[str]
+    diverge_at: int | None
+    options: list[CandidateOption]
+
+
+class TokenRecord(TokenIds, total=False):
+    """A stored token record: the contract's keys, then what each writer adds."""
+
+    id: Any  # the sample id (a string); null for a line that could not be read
+    # The evidence ladder (core/evidence.py, core/candidates.py).
+    evidence: str  # engine_ids | text_proven | target_resolved | unresolved
+    sampling: dict[str, Any] | None
+    candidates: CandidateSet
+    # Readings one id short of the bill: their longer splits fit it too (the split check).
+    short_readings: list[CandidateOption]
+    notes: list[str]
+    # The engine's own ids (core/logprobs.py).
+    id_sources: list[Any]
+    logprobs: dict[str, Any]
+    # The serving profile generate fitted (serving=auto) and the probe that chose it.
+    serving_profile: str | None
+    serving_probe: Any
+    # Extraction's rewrites (extraction/resolve.py, extraction/split_check.py).
+    resolution: dict[str, Any]
+    split_check: dict[str, Any]
+    # generate's purchase.
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    request: dict[str, Any] | None
+    response: dict[str, Any] | None
+    usage: dict[str, Any] | None
+    cost: float
+    provider: str | None
+    latency_s: float | None
+    attempts: int
+    error: dict[str, Any] | None  # {"class", "message", "status"}: no ids, ok false
+    reconstruction_error: str
+
+
+def record_problem(record: Any) -> str | None:
+    """Why a record read from a file carries no usable ids (None when it does): not an
+    object, no id, no id lists, a loss mask of another length, an id that is no token."""
+    if not isinstance(record, dict):
+        return "not_an_object"
+    if record.get("id") is None:
+        return "no_id"
+    prompt, output = record.get("prompt_ids"), record.get("output_ids")
+    mask = record.get("loss_mask")
+    if not isinstance(prompt, list) or not isinstance(output, list) or not isinstance(mask, list):
+        return "no_ids"
+    if not prompt and not output:
+        return "no_ids"
+    if len(mask) != len(prompt) + len(output):
+        return "loss_mask_length"
+    if not all(isinstance(t, int) and t >= 0 for t in prompt + output):
+        return "bad_token_id"
+    return None
