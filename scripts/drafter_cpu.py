@@ -57,6 +57,7 @@ def main() -> int:
     from speculators.train.dataloader import create_train_val_loaders
     from speculators.train.optimizers import build_optimizers
     from speculators.train.trainer import TrainerConfig
+    from speculators.train.utils import normalize_counted_metrics
     from speculators.train.vocab_mapping import save_token_frequency_distribution
     from transformers import set_seed
 
@@ -158,7 +159,7 @@ def main() -> int:
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
         for opt in optimizers:
             opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if step % 25 == 0:
             print(f"step {step} loss {float(loss):.4f}", flush=True)
         if args_in.time_budget_s and time.monotonic() - started > args_in.time_budget_s:
@@ -171,18 +172,25 @@ def main() -> int:
     with torch.no_grad():
         for batch in val_loader:
             batch = {k: v for k, v in batch.items() if k != "error_records"}
-            _tokens, loss, metrics = draft(**batch, **val_kw)
+            _tokens, _loss, metrics = draft(**batch, **val_kw)
             for k, v in metrics.items():
                 total[k] = total.get(k, 0.0) + float(v)
-            total["loss_total"] = total.get("loss_total", 0.0) + float(loss)
             n += 1
-    val = {k: v / max(n, 1) for k, v in total.items()}
+    # As its val_epoch: the batch mean of each metric, then its own sum / total pairing
+    # (loss, loss_i, full_acc_i = next-token accuracy of draft step i, cond_acc_i).
+    val = normalize_counted_metrics({k: v / max(n, 1) for k, v in total.items()})
     result = {
         "export": str(args_in.export),
         "backend": args.hidden_states_backend,
         "seed": args.seed,
         "steps": len(losses),
+        "train_loss_first50": sum(losses[:50]) / max(len(losses[:50]), 1),
         "train_loss_last50": sum(losses[-50:]) / max(len(losses[-50:]), 1),
+        # mean training loss per 100 steps: the curve, to see it fall
+        "train_loss_per_100": [
+            round(sum(losses[i : i + 100]) / len(losses[i : i + 100]), 4)
+            for i in range(0, len(losses), 100)
+        ],
         "val_batches": n,
         "val": val,
         "train_s": round(train_s, 1),
