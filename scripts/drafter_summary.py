@@ -3,8 +3,11 @@
     .venv/bin/python scripts/drafter_summary.py runs/fp8/drafter [--out summary.json]
 
 Reads every DIR/*.json. Runs named `bf16-seed*` are the yardstick: for each held-out figure
-(validation loss, next-token accuracy of draft steps 0-2) the spread is max - min over the bf16
-seeds, and another run is "within" when its distance from the bf16 mean is at most that spread.
+(validation loss, accuracy of draft steps 0-2: the draft's argmax = the teacher's) the spread is
+max - min over the bf16 seeds, and another run is "within" when its distance from the bf16 mean
+is at most that spread. The figures are those on the reference export's held-out rows
+(`val_on_eval_export`, drafter_cpu.py --eval-export: one teacher for every drafter) when the
+runs have them, else on each run's own export.
 Prints a markdown table and writes the figures as JSON.
 """
 
@@ -25,6 +28,9 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     runs = {p.stem: json.loads(p.read_text()) for p in sorted(args.runs.glob("*.json"))}
+    for r in runs.values():
+        r["own_val"] = r["val"]
+        r["val"] = r.get("val_on_eval_export") or r["val"]
     base = [r for name, r in runs.items() if name.startswith("bf16-seed")]
     if len(base) < 2:
         print("need at least two bf16-seed* runs (the yardstick)", file=sys.stderr)
@@ -53,7 +59,9 @@ def main() -> int:
             "train_loss_first50": r["train_loss_first50"],
             "train_loss_last50": r["train_loss_last50"],
             "train_loss_per_100": r["train_loss_per_100"],
+            "eval_export": r.get("eval_export"),
             "val": {f: v[f] for f in FIGURES},
+            "val_on_own_export": {f: r["own_val"][f] for f in FIGURES},
             "minus_bf16_mean": {f: v[f] - yardstick[f]["mean"] for f in FIGURES},
             "within_bf16_spread": within,
         }
