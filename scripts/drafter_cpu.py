@@ -14,6 +14,8 @@ device `local_rank`: zero grad, forward, backward, clip to 1.0, step, as `Traine
 does, without autocast (float32 on CPU). Held-out figures come from its validation split
 (the last `--train-data-ratio` rows, the same rows for every seed and every export made with
 the same export seed), averaged over its fixed-order validation batches as `val_epoch` does.
+`--eval-export REF` also scores the drafter on REF's held-out rows (the same rows: checked),
+with REF's states and teacher, so that drafters trained on different stores meet one teacher.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import json
 import shlex
 import time
 from pathlib import Path
+from typing import Any
 
 
 def card_command(export: Path) -> list[str]:
@@ -42,6 +45,12 @@ def main() -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--draft-vocab-size", type=int, default=2048)
+    ap.add_argument(
+        "--eval-export",
+        type=Path,
+        default=None,
+        help="also score the drafter on this export's held-out rows (e.g. the bf16 one)",
+    )
     ap.add_argument("--time-budget-s", type=float, default=0, help="stop early (recorded)")
     args_in = ap.parse_args()
 
@@ -57,6 +66,7 @@ def main() -> int:
     from speculators.train.dataloader import create_train_val_loaders
     from speculators.train.optimizers import build_optimizers
     from speculators.train.trainer import TrainerConfig
+    from speculators.train.utils import normalize_counted_metrics
     from speculators.train.vocab_mapping import save_token_frequency_distribution
     from transformers import set_seed
 
@@ -100,29 +110,47 @@ def main() -> int:
     d2t, t2d, draft_vocab_size = parse_vocab_mappings(args)
     model_class = SpeculatorModel.registry["eagle3"]
     draft = build_draft_model(args, model_class, t2d, d2t, draft_vocab_size).float()
-    transfer = HiddenStatesBackend.registry[args.hidden_states_backend].from_train_args(
-        args, args.data_path
-    )
-    train_loader, val_loader = create_train_val_loaders(
-        data_path=args.data_path,
-        total_seq_len=args.total_seq_len,
-        hidden_states_dtype=torch.float32,
-        transfer=transfer,
-        vllm_endpoint=args.vllm_endpoint,
-        on_missing=args.on_missing,
-        verifier_name_or_path=args.verifier_name_or_path,
-        request_timeout=args.request_timeout,
-        max_retries=args.max_retries,
-        generation_validation_retries=args.generation_validation_retries,
-        max_consecutive_generation_failures=args.max_consecutive_generation_failures,
-        hidden_size=draft.config.transformer_layer_config.hidden_size,
-        num_target_layers=len(draft.target_layer_ids),
-        num_workers=0,
-        prefetch_factor=args.prefetch_factor,
-        preprocess=shift_batch,
-        train_data_ratio=args.train_data_ratio,
-        seed=args.seed,
-    )
+
+    def loaders(data_path: str, backend: str) -> tuple[Any, Any]:
+        """Its train / validation loaders over one export, read by the backend its card names."""
+        transfer = HiddenStatesBackend.registry[backend].from_train_args(args, data_path)
+        return create_train_val_loaders(
+            data_path=data_path,
+            total_seq_len=args.total_seq_len,
+            hidden_states_dtype=torch.float32,
+            transfer=transfer,
+            vllm_endpoint=args.vllm_endpoint,
+            on_missing=args.on_missing,
+            verifier_name_or_path=args.verifier_name_or_path,
+            request_timeout=args.request_timeout,
+            max_retries=args.max_retries,
+            generation_validation_retries=args.generation_validation_retries,
+            max_consecutive_generation_failures=args.max_consecutive_generation_failures,
+            hidden_size=draft.config.transformer_layer_config.hidden_size,
+            num_target_layers=len(draft.target_layer_ids),
+            num_workers=0,
+            prefetch_factor=args.prefetch_factor,
+            preprocess=shift_batch,
+            train_data_ratio=args.train_data_ratio,
+            seed=args.seed,
+        )
+
+    train_loader, val_loader = loaders(args.data_path, args.hidden_states_backend)
+    reference_loader = None
+    if args_in.eval_export is not None:
+        # The same held-out rows (same records, same export seed), states and teacher from the
+        # reference export: every drafter is scored against one teacher.
+        def ids_of(path: Path) -> list[list[int]]:
+            return list(load_from_disk(str(path)).with_format(None)["input_ids"])
+
+        if ids_of(args_in.eval_export) != ids_of(args_in.export):
+            raise SystemExit(f"{args_in.eval_export} does not hold the same rows in the same order")
+        backend = (
+            "fp8"
+            if "--hidden-states-backend fp8" in " ".join(card_command(args_in.eval_export))
+            else "file"
+        )
+        reference_loader = loaders(str(args_in.eval_export), backend)[1]
     train_kw, val_kw = model_class.get_trainer_kwargs(**vars(args))
     trainer_cfg = TrainerConfig(
         lr=args.lr,
@@ -158,7 +186,7 @@ def main() -> int:
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
         for opt in optimizers:
             opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if step % 25 == 0:
             print(f"step {step} loss {float(loss):.4f}", flush=True)
         if args_in.time_budget_s and time.monotonic() - started > args_in.time_budget_s:
@@ -166,25 +194,39 @@ def main() -> int:
             break
     train_s = time.monotonic() - started
     draft.eval()
-    total: dict[str, float] = {}
-    n = 0
-    with torch.no_grad():
-        for batch in val_loader:
-            batch = {k: v for k, v in batch.items() if k != "error_records"}
-            _tokens, loss, metrics = draft(**batch, **val_kw)
-            for k, v in metrics.items():
-                total[k] = total.get(k, 0.0) + float(v)
-            total["loss_total"] = total.get("loss_total", 0.0) + float(loss)
-            n += 1
-    val = {k: v / max(n, 1) for k, v in total.items()}
+
+    def evaluate(loader: Any) -> tuple[dict[str, float], int]:
+        total: dict[str, float] = {}
+        n = 0
+        with torch.no_grad():
+            for batch in loader:
+                batch = {k: v for k, v in batch.items() if k != "error_records"}
+                _tokens, _loss, metrics = draft(**batch, **val_kw)
+                for k, v in metrics.items():
+                    total[k] = total.get(k, 0.0) + float(v)
+                n += 1
+        # As its val_epoch: the batch mean of each metric, then its own sum / total pairing
+        # (loss, loss_i, full_acc_i: the draft's argmax = the teacher's at draft step i).
+        return normalize_counted_metrics({k: v / max(n, 1) for k, v in total.items()}), n
+
+    val, n = evaluate(val_loader)
+    val_reference = evaluate(reference_loader)[0] if reference_loader is not None else None
     result = {
         "export": str(args_in.export),
         "backend": args.hidden_states_backend,
         "seed": args.seed,
         "steps": len(losses),
+        "train_loss_first50": sum(losses[:50]) / max(len(losses[:50]), 1),
         "train_loss_last50": sum(losses[-50:]) / max(len(losses[-50:]), 1),
+        # mean training loss per 100 steps: the curve, to see it fall
+        "train_loss_per_100": [
+            round(sum(losses[i : i + 100]) / len(losses[i : i + 100]), 4)
+            for i in range(0, len(losses), 100)
+        ],
         "val_batches": n,
         "val": val,
+        "eval_export": str(args_in.eval_export) if args_in.eval_export else None,
+        "val_on_eval_export": val_reference,
         "train_s": round(train_s, 1),
         "command": "speculators train " + " ".join(argv),
     }

@@ -44,6 +44,13 @@ RMS_TOL = 0.02  # |rms(h / w) - 1| for a post-norm state (eps makes it slightly 
 AUX_REL = 2.0**-8
 AUX_FLOOR = 1e-3
 AUX_MATCH_MIN = 0.999  # fraction of values that must match
+# fp8 (e4m3: 3 mantissa bits) states, in the files or in the store they were converted from:
+# each value within half an fp8 step (2^-4 relative) plus the bf16 rounding of the dequantized
+# value. Its rounding moves the LM head's argmax on near-ties: 97.3 % = next token on the demo's
+# 1,573 answer positions with an fp8 final state against 99.8 % from bf16 (docs/export.md), so
+# the teacher check is >= 95 % there; a wrong norm or layer still fails it by far (14.5 %).
+AUX_REL_FP8 = 2.0**-4 + 2.0**-8
+ARGMAX_MIN_FP8 = 0.95
 
 
 def load_records(path: Path) -> dict[str, dict[str, Any]]:
@@ -83,7 +90,8 @@ class Target:
 
 
 class Tally:
-    def __init__(self) -> None:
+    def __init__(self, fp8: bool = False) -> None:
+        self.fp8 = fp8  # fp8 rounding somewhere between the capture and these files
         self.samples = 0
         self.ids_ok = 0
         self.mask_ok = 0
@@ -120,10 +128,13 @@ class Tally:
                 self.neighbour_match / self.neighbour_total if self.neighbour_total else None
             )
             checks["rms"] = (not post_norm_claimed) or abs(mean_rms - 1) <= RMS_TOL
-            checks["argmax"] = argmax is not None and argmax >= ARGMAX_MIN
+            floor = ARGMAX_MIN_FP8 if self.fp8 else ARGMAX_MIN
+            checks["argmax"] = argmax is not None and argmax >= floor
             checks["aux_layers"] = aux >= AUX_MATCH_MIN
         out["checks"] = checks
         out["pass"] = all(checks.values())
+        if self.fp8:
+            out["tolerances"] = f"fp8: aux rel {AUX_REL_FP8}, argmax >= {ARGMAX_MIN_FP8}"
         return out
 
 
@@ -153,21 +164,28 @@ def check_states(
     hidden = teacher.shape[-1]
     for k, layer in enumerate(capture_ids):
         block = aux[:, k * hidden : (k + 1) * hidden].float()
-        hits, n = matching(block, ref[layer])
+        hits, n = matching(block, ref[layer], tally.fp8)
         tally.aux_match += hits
         tally.aux_total += n
         for other in (layer - 1, layer + 1):
             if 0 <= other < len(ref):
-                hits, n = matching(block, ref[other])
+                hits, n = matching(block, ref[other], tally.fp8)
                 tally.neighbour_match += hits
                 tally.neighbour_total += n
 
 
-def matching(got: torch.Tensor, ref: torch.Tensor) -> tuple[int, int]:
-    """Values of `got` equal to `ref` within bf16 rounding (see AUX_REL, AUX_FLOOR)."""
+def matching(got: torch.Tensor, ref: torch.Tensor, fp8: bool = False) -> tuple[int, int]:
+    """Values of `got` equal to `ref` within bf16 (or fp8) rounding (see AUX_REL, AUX_FLOOR)."""
     token_rms = ref.pow(2).mean(-1, keepdim=True).sqrt()
-    ok = (got - ref).abs() <= AUX_REL * ref.abs() + AUX_FLOOR * token_rms
+    rel = AUX_REL_FP8 if fp8 else AUX_REL
+    ok = (got - ref).abs() <= rel * ref.abs() + AUX_FLOOR * token_rms
     return int(ok.sum()), ok.numel()
+
+
+def is_fp8(summary: dict) -> bool:
+    """The export's own description: fp8 files, or converted from an fp8 store."""
+    stored = (summary.get("source_manifest") or {}).get("store_dtype") or {}
+    return summary["files"]["dtype"] == "float8_e4m3fn" or "fp8_e4m3" in stored.values()
 
 
 def compare(tally: Tally, got_ids: list[int], got_mask: list[int], want: dict[str, Any]) -> None:
@@ -191,7 +209,7 @@ def check_specforge(out: Path, summary: dict, records: dict, target: Target) -> 
     max_len = cfg.data.max_length
     layers = [i + 1 for i in cfg.model.aux_hidden_state_layer_ids]  # output ids -> input ids
     by_file = {str((out / r["file"]).resolve()): r for r in _index(out)}
-    tally, batch = Tally(), []
+    tally, batch = Tally(is_fp8(summary)), []
     for ref in OfflineManifestReader(cfg.data.hidden_states_path, max_len=max_len).read():
         path = ref.feature_store_uri.removeprefix("file://")
         sample = normalize_offline_sample(load_feature_file(path), max_len=max_len)
@@ -224,14 +242,29 @@ def check_specforge(out: Path, summary: dict, records: dict, target: Target) -> 
 
 
 def check_speculators(out: Path, summary: dict, records: dict, target: Target) -> dict[str, Any]:
+    import argparse
+
+    from hs_connectors import HiddenStatesBackend
     from speculators.train.config import TrainConfig
     from speculators.train.data import ArrowDataset
 
     layers = summary["conventions"]["capture_layer_ids"]  # --target-layer-ids, as the card says
     index = _index(out)
     longest = summary["tokens"]["max_len"]
-    ds = ArrowDataset(max_len=longest, datapath=str(out), on_missing="raise", train_ratio=1.0)
-    tally = Tally()
+    # The card's `speculators train` command, parsed by speculators' own TrainConfig; its
+    # --hidden-states-backend picks the transfer that reads the files (fp8: FP8Transfer).
+    train = TrainConfig.resolve(card_command(out, "speculators train"))
+    args = argparse.Namespace(**train.flatten())
+    backend = HiddenStatesBackend.registry[args.hidden_states_backend]
+    transfer = backend.from_train_args(args, str(out))
+    ds = ArrowDataset(
+        max_len=longest,
+        datapath=str(out),
+        transfer=transfer,
+        on_missing="raise",
+        train_ratio=1.0,
+    )
+    tally = Tally(is_fp8(summary))
     for i in range(len(ds)):
         item = ds[i]
         rec = records[index[i]["id"]]
@@ -255,10 +288,11 @@ def check_speculators(out: Path, summary: dict, records: dict, target: Target) -
             layers,
         )
     result = tally.result(post_norm_claimed=True)
-    result["loader"] = "speculators.train.data.ArrowDataset (file backend, on_missing=raise)"
-    # The card's `speculators train` command, parsed by speculators' own TrainConfig.
-    train = TrainConfig.resolve(card_command(out, "speculators train"))
+    result["loader"] = (
+        f"speculators.train.data.ArrowDataset ({type(transfer).__name__}, on_missing=raise)"
+    )
     result["card_command_resolves_to"] = {
+        "hidden_states_backend": args.hidden_states_backend,
         "target_layer_ids": train.draft.target_layer_ids,
         "data_path": train.data.data_path,
         "on_missing": train.generation.on_missing,
@@ -300,7 +334,7 @@ def check_modelopt(out: Path, summary: dict, records: dict, target: Target) -> d
     files = [str(out / r["file"]) for r in index]
     ds = OfflineSupervisedDataset(files, answer_only_loss=True)
     plain = OfflineSupervisedDataset(files, answer_only_loss=False)
-    tally, batch = Tally(), []
+    tally, batch = Tally(is_fp8(summary)), []
     ones = 0
     for i in range(len(ds)):
         item = ds[i]

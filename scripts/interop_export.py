@@ -6,6 +6,9 @@ RUN is a demo run (records.jsonl, hidden_hf = pre-norm store with its final norm
 hidden_post = the same records extracted with extract.final_state=post_norm). Writes into OUT:
 
 * specforge/, speculators/, modelopt/, tokens/: the four formats from the pre-norm store;
+* specforge-gz/, speculators-fp8/: SpecForge's gzip'ed files, speculators' fp8 files;
+* fp8store-*: every format from RUN/hidden_fp8 (the same records, extract.store_dtype=fp8_e4m3),
+  when it exists;
 * relabeled-*: the same states with a manifest stating "input of layer" ids [2, 15, 27]
   (the same tensors): the exporters must rename the ids per trainer;
 * wrong-offbyone-*: a manifest that claims the states are the outputs of layers [2, 15, 27]
@@ -29,7 +32,7 @@ import torch
 
 from kimi_pipe.stages.export import FORMATS, export
 from kimi_pipe.store.conventions import ConventionError, final_state_as
-from kimi_pipe.store.hidden_store import MANIFEST, HiddenStore
+from kimi_pipe.store.hidden_store import FP8, MANIFEST, HiddenStore
 
 
 def relabel(store: Path, dest: Path, **changes: Any) -> Path:
@@ -97,6 +100,15 @@ def main() -> int:
     ids = manifest["layer_ids"]
     for fmt in FORMATS:
         export([good], out / fmt, fmt, seed=0)
+    # The files' compact layouts: SpecForge's .ckpt.gz, speculators' fp8 files (hs-connectors).
+    export([good], out / "specforge-gz", "specforge", seed=0, settings={"compress": True})
+    export([good], out / "speculators-fp8", "speculators", seed=0, settings={"dtype": FP8})
+    # An fp8 store (extract.store_dtype=fp8_e4m3): every format, dequantized at export.
+    compact = args.run / "hidden_fp8"
+    if compact.exists():
+        for fmt in FORMATS:
+            export([compact], out / f"fp8store-{fmt}", fmt, seed=0)
+        export([compact], out / "fp8store-speculators-fp8", "speculators", settings={"dtype": FP8})
     relabeled = relabel(
         good,
         stores / "relabeled",

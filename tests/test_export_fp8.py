@@ -178,12 +178,24 @@ def read_files(out: Path, fmt: str, summary: dict) -> list[dict[str, torch.Tenso
     return samples
 
 
-@pytest.mark.parametrize("store_dtype", ["bfloat16", "fp8_e4m3"])
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_every_export_describes_its_own_files(tmp_path: Path, fmt: str, store_dtype: str) -> None:
-    store = make_store(tmp_path / "store", store_dtype)
+# Every format with its defaults, plus the settings that change the files' own layout.
+EXPORT_VARIANTS = [
+    *((fmt, {}) for fmt in FORMATS),
+    ("specforge", {"compress": True}),
+    ("speculators", {"dtype": "fp8_e4m3"}),
+]
+# Store layouts: (aux dtype, final dtype).
+STORE_VARIANTS = [("bfloat16", None), ("fp8_e4m3", None), ("fp8_e4m3", "bfloat16")]
+
+
+@pytest.mark.parametrize(("store_dtype", "final_dtype"), STORE_VARIANTS)
+@pytest.mark.parametrize(("fmt", "settings"), EXPORT_VARIANTS)
+def test_every_export_describes_its_own_files(
+    tmp_path: Path, fmt: str, settings: dict, store_dtype: str, final_dtype: str | None
+) -> None:
+    store = make_store(tmp_path / "store", store_dtype, final_dtype=final_dtype)
     out = tmp_path / "out"
-    summary = export([store], out, fmt)
+    summary = export([store], out, fmt, settings=settings)
     on_disk = json.loads((out / "export_summary.json").read_text())
     assert on_disk == json.loads(json.dumps(summary))
     assert "manifest" not in on_disk  # the store's description is only `source_manifest`
@@ -222,7 +234,14 @@ def test_every_export_describes_its_own_files(tmp_path: Path, fmt: str, store_dt
     if "final_state" in converted:
         assert converted["final_state"]["from"] == "pre_norm"
         assert converted["final_state"]["to"] == "post_norm"
-    assert ("dtype" in converted) == (store_dtype == "fp8_e4m3")
+    fp8_files = settings.get("dtype") == "fp8_e4m3"
+    assert ("dtype" in converted) == (store_dtype == "fp8_e4m3" or fp8_files)
+    assert files["dtype"] == ("float8_e4m3fn" if fp8_files else "bfloat16")
+    assert (files["scale_layout"] is not None) == fp8_files
+    suffixes = {p.name.split(".", 1)[1] for p in out.rglob("data_*")}
+    if fmt == "specforge":
+        assert files["compression"] == ("gzip" if settings.get("compress") else None)
+        assert suffixes == {"ckpt.gz" if settings.get("compress") else "ckpt"}
     assert ("layer_ids" in converted) == (fmt == "speculators")  # input-of-layer naming
     if fmt == "speculators":
         assert files["layer_ids"] == [i + 1 for i in LAYERS]

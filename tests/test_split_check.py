@@ -28,6 +28,7 @@ from kimi_pipe.extraction.split_check import (
     SPLIT_CHECKED,
     SPLIT_RESOLVED,
     TARGET_DISAGREES,
+    LazyVocabulary,
     apply_split_check,
     check_record,
     checkable,
@@ -68,6 +69,33 @@ class ScriptedSampler:
 
 PROMPT = [6]  # " "
 AB, A, B, C, BC, ABC = 3, 0, 1, 2, 4, 5
+
+
+class ToyTokenizer:
+    """The toy vocabulary as a project tokenizer (what `vocabulary_of` reads)."""
+
+    vocab_size = len(TOY)
+
+    def token_bytes(self, i: int) -> bytes:
+        return TOY[i]
+
+    def id_of_bytes(self, data: bytes) -> int | None:
+        return toy_vocab().id_of_bytes(data)
+
+
+def test_the_vocabulary_is_built_on_first_use_only() -> None:
+    loads: list[int] = []
+
+    def load() -> ToyTokenizer:
+        loads.append(1)
+        return ToyTokenizer()
+
+    lazy = LazyVocabulary(load)
+    assert loads == []  # an extract run with nothing to check never loads the tokenizer
+    sampler = ScriptedSampler({(6,): {AB: 0.0}, (6, AB): {C: 0.0}, (6, AB, C): {END: 0.0}})
+    search = search_splits(PROMPT, [AB, C, END], 3, lazy, sampler)  # type: ignore[arg-type]
+    assert search.closed and search.others == [] and loads == [1]
+    assert lazy.max_token_bytes == max(map(len, TOY)) and loads == [1]  # built once
 
 
 def test_only_the_record_split_is_possible() -> None:

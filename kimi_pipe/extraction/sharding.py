@@ -558,16 +558,17 @@ def resolve_for_shard(
 
 
 def _split_vocabulary(cfg: Any) -> Any:
-    """The records' tokenizer as the split check sees it (None: no model config here)."""
+    """The records' tokenizer as the split check sees it (None: no model config here),
+    loaded only when a record is checked (scripts/bench_extract.py: seconds per stage run)."""
     from omegaconf import OmegaConf
 
     from kimi_pipe.core.models import load_model
-    from kimi_pipe.extraction.split_check import vocabulary_of
+    from kimi_pipe.extraction.split_check import LazyVocabulary
 
     node = OmegaConf.select(cfg, "model", default=None)
     if node is None:
         return None
-    return vocabulary_of(load_model(node).tokenizer)
+    return LazyVocabulary(lambda: load_model(node).tokenizer)
 
 
 def run_sharded(cfg: Any, backend: Any) -> dict[str, Any]:

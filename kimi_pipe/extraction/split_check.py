@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -120,6 +120,23 @@ def vocabulary_of(tokenizer: Any) -> Vocabulary:
     """The search's view of a project tokenizer (`core.tokenizers.Tokenizer`)."""
     longest = max(len(tokenizer.token_bytes(i)) for i in range(tokenizer.vocab_size))
     return Vocabulary(tokenizer.token_bytes, tokenizer.id_of_bytes, longest)
+
+
+class LazyVocabulary:
+    """`vocabulary_of(load())`, built on first use: loading a tokenizer and indexing its
+    vocabulary costs seconds, which an extract run whose records need no split check (no
+    sampling recorded, or checked before) should not pay."""
+
+    def __init__(self, load: Callable[[], Any]) -> None:
+        self._load = load
+        self._vocab: Vocabulary | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # not a Vocabulary attribute (copy, pickle probes)
+            raise AttributeError(name)
+        if self._vocab is None:
+            self._vocab = vocabulary_of(self._load())
+        return getattr(self._vocab, name)
 
 
 def checkable(record: Mapping[str, Any]) -> str | None:
