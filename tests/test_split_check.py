@@ -21,6 +21,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from kimi_pipe.core.splits import Vocabulary, search_splits
+from kimi_pipe.extraction import split_check
 from kimi_pipe.extraction.resolve import ResolveSettings
 from kimi_pipe.extraction.sampler import Sampling, sampled_logprobs, sampler_log_table
 from kimi_pipe.extraction.split_check import (
@@ -219,6 +220,37 @@ def test_a_split_of_a_short_reading_is_weighed_against_the_chosen_reading() -> N
     found, _ = neighbour_readings(resolved, search, 3, toy_vocab(), sampler)
     assert [r.source for r in found] == ["option"]
     assert found[0].logprob == pytest.approx(search.record_logprob - math.log(1e-4) + math.log(0.5))
+
+
+def test_short_readings_share_one_branch_budget_and_an_exhausted_one_is_not_trusted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A record may carry one short reading per whitespace token of the vocabulary, each able
+    to branch at the gap: their searches share one budget, and a record whose readings were not
+    all searched is left unresolved rather than confirmed."""
+    sampler = ScriptedSampler(
+        {
+            (6,): {AB: math.log(0.5), A: math.log(0.5)},
+            (6, AB): {SPACE: math.log(1e-4), END: math.log(1 - 1e-4)},
+            (6, AB, SPACE): {END: 0.0},
+            (6, A): {B: 0.0},
+            (6, A, B): {END: 0.0},
+        }
+    )
+    rec = record([AB, SPACE, END], billed=3)
+    short = {"output_ids": [AB, END], "loss_mask": [1, 1], "label": "no space"}
+    rec["short_readings"] = [short, short, short]
+    search = search_splits(PROMPT, rec["output_ids"], 3, toy_vocab(), sampler)
+    found, limits = neighbour_readings(rec, search, 3, toy_vocab(), sampler)
+    assert len(found) == 3 and limits == []  # within the budget: every reading searched
+    monkeypatch.setattr(split_check, "SHORT_READINGS_BRANCHES", 1)
+    found, limits = neighbour_readings(rec, search, 3, toy_vocab(), sampler)
+    assert len(found) == 1 and limits == ["more than 1 branches over short readings"]
+    out = apply_split_check(
+        rec, search, ResolveSettings(), "toy", Sampling(1.0, 0.9), found, limits
+    )
+    assert not out["ok"] and out["evidence"] == "unresolved"
+    assert out["split_check"]["limits"] == limits
 
 
 def record(ids: list[int], billed: int, ok: bool = True, issues: Any = None) -> dict[str, Any]:

@@ -184,6 +184,11 @@ def check_record(
     return out, scorer.tokens
 
 
+# Branch forwards shared by all of one record's short readings (search_splits' own limit
+# is per reading; a record may carry a reading per whitespace token of the vocabulary).
+SHORT_READINGS_BRANCHES = 256
+
+
 @dataclass(frozen=True)
 class Reading:
     """A whole output the engine may have drawn instead of the record's: its ids, mask
@@ -225,9 +230,16 @@ def neighbour_readings(
             mask = _full_mask(record, option)
             lp = search.record_logprob - own + scores[i]
             readings.append(Reading(tuple(option["output_ids"]), tuple(mask), lp, "option"))
+    budget = SHORT_READINGS_BRANCHES
     for short in record.get("short_readings") or []:
+        if budget <= 0:
+            # A vocabulary-wide set of hidden strings can make every reading branch at the
+            # gap: the search stays bounded, and the record, not closed, is not trusted.
+            limits.append(f"more than {SHORT_READINGS_BRANCHES} branches over short readings")
+            break
         ids = list(short["output_ids"])
-        found = search_splits(record["prompt_ids"], ids, billed, vocab, scorer)
+        found = search_splits(record["prompt_ids"], ids, billed, vocab, scorer, max_branches=budget)
+        budget -= found.branches
         limits.extend(found.limits)
         base = {**record, "output_ids": ids, "loss_mask": _full_mask(record, short)}
         for path in found.others:
