@@ -130,20 +130,25 @@ def split_point(tok: Any, body: list[int]) -> int | None:
 
 def gap_options(
     model: Any, reasoning: str, content: str, end: list[int], billed: int, gaps: list[str]
-) -> tuple[list[tuple[list[int], str]], list[tuple[list[int], str]]]:
+) -> tuple[list[tuple[list[int], str]], ...]:
     """Every (ids, W) with W in `gaps` whose canonical ids have the billed length, and those
-    one id short of it (a non-canonical split of one of these fits the bill too)."""
+    those one id short of it and one id over it (a non-canonical split of one of these fits
+    the bill too)."""
     seen: dict[tuple[int, ...], str] = {}
     short: dict[tuple[int, ...], str] = {}
+    long: dict[tuple[int, ...], str] = {}
     for gap in gaps:
         ids = model.encode([reasoning + gap + content]) + end
         if len(ids) == billed:
             seen.setdefault(tuple(ids), gap)
         elif len(ids) == billed - 1:
             short.setdefault(tuple(ids), gap)
+        elif len(ids) == billed + 1:
+            long.setdefault(tuple(ids), gap)
     return (
         [(list(ids), gap) for ids, gap in seen.items()],
         [(list(ids), gap) for ids, gap in short.items()],
+        [(list(ids), gap) for ids, gap in long.items()],
     )
 
 
@@ -303,7 +308,7 @@ def main() -> int:
             reasoning, content = tok.decode(body[:at]).rstrip(), tok.decode(body[at:]).lstrip()
         if reasoning + content != text:
             count("stack_hid_whitespace")
-        options, short = gap_options(model, reasoning, content, tail, len(truth), gaps)
+        options, short, long = gap_options(model, reasoning, content, tail, len(truth), gaps)
         if not options:
             count("unresolved_no_option_fits_billing")
             continue
@@ -323,6 +328,7 @@ def main() -> int:
             posterior = scored["resolution"]["posterior"]
             rec = dict(scored)
         rec["short_readings"] = readings(short)
+        rec["long_readings"] = readings(long)
         t2 = time.monotonic()
         checked, cost = check_record(rec, judge, vocab, settings, "smollm2")
         split_s += time.monotonic() - t2

@@ -351,3 +351,20 @@ def test_a_reading_one_id_short_of_the_bill_is_kept_for_the_split_check(kimi: Mo
     )
     assert record["ok"] and SINGLE_CANDIDATE in record["issues"]
     assert [r["output_ids"] for r in record["short_readings"]] == [plain]
+
+
+def test_a_reading_one_id_over_the_bill_is_kept_for_the_split_check(kimi: Model) -> None:
+    """The mirror case: billed at the unspaced reading's length, the spaced one is one id over
+    the bill; a split of it one id shorter (BPE's canonical split is not always the shortest)
+    would fit. It is kept in `long_readings`."""
+    spaced = _truth(kimi, " I count </think> Hello<|im_end|>")
+    plain = _truth(kimi, "I count</think>Hello<|im_end|>")
+    response = _response(" I count ", " Hello", len(plain))
+    rec, cands = _options(kimi, response, ServingProfile(reasoning_tail="kept"))
+    assert cands is not None and cands.closed
+    assert [o.output_ids for o in cands.options] == [plain]
+    assert [o.output_ids for o in cands.long] == [spaced] and cands.short == []
+    record = RecordBuilder(kimi, ServingProfile(reasoning_tail="kept")).build(
+        MESSAGES, None, response
+    )
+    assert [r["output_ids"] for r in record["long_readings"]] == [spaced]

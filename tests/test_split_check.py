@@ -222,6 +222,35 @@ def test_a_split_of_a_short_reading_is_weighed_against_the_chosen_reading() -> N
     assert found[0].logprob == pytest.approx(search.record_logprob - math.log(1e-4) + math.log(0.5))
 
 
+def test_a_shorter_split_of_a_reading_one_id_over_the_bill_is_weighed_too() -> None:
+    """BPE's canonical split is not always the shortest: the engine drew "abc" as "a" "bc"
+    (3 ids with the end) where its canonical split "a" "b" "c" is 4, one over the bill. Billing
+    chose the reading "ab " (3 ids), wrongly; the record's `long_readings` bring the truth back.
+    (Seen in the 500-answer calibration: two records resolved wrongly at posterior 1.0.)"""
+    sampler = ScriptedSampler(
+        {
+            (6,): {AB: math.log(0.5), A: math.log(0.5)},
+            (6, AB): {SPACE: math.log(1e-4), END: math.log(1 - 1e-4)},
+            (6, AB, SPACE): {END: 0.0},
+            (6, A): {BC: 0.0},
+            (6, A, BC): {END: 0.0},
+        }
+    )
+    rec = record([AB, SPACE, END], billed=3)
+    rec["long_readings"] = [{"output_ids": [A, B, C, END], "loss_mask": [1] * 4, "label": "c"}]
+    search = search_splits(PROMPT, rec["output_ids"], 3, toy_vocab(), sampler)
+    found, limits = neighbour_readings(rec, search, 3, toy_vocab(), sampler)
+    assert [(r.output_ids, r.source) for r in found] == [((A, BC, END), "long_reading")]
+    assert limits == []
+    out = apply_split_check(
+        rec, search, ResolveSettings(), "toy", Sampling(1.0, 0.9), found, limits
+    )
+    assert out["ok"] and out["evidence"] == "target_resolved"
+    assert out["output_ids"] == [A, BC, END]
+    assert out["split_check"]["chosen_from"] == "long_reading"
+    assert out["split_check"]["posterior"] == pytest.approx(0.5 / (0.5 + 0.5 * 1e-4))
+
+
 def test_short_readings_share_one_branch_budget_and_an_exhausted_one_is_not_trusted(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -243,9 +272,9 @@ def test_short_readings_share_one_branch_budget_and_an_exhausted_one_is_not_trus
     search = search_splits(PROMPT, rec["output_ids"], 3, toy_vocab(), sampler)
     found, limits = neighbour_readings(rec, search, 3, toy_vocab(), sampler)
     assert len(found) == 3 and limits == []  # within the budget: every reading searched
-    monkeypatch.setattr(split_check, "SHORT_READINGS_BRANCHES", 1)
+    monkeypatch.setattr(split_check, "NEAR_READINGS_BRANCHES", 1)
     found, limits = neighbour_readings(rec, search, 3, toy_vocab(), sampler)
-    assert len(found) == 1 and limits == ["more than 1 branches over short readings"]
+    assert len(found) == 1 and limits == ["more than 1 branches over near readings"]
     out = apply_split_check(
         rec, search, ResolveSettings(), "toy", Sampling(1.0, 0.9), found, limits
     )

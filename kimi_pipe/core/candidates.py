@@ -71,6 +71,9 @@ class Candidates:
     # Readings one id short of the bill: a non-canonical split of one of them (one id longer)
     # fits the bill as well as the options do; the split check weighs them (`short_readings`).
     short: list[Option] = field(default_factory=list)
+    # Readings one id over it: BPE's canonical split is not always the shortest, so a split of
+    # one of them one id shorter fits the bill too (`long_readings`).
+    long: list[Option] = field(default_factory=list)
 
     def to_record(self) -> CandidateSet:
         return {
@@ -149,6 +152,7 @@ def enumerate_candidates(
     options: list[Option] = []
     seen: set[tuple[int, ...]] = set()
     short: dict[tuple[int, ...], Option] = {}
+    long: dict[tuple[int, ...], Option] = {}
     for spacing in spacings:
         hypothesis = replace(
             profile,
@@ -167,6 +171,7 @@ def enumerate_candidates(
                 model, messages, tools, response, moved, hypothesis, billing_tolerance, prompt
             )
             short_tails = [""]
+            long_tails = [""]
             tails = [""]
             if enum_tail and _closed_reasoning(moved):
                 if reported is None:
@@ -190,26 +195,30 @@ def enumerate_candidates(
                         why_open.append("the stripped tail's search budget ran out")
                 if reported is not None and missing == 1 and not billing_tolerance:
                     short_tails, _ = _newline_tails(model, moved.reasoning, 0, 0)
-            for tail in short_tails:
-                variant = replace(moved, reasoning=moved.reasoning + tail) if tail else moved
-                rebuilt = (
-                    base
-                    if not tail
-                    else _build(model, messages, tools, response, variant, hypothesis, 0, prompt)
-                )
-                if (
-                    reported is not None
-                    and _errors(rebuilt.issues) == {"billing_mismatch"}
-                    and rebuilt.completion_tokens_reconstructed == reported - 1
-                ):
-                    short.setdefault(
-                        tuple(rebuilt.output_ids),
-                        Option(
-                            rebuilt.output_ids,
-                            rebuilt.loss_mask,
-                            _label(spacing if len(spacings) > 1 else None, move, tail),
-                        ),
+                    long_tails, _ = _newline_tails(model, moved.reasoning, 2, 2)
+            for near, ids_off, tail_set in ((short, -1, short_tails), (long, 1, long_tails)):
+                for tail in tail_set:
+                    variant = replace(moved, reasoning=moved.reasoning + tail) if tail else moved
+                    rebuilt = (
+                        base
+                        if not tail
+                        else _build(
+                            model, messages, tools, response, variant, hypothesis, 0, prompt
+                        )
                     )
+                    if (
+                        reported is not None
+                        and _errors(rebuilt.issues) == {"billing_mismatch"}
+                        and rebuilt.completion_tokens_reconstructed == reported + ids_off
+                    ):
+                        near.setdefault(
+                            tuple(rebuilt.output_ids),
+                            Option(
+                                rebuilt.output_ids,
+                                rebuilt.loss_mask,
+                                _label(spacing if len(spacings) > 1 else None, move, tail),
+                            ),
+                        )
             for tail in tails:
                 variant = replace(moved, reasoning=moved.reasoning + tail) if tail else moved
                 rebuilt = (
@@ -252,6 +261,7 @@ def enumerate_candidates(
         diverge_at=_diverge_at([o.output_ids for o in options]),
         options=options,
         short=[o for key, o in short.items() if key not in seen],
+        long=[o for key, o in long.items() if key not in seen],
     )
 
 

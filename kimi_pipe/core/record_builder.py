@@ -101,6 +101,9 @@ class RecordBuilder:
         if candidates is not None and candidates.closed and candidates.short:
             # Readings one id short of the bill: the split check weighs their longer splits.
             record["short_readings"] = [o.to_record() for o in candidates.short]
+        if candidates is not None and candidates.closed and candidates.long:
+            # And one id over it: their shorter splits.
+            record["long_readings"] = [o.to_record() for o in candidates.long]
         record["evidence"] = evidence_of(record)
         record["sampling"] = sampling_of(request) if request is not None else None
         return record

@@ -53,6 +53,8 @@ class TokenRecord(TokenIds, total=False):
     candidates: CandidateSet
     # Readings one id short of the bill: their longer splits fit it too (the split check).
     short_readings: list[CandidateOption]
+    # Readings one id over the bill: their shorter splits fit it too.
+    long_readings: list[CandidateOption]
     notes: list[str]
     # The engine's own ids (core/logprobs.py).
     id_sources: list[Any]

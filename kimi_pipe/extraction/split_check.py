@@ -184,9 +184,9 @@ def check_record(
     return out, scorer.tokens
 
 
-# Branch forwards shared by all of one record's short readings (search_splits' own limit
-# is per reading; a record may carry a reading per whitespace token of the vocabulary).
-SHORT_READINGS_BRANCHES = 256
+# Branch forwards shared by all of one record's short and long readings (search_splits' own
+# limit is per reading; a record may carry a reading per whitespace token of the vocabulary).
+NEAR_READINGS_BRANCHES = 256
 
 
 @dataclass(frozen=True)
@@ -197,7 +197,8 @@ class Reading:
     output_ids: tuple[int, ...]
     loss_mask: tuple[int, ...]
     logprob: float
-    source: str  # "option" (a candidate the target ranked) or "short_reading" (its split)
+    # "option" (a candidate the target ranked), "short_reading" or "long_reading" (its split)
+    source: str
 
 
 def neighbour_readings(
@@ -215,8 +216,9 @@ def neighbour_readings(
     * the set's other options (a resolved record): their log-probabilities follow from the
       target's own numbers (`resolution.logprobs`, from the shared prefix on);
     * the `short_readings`, whose canonical ids are one id short of the bill: a non-canonical
-      split of one of them (one id longer) fits the bill as well as the chosen reading. The
-      search looks for those splits at the billed length."""
+      split of one of them (one id longer) fits the bill as well as the chosen reading; and the
+      `long_readings`, one id over it (BPE's canonical split is not always the shortest). The
+      search looks for their splits at the billed length, within one shared budget."""
     readings: list[Reading] = []
     limits: list[str] = []
     resolution = record.get("resolution")
@@ -230,21 +232,23 @@ def neighbour_readings(
             mask = _full_mask(record, option)
             lp = search.record_logprob - own + scores[i]
             readings.append(Reading(tuple(option["output_ids"]), tuple(mask), lp, "option"))
-    budget = SHORT_READINGS_BRANCHES
-    for short in record.get("short_readings") or []:
+    budget = NEAR_READINGS_BRANCHES
+    near = [("short_reading", r) for r in record.get("short_readings") or []]
+    near += [("long_reading", r) for r in record.get("long_readings") or []]
+    for source, reading in near:
         if budget <= 0:
             # A vocabulary-wide set of hidden strings can make every reading branch at the
             # gap: the search stays bounded, and the record, not closed, is not trusted.
-            limits.append(f"more than {SHORT_READINGS_BRANCHES} branches over short readings")
+            limits.append(f"more than {NEAR_READINGS_BRANCHES} branches over near readings")
             break
-        ids = list(short["output_ids"])
+        ids = list(reading["output_ids"])
         found = search_splits(record["prompt_ids"], ids, billed, vocab, scorer, max_branches=budget)
         budget -= found.branches
         limits.extend(found.limits)
-        base = {**record, "output_ids": ids, "loss_mask": _full_mask(record, short)}
+        base = {**record, "output_ids": ids, "loss_mask": _full_mask(record, reading)}
         for path in found.others:
             mask = _mask_for(base, path.diverge_at, path.window, path.output_ids)
-            readings.append(Reading(path.output_ids, tuple(mask), path.logprob, "short_reading"))
+            readings.append(Reading(path.output_ids, tuple(mask), path.logprob, source))
     return readings, limits
 
 
