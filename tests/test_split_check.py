@@ -20,7 +20,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from kimi_pipe.core.splits import Vocabulary, search_splits
+from kimi_pipe.core.splits import Vocabulary, first_steps, search_splits
 from kimi_pipe.extraction import split_check
 from kimi_pipe.extraction.resolve import ResolveSettings
 from kimi_pipe.extraction.sampler import Sampling, sampled_logprobs, sampler_log_table
@@ -249,6 +249,33 @@ def test_a_shorter_split_of_a_reading_one_id_over_the_bill_is_weighed_too() -> N
     assert out["output_ids"] == [A, BC, END]
     assert out["split_check"]["chosen_from"] == "long_reading"
     assert out["split_check"]["posterior"] == pytest.approx(0.5 / (0.5 + 0.5 * 1e-4))
+
+
+def test_a_reading_no_split_of_which_can_be_drawn_costs_no_search() -> None:
+    """The record's own ids have no drawable departure, so a split of the reading "abc" would
+    follow them ("ab") to the first differing byte and there draw "c" (or "abc" from the
+    start). Neither drawable: the reading is dropped from the record's own distributions, and
+    the full search agrees that it has no drawable split. Drawable "c": it is searched."""
+    table: dict[tuple[int, ...], dict[int, float]] = {
+        (6,): {AB: 0.0},
+        (6, AB): {SPACE: math.log(1e-4), END: math.log(1 - 1e-4)},
+        (6, AB, SPACE): {END: 0.0},
+    }
+    rec = record([AB, SPACE, END], billed=3)
+    rec["long_readings"] = [{"output_ids": [A, B, C, END], "loss_mask": [1] * 4, "label": "c"}]
+    assert first_steps([AB, SPACE, END], [A, B, C, END], toy_vocab()) == [(0, [ABC]), (1, [C])]
+    sampler = ScriptedSampler(table)
+    search = search_splits(PROMPT, rec["output_ids"], 3, toy_vocab(), sampler)
+    assert search.suspects == 0
+    calls = sampler.calls
+    found, limits = neighbour_readings(rec, search, 3, toy_vocab(), sampler)
+    assert found == [] and limits == [] and sampler.calls == calls + 1  # one pass, no search
+    full = search_splits(PROMPT, [A, B, C, END], 3, toy_vocab(), sampler)
+    assert full.others == []  # exact: the search finds nothing either
+    table[(6, AB)][C] = math.log(0.5)
+    table[(6, AB, C)] = {END: 0.0}
+    found, _ = neighbour_readings(rec, search, 3, toy_vocab(), ScriptedSampler(table))
+    assert [(r.output_ids, r.source) for r in found] == [((AB, C, END), "long_reading")]
 
 
 def test_short_readings_share_one_branch_budget_and_an_exhausted_one_is_not_trusted(

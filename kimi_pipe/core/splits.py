@@ -217,6 +217,62 @@ def search_splits(
     return search
 
 
+def first_steps(
+    record_ids: Sequence[int], reading_ids: Sequence[int], vocab: Vocabulary
+) -> list[tuple[int, list[int]]] | None:
+    """How a split of another reading can first leave the record's ids, when it follows them up
+    to the text's first difference: every (record position j, tokens) such that the record's
+    ids before j spell the shared text and each token, starting there, spells the reading's
+    bytes across its first differing byte. A split that departs from the record's ids earlier
+    does so with a token the record's own search scored (it matches the shared text). None
+    when the difference is not inside ordinary text of both (the caller then searches)."""
+    rec_bytes = [vocab.token_bytes(t) for t in record_ids]
+    alt_bytes = [vocab.token_bytes(t) for t in reading_ids]
+    rec_data, alt_data = b"".join(rec_bytes), b"".join(alt_bytes)
+    g = next(
+        (i for i, (x, y) in enumerate(zip(rec_data, alt_data, strict=False)) if x != y),
+        min(len(rec_data), len(alt_data)),
+    )
+    if g >= len(rec_data) or g >= len(alt_data):
+        return None  # one text is a prefix of the other: no byte to step across
+
+    def covering(pieces: list[bytes], ids: Sequence[int]) -> tuple[int, int, int] | None:
+        """(start byte, end byte) of the ordinary run holding byte g, and its token index."""
+        offset, lo = 0, 0
+        for i, (piece, token_id) in enumerate(zip(pieces, ids, strict=True)):
+            if not vocab.ordinary(token_id):
+                if offset <= g < offset + len(piece):
+                    return None
+                lo = offset + len(piece)
+            elif offset <= g < offset + len(piece):
+                hi = offset
+                for later, later_id in zip(pieces[i:], ids[i:], strict=True):
+                    if not vocab.ordinary(later_id):
+                        break
+                    hi += len(later)
+                return lo, hi, i
+            offset += len(piece)
+        return None
+
+    rec_run, alt_run = covering(rec_bytes, record_ids), covering(alt_bytes, reading_ids)
+    if rec_run is None or alt_run is None:
+        return None
+    alt_lo, alt_hi, _ = alt_run
+    steps: list[tuple[int, list[int]]] = []
+    offset = 0
+    for j, piece in enumerate(rec_bytes[: rec_run[2] + 1]):
+        if alt_lo <= offset <= g and offset + vocab.max_token_bytes > g:
+            tokens = [
+                t
+                for t in vocab.matching(alt_data[:alt_hi], offset)
+                if offset + len(vocab.token_bytes(t)) > g
+            ]
+            if tokens:
+                steps.append((j, tokens))
+        offset += len(piece)
+    return steps
+
+
 def own_fits(covered: float, branch: float, log_ratio: float) -> bool:
     """A branch min_ratio times less likely than the record's ids over at least its bytes is
     not followed (only reachable under top_p = 1, where nothing is impossible)."""

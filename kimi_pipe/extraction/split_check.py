@@ -30,7 +30,13 @@ from typing import Any, cast
 import torch
 
 from kimi_pipe.core.evidence import TARGET_RESOLVED, TEXT_PROVEN, UNRESOLVED, evidence_of
-from kimi_pipe.core.splits import NextTokenScorer, SplitSearch, Vocabulary, search_splits
+from kimi_pipe.core.splits import (
+    NextTokenScorer,
+    SplitSearch,
+    Vocabulary,
+    first_steps,
+    search_splits,
+)
 from kimi_pipe.core.token_record import TokenRecord
 from kimi_pipe.extraction.resolve import ResolveSettings, cache_argument, decide
 from kimi_pipe.extraction.sampler import Sampling, sampler_log_table
@@ -235,6 +241,7 @@ def neighbour_readings(
     budget = NEAR_READINGS_BRANCHES
     near = [("short_reading", r) for r in record.get("short_readings") or []]
     near += [("long_reading", r) for r in record.get("long_readings") or []]
+    near = [(s, r) for s, r in near if _may_be_drawn(record, search, r, vocab, scorer)]
     for source, reading in near:
         if budget <= 0:
             # A vocabulary-wide set of hidden strings can make every reading branch at the
@@ -250,6 +257,40 @@ def neighbour_readings(
             mask = _mask_for(base, path.diverge_at, path.window, path.output_ids)
             readings.append(Reading(path.output_ids, tuple(mask), path.logprob, source))
     return readings, limits
+
+
+def _may_be_drawn(
+    record: Mapping[str, Any],
+    search: SplitSearch,
+    reading: Mapping[str, Any],
+    vocab: Vocabulary,
+    scorer: NextTokenScorer,
+) -> bool:
+    """False only when no split of the reading can have been drawn, decided from the record's
+    own next-token distributions (no forward of the reading's own): the record's search found
+    no drawable departure from its ids, so a split of the reading follows them up to where
+    the texts differ, and there no token that spells the reading's bytes across the first
+    differing byte is drawable. A vocabulary-wide set of readings costs one short pass, not a
+    search each."""
+    if search.suspects:
+        return True  # a split may leave the record's ids earlier: search the reading
+    out = list(record["output_ids"])
+    steps = first_steps(out, list(reading["output_ids"]), vocab)
+    if steps is None:
+        return True
+    if not steps:
+        return False
+    last = max(j for j, _ in steps)
+    at = dict(steps)
+    wanted = [[out[j], *at.get(j, [])] for j in range(last + 1)]
+    prompt = list(record["prompt_ids"])
+    rows = scorer.logprobs_along(prompt + out, len(prompt), wanted)
+    reachable = True  # the record's ids before j drawable
+    for j, row in enumerate(rows):
+        if reachable and j in at and any(lp > -math.inf for lp in row[1:]):
+            return True
+        reachable = reachable and row[0] > -math.inf
+    return False
 
 
 def _full_mask(record: Mapping[str, Any], option: Mapping[str, Any]) -> list[int]:
