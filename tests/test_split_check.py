@@ -263,7 +263,8 @@ def test_a_reading_no_split_of_which_can_be_drawn_costs_no_search() -> None:
     }
     rec = record([AB, SPACE, END], billed=3)
     rec["long_readings"] = [{"output_ids": [A, B, C, END], "loss_mask": [1] * 4, "label": "c"}]
-    assert first_steps([AB, SPACE, END], [A, B, C, END], toy_vocab()) == [(0, [ABC]), (1, [C])]
+    first = first_steps([AB, SPACE, END], [A, B, C, END], toy_vocab())
+    assert first is not None and first.steps == [(0, [ABC]), (1, [C])] and first.shared == 1
     sampler = ScriptedSampler(table)
     search = search_splits(PROMPT, rec["output_ids"], 3, toy_vocab(), sampler)
     assert search.suspects == 0

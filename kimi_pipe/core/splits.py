@@ -81,6 +81,7 @@ class SplitSearch:
     record_fits_billing: bool
     others: list[SplitPath] = field(default_factory=list)
     suspects: int = 0  # positions where another matching token had non-zero probability
+    suspect_at: list[int] = field(default_factory=list)  # those output positions
     branches: int = 0  # branch nodes scored (one forward each)
     pruned: int = 0  # branches not followed under top_p = 1 (approximate posterior)
     limits: list[str] = field(default_factory=list)  # why the set is not closed
@@ -162,6 +163,7 @@ def search_splits(
         if not alive:
             continue
         search.suspects += 1
+        search.suspect_at.append(k)
         # Depth-first over the branch's tokens: (branch ids, bytes offset reached, log P).
         stack = [([t], offsets[k - seg_start] + len(vocab.token_bytes(t)), lp) for t, lp in alive]
         while stack:
@@ -217,14 +219,24 @@ def search_splits(
     return search
 
 
+@dataclass(frozen=True)
+class FirstSteps:
+    """`first_steps`' answer: (record position, tokens) pairs, and how many of the record's
+    positions start before the first differing byte (a departure there is the record's own)."""
+
+    steps: list[tuple[int, list[int]]]
+    shared: int
+
+
 def first_steps(
     record_ids: Sequence[int], reading_ids: Sequence[int], vocab: Vocabulary
-) -> list[tuple[int, list[int]]] | None:
+) -> FirstSteps | None:
     """How a split of another reading can first leave the record's ids, when it follows them up
     to the text's first difference: every (record position j, tokens) such that the record's
     ids before j spell the shared text and each token, starting there, spells the reading's
-    bytes across its first differing byte. A split that departs from the record's ids earlier
-    does so with a token the record's own search scored (it matches the shared text). None
+    bytes across its first differing byte; and how many record positions start before that
+    byte (a split that departs from the record's ids at one of them does so with a token the
+    record's own search scored, since it matches the shared text). None
     when the difference is not inside ordinary text of both (the caller then searches)."""
     rec_bytes = [vocab.token_bytes(t) for t in record_ids]
     alt_bytes = [vocab.token_bytes(t) for t in reading_ids]
@@ -259,8 +271,9 @@ def first_steps(
         return None
     alt_lo, alt_hi, _ = alt_run
     steps: list[tuple[int, list[int]]] = []
-    offset = 0
+    offset, shared = 0, 0
     for j, piece in enumerate(rec_bytes[: rec_run[2] + 1]):
+        shared += offset < g
         if alt_lo <= offset <= g and offset + vocab.max_token_bytes > g:
             tokens = [
                 t
@@ -270,7 +283,7 @@ def first_steps(
             if tokens:
                 steps.append((j, tokens))
         offset += len(piece)
-    return steps
+    return FirstSteps(steps, shared)
 
 
 def own_fits(covered: float, branch: float, log_ratio: float) -> bool:

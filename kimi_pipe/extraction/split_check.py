@@ -268,16 +268,15 @@ def _may_be_drawn(
 ) -> bool:
     """False only when no split of the reading can have been drawn, decided from the record's
     own next-token distributions (no forward of the reading's own): the record's search found
-    no drawable departure from its ids, so a split of the reading follows them up to where
-    the texts differ, and there no token that spells the reading's bytes across the first
-    differing byte is drawable. A vocabulary-wide set of readings costs one short pass, not a
+    no drawable departure from its ids before the texts differ, so a split of the reading
+    follows them up to there, and there no token that spells the reading's bytes across the
+    first differing byte is drawable. A vocabulary-wide set of readings costs one short pass, not a
     search each."""
-    if search.suspects:
-        return True  # a split may leave the record's ids earlier: search the reading
     out = list(record["output_ids"])
-    steps = first_steps(out, list(reading["output_ids"]), vocab)
-    if steps is None:
-        return True
+    first = first_steps(out, list(reading["output_ids"]), vocab)
+    if first is None or any(k < first.shared for k in search.suspect_at):
+        return True  # a split may leave the record's ids earlier: search the reading
+    steps = first.steps
     if not steps:
         return False
     last = max(j for j, _ in steps)
