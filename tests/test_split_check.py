@@ -265,6 +265,9 @@ def test_a_reading_no_split_of_which_can_be_drawn_costs_no_search() -> None:
     rec["long_readings"] = [{"output_ids": [A, B, C, END], "loss_mask": [1] * 4, "label": "c"}]
     first = first_steps([AB, SPACE, END], [A, B, C, END], toy_vocab())
     assert first is not None and first.steps == [(0, [ABC]), (1, [C])] and first.shared == 1
+    # Where the record has its end marker, the reading a hidden space: the step is the space.
+    first = first_steps([AB, END], [AB, SPACE, END], toy_vocab())
+    assert first is not None and first.steps == [(1, [SPACE])] and first.shared == 1
     sampler = ScriptedSampler(table)
     search = search_splits(PROMPT, rec["output_ids"], 3, toy_vocab(), sampler)
     assert search.suspects == 0

@@ -266,13 +266,19 @@ def first_steps(
             offset += len(piece)
         return None
 
-    rec_run, alt_run = covering(rec_bytes, record_ids), covering(alt_bytes, reading_ids)
-    if rec_run is None or alt_run is None:
-        return None
+    alt_run = covering(alt_bytes, reading_ids)
+    if alt_run is None:
+        return None  # the reading has a marker there: the caller searches
     alt_lo, alt_hi, _ = alt_run
+    # The record's token holding byte g may be a marker (a hidden space before it): the split
+    # still follows the record's ids before it.
+    starts = [0]
+    for piece in rec_bytes:
+        starts.append(starts[-1] + len(piece))
+    cover = max(i for i in range(len(rec_bytes)) if starts[i] <= g)
     steps: list[tuple[int, list[int]]] = []
     offset, shared = 0, 0
-    for j, piece in enumerate(rec_bytes[: rec_run[2] + 1]):
+    for j, piece in enumerate(rec_bytes[: cover + 1]):
         shared += offset < g
         if alt_lo <= offset <= g and offset + vocab.max_token_bytes > g:
             tokens = [
