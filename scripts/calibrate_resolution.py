@@ -18,10 +18,14 @@
    Under "the split is canonical" the set is CLOSED for W worth at most one id (a whitespace
    run of one token, plus the single space a word token takes before it). One option proves
    the ids (`text_proven`); two or more go to `extraction.resolve` (pruned at the first id
-   the sampler could not draw), scored with the same weights under the same sampling.
+   the sampler could not draw), scored with the same weights under the same sampling. The
+   readings one id short of or over the bill whose W is newlines and at most one space are
+   kept with the record (`short_readings`, `long_readings`), as core/candidates.py keeps
+   newline tails.
 4. Every usable record then goes through the split check (`extraction.split_check`, as the
    extract stage runs it): its ids are confirmed as a split the sampler could draw, or
-   replaced by the split the target prefers, or flagged.
+   replaced by the split the target prefers (also a split of a kept near reading), or
+   flagged.
 5. Prints the shares (text-proven, target-resolved, unresolved), every usable record whose
    ids are not the sampled ones (silent: must be 0), resolved-wrong against the count the
    posteriors predict (sum of 1 - posterior over resolved records), the posteriors in bins,
@@ -128,6 +132,13 @@ def split_point(tok: Any, body: list[int]) -> int | None:
     return None
 
 
+def near_gap(gap: str) -> bool:
+    """The readings a record keeps one id short of or over the bill come, as in
+    core/candidates.py, from newline runs and a space, not from every whitespace token of the
+    vocabulary: each costs a search (a forward) per record. The options are all of them."""
+    return set(gap) <= {"\n", " "} and gap.count(" ") <= 1
+
+
 def gap_options(
     model: Any, reasoning: str, content: str, end: list[int], billed: int, gaps: list[str]
 ) -> tuple[list[tuple[list[int], str]], ...]:
@@ -141,9 +152,9 @@ def gap_options(
         ids = model.encode([reasoning + gap + content]) + end
         if len(ids) == billed:
             seen.setdefault(tuple(ids), gap)
-        elif len(ids) == billed - 1:
+        elif len(ids) == billed - 1 and near_gap(gap):
             short.setdefault(tuple(ids), gap)
-        elif len(ids) == billed + 1:
+        elif len(ids) == billed + 1 and near_gap(gap):
             long.setdefault(tuple(ids), gap)
     return (
         [(list(ids), gap) for ids, gap in seen.items()],
