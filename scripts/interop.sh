@@ -30,12 +30,15 @@ fi
 # 2. Demo data: 8 prompts, up to 64 answer tokens, greedy, real SmolLM2 weights. The demo's
 # store (hidden_hf) is pre-norm with its final norm (the extract default); hidden_post is the
 # same records extracted post-norm (for the disk and exactness figures and a refusal),
-# hidden_fp8 the same records in an fp8 store (extract.store_dtype=fp8_e4m3).
+# hidden_fp8 the same records with fp8 aux states and a bf16 final state (the compact store
+# README names: a final state in fp8 moves the teacher's argmax, 94.6 % = next token here
+# against 99.66 %, under the check's 95 %; docs/export.md, "Compact storage").
 "$PY" -m kimi_pipe.demo dataset.limit=8 provider.params.max_tokens=64 "output_dir=$RUN"
 "$PY" -m kimi_pipe.extract model=smollm2 "extract.run_dir=$RUN" extract.only_ok=false \
   extract.final_state=post_norm "extract.output_dir=$RUN/hidden_post" "hydra.run.dir=$RUN"
 "$PY" -m kimi_pipe.extract model=smollm2 "extract.run_dir=$RUN" extract.only_ok=false \
-  extract.store_dtype=fp8_e4m3 "extract.output_dir=$RUN/hidden_fp8" "hydra.run.dir=$RUN"
+  extract.store_dtype=fp8_e4m3 extract.final_store_dtype=bfloat16 \
+  "extract.output_dir=$RUN/hidden_fp8" "hydra.run.dir=$RUN"
 MODEL=$("$PY" -c "from kimi_pipe.config import compose; print(compose(['model=smollm2']).model.hf_weights)")
 
 # 3. Exports (project code), 4. checks (trainers' code, never imports kimi_pipe).

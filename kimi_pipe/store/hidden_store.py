@@ -326,7 +326,7 @@ class StoreWriter:
             diff = [k for k in IDENTITY_KEYS if old.get(k) != manifest.get(k)]
             if diff:
                 detail = ", ".join(f"{k}: {old.get(k)!r} != {manifest.get(k)!r}" for k in diff)
-                raise ValueError(
+                raise ConfigError(
                     f"store {self.path} was written with different settings ({detail}); "
                     "use another output directory or delete it"
                 )
