@@ -70,6 +70,7 @@ class ScriptedSampler:
 
 PROMPT = [6]  # " "
 AB, A, B, C, BC, ABC = 3, 0, 1, 2, 4, 5
+SPACE = 6
 
 
 class ToyTokenizer:
@@ -154,6 +155,78 @@ def test_a_longer_split_billing_saw_is_recovered() -> None:
     assert out["split_check"]["chosen"] == "other" and out["split_check"]["posterior"] == 1.0
 
 
+def two_word_sampler(*, one_split_first: bool) -> ScriptedSampler:
+    """ "abc abc": the canonical ids are [abc, " ", abc] (3 + end). The sampler may draw
+    "ab" "c" in both words (two departures of one id each, 5 + end), and, if
+    `one_split_first`, also "a" "b" "c" in the first word only (one departure of two)."""
+    first = {ABC: math.log(0.5), AB: math.log(0.25 if one_split_first else 0.5)}
+    if one_split_first:
+        first[A] = math.log(0.25)
+    table = {
+        (6,): first,
+        (6, ABC): {SPACE: 0.0},
+        (6, ABC, SPACE): {ABC: 0.0},
+        (6, ABC, SPACE, ABC): {END: 0.0},
+        (6, A): {B: 0.0},
+        (6, A, B): {C: 0.0},
+        (6, A, B, C): {SPACE: 0.0},
+        (6, A, B, C, SPACE): {ABC: 0.0},
+        (6, A, B, C, SPACE, ABC): {END: 0.0},
+        (6, AB): {C: 0.0},
+        (6, AB, C): {SPACE: 0.0},
+        (6, AB, C, SPACE): {AB: math.log(0.5), ABC: math.log(0.5)},
+        (6, AB, C, SPACE, AB): {C: 0.0},
+        (6, AB, C, SPACE, AB, C): {END: 0.0},
+        (6, AB, C, SPACE, ABC): {END: 0.0},
+    }
+    return ScriptedSampler(table)
+
+
+CANONICAL = [ABC, SPACE, ABC, END]
+TWO_SPLITS = (AB, C, SPACE, AB, C, END)
+
+
+def test_a_split_two_departures_away_from_the_canonical_ids_is_recovered() -> None:
+    """The engine split both words ("ab" "c"), two ids over the canonical encoding; no one
+    departure reaches the billed 6, so a search that follows one departure finds nothing."""
+    sampler = two_word_sampler(one_split_first=False)
+    rec = record(CANONICAL, billed=6, ok=False, issues=["billing_mismatch"])
+    search = search_splits(PROMPT, CANONICAL, 6, toy_vocab(), sampler)
+    assert search.closed and not search.record_fits_billing
+    assert [(p.output_ids, p.windows) for p in search.others] == [
+        (TWO_SPLITS, ((0, 1, 2), (2, 1, 2)))
+    ]
+    out = apply_split_check(rec, search, ResolveSettings(), "toy", Sampling(1.0, 0.9))
+    assert out["ok"] and out["evidence"] == "target_resolved"
+    assert out["output_ids"] == list(TWO_SPLITS) and out["loss_mask"] == [0] + [1] * 6
+
+
+def test_a_one_departure_split_is_not_alone_when_a_two_departure_one_fits_too() -> None:
+    """The silent case of the calibration run: one departure ("a" "b" "c") fits the bill and
+    the record's own ids do not; a split two departures away fits as well. Weighed together
+    (0.25 vs 0.125) neither reaches 0.999: flagged, where the one-departure search had
+    taken the first at posterior 1.0."""
+    sampler = two_word_sampler(one_split_first=True)
+    search = search_splits(PROMPT, CANONICAL, 6, toy_vocab(), sampler)
+    assert sorted(p.output_ids for p in search.others) == sorted(
+        [(A, B, C, SPACE, ABC, END), TWO_SPLITS]
+    )
+    rec = record(CANONICAL, billed=6, ok=False, issues=["billing_mismatch"])
+    out = apply_split_check(rec, search, ResolveSettings(), "toy", Sampling(1.0, 0.9))
+    assert not out["ok"] and out["issues"] == ["billing_mismatch", SPLIT_AMBIGUOUS]
+    assert out["split_check"]["posterior"] == pytest.approx(2 / 3)
+
+
+def test_more_departures_than_searched_leave_the_set_open() -> None:
+    sampler = two_word_sampler(one_split_first=True)
+    search = search_splits(PROMPT, CANONICAL, 6, toy_vocab(), sampler, max_departures=1)
+    assert [p.output_ids for p in search.others] == [(A, B, C, SPACE, ABC, END)]
+    assert search.limits == ["more than 1 departures from the ids"] and not search.closed
+    rec = record(CANONICAL, billed=6, ok=False, issues=["billing_mismatch"])
+    out = apply_split_check(rec, search, ResolveSettings(), "toy", Sampling(1.0, 0.9))
+    assert not out["ok"] and out["evidence"] == "unresolved"
+
+
 def test_ids_the_sampler_could_not_draw_are_flagged() -> None:
     sampler = ScriptedSampler({(6,): {A: 0.0}, (6, A): {B: 0.0}})  # "ab" impossible
     search = search_splits(PROMPT, [AB, END], 2, toy_vocab(), sampler)
@@ -173,9 +246,6 @@ def test_unchecked_records_and_proven_ones() -> None:
     assert checkable(out) == "checked_before"
     assert checkable({**rec, "ok": False, "issues": ["tool_index_untrusted"]}) == "other_issues"
     assert checkable({**rec, "evidence": "engine_ids"}) == "rung"
-
-
-SPACE = 6
 
 
 def test_a_split_of_a_short_reading_is_weighed_against_the_chosen_reading() -> None:
@@ -207,19 +277,19 @@ def test_a_split_of_a_short_reading_is_weighed_against_the_chosen_reading() -> N
     assert out["split_check"]["chosen"] == "other"
     assert out["split_check"]["chosen_from"] == "short_reading"
     assert out["split_check"]["posterior"] == pytest.approx(0.5 / (0.5 + 0.5 * 1e-4))
-    # A resolved record's other options are weighed too, from the target's own numbers.
+    # A resolved record's other options are searched too, like its own text.
     resolved = {
         **rec,
         "short_readings": [],
         "candidates": {"options": [
             {"output_ids": [AB, SPACE, END], "loss_mask": [1, 1, 1]},
-            {"output_ids": [AB, END, END], "loss_mask": [1, 1, 1]},
+            {"output_ids": [A, B, END], "loss_mask": [1, 1, 1]},
         ]},
         "resolution": {"chosen": 0, "logprobs": [math.log(1e-4), math.log(0.5)]},
     }  # fmt: skip
     found, _ = neighbour_readings(resolved, search, 3, toy_vocab(), sampler)
-    assert [r.source for r in found] == ["option"]
-    assert found[0].logprob == pytest.approx(search.record_logprob - math.log(1e-4) + math.log(0.5))
+    assert [(r.output_ids, r.source) for r in found] == [((A, B, END), "option")]
+    assert found[0].logprob == pytest.approx(math.log(0.5))
 
 
 def test_a_shorter_split_of_a_reading_one_id_over_the_bill_is_weighed_too() -> None:
@@ -299,10 +369,11 @@ def test_short_readings_share_one_branch_budget_and_an_exhausted_one_is_not_trus
     )
     rec = record([AB, SPACE, END], billed=3)
     short = {"output_ids": [AB, END], "loss_mask": [1, 1], "label": "no space"}
-    rec["short_readings"] = [short, short, short]
+    rec["short_readings"] = [short]
+    rec["long_readings"] = [{"output_ids": [A, B, SPACE, END], "loss_mask": [1] * 4}]
     search = search_splits(PROMPT, rec["output_ids"], 3, toy_vocab(), sampler)
     found, limits = neighbour_readings(rec, search, 3, toy_vocab(), sampler)
-    assert len(found) == 3 and limits == []  # within the budget: every reading searched
+    assert len(found) == 2 and limits == []  # within the budget: every reading searched
     monkeypatch.setattr(split_check, "NEAR_READINGS_BRANCHES", 1)
     found, limits = neighbour_readings(rec, search, 3, toy_vocab(), sampler)
     assert len(found) == 1 and limits == ["more than 1 branches over near readings"]

@@ -10,15 +10,17 @@ temperature 0) most other splits are *impossible*, not merely unlikely.
 `search_splits` walks every path of ordinary tokens that spells the record's text, the same
 way a sampler would: it leaves the record's ids only where the target gives another token
 that matches the text a non-zero probability, follows that branch token by token while the
-sampler could still draw it, and completes it where it meets the record's ids again at the
-billed length. What it returns is a closed set of paths (the record's own and the others)
-with their log-probabilities, or says why it is not closed (`limits`). Two simplifications,
-both stated in `SplitSearch`:
+sampler could still draw it, and where it meets the record's ids again scores the rest in
+the new context: a path at the billed length, and the place of a next departure (two
+departures of one id each can turn a canonical encoding into a sampled one two ids shorter).
+What it returns is a closed set of paths (the record's own and the others) with their
+log-probabilities, or says why it is not closed (`limits`):
 
-* a branch that met the record's ids again follows them to the end (a second, independent
-  departure later is the product of two rare draws and is not enumerated);
+* more than `max_departures` departures: where a path that left the ids that often could
+  still leave them once more, the set is not closed (never assumed away);
+* a branch longer than `max_window` ids, or more than `max_branches` forwards;
 * under `top_p` = 1 nothing is impossible, so a branch whose first tokens are `min_ratio`
-  times less likely than the record's own over the same bytes is not followed; the search
+  times less likely than the path's own over the same bytes is not followed; the search
   counts them (`pruned`) and its posterior is then approximate.
 
 Scoring is the caller's (`NextTokenScorer`): this module only decides what to ask.
@@ -26,6 +28,7 @@ Scoring is the caller's (`NextTokenScorer`): this module only decides what to as
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -70,7 +73,9 @@ class SplitPath:
     output_ids: tuple[int, ...]
     logprob: float
     diverge_at: int  # first output index where it leaves the record's ids
-    window: int = 0  # record ids replaced by the branch (from diverge_at)
+    window: int = 0  # record ids replaced by the first departure (from diverge_at)
+    # every departure: (record index it leaves at, record ids it replaces, ids it puts there)
+    windows: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass
@@ -82,7 +87,7 @@ class SplitSearch:
     others: list[SplitPath] = field(default_factory=list)
     suspects: int = 0  # positions where another matching token had non-zero probability
     suspect_at: list[int] = field(default_factory=list)  # those output positions
-    branches: int = 0  # branch nodes scored (one forward each)
+    branches: int = 0  # forwards run for branches and their tails
     pruned: int = 0  # branches not followed under top_p = 1 (approximate posterior)
     limits: list[str] = field(default_factory=list)  # why the set is not closed
 
@@ -112,6 +117,22 @@ def _segments(ids: Sequence[int], vocab: Vocabulary) -> list[tuple[int, int]]:
     return runs
 
 
+@dataclass(frozen=True)
+class _Segment:
+    """One run of ordinary record ids: its bytes, its tokens' offsets in them, its index range
+    and the fewest tokens that spell its bytes from each offset."""
+
+    data: bytes
+    offsets: list[int]
+    start: int
+    end: int
+    fewest: list[int]
+
+
+class _Exhausted(Exception):
+    """The branch budget ran out (the search's limits say so)."""
+
+
 def search_splits(
     prompt_ids: Sequence[int],
     output_ids: Sequence[int],
@@ -122,93 +143,148 @@ def search_splits(
     max_window: int = 8,
     max_branches: int = 256,
     min_ratio: float = 1e-9,
+    max_departures: int = 3,
 ) -> SplitSearch:
     """Every path of ordinary tokens that spells `output_ids`' text, has `billed` tokens and
-    that the sampler could have drawn (see the module doc for the two simplifications).
-    `billed` None: the count is unknown, so a branch may end at any length."""
+    that the sampler could have drawn, up to `max_departures` departures from the record's
+    ids (see the module doc). `billed` None: the count is unknown, so a path may end at any
+    length."""
     prompt = list(prompt_ids)
     out = list(output_ids)
-    segments = _segments(out, vocab)
-    wanted: list[list[int]] = [[t] for t in out]
-    # output index -> (segment bytes, its tokens' offsets in it, segment start and end index,
-    # fewest tokens that can spell the segment's bytes from each offset)
-    data_of: dict[int, tuple[bytes, list[int], int, int, list[int]]] = {}
-    for seg_start, seg_end in segments:
+    n_out = len(out)
+    segment_of: dict[int, _Segment] = {}
+    for seg_start, seg_end in _segments(out, vocab):
         pieces = [vocab.token_bytes(t) for t in out[seg_start:seg_end]]
         data = b"".join(pieces)
         offsets = [0]
         for piece in pieces:
             offsets.append(offsets[-1] + len(piece))
-        fewest = _fewest_tokens(data, vocab)
+        segment = _Segment(data, offsets, seg_start, seg_end, _fewest_tokens(data, vocab))
         for k in range(seg_start, seg_end):
-            data_of[k] = (data, offsets, seg_start, seg_end, fewest)
-            others = [t for t in vocab.matching(data, offsets[k - seg_start]) if t != out[k]]
-            wanted[k].extend(others)
-    rows = scorer.logprobs_along(prompt + out, len(prompt), wanted) if out else []
+            segment_of[k] = segment
+    # Every other ordinary token spelling the text from a record position on (the same at
+    # that position of any path that follows the record's ids there).
+    alternatives = {
+        k: [t for t in vocab.matching(s.data, s.offsets[k - s.start]) if t != out[k]]
+        for k, s in segment_of.items()
+    }
+    # Fewest and most ids that can spell the record's text from the end of a segment on.
+    after_min, after_max = [0] * (n_out + 1), [0] * (n_out + 1)
+    for i in range(n_out - 1, -1, -1):
+        s = segment_of.get(i)
+        if s is None:
+            after_min[i], after_max[i] = after_min[i + 1] + 1, after_max[i + 1] + 1
+        elif i == s.start:
+            after_min[i] = s.fewest[0] + after_min[s.end]
+            after_max[i] = len(s.data) + after_max[s.end]
+        else:
+            after_min[i], after_max[i] = after_min[i + 1], after_max[i + 1]
+
+    def wanted_from(j: int) -> list[list[int]]:
+        return [[out[x], *alternatives.get(x, [])] for x in range(j, n_out)]
+
+    rows = scorer.logprobs_along(prompt + out, len(prompt), wanted_from(0)) if out else []
     own = [row[0] for row in rows]
     record_logprob = sum(own) if all(lp > -math.inf for lp in own) else -math.inf
-    search = SplitSearch(record_logprob, billed is None or len(out) == billed)
-    before = [0.0]  # log P of the record's first k ids (prefix sums; -inf once impossible)
-    for lp in own:
-        before.append(before[-1] + lp)
+    search = SplitSearch(record_logprob, billed is None or n_out == billed)
     log_ratio = math.log(min_ratio)
+    seen: set[tuple[int, ...]] = set()
 
-    for k in sorted(data_of):
-        if before[k] == -math.inf:
-            break  # the record's own prefix is impossible here: nothing after it is reachable
-        data, offsets, seg_start, seg_end, fewest = data_of[k]
-        alive = [
-            (t, lp) for t, lp in zip(wanted[k][1:], rows[k][1:], strict=True) if lp > -math.inf
-        ]
-        if not alive:
-            continue
-        search.suspects += 1
-        search.suspect_at.append(k)
-        # Depth-first over the branch's tokens: (branch ids, bytes offset reached, log P).
-        stack = [([t], offsets[k - seg_start] + len(vocab.token_bytes(t)), lp) for t, lp in alive]
+    def prefix_sums(start: float, lps: Sequence[float]) -> list[float]:
+        sums = [start]
+        for lp in lps:
+            sums.append(sums[-1] + lp)
+        return sums
+
+    def explore(
+        path: list[int],
+        shift: int,
+        scan_from: int,
+        before: list[float],
+        tail_rows: list[list[float]],
+        windows: tuple[tuple[int, int, int], ...],
+    ) -> None:
+        """Departures from `path` at record positions >= scan_from. The path follows the
+        record's ids from record position `scan_from` on (path index = record index + shift);
+        `before[m]`: log P of its first m ids; `tail_rows[i]`: the sampler's log-probabilities
+        of [path id, *alternatives] at record position scan_from + i, in the path's context."""
+        for j in range(scan_from, n_out):
+            m = j + shift
+            if before[m] == -math.inf:
+                return  # the path's prefix is impossible here: nothing after it is reachable
+            segment = segment_of.get(j)
+            if segment is None:
+                continue
+            row = tail_rows[j - scan_from]
+            alive = [
+                (t, lp) for t, lp in zip(alternatives[j], row[1:], strict=True) if lp > -math.inf
+            ]
+            if not alive:
+                continue
+            if not windows:
+                search.suspects += 1
+                search.suspect_at.append(j)
+            if len(windows) >= max_departures:
+                # Under top_p = 1 every token is drawable: the same ratio as a branch's
+                # decides whether one more departure is worth an open set.
+                if any(lp - row[0] >= log_ratio for _, lp in alive):
+                    search.limits.append(f"more than {max_departures} departures from the ids")
+                    return
+                search.pruned += len(alive)
+                continue
+            branch_from(path, shift, j, before, alive, windows, segment)
+
+    def branch_from(
+        path: list[int],
+        shift: int,
+        k: int,
+        before: list[float],
+        alive: list[tuple[int, float]],
+        windows: tuple[tuple[int, int, int], ...],
+        s: _Segment,
+    ) -> None:
+        """Depth-first over the tokens of a departure at record position k (path index
+        k + shift), until it meets the record's ids again."""
+        m = k + shift
+        start = s.offsets[k - s.start]
+        stack = [([t], start + len(vocab.token_bytes(t)), lp) for t, lp in alive]
         while stack:
             branch, reached, lp_branch = stack.pop()
-            rel = _first_at_or_after(offsets, reached)
-            covered = before[seg_start + rel] - before[k]  # the record's own ids over those bytes
+            rel = _first_at_or_after(s.offsets, reached)
+            covered = before[s.start + rel + shift] - before[m]  # the path's ids over them
             if own_fits(covered, lp_branch, log_ratio):
                 search.pruned += 1
                 continue
-            if offsets[rel] == reached:  # back on one of the record's token boundaries
-                j = seg_start + rel
-                if billed is None or k + len(branch) + (len(out) - j) == billed:
-                    tail = out[j:]
-                    ids = prompt + out[:k] + branch + tail
-                    at = len(prompt) + k + len(branch)
-                    scored = scorer.logprobs_along(ids, at, [[t] for t in tail]) if tail else []
-                    search.branches += 1
-                    lp_tail = sum(r[0] for r in scored)
-                    total = before[k] + lp_branch + lp_tail
-                    if total > -math.inf:
-                        path = tuple(out[:k] + branch + tail)
-                        search.others.append(SplitPath(path, total, k, j - k))
-                    continue
-            if reached >= len(data):
-                continue  # the segment ends with the wrong count: billing rules it out
-            if billed is not None:
-                # Ids left for the rest of the segment at the billed length; a branch that
-                # cannot spell the rest in so few can never come back to it.
-                room = billed - (k + len(branch)) - (len(out) - seg_end)
-                if fewest[reached] > room:
-                    continue
+            length = m + len(branch)  # path ids up to the branch's end
+            if s.offsets[rel] == reached:  # back on one of the record's token boundaries
+                j = s.start + rel
+                total_len = length + n_out - j
+                ends_here = billed is None or total_len == billed
+                may_fix = billed is not None and after_min_at(
+                    s, j
+                ) <= billed - length <= after_max_at(s, j)
+                if ends_here or may_fix:
+                    rejoin(path, shift, k, j, branch, before, lp_branch, windows, ends_here)
+            if reached >= len(s.data):
+                continue  # the segment ends here; only a rejoin could go on
+            # Ids left for the rest of the segment at the billed length (later segments at
+            # their fewest: a later departure may shrink them); a branch that cannot spell
+            # the rest in so few can never come back to it.
+            if billed is not None and s.fewest[reached] > billed - length - after_min[s.end]:
+                continue
             if len(branch) >= max_window:
                 search.limits.append(f"branch longer than {max_window} ids at output {k}")
                 continue
             if search.branches >= max_branches:
                 search.limits.append(f"more than {max_branches} branches")
-                return search
-            nexts = vocab.matching(data, reached)
-            if offsets[rel] == reached:
-                # Back on the record's ids at the wrong length: going on with them would need a
-                # second departure to come back to the billed length (not enumerated).
-                nexts = [t for t in nexts if t != out[seg_start + rel]]
+                raise _Exhausted
+            nexts = vocab.matching(s.data, reached)
+            if s.offsets[rel] == reached:
+                # The record's id here is a rejoin (handled above), not part of the branch.
+                nexts = [t for t in nexts if t != out[s.start + rel]]
             if not nexts:
                 continue
-            ids = prompt + out[:k] + branch
+            ids = prompt + path[:m] + branch
             next_lps = scorer.logprobs_along(ids, len(ids), [nexts])[0]
             search.branches += 1
             for t, lp in zip(nexts, next_lps, strict=True):
@@ -216,6 +292,56 @@ def search_splits(
                     stack.append(
                         ([*branch, t], reached + len(vocab.token_bytes(t)), lp_branch + lp)
                     )
+
+    def after_min_at(s: _Segment, j: int) -> int:
+        return s.fewest[s.offsets[j - s.start]] + after_min[s.end]
+
+    def after_max_at(s: _Segment, j: int) -> int:
+        return len(s.data) - s.offsets[j - s.start] + after_max[s.end]
+
+    def rejoin(
+        path: list[int],
+        shift: int,
+        k: int,
+        j: int,
+        branch: list[int],
+        before: list[float],
+        lp_branch: float,
+        windows: tuple[tuple[int, int, int], ...],
+        ends_here: bool,
+    ) -> None:
+        """A departure at record position k that met the record's ids again at j: score the
+        record's tail after it (in the new context), keep the path if billing allows it, and
+        look for the next departure in that tail."""
+        m = k + shift
+        new_path = path[:m] + branch + out[j:]
+        new_shift = m + len(branch) - j
+        new_windows = (*windows, (k, j - k, len(branch)))
+        # No budget check here: tails are bounded by the branch nodes, which are checked.
+        at = len(prompt) + m + len(branch)
+        tail_rows = (
+            scorer.logprobs_along(prompt + new_path, at, wanted_from(j)) if j < n_out else []
+        )
+        search.branches += 1
+        # Inside the branch only its total matters (no departure is looked for there).
+        new_before = (
+            before[: m + 1]
+            + [before[m]] * (len(branch) - 1)
+            + prefix_sums(before[m] + lp_branch, [r[0] for r in tail_rows])
+        )
+        total = new_before[-1]
+        key = tuple(new_path)
+        if ends_here and total > -math.inf and key not in seen:
+            seen.add(key)
+            first_k, first_w, _ = new_windows[0]
+            search.others.append(SplitPath(key, total, first_k, first_w, new_windows))
+        # The next departure takes at least the record's id at j first (a different id there
+        # is this departure going on, which branch_from follows).
+        if j + 1 <= n_out:
+            explore(new_path, new_shift, j + 1, new_before, tail_rows[1:], new_windows)
+
+    with contextlib.suppress(_Exhausted):  # the limit is recorded where it ran out
+        explore(out, 0, 0, prefix_sums(0.0, own), rows, ())
     return search
 
 

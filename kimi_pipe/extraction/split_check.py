@@ -32,6 +32,7 @@ import torch
 from kimi_pipe.core.evidence import TARGET_RESOLVED, TEXT_PROVEN, UNRESOLVED, evidence_of
 from kimi_pipe.core.splits import (
     NextTokenScorer,
+    SplitPath,
     SplitSearch,
     Vocabulary,
     first_steps,
@@ -214,35 +215,38 @@ def neighbour_readings(
     vocab: Vocabulary,
     scorer: NextTokenScorer,
 ) -> tuple[list[Reading], list[str]]:
-    """Readings of the answer beyond the splits of the record's own text, and the limits
-    that leave them open.
+    """Every path of the answer's other readings that the sampler could have drawn at the
+    billed length, and the limits that leave them open.
 
     A record whose ids billing chose among readings (a candidate set: hidden whitespace, a
-    marker space) was chosen under "the split is canonical". Two kinds of reading escape that:
-    * the set's other options (a resolved record): their log-probabilities follow from the
-      target's own numbers (`resolution.logprobs`, from the shared prefix on);
-    * the `short_readings`, whose canonical ids are one id short of the bill: a non-canonical
-      split of one of them (one id longer) fits the bill as well as the chosen reading; and the
-      `long_readings`, one id over it (BPE's canonical split is not always the shortest). The
-      search looks for their splits at the billed length, within one shared budget."""
+    marker space) was chosen under "the split is canonical". Its other readings escape that:
+    the set's other options, the `short_readings` (canonical ids shorter than the bill: a
+    split of one, longer, fits it) and the `long_readings` (longer: BPE's canonical split is
+    not always the shortest). Each is searched like the record's own text (its canonical ids
+    and every split of them within the search's departures), within one shared budget; a
+    reading no split of which the sampler could draw is dismissed first, from the record's
+    own next-token distributions (`_drawable_readings`: one forward for all of them)."""
     readings: list[Reading] = []
     limits: list[str] = []
     resolution = record.get("resolution")
     options = (record.get("candidates") or {}).get("options") or []
-    if isinstance(resolution, Mapping) and resolution.get("chosen") is not None and options:
-        scores = resolution.get("logprobs") or []
-        own = scores[resolution["chosen"]]
-        for i, option in enumerate(options):
-            if i == resolution["chosen"] or scores[i] is None or own is None:
-                continue
-            mask = _full_mask(record, option)
-            lp = search.record_logprob - own + scores[i]
-            readings.append(Reading(tuple(option["output_ids"]), tuple(mask), lp, "option"))
+    own = tuple(record["output_ids"])
+    kept: list[tuple[str, Mapping[str, Any]]] = []
+    if isinstance(resolution, Mapping) and resolution.get("chosen") is not None:
+        kept += [("option", o) for o in options]
+    kept += [("short_reading", r) for r in record.get("short_readings") or []]
+    kept += [("long_reading", r) for r in record.get("long_readings") or []]
+    unique: dict[tuple[int, ...], tuple[str, Mapping[str, Any]]] = {}
+    for source, reading in kept:
+        ids = tuple(reading["output_ids"])
+        if ids != own:
+            unique.setdefault(ids, (source, reading))
+    near = list(unique.values())
+    drawable = _drawable_readings(record, search, [r for _, r in near], vocab, scorer)
     budget = NEAR_READINGS_BRANCHES
-    near = [("short_reading", r) for r in record.get("short_readings") or []]
-    near += [("long_reading", r) for r in record.get("long_readings") or []]
-    near = [(s, r) for s, r in near if _may_be_drawn(record, search, r, vocab, scorer)]
-    for source, reading in near:
+    for (source, reading), may in zip(near, drawable, strict=True):
+        if not may:
+            continue
         if budget <= 0:
             # A vocabulary-wide set of hidden strings can make every reading branch at the
             # gap: the search stays bounded, and the record, not closed, is not trusted.
@@ -250,46 +254,65 @@ def neighbour_readings(
             break
         ids = list(reading["output_ids"])
         found = search_splits(record["prompt_ids"], ids, billed, vocab, scorer, max_branches=budget)
-        budget -= found.branches
+        budget -= found.branches + 1  # + its own forward
         limits.extend(found.limits)
         base = {**record, "output_ids": ids, "loss_mask": _full_mask(record, reading)}
-        for path in found.others:
-            mask = _mask_for(base, path.diverge_at, path.window, path.output_ids)
+        for path in found.options(ids):
+            if path.logprob == -math.inf:
+                continue
+            mask = base["loss_mask"] if path.output_ids == tuple(ids) else _path_mask(base, path)
             readings.append(Reading(path.output_ids, tuple(mask), path.logprob, source))
     return readings, limits
 
 
-def _may_be_drawn(
+def _drawable_readings(
     record: Mapping[str, Any],
     search: SplitSearch,
-    reading: Mapping[str, Any],
+    readings: Sequence[Mapping[str, Any]],
     vocab: Vocabulary,
     scorer: NextTokenScorer,
-) -> bool:
-    """False only when no split of the reading can have been drawn, decided from the record's
-    own next-token distributions (no forward of the reading's own): the record's search found
-    no drawable departure from its ids before the texts differ, so a split of the reading
-    follows them up to there, and there no token that spells the reading's bytes across the
-    first differing byte is drawable. A vocabulary-wide set of readings costs one short pass, not a
-    search each."""
+) -> list[bool]:
+    """For each reading, False only when no split of it can have been drawn, decided from the
+    record's own next-token distributions (no forward of the reading's own): the record's
+    search found no drawable departure from its ids before the texts differ, so a split of the
+    reading follows them up to there, and there no token that spells the reading's bytes
+    across the first differing byte is drawable. One forward over the record answers every
+    reading: a vocabulary-wide set of readings costs one pass, not a search each."""
     out = list(record["output_ids"])
-    first = first_steps(out, list(reading["output_ids"]), vocab)
-    if first is None or any(k < first.shared for k in search.suspect_at):
-        return True  # a split may leave the record's ids earlier: search the reading
-    steps = first.steps
-    if not steps:
-        return False
-    last = max(j for j, _ in steps)
-    at = dict(steps)
-    wanted = [[out[j], *at.get(j, [])] for j in range(last + 1)]
+    verdicts: list[bool | None] = []
+    steps_of: list[dict[int, list[int]]] = []
+    wanted: dict[int, set[int]] = {}
+    for reading in readings:
+        first = first_steps(out, list(reading["output_ids"]), vocab)
+        if first is None or any(k < first.shared for k in search.suspect_at):
+            verdicts.append(True)  # a split may leave the record's ids earlier: search it
+            steps_of.append({})
+            continue
+        at = dict(first.steps)
+        verdicts.append(None if at else False)
+        steps_of.append(at)
+        for j, tokens in at.items():
+            wanted.setdefault(j, set()).update(tokens)
+    if not wanted:
+        return [bool(v) for v in verdicts]
+    last = max(wanted)
+    columns = [[out[j], *sorted(wanted.get(j, ()))] for j in range(last + 1)]
     prompt = list(record["prompt_ids"])
-    rows = scorer.logprobs_along(prompt + out, len(prompt), wanted)
-    reachable = True  # the record's ids before j drawable
-    for j, row in enumerate(rows):
-        if reachable and j in at and any(lp > -math.inf for lp in row[1:]):
-            return True
-        reachable = reachable and row[0] > -math.inf
-    return False
+    rows = scorer.logprobs_along(prompt + out, len(prompt), columns)
+    drawable = [
+        {t for t, lp in zip(col[1:], row[1:], strict=True) if lp > -math.inf}
+        for col, row in zip(columns, rows, strict=True)
+    ]
+    reachable = [True]  # reachable[j]: the record's ids before j drawable
+    for row in rows:
+        reachable.append(reachable[-1] and row[0] > -math.inf)
+    result = []
+    for verdict, at in zip(verdicts, steps_of, strict=True):
+        if verdict is not None:
+            result.append(verdict)
+            continue
+        result.append(any(reachable[j] and drawable[j] & set(tokens) for j, tokens in at.items()))
+    return result
 
 
 def _full_mask(record: Mapping[str, Any], option: Mapping[str, Any]) -> list[int]:
@@ -322,13 +345,18 @@ def apply_split_check(
             tuple(
                 record["loss_mask"]
                 if path.output_ids == tuple(output)
-                else _mask_for(record, path.diverge_at, path.window, path.output_ids)
+                else _path_mask(record, path)
             ),
             path.logprob,
             "split",
         )
         for path in search.options(output)
-    ] + drawable
+    ]
+    ids_seen = {o.output_ids for o in options}
+    for reading in drawable:  # the same ids reached from two readings count once
+        if reading.output_ids not in ids_seen:
+            ids_seen.add(reading.output_ids)
+            options.append(reading)
     limits = sorted({*search.limits, *neighbour_limits})
     closed = not limits
     facts: dict[str, Any] = {
@@ -389,13 +417,25 @@ def _add(codes: Any, code: str) -> list[str]:
     return list(dict.fromkeys([*(codes or []), code]))
 
 
-def _mask_for(record: Mapping[str, Any], at: int, window: int, new_ids: Sequence[int]) -> list[int]:
-    """The loss mask for ids where `window` record ids from output index `at` became the
-    branch's: the branch takes the mask value of the id it starts at."""
+def _path_mask(record: Mapping[str, Any], path: SplitPath) -> list[int]:
+    """The loss mask of a path over prompt + output: the ids of each departure take the mask
+    value of the record id it starts at."""
     mask = list(record["loss_mask"])
     prompt_len = len(record.get("prompt_ids") or [])
     if len(mask) != prompt_len + len(record["output_ids"]):
         raise ValueError(f"record {record.get('id')!r}: loss_mask does not cover prompt + output")
-    branch = len(new_ids) - (len(record["output_ids"]) - window)
-    start = prompt_len + at
-    return mask[:start] + [mask[start]] * branch + mask[start + window :]
+    windows = path.windows or (
+        (
+            path.diverge_at,
+            path.window,
+            len(path.output_ids) - len(record["output_ids"]) + path.window,
+        ),
+    )
+    out_mask, pos = mask[:prompt_len], 0
+    for at, replaced, put in windows:
+        out_mask += mask[prompt_len + pos : prompt_len + at] + [mask[prompt_len + at]] * put
+        pos = at + replaced
+    out_mask += mask[prompt_len + pos :]
+    if len(out_mask) != prompt_len + len(path.output_ids):
+        raise ValueError(f"record {record.get('id')!r}: a path's departures do not add up")
+    return out_mask
