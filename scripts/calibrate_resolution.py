@@ -19,9 +19,9 @@
    run of one token, plus the single space a word token takes before it). One option proves
    the ids (`text_proven`); two or more go to `extraction.resolve` (pruned at the first id
    the sampler could not draw), scored with the same weights under the same sampling. The
-   readings one id short of or over the bill whose W is newlines and at most one space are
-   kept with the record (`short_readings`, `long_readings`), as core/candidates.py keeps
-   newline tails.
+   W of newlines and at most one space whose canonical ids miss the bill by 1 to 3 ids are
+   kept with the record as readings (`short_readings`, `long_readings`), as
+   core/candidates.py keeps newline tails: a non-canonical split of one may fit the bill.
 4. Every usable record then goes through the split check (`extraction.split_check`, as the
    extract stage runs it): its ids are confirmed as a split the sampler could draw, or
    replaced by the split the target prefers (also a split of a kept near reading), or
@@ -49,6 +49,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from kimi_pipe.config import compose  # noqa: E402
+from kimi_pipe.core.candidates import READING_DISTANCE  # noqa: E402
 from kimi_pipe.core.models import load_model  # noqa: E402
 from kimi_pipe.core.prompt_render import prompt_ids  # noqa: E402
 from kimi_pipe.extraction.hf_backend import HFBackend, resolve_model_path  # noqa: E402
@@ -133,29 +134,28 @@ def split_point(tok: Any, body: list[int]) -> int | None:
 
 
 def near_gap(gap: str) -> bool:
-    """The readings a record keeps one id short of or over the bill come, as in
-    core/candidates.py, from newline runs and a space, not from every whitespace token of the
-    vocabulary: each costs a search (a forward) per record. The options are all of them."""
+    """The readings a record keeps beside its options come, as in core/candidates.py, from
+    newline runs (and here at most one space, SmolLM2's tokens joining one), not from every
+    whitespace token of the vocabulary: each costs a rebuild there. The options are all."""
     return set(gap) <= {"\n", " "} and gap.count(" ") <= 1
 
 
 def gap_options(
     model: Any, reasoning: str, content: str, end: list[int], billed: int, gaps: list[str]
 ) -> tuple[list[tuple[list[int], str]], ...]:
-    """Every (ids, W) with W in `gaps` whose canonical ids have the billed length, and those
-    those one id short of it and one id over it (a non-canonical split of one of these fits
-    the bill too)."""
+    """Every (ids, W) with W in `gaps` whose canonical ids have the billed length (the
+    options), and the near ones (`near_gap`) whose canonical ids miss it by at most
+    READING_DISTANCE, shorter or longer (a non-canonical split of one may fit the bill)."""
     seen: dict[tuple[int, ...], str] = {}
     short: dict[tuple[int, ...], str] = {}
     long: dict[tuple[int, ...], str] = {}
     for gap in gaps:
         ids = model.encode([reasoning + gap + content]) + end
-        if len(ids) == billed:
+        off = len(ids) - billed
+        if off == 0:
             seen.setdefault(tuple(ids), gap)
-        elif len(ids) == billed - 1 and near_gap(gap):
-            short.setdefault(tuple(ids), gap)
-        elif len(ids) == billed + 1 and near_gap(gap):
-            long.setdefault(tuple(ids), gap)
+        elif abs(off) <= READING_DISTANCE and near_gap(gap):
+            (short if off < 0 else long).setdefault(tuple(ids), gap)
     return (
         [(list(ids), gap) for ids, gap in seen.items()],
         [(list(ids), gap) for ids, gap in short.items()],

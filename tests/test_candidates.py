@@ -13,7 +13,7 @@ from typing import Any
 
 from conftest import TAIL_KEPT
 
-from kimi_pipe.core.candidates import SINGLE_CANDIDATE, enumerate_candidates
+from kimi_pipe.core.candidates import READING_DISTANCE, SINGLE_CANDIDATE, enumerate_candidates
 from kimi_pipe.core.evidence import (
     DEFAULT_ACCEPT,
     ENGINE_IDS,
@@ -368,3 +368,24 @@ def test_a_reading_one_id_over_the_bill_is_kept_for_the_split_check(kimi: Model)
         MESSAGES, None, response
     )
     assert [r["output_ids"] for r in record["long_readings"]] == [spaced]
+
+
+def test_newline_readings_a_few_ids_off_the_bill_are_kept_for_the_split_check(
+    kimi: Model,
+) -> None:
+    """A stripped `it.\\n\\n`: the options are the runs that join the period (no id of their
+    own). Longer newline runs cost one to three ids more; an engine that drew one of them split
+    shorter than BPE's encoding would match the bill too, so they are kept as `long_readings`
+    (never beyond READING_DISTANCE ids, as far as the split check's departures reach)."""
+    truth = _truth(kimi, "Check it.\n\n</think>Done.<|im_end|>")
+    response = _response("Check it.", "Done.", len(truth))
+    rec, cands = _options(kimi, response, ServingProfile(reasoning_tail="stripped"))
+    assert cands is not None and cands.closed and truth in [o.output_ids for o in cands.options]
+    offs = sorted({len(o.output_ids) - len(truth) for o in cands.long})
+    assert offs and offs[0] >= 1 and offs[-1] <= READING_DISTANCE
+    assert cands.short == []  # no whitespace costs fewer than no ids
+    options = {tuple(o.output_ids) for o in cands.options}
+    assert all(tuple(o.output_ids) not in options for o in cands.long)
+    texts = [kimi.tokenizer.decode(o.output_ids) for o in cands.long]
+    tails = [t.removeprefix("Check it.").split("</think>")[0] for t in texts]
+    assert all(tail and set(tail) <= {"\n", "\r"} for tail in tails), tails

@@ -49,6 +49,9 @@ SINGLE_CANDIDATE = "single_candidate"
 TAIL_ALPHABET = ("\n", "\r")
 MAX_TAIL_CHARS = 16  # newline runs listed at most (open sets, and the search bound's cap)
 MAX_TAIL_NODES = 1024  # search budget; reaching it leaves the set open (never guessed closed)
+# Readings kept for the split check miss the bill by at most this many ids: as many as the
+# departures its search follows (core/splits.py, `max_departures`).
+READING_DISTANCE = 3
 
 
 @dataclass(frozen=True)
@@ -68,11 +71,12 @@ class Candidates:
     classes: list[str]
     diverge_at: int | None
     options: list[Option]
-    # Readings one id short of the bill: a non-canonical split of one of them (one id longer)
-    # fits the bill as well as the options do; the split check weighs them (`short_readings`).
+    # Readings whose canonical ids are up to READING_DISTANCE short of the bill: a
+    # non-canonical split of one of them (longer) fits the bill as well as the options do;
+    # the split check weighs them (`short_readings`).
     short: list[Option] = field(default_factory=list)
-    # Readings one id over it: BPE's canonical split is not always the shortest, so a split of
-    # one of them one id shorter fits the bill too (`long_readings`).
+    # Readings up to READING_DISTANCE over it: BPE's canonical split is not always the
+    # shortest, so a shorter split of one of them fits the bill too (`long_readings`).
     long: list[Option] = field(default_factory=list)
 
     def to_record(self) -> CandidateSet:
@@ -170,8 +174,7 @@ def enumerate_candidates(
             base = _build(
                 model, messages, tools, response, moved, hypothesis, billing_tolerance, prompt
             )
-            short_tails = [""]
-            long_tails = [""]
+            near_tails = [""]
             tails = [""]
             if enum_tail and _closed_reasoning(moved):
                 if reported is None:
@@ -193,32 +196,31 @@ def enumerate_candidates(
                     )
                     if not complete:
                         why_open.append("the stripped tail's search budget ran out")
-                if reported is not None and missing == 1 and not billing_tolerance:
-                    short_tails, _ = _newline_tails(model, moved.reasoning, 0, 0)
-                    long_tails, _ = _newline_tails(model, moved.reasoning, 2, 2)
-            for near, ids_off, tail_set in ((short, -1, short_tails), (long, 1, long_tails)):
-                for tail in tail_set:
-                    variant = replace(moved, reasoning=moved.reasoning + tail) if tail else moved
-                    rebuilt = (
-                        base
-                        if not tail
-                        else _build(
-                            model, messages, tools, response, variant, hypothesis, 0, prompt
-                        )
+                if reported is not None and not billing_tolerance:
+                    near_tails = _near_tails(model, moved.reasoning)
+            for tail in near_tails:
+                # Readings whose canonical ids miss the bill by a few ids: a non-canonical
+                # split of one (the split check follows up to as many departures) may fit it.
+                variant = replace(moved, reasoning=moved.reasoning + tail) if tail else moved
+                rebuilt = (
+                    base
+                    if not tail
+                    else _build(model, messages, tools, response, variant, hypothesis, 0, prompt)
+                )
+                off = rebuilt.completion_tokens_reconstructed - (reported or 0)
+                if (
+                    reported is not None
+                    and _errors(rebuilt.issues) == {"billing_mismatch"}
+                    and 0 < abs(off) <= READING_DISTANCE
+                ):
+                    (short if off < 0 else long).setdefault(
+                        tuple(rebuilt.output_ids),
+                        Option(
+                            rebuilt.output_ids,
+                            rebuilt.loss_mask,
+                            _label(spacing if len(spacings) > 1 else None, move, tail),
+                        ),
                     )
-                    if (
-                        reported is not None
-                        and _errors(rebuilt.issues) == {"billing_mismatch"}
-                        and rebuilt.completion_tokens_reconstructed == reported + ids_off
-                    ):
-                        near.setdefault(
-                            tuple(rebuilt.output_ids),
-                            Option(
-                                rebuilt.output_ids,
-                                rebuilt.loss_mask,
-                                _label(spacing if len(spacings) > 1 else None, move, tail),
-                            ),
-                        )
             for tail in tails:
                 variant = replace(moved, reasoning=moved.reasoning + tail) if tail else moved
                 rebuilt = (
@@ -380,6 +382,14 @@ def _newline_tails(model: Model, reasoning: str, low: int, high: int) -> tuple[l
             if low <= len(model.encode([chunk + tail])) - base <= high:
                 found.append(tail)
     return found, True
+
+
+def _near_tails(model: Model, reasoning: str) -> list[str]:
+    """The tails whose readings the split check weighs beside the options: none, every run the
+    vocabulary joins to a character (`_joined_tails`) and every newline run up to
+    MAX_TAIL_CHARS. Each costs a rebuild, so not every string of the tail alphabet."""
+    runs = [""] + ["\n" * n for n in range(1, MAX_TAIL_CHARS + 1)]
+    return list(dict.fromkeys(runs + list(_joined_tails(model) or ())))
 
 
 def _runs_that_fit(model: Model, reasoning: str, low: int, high: int) -> list[str]:

@@ -99,10 +99,10 @@ class RecordBuilder:
         elif candidates is not None:
             record["candidates"] = candidates.to_record()
         if candidates is not None and candidates.closed and candidates.short:
-            # Readings one id short of the bill: the split check weighs their longer splits.
+            # Readings a few ids short of the bill: the split check weighs their longer splits.
             record["short_readings"] = [o.to_record() for o in candidates.short]
         if candidates is not None and candidates.closed and candidates.long:
-            # And one id over it: their shorter splits.
+            # And a few ids over it: their shorter splits.
             record["long_readings"] = [o.to_record() for o in candidates.long]
         record["evidence"] = evidence_of(record)
         record["sampling"] = sampling_of(request) if request is not None else None

@@ -51,9 +51,9 @@ class TokenRecord(TokenIds, total=False):
     evidence: str  # engine_ids | text_proven | target_resolved | unresolved
     sampling: dict[str, Any] | None
     candidates: CandidateSet
-    # Readings one id short of the bill: their longer splits fit it too (the split check).
+    # Readings a few ids short of the bill: their longer splits fit it too (the split check).
     short_readings: list[CandidateOption]
-    # Readings one id over the bill: their shorter splits fit it too.
+    # Readings a few ids over the bill: their shorter splits fit it too.
     long_readings: list[CandidateOption]
     notes: list[str]
     # The engine's own ids (core/logprobs.py).
