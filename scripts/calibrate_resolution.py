@@ -49,7 +49,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from kimi_pipe.config import compose  # noqa: E402
-from kimi_pipe.core.candidates import READING_DISTANCE  # noqa: E402
+from kimi_pipe.core.candidates import NO_OPTION_FITS, READING_DISTANCE  # noqa: E402
 from kimi_pipe.core.models import load_model  # noqa: E402
 from kimi_pipe.core.prompt_render import prompt_ids  # noqa: E402
 from kimi_pipe.extraction.hf_backend import HFBackend, resolve_model_path  # noqa: E402
@@ -206,6 +206,31 @@ def gap_record(
     return rec
 
 
+def no_option_record(
+    sid: str,
+    prompt: list[int],
+    text: str,
+    readings_: list[tuple[list[int], str]],
+    billed: int,
+    sampling: dict[str, float],
+) -> dict[str, Any]:
+    """A record no option of which fits the bill: its own ids are the returned text's
+    (no hidden whitespace), flagged, with an open set of no option (core/candidates.py)."""
+    own = next((ids for ids, gap in readings_ if gap == ""), readings_[0][0])
+    rec = base_record(sid, prompt, own, sampling)
+    rec.update(ok=False, evidence="unresolved")
+    rec["issues"] = ["reasoning_tail_unverifiable", "billing_mismatch"]
+    rec["completion_tokens_reported"] = billed
+    rec["candidates"] = {
+        "closed": False,
+        "why_open": NO_OPTION_FITS,
+        "classes": ["reasoning_tail"],
+        "diverge_at": None,
+        "options": [],
+    }
+    return rec
+
+
 def posterior_bins(posteriors: list[tuple[float, bool]]) -> dict[str, dict[str, float]]:
     """Resolved records per posterior bin: how many, how many wrong, how many predicted."""
     edges = [(0.999, 0.9999), (0.9999, 0.999999), (0.999999, 1.0), (1.0, 1.0)]
@@ -320,11 +345,19 @@ def main() -> int:
         if reasoning + content != text:
             count("stack_hid_whitespace")
         options, short, long = gap_options(model, reasoning, content, tail, len(truth), gaps)
-        if not options:
-            count("unresolved_no_option_fits_billing")
-            continue
         posterior = 1.0
-        if len(options) == 1:
+        if not options:
+            # As core/candidates.py keeps it: no option, the readings, for the split check.
+            rec = no_option_record(
+                f"a{i}", prompt, reasoning + content, short + long, len(truth), sampling
+            ) if short or long else {}  # fmt: skip
+            short = [r for r in short if r[0] != rec.get("output_ids")]
+            long = [r for r in long if r[0] != rec.get("output_ids")]
+            if not (short or long):
+                count("unresolved_no_option_fits_billing")
+                continue
+            count("no_option_fits_billing")
+        elif len(options) == 1:
             rec = base_record(f"a{i}", prompt, options[0][0], sampling)
             rec["notes"] = ["single_candidate"]
         else:

@@ -13,7 +13,12 @@ from typing import Any
 
 from conftest import TAIL_KEPT
 
-from kimi_pipe.core.candidates import READING_DISTANCE, SINGLE_CANDIDATE, enumerate_candidates
+from kimi_pipe.core.candidates import (
+    NO_OPTION_FITS,
+    READING_DISTANCE,
+    SINGLE_CANDIDATE,
+    enumerate_candidates,
+)
 from kimi_pipe.core.evidence import (
     DEFAULT_ACCEPT,
     ENGINE_IDS,
@@ -28,6 +33,7 @@ from kimi_pipe.core.models import Model
 from kimi_pipe.core.reconstruction import reconstruct
 from kimi_pipe.core.record_builder import RecordBuilder
 from kimi_pipe.core.serving import ServingProfile
+from kimi_pipe.extraction.split_check import checkable
 
 MESSAGES = [{"role": "user", "content": "x"}]
 TOOLS = [
@@ -389,3 +395,21 @@ def test_newline_readings_a_few_ids_off_the_bill_are_kept_for_the_split_check(
     texts = [kimi.tokenizer.decode(o.output_ids) for o in cands.long]
     tails = [t.removeprefix("Check it.").split("</think>")[0] for t in texts]
     assert all(tail and set(tail) <= {"\n", "\r"} for tail in tails), tails
+
+
+def test_no_option_fitting_the_bill_keeps_the_readings_for_the_split_check(kimi: Model) -> None:
+    """Billed one id under every reading's canonical encoding: the engine drew a shorter split
+    somewhere. Nothing for the target to choose among (no option, an open set), but the
+    readings are kept, and the split check takes the record (extraction/split_check.py)."""
+    truth = _truth(kimi, "Check it.\n</think>Done.<|im_end|>")
+    response = _response("Check it.", "Done.", len(truth) - 1)
+    rec, cands = _options(kimi, response, ServingProfile(reasoning_tail="stripped"))
+    assert cands is not None and cands.options == [] and not cands.closed
+    assert cands.why_open == NO_OPTION_FITS and cands.keeps_readings
+    assert truth in [o.output_ids for o in cands.long] and cands.short == []
+    record = RecordBuilder(kimi, ServingProfile(reasoning_tail="stripped")).build(
+        MESSAGES, None, response
+    )
+    assert not record["ok"] and record["evidence"] == "unresolved"
+    assert truth in [r["output_ids"] for r in record["long_readings"]]
+    assert checkable(record) is None

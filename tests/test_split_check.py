@@ -681,3 +681,37 @@ def test_the_search_finds_exactly_the_drawable_paths_a_brute_force_lists(
     for path, lp in expected.items():
         assert found[path] == pytest.approx(lp)
     assert search.record_logprob == pytest.approx(logprob(record))
+
+
+def test_a_record_no_option_of_which_fits_the_bill_is_resolved_from_a_reading_split() -> None:
+    """No reading fits the bill at its canonical split (the candidates keep none as option,
+    only readings): the engine drew "abc" in one id where the reading's ids are three. The
+    record (its own ids impossible under the sampler) takes that split, and the flags the
+    readings accounted for (the stripped tail, the bill) are settled with it."""
+    sampler = ScriptedSampler(
+        {
+            (6,): {ABC: math.log(0.9), A: math.log(0.1)},
+            (6, ABC): {END: 0.0},
+            (6, A): {B: 0.0},
+            (6, A, B): {C: 0.0},
+            (6, A, B, C): {END: 0.0},
+        }
+    )
+    rec = record([A, B, END], billed=2, ok=False)
+    rec["issues"] = ["reasoning_tail_unverifiable", "billing_mismatch"]
+    rec["candidates"] = {
+        "closed": False, "why_open": "no reading fits", "classes": ["reasoning_tail"],
+        "diverge_at": None, "options": [],
+    }  # fmt: skip
+    rec["long_readings"] = [{"output_ids": [A, B, C, END], "loss_mask": [1] * 4}]
+    assert checkable(rec) is None
+    assert checkable({**rec, "issues": [*rec["issues"], "tool_index_untrusted"]}) == "other_issues"
+    search = search_splits(PROMPT, rec["output_ids"], 2, toy_vocab(), sampler)
+    assert search.record_logprob == -math.inf and search.others == []
+    found, limits = neighbour_readings(rec, search, 2, toy_vocab(), sampler)
+    out = apply_split_check(
+        rec, search, ResolveSettings(), "toy", Sampling(1.0, 0.9), found, limits
+    )
+    assert out["ok"] and out["evidence"] == "target_resolved" and out["issues"] == []
+    assert out["output_ids"] == [ABC, END] and out["loss_mask"] == [0, 1, 1]
+    assert out["split_check"]["chosen_from"] == "long_reading"

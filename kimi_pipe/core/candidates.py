@@ -52,6 +52,7 @@ MAX_TAIL_NODES = 1024  # search budget; reaching it leaves the set open (never g
 # Readings kept for the split check miss the bill by at most this many ids: as many as the
 # departures its search follows (core/splits.py, `max_departures`).
 READING_DISTANCE = 3
+NO_OPTION_FITS = "no reading fits the bill at its canonical split (the split check searches them)"
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,12 @@ class Candidates:
             "diverge_at": self.diverge_at,
             "options": [o.to_record() for o in self.options],
         }
+
+    @property
+    def keeps_readings(self) -> bool:
+        """The readings are worth the split check's search: the set is closed, or no option
+        fits the bill and nothing else leaves it open."""
+        return self.closed or (not self.options and self.why_open == NO_OPTION_FITS)
 
     @property
     def proves(self) -> bool:
@@ -255,7 +262,20 @@ def enumerate_candidates(
                     )
                 )
     if not options:
-        return None
+        if why_open or not (short or long):
+            return None
+        # No reading fits the bill at its canonical split, so the engine drew another split
+        # (of one of these readings, if of any): nothing for the target to choose among, but
+        # the split check searches the readings' splits at the billed length.
+        return Candidates(
+            closed=False,
+            why_open=NO_OPTION_FITS,
+            classes=classes,
+            diverge_at=None,
+            options=[],
+            short=list(short.values()),
+            long=list(long.values()),
+        )
     return Candidates(
         closed=not why_open,
         why_open="; ".join(dict.fromkeys(why_open)) or None,

@@ -98,10 +98,10 @@ class RecordBuilder:
             record = _proven_by(record, candidates)
         elif candidates is not None:
             record["candidates"] = candidates.to_record()
-        if candidates is not None and candidates.closed and candidates.short:
+        if candidates is not None and candidates.keeps_readings and candidates.short:
             # Readings a few ids short of the bill: the split check weighs their longer splits.
             record["short_readings"] = [o.to_record() for o in candidates.short]
-        if candidates is not None and candidates.closed and candidates.long:
+        if candidates is not None and candidates.keeps_readings and candidates.long:
             # And a few ids over it: their shorter splits.
             record["long_readings"] = [o.to_record() for o in candidates.long]
         record["evidence"] = evidence_of(record)

@@ -288,7 +288,7 @@ def covered_issues(candidates: Mapping[str, Any]) -> frozenset[str]:
     return frozenset(codes)
 
 
-def _blocking(codes: Sequence[str]) -> set[str]:
+def blocking_issues(codes: Sequence[str]) -> set[str]:
     """The codes that make a record unusable (notes do not; an unknown code does)."""
     from kimi_pipe.core.logprobs import LOGPROB_NOTES
     from kimi_pipe.core.reconstruction import NOTES
@@ -322,7 +322,7 @@ def resolvable(record: Mapping[str, Any]) -> str | None:
             return "bad_option"
     if len({tuple(o["output_ids"]) for o in options}) != len(options):
         return "duplicate_options"
-    rest = _blocking(record.get("issues") or []) - covered_issues(cands) - {TARGET_UNRESOLVED}
+    rest = blocking_issues(record.get("issues") or []) - covered_issues(cands) - {TARGET_UNRESOLVED}
     if rest:
         return "other_issues"  # only a record whose one ambiguity is this set may be resolved
     return None

@@ -16,7 +16,10 @@ this module turns the answer into the record's evidence:
   `split_ambiguous` or `target_disagrees`.
 A record flagged only for `billing_mismatch` (the canonical encoding has another length than
 the engine's) goes through the same search at the billed length: a non-canonical split of
-another length is found and resolved the same way.
+another length is found and resolved the same way. So does a record no reading of which fits
+the bill at its canonical split (candidates with no option, only readings): the readings'
+splits at the billed length are searched, and the flags they account for are settled with
+the one chosen.
 """
 
 from __future__ import annotations
@@ -39,7 +42,13 @@ from kimi_pipe.core.splits import (
     search_splits,
 )
 from kimi_pipe.core.token_record import TokenRecord
-from kimi_pipe.extraction.resolve import ResolveSettings, cache_argument, decide
+from kimi_pipe.extraction.resolve import (
+    ResolveSettings,
+    blocking_issues,
+    cache_argument,
+    covered_issues,
+    decide,
+)
 from kimi_pipe.extraction.sampler import Sampling, sampler_log_table
 
 SPLIT_CHECKED = "split_checked"  # note: no other split was possible under the sampling
@@ -156,13 +165,19 @@ def checkable(record: Mapping[str, Any]) -> str | None:
     if record.get("ok") and rung in (TEXT_PROVEN, TARGET_RESOLVED):
         return None
     issues = set(record.get("issues") or [])
+    billed = isinstance(record.get("completion_tokens_reported"), int)
+    if not record.get("ok") and issues == {"billing_mismatch"} and not record.get("candidates"):
+        return None if billed else "other_issues"  # a split of another length may fit
+    cands = record.get("candidates")
     if (
         not record.get("ok")
-        and issues == {"billing_mismatch"}
-        and not record.get("candidates")
-        and isinstance(record.get("completion_tokens_reported"), int)
+        and billed
+        and isinstance(cands, Mapping)
+        and not cands.get("options")
+        and (record.get("short_readings") or record.get("long_readings"))
+        and not blocking_issues(list(issues)) - covered_issues(cands)
     ):
-        return None  # a split of another length may be what the engine drew
+        return None  # no reading fits the bill at its canonical split: search their splits
     return "rung" if record.get("ok") else "other_issues"
 
 
@@ -403,7 +418,11 @@ def apply_split_check(
         out["output_ids"] = list(chosen.output_ids)
         out["loss_mask"] = list(chosen.loss_mask)
         out["completion_tokens_reconstructed"] = len(chosen.output_ids)
-    out["issues"] = [c for c in (record.get("issues") or []) if c != "billing_mismatch"]
+    # What the readings accounted for (a stripped tail, a marker space) is settled with them.
+    cands = record.get("candidates")
+    covered = covered_issues(cands) if isinstance(cands, Mapping) else frozenset()
+    settled = covered | {"billing_mismatch"}
+    out["issues"] = [c for c in (record.get("issues") or []) if c not in settled]
     notes = [*(record.get("notes") or []), SPLIT_RESOLVED]
     if "billing_mismatch" in (record.get("issues") or []):
         notes.append("billing_mismatch")
