@@ -253,9 +253,9 @@ def neighbour_readings(
     kept += [("long_reading", r) for r in record.get("long_readings") or []]
     unique: dict[tuple[int, ...], tuple[str, Mapping[str, Any]]] = {}
     for source, reading in kept:
-        ids = tuple(reading["output_ids"])
-        if ids != own:
-            unique.setdefault(ids, (source, reading))
+        key = tuple(reading["output_ids"])
+        if key != own:
+            unique.setdefault(key, (source, reading))
     near = list(unique.values())
     drawable = _drawable_readings(record, search, [r for _, r in near], vocab, scorer)
     budget = NEAR_READINGS_BRANCHES
