@@ -305,7 +305,10 @@ def main() -> int:
 
     spaces = [tok.decode([t]) for t in whitespace_ids(tok)]
     gaps = ["", " "] + [g for t in spaces for g in (t, t + " ")]
-    settings = ResolveSettings(min_posterior=args.min_posterior, max_options=len(gaps))
+    # This stack only hides whitespace: a bill no reading fits is a split (billing_splits).
+    settings = ResolveSettings(
+        min_posterior=args.min_posterior, max_options=len(gaps), billing_splits=True
+    )
     scorer = HFSuffixScorer(judge, "smollm2")
     vocab = vocabulary_of(model.tokenizer)
     sampling = {"temperature": args.temperature, "top_p": args.top_p}
@@ -377,11 +380,13 @@ def main() -> int:
         checked, cost = check_record(rec, judge, vocab, settings, "smollm2")
         split_s += time.monotonic() - t2
         split_tokens += cost
-        assert checked is not None and checkable(rec) is None
+        assert checked is not None and checkable(rec, settings.billing_splits) is None
         outcome = (checked.get("split_check") or {}).get("chosen")
         count(f"split_{outcome or 'unresolved'}")
         if not checked["ok"]:
             count("unresolved_by_split_check")
+            if not options:
+                count("no_option_unresolved")
             continue
         # The split check weighs the set's other options with every split: its posterior
         # is the record's whole posterior.
@@ -390,6 +395,8 @@ def main() -> int:
         wrong = rec["output_ids"] != truth
         rung = rec["evidence"]
         count(rung)
+        if not options:
+            count(f"no_option_{rung}" + ("_wrong" if wrong else ""))
         if wrong:
             count(f"{rung}_WRONG")  # silent: a usable record with ids the model did not sample
             wrong_examples.append(
@@ -435,6 +442,14 @@ def main() -> int:
         "share_target_resolved": resolved / n,
         "share_proven_or_resolved": (proven + resolved) / n,
         "share_unresolved": 1 - (proven + resolved) / n,
+        # resolve.billing_splits off (the default): the no-option records stay flagged.
+        "share_proven_or_resolved_billing_splits_off": (
+            proven
+            + resolved
+            - counts.get("no_option_target_resolved", 0)
+            - counts.get("no_option_text_proven", 0)
+        )
+        / n,
         "silent": silent,
         "resolved_wrong": counts.get("target_resolved_WRONG", 0),
         "resolved_wrong_predicted": predicted_wrong,

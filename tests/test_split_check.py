@@ -146,7 +146,9 @@ def test_a_longer_split_billing_saw_is_recovered() -> None:
         }
     )
     rec = record([ABC, END], billed=4, ok=False, issues=["billing_mismatch"])
-    assert checkable(rec) is None
+    # A bill no reading fits may be a stack's change, not a split: off unless configured.
+    assert checkable(rec) == "billing_splits_off"
+    assert checkable(rec, billing_splits=True) is None
     search = search_splits(PROMPT, [ABC, END], 4, toy_vocab(), sampler)
     assert not search.record_fits_billing
     assert [p.output_ids for p in search.others] == [(A, B, C, END)]
@@ -500,7 +502,7 @@ def test_sampled_non_canonical_splits_are_recovered_from_text_and_billing(
             "completion_tokens_reported": len(truth),
             "sampling": {"temperature": 1.0, "top_p": 0.9},
         }
-        assert checkable(rec) is None
+        assert checkable(rec, billing_splits=True) is None
         out, cost = check_record(rec, hf, vocab, ResolveSettings(), "smollm2")
         assert out is not None and cost > 0
         # Never a wrong id in a usable record; here every answer is recovered exactly.
@@ -541,7 +543,12 @@ def test_extract_runs_the_split_check_before_capture(
     records.write_text("".join(json.dumps(r) + "\n" for r in lines))
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose(
-            config_name="config", overrides=["model=smollm2", f"extract.run_dir={tmp_path}"]
+            config_name="config",
+            overrides=[
+                "model=smollm2",
+                f"extract.run_dir={tmp_path}",
+                "resolve.billing_splits=true",  # a provider whose text is faithful
+            ],
         )
     summary = run_extract(cfg)
     assert summary["resolve"]["counts"] == {"split_resolved_other": len(lines)}
@@ -704,8 +711,11 @@ def test_a_record_no_option_of_which_fits_the_bill_is_resolved_from_a_reading_sp
         "diverge_at": None, "options": [],
     }  # fmt: skip
     rec["long_readings"] = [{"output_ids": [A, B, C, END], "loss_mask": [1] * 4}]
-    assert checkable(rec) is None
-    assert checkable({**rec, "issues": [*rec["issues"], "tool_index_untrusted"]}) == "other_issues"
+    assert checkable(rec) == "billing_splits_off"
+    assert checkable(rec, billing_splits=True) is None
+    assert checkable({**rec, "issues": [*rec["issues"], "tool_index_untrusted"]}, True) == (
+        "other_issues"
+    )
     search = search_splits(PROMPT, rec["output_ids"], 2, toy_vocab(), sampler)
     assert search.record_logprob == -math.inf and search.others == []
     found, limits = neighbour_readings(rec, search, 2, toy_vocab(), sampler)

@@ -199,6 +199,8 @@ class ResolveSettings:
     max_options: int = 64  # a larger set is left unresolved (scoring cost)
     lock_timeout_s: float = 300.0
     split_check: bool = True  # the target confirms text-proven ids are the sampled split
+    # Explain a bill that no reading fits by a non-canonical split (off: flagged, see yaml).
+    billing_splits: bool = False
     # How far past the sampler's edge a token still counts as drawable (the provider's numerics
     # are not the judge's); None: by the judge's compute dtype (`judge_dtype`, set by extract).
     nucleus_slack: float | None = None
@@ -584,7 +586,7 @@ def _split_check_pass(
         if mine is not None and not mine(sid):
             continue
         current = updates[sid][1] if sid in updates else rec
-        if checkable(current) is not None:
+        if checkable(current, settings.billing_splits) is not None:
             continue
         new, cost = check_record(current, model, vocab, settings, scorer.model_name)
         tokens += cost

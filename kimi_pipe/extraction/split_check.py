@@ -155,8 +155,9 @@ class LazyVocabulary:
         return getattr(self._vocab, name)
 
 
-def checkable(record: Mapping[str, Any]) -> str | None:
-    """Why the record is not split-checked (None: it is)."""
+def checkable(record: Mapping[str, Any], billing_splits: bool = False) -> str | None:
+    """Why the record is not split-checked (None: it is). `billing_splits`
+    (`resolve.billing_splits`): also a record whose bill no reading fits."""
     if record.get("split_check"):
         return "checked_before"
     if not isinstance(record.get("output_ids"), list) or not record.get("prompt_ids"):
@@ -167,7 +168,9 @@ def checkable(record: Mapping[str, Any]) -> str | None:
     issues = set(record.get("issues") or [])
     billed = isinstance(record.get("completion_tokens_reported"), int)
     if not record.get("ok") and issues == {"billing_mismatch"} and not record.get("candidates"):
-        return None if billed else "other_issues"  # a split of another length may fit
+        if not billed:
+            return "other_issues"
+        return None if billing_splits else "billing_splits_off"  # a split may fit the bill
     cands = record.get("candidates")
     if (
         not record.get("ok")
@@ -177,7 +180,8 @@ def checkable(record: Mapping[str, Any]) -> str | None:
         and (record.get("short_readings") or record.get("long_readings"))
         and not blocking_issues(list(issues)) - covered_issues(cands)
     ):
-        return None  # no reading fits the bill at its canonical split: search their splits
+        # No reading fits the bill at its canonical split: search their splits.
+        return None if billing_splits else "billing_splits_off"
     return "rung" if record.get("ok") else "other_issues"
 
 
