@@ -52,7 +52,7 @@ MAX_TAIL_NODES = 1024  # search budget; reaching it leaves the set open (never g
 # Readings kept for the split check miss the bill by at most this many ids: as many as the
 # departures its search follows (core/splits.py, `max_departures`).
 READING_DISTANCE = 3
-NO_OPTION_FITS = "no reading fits the bill at its canonical split (the split check searches them)"
+NO_OPTION_FITS = "no reading fits the bill at its canonical split"
 
 
 @dataclass(frozen=True)
@@ -264,9 +264,9 @@ def enumerate_candidates(
     if not options:
         if why_open or not (short or long):
             return None
-        # No reading fits the bill at its canonical split, so the engine drew another split
-        # (of one of these readings, if of any): nothing for the target to choose among, but
-        # the split check searches the readings' splits at the billed length.
+        # No reading fits the bill at its canonical split: the engine drew another split of
+        # one, or the stack changed the text beyond the profile. Nothing for the target to
+        # choose among; the split check may search the readings (resolve.billing_splits).
         return Candidates(
             closed=False,
             why_open=NO_OPTION_FITS,

@@ -14,12 +14,11 @@ this module turns the answer into the record's evidence:
 * otherwise (no path reaches the threshold, the search hit its limits, or the record's own
   ids are impossible under the sampling and no other split fits): `unresolved`, with issue
   `split_ambiguous` or `target_disagrees`.
-A record flagged only for `billing_mismatch` (the canonical encoding has another length than
-the engine's) goes through the same search at the billed length: a non-canonical split of
-another length is found and resolved the same way. So does a record no reading of which fits
-the bill at its canonical split (candidates with no option, only readings): the readings'
-splits at the billed length are searched, and the flags they account for are settled with
-the one chosen.
+With `resolve.billing_splits`, a record whose bill no reading fits goes through the same
+search at the billed length: one flagged only for `billing_mismatch` (its own text's splits),
+or one whose candidates have no option, only readings (their splits; the flags they account
+for are settled with the one chosen). Off by default: such a bill is as often a stack's change
+to the text, which no split of the wrong text may explain away (docs/resolve.md).
 """
 
 from __future__ import annotations
