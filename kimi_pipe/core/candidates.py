@@ -183,6 +183,7 @@ def enumerate_candidates(
             )
             near_tails = [""]
             tails = [""]
+            rebuild = _TailBuilds(model, messages, tools, response, moved, hypothesis, prompt, base)
             if enum_tail and _closed_reasoning(moved):
                 if reported is None:
                     why_open.append("no billed completion_tokens to bound the stripped tail")
@@ -208,12 +209,7 @@ def enumerate_candidates(
             for tail in near_tails:
                 # Readings whose canonical ids miss the bill by a few ids: a non-canonical
                 # split of one (the split check follows up to as many departures) may fit it.
-                variant = replace(moved, reasoning=moved.reasoning + tail) if tail else moved
-                rebuilt = (
-                    base
-                    if not tail
-                    else _build(model, messages, tools, response, variant, hypothesis, 0, prompt)
-                )
+                rebuilt = rebuild(tail, 0)
                 off = rebuilt.completion_tokens_reconstructed - (reported or 0)
                 if (
                     reported is not None
@@ -229,21 +225,7 @@ def enumerate_candidates(
                         ),
                     )
             for tail in tails:
-                variant = replace(moved, reasoning=moved.reasoning + tail) if tail else moved
-                rebuilt = (
-                    base
-                    if not tail
-                    else _build(
-                        model,
-                        messages,
-                        tools,
-                        response,
-                        variant,
-                        hypothesis,
-                        billing_tolerance,
-                        prompt,
-                    )
-                )
+                rebuilt = rebuild(tail, billing_tolerance)
                 if _errors(rebuilt.issues) - {"space_before_tool_section"}:
                     continue
                 if "space_before_tool_section" in _errors(rebuilt.issues) and (
@@ -285,6 +267,39 @@ def enumerate_candidates(
         short=[o for key, o in short.items() if key not in seen],
         long=[o for key, o in long.items() if key not in seen],
     )
+
+
+@dataclass
+class _TailBuilds:
+    """One hypothesis's answer rebuilt with a tail appended to its reasoning; a tail tried as
+    a near reading and as an option (same tolerance) is built once. No tail: `base`."""
+
+    model: Model
+    messages: Sequence[Mapping[str, Any]]
+    tools: Sequence[Mapping[str, Any]] | None
+    response: Any
+    answer: AnswerFields
+    hypothesis: ServingProfile
+    prompt: Sequence[int] | None
+    base: Reconstruction
+    built: dict[tuple[str, int], Reconstruction] = field(default_factory=dict)
+
+    def __call__(self, tail: str, tolerance: int) -> Reconstruction:
+        if not tail:
+            return self.base
+        if (tail, tolerance) not in self.built:
+            variant = replace(self.answer, reasoning=self.answer.reasoning + tail)
+            self.built[(tail, tolerance)] = _build(
+                self.model,
+                self.messages,
+                self.tools,
+                self.response,
+                variant,
+                self.hypothesis,
+                tolerance,
+                self.prompt,
+            )
+        return self.built[(tail, tolerance)]
 
 
 def _build(

@@ -72,9 +72,8 @@ class Vocabulary:
 class SplitPath:
     output_ids: tuple[int, ...]
     logprob: float
-    diverge_at: int  # first output index where it leaves the record's ids
-    window: int = 0  # record ids replaced by the first departure (from diverge_at)
-    # every departure: (record index it leaves at, record ids it replaces, ids it puts there)
+    # every departure: (record index it leaves at, record ids it replaces, ids it puts there);
+    # none for the record's own ids
     windows: tuple[tuple[int, int, int], ...] = ()
 
 
@@ -97,7 +96,7 @@ class SplitSearch:
 
     def options(self, record_ids: Sequence[int]) -> list[SplitPath]:
         """Every path billing allows: the record's own (when its length fits) and the others."""
-        own = [SplitPath(tuple(record_ids), self.record_logprob, len(record_ids))]
+        own = [SplitPath(tuple(record_ids), self.record_logprob)]
         return (own if self.record_fits_billing else []) + self.others
 
 
@@ -333,8 +332,7 @@ def search_splits(
         key = tuple(new_path)
         if ends_here and total > -math.inf and key not in seen:
             seen.add(key)
-            first_k, first_w, _ = new_windows[0]
-            search.others.append(SplitPath(key, total, first_k, first_w, new_windows))
+            search.others.append(SplitPath(key, total, new_windows))
         # The next departure takes at least the record's id at j first (a different id there
         # is this departure going on, which branch_from follows).
         if j + 1 <= n_out:

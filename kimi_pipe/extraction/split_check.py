@@ -446,15 +446,8 @@ def _path_mask(record: Mapping[str, Any], path: SplitPath) -> list[int]:
     prompt_len = len(record.get("prompt_ids") or [])
     if len(mask) != prompt_len + len(record["output_ids"]):
         raise ValueError(f"record {record.get('id')!r}: loss_mask does not cover prompt + output")
-    windows = path.windows or (
-        (
-            path.diverge_at,
-            path.window,
-            len(path.output_ids) - len(record["output_ids"]) + path.window,
-        ),
-    )
     out_mask, pos = mask[:prompt_len], 0
-    for at, replaced, put in windows:
+    for at, replaced, put in path.windows:
         out_mask += mask[prompt_len + pos : prompt_len + at] + [mask[prompt_len + at]] * put
         pos = at + replaced
     out_mask += mask[prompt_len + pos :]
