@@ -9,8 +9,9 @@
    "argmax = next token" and as "argmax = the float32 / bf16 store's argmax".
 2. Stores from one capture (the hf backend's forward, pre-norm final state, written by the
    store's own `StoreWriter` into each): float32 (the reference), bfloat16 (the default),
-   fp8_e4m3 for both states, fp8 aux + bf16 final. (scripts/bench_extract.py times the whole
-   extract stage with fp8 storage.)
+   fp8_e4m3 for both states (round to nearest, and keeping the teacher: the writer gets the
+   LM head, kimi_pipe.store.teacher_rounding), fp8 aux + bf16 final.
+   (scripts/bench_extract.py times the whole extract stage with fp8 storage.)
 3. Per state: relative error ||x - ref|| / ||ref|| and cosine per token against float32 and
    against bf16; teacher agreement: argmax of the LM head on the post-norm final state (the
    export's own conversion, `final_state_as`) = the next token, at every loss position.
@@ -45,11 +46,12 @@ from kimi_pipe.store.hidden_store import (
     quantize_rows,
 )
 
-STORES = {
-    "float32": ("float32", None),
-    "bf16": ("bfloat16", None),
-    "fp8": ("fp8_e4m3", None),
-    "fp8_aux_bf16_final": ("fp8_e4m3", "bfloat16"),
+STORES = {  # name: (dtype, final dtype, keep the teacher: the writer gets the LM head)
+    "float32": ("float32", None, False),
+    "bf16": ("bfloat16", None, False),
+    "fp8": ("fp8_e4m3", None, False),
+    "fp8_keep_teacher": ("fp8_e4m3", None, True),
+    "fp8_aux_bf16_final": ("fp8_e4m3", "bfloat16", False),
 }
 EXPORTS = {
     "specforge": ("specforge", {}),
@@ -95,7 +97,9 @@ def text_records(model_path: str, n: int, length: int, out: Path) -> None:
     out.write_text("".join(lines))
 
 
-def build_stores(backend: HFBackend, records: Path, out: Path) -> dict[str, HiddenStore]:
+def build_stores(
+    backend: HFBackend, records: Path, out: Path
+) -> tuple[dict[str, HiddenStore], dict[str, Any]]:
     """One forward per batch, the same states written into every store (StoreWriter, the
     store code the extract stage uses): the stores differ only in how they keep the states."""
     from collections import deque
@@ -106,10 +110,11 @@ def build_stores(backend: HFBackend, records: Path, out: Path) -> dict[str, Hidd
 
     paths = {name: out / f"store_{name}" for name in STORES}
     if all((p / "tokens").exists() for p in paths.values()):
-        return {name: HiddenStore(p) for name, p in paths.items()}
+        return {name: HiddenStore(p) for name, p in paths.items()}, {}
     samples, _ = read_token_records(records)
     writers = {}
-    for name, (dtype, final_dtype) in STORES.items():
+    head = backend.output_head()
+    for name, (dtype, final_dtype, keep_teacher) in STORES.items():
         shutil.rmtree(paths[name], ignore_errors=True)
         fields = {**backend.store_fields, "dtype": dtype}
         manifest = make_manifest(
@@ -119,7 +124,9 @@ def build_stores(backend: HFBackend, records: Path, out: Path) -> dict[str, Hidd
             source_runs=[str(out.resolve())],
             backend="hf",
         )
-        writers[name] = StoreWriter(paths[name], manifest)
+        writers[name] = StoreWriter(
+            paths[name], manifest, head_weight=head if keep_teacher else None
+        )
     pending = deque(sorted(samples, key=lambda x: -len(x.input_ids)))
     budget = TokenBudget(4096)
     while pending:
@@ -130,7 +137,8 @@ def build_stores(backend: HFBackend, records: Path, out: Path) -> dict[str, Hidd
                 w.add(sample.id, sample.input_ids, sample.loss_mask, aux, final)
     for w in writers.values():
         w.close()
-    return {name: HiddenStore(p) for name, p in paths.items()}
+    rounding = {n: w.rounding.as_dict() for n, w in writers.items() if w.teacher is not None}
+    return {name: HiddenStore(p) for name, p in paths.items()}, rounding
 
 
 def files_bytes(path: Path) -> int:
@@ -290,7 +298,7 @@ def main() -> int:
     backend = HFBackend(model_path, dtype="float32", final_state="pre_norm", model_name="smollm2")
     head = backend.model.get_output_embeddings().weight.detach().float()
     started = time.monotonic()
-    stores = build_stores(backend, records, out)
+    stores, rounding = build_stores(backend, records, out)
     capture_s = time.monotonic() - started
     tokens = stores["bf16"].total_tokens()
     h = stores["bf16"].manifest["hidden_size"]
@@ -306,10 +314,13 @@ def main() -> int:
             n: files_bytes(s.path / "shards") / tokens for n, s in stores.items()
         },
         "scale_layouts": {n: d for n, (_, d) in SCALE_LAYOUTS.items()},
+        "final_fp8_rounding": rounding,
         "compare": compare(stores, head),
         "exports": {},
     }
-    for name in () if args.no_exports else ("bf16", "fp8", "fp8_aux_bf16_final"):
+    for name in (
+        () if args.no_exports else ("bf16", "fp8", "fp8_keep_teacher", "fp8_aux_bf16_final")
+    ):
         for ename, (fmt, settings) in EXPORTS.items():
             dest = out / "exports" / name / ename
             if dest.exists():

@@ -167,6 +167,16 @@ class HFBackend:
             for row, n in enumerate(lengths)
         ]
 
+    def output_head(self) -> torch.Tensor:
+        """The LM head's weight [vocab, H] in float32: the teacher the fp8 store keeps."""
+        head = self.model.get_output_embeddings()
+        if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
+            raise ConfigError(
+                f"{type(self.model).__name__} has no output embeddings to keep the teacher "
+                "with; set extract.final_fp8_rounding=nearest"
+            )
+        return head.weight.detach().float()
+
     def suffix_scorer(self) -> HFSuffixScorer:
         """Target resolution's scorer on the same weights (extraction.resolve)."""
         return HFSuffixScorer(self.model, str(self.store_fields["model"]), self.device)

@@ -43,6 +43,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from kimi_pipe.errors import ConfigError
 from kimi_pipe.extraction.layers import output_to_capture_ids, resolve_output_ids
+from kimi_pipe.extraction.output_head import read_output_head
 from kimi_pipe.extraction.resolve import Sampling, sampled_logprobs
 from kimi_pipe.extraction.split_check import sampler_log_table
 
@@ -484,6 +485,12 @@ class SGLangBackend:
             groups[-1].append(i)
             tokens += n
         return groups
+
+    def output_head(self) -> torch.Tensor:
+        """The LM head from the checkpoint (the engine shards its own across ranks); on the
+        GPU when the engine runs there (Kimi's, in float32: 4.7 GB)."""
+        device = "cuda" if self.settings.device == "cuda" else "cpu"
+        return read_output_head(self.settings.model_path, device)
 
     def suffix_scorer(self) -> SGLangSuffixScorer | None:
         """Target resolution's scorer on this engine (None: the rank returns no logits)."""

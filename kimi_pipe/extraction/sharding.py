@@ -53,12 +53,14 @@ from kimi_pipe.extraction.token_samples import (
 )
 from kimi_pipe.store import atomic
 from kimi_pipe.store.hidden_store import (
+    FP8,
     IDENTITY_KEYS,
     INDEX,
     MANIFEST,
     SHARDS,
     StoreWriter,
     make_manifest,
+    state_dtypes,
     write_tokens_dataset,
 )
 
@@ -625,7 +627,11 @@ def run_sharded(cfg: Any, backend: Any) -> dict[str, Any]:
     if num_shards > 1:
         mark_part_started(part)
     writer = StoreWriter(
-        part, manifest, shard_samples=int(ecfg.shard_samples), shard_tokens=ecfg.get("shard_tokens")
+        part,
+        manifest,
+        shard_samples=int(ecfg.shard_samples),
+        shard_tokens=ecfg.get("shard_tokens"),
+        head_weight=teacher_head(ecfg, backend, manifest),
     )
     issues = IssueLog(part)
     stats = capture_into(backend.forward, mine, writer, issues, budget, padded=not packed)  # type: ignore[arg-type]
@@ -641,6 +647,7 @@ def run_sharded(cfg: Any, backend: Any) -> dict[str, Any]:
         "over_max_len": str(ecfg.over_max_len),
         "counts": dict(sorted(counts.items())),
         "capture": stats.as_dict(),
+        "final_fp8_rounding": writer.rounding.as_dict() if writer.teacher is not None else None,
         "final_batch_tokens": budget.tokens,
         "samples_in_part": len(writer.done_ids),
         "resolve": resolution,
@@ -651,6 +658,26 @@ def run_sharded(cfg: Any, backend: Any) -> dict[str, Any]:
         merged = maybe_merge(store, num_shards)
         summary["merged"] = merged
     return summary
+
+
+ROUNDINGS = ("keep_teacher", "nearest")
+
+
+def teacher_head(ecfg: Any, backend: object, manifest: dict[str, Any]) -> torch.Tensor | None:
+    """The LM head when an fp8 final state is to keep the teacher (extract.final_fp8_rounding)."""
+    how = str(ecfg.get("final_fp8_rounding") or "keep_teacher")
+    if how not in ROUNDINGS:
+        raise ConfigError(f"extract.final_fp8_rounding must be one of {ROUNDINGS}, not {how!r}")
+    if how == "nearest" or state_dtypes(manifest)["hidden_state"] != FP8:
+        return None
+    head = getattr(backend, "output_head", None)
+    if head is None:
+        raise ConfigError(
+            f"extract.backend={ecfg.backend} cannot give the LM head that keeps the teacher of "
+            "an fp8 final state; set extract.final_fp8_rounding=nearest or "
+            "extract.final_store_dtype=bfloat16"
+        )
+    return head()  # type: ignore[no-any-return]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -46,6 +46,8 @@ Compact storage (`dtype="fp8_e4m3"`, per state with `final_dtype`): a state is k
 (`store_dtype` per state, `scale_layout`) and its `dtype` becomes the dtype readers return
 (bfloat16): `store[id]` dequantizes (fp8 value x scale, in float32, then cast), so every reader
 sees plain tensors. `store.raw(id)` gives the stored tensors and scales as they are.
+Given the LM head (`head_weight`), the writer rounds an fp8 final state so that the head's
+argmax stays the plain store's (manifest `final_rounding`; kimi_pipe.store.teacher_rounding).
 """
 
 from __future__ import annotations
@@ -63,6 +65,8 @@ from safetensors.torch import save_file
 
 from kimi_pipe.errors import ConfigError, MissingFile
 from kimi_pipe.store import atomic
+from kimi_pipe.store.teacher_rounding import DOC as ROUNDING_DOC
+from kimi_pipe.store.teacher_rounding import RoundingCounts, TeacherHead, quantize_keeping_argmax
 
 FORMAT = "kimi_pipe.hidden_store"
 VERSION = 1
@@ -82,6 +86,7 @@ IDENTITY_KEYS = (
     "store_dtype",
     "hidden_size",
     "loss_mask",
+    "final_rounding",
 )
 
 LAYER_CONVENTIONS = {
@@ -291,7 +296,10 @@ class StoreWriter:
         manifest: dict[str, Any],
         shard_samples: int = 256,
         shard_tokens: int | None = None,
+        head_weight: torch.Tensor | None = None,
     ) -> None:
+        """`head_weight`: the LM head [vocab, H]; with an fp8 final state it makes the writer
+        keep the head's argmax of the plain store (teacher_rounding), recorded in the manifest."""
         if shard_samples < 1:
             raise ValueError("shard_samples must be >= 1")
         self.path = Path(path)
@@ -306,6 +314,14 @@ class StoreWriter:
             self.dtype = torch.float32
         self.hidden_size = int(manifest["hidden_size"])
         self.n_aux = len(manifest["layer_ids"])
+        self.teacher: TeacherHead | None = None
+        self.rounding = RoundingCounts()
+        if head_weight is not None and self.state_dtypes["hidden_state"] == FP8:
+            norm = manifest.get("final_norm") if manifest.get("final_state") == "pre_norm" else None
+            if manifest.get("final_state") == "pre_norm" and not norm:
+                raise ConfigError("an fp8 pre-norm final state needs final_norm to keep the head")
+            self.teacher = TeacherHead(head_weight, norm, torch_dtype(manifest["dtype"]))
+            manifest = {**manifest, "final_rounding": ROUNDING_DOC}
         (self.path / SHARDS).mkdir(parents=True, exist_ok=True)
         self.manifest = self._open_manifest(manifest)
         entries = self._recover()
@@ -390,7 +406,11 @@ class StoreWriter:
             ("aux_hidden_state", aux, self.n_aux),
             ("hidden_state", final, 1),
         ):
-            if self.state_dtypes[key] == FP8:
+            if key == "hidden_state" and self.teacher is not None:
+                q, scale, counts = quantize_keeping_argmax(value.to("cpu"), self.teacher)
+                out[key], out[key + SCALE_SUFFIX] = q, scale
+                self.rounding.add(counts)
+            elif self.state_dtypes[key] == FP8:
                 out[key], out[key + SCALE_SUFFIX] = quantize_rows(value.to("cpu"), rows)
             else:
                 out[key] = value.to("cpu", torch_dtype(self.state_dtypes[key]))
