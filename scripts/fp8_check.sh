@@ -5,8 +5,9 @@
 #    bytes/token of the stores and of every export;
 # 2. the same EAGLE-3 drafter trained with speculators' own code on CPU (scripts/drafter_cpu.py,
 #    in the trainers' venv of scripts/interop.sh) on the text set's speculators exports: the bf16
-#    store (seeds 0 and 1: the yardstick), the fp8 store (seeds 0 and 1), the fp8 store written
-#    as speculators' fp8 files, fp8 aux + bf16 final; STEPS steps each, all scored on the bf16
+#    store (SEEDS, default 0-3: the yardstick), the fp8 store keeping the teacher (the
+#    default rounding) and round to nearest (the same seeds), speculators' fp8 files of the
+#    fp8 store and fp8 aux + bf16 final (seed 0); STEPS steps each, all scored on the bf16
 #    export's held-out rows too.
 # Raw JSON: $RUN/demo/fp8_figures.json, $RUN/text/fp8_figures.json, $RUN/drafter/*.json and
 # the summary $RUN/drafter_summary.json.
@@ -26,20 +27,25 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
 "$PY" scripts/fp8_measure.py --samples "$TEXT_SAMPLES" --length "$TEXT_LENGTH" --out "$RUN/text"
 MODEL=$("$PY" -c "from kimi_pipe.config import compose; print(compose(['model=smollm2']).model.hf_weights)")
 E="$RUN/text/exports"
-# One thread each, all six at once: on a shared 2-core machine this finishes soonest, and the
-# figures compared (held-out loss and accuracy) do not depend on time. Every drafter is also
-# scored on the bf16 export's held-out rows (--eval-export): one teacher for all.
+# One thread each, JOBS at a time (2 on this 2-core machine: about 8 minutes a pair when the
+# machine is otherwise quiet); the figures compared (held-out loss and accuracy) do not depend
+# on time. Every drafter is also scored on the bf16 export's held-out rows (--eval-export): one
+# teacher for all. SEEDS bf16 seeds make the yardstick; each fp8 store gets the same seeds.
 drafter() {  # NAME EXPORT SEED
   "$VENV/bin/python" scripts/drafter_cpu.py --export "$2" --verifier "$MODEL" --seed "$3" \
     --steps "$STEPS" --threads 1 --eval-export "$E/bf16/speculators" \
     --out "$RUN/drafter/$1.json" > "$RUN/drafter/$1.log" 2>&1
 }
+export -f drafter
+export VENV MODEL STEPS E RUN
 mkdir -p "$RUN/drafter"
-drafter bf16-seed0 "$E/bf16/speculators" 0 &
-drafter bf16-seed1 "$E/bf16/speculators" 1 &
-drafter fp8store-seed0 "$E/fp8/speculators" 0 &
-drafter fp8store-seed1 "$E/fp8/speculators" 1 &
-drafter fp8files-seed0 "$E/fp8/speculators_fp8" 0 &
-drafter fp8auxbf16final-seed0 "$E/fp8_aux_bf16_final/speculators" 0 &
-wait
+{
+  for s in ${SEEDS:-0 1 2 3}; do
+    echo "bf16-seed$s $E/bf16/speculators $s"
+    echo "fp8keepteacher-seed$s $E/fp8_keep_teacher/speculators $s"
+    echo "fp8store-seed$s $E/fp8/speculators $s"
+  done
+  echo "fp8auxbf16final-seed0 $E/fp8_aux_bf16_final/speculators 0"
+  echo "fp8files-seed0 $E/fp8/speculators_fp8 0"
+} | xargs -P "${JOBS:-2}" -L 1 bash -c 'drafter "$0" "$1" "$2"'
 "$PY" scripts/drafter_summary.py "$RUN/drafter" --out "$RUN/drafter_summary.json"

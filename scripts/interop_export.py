@@ -7,7 +7,7 @@ hidden_post = the same records extracted with extract.final_state=post_norm). Wr
 
 * specforge/, speculators/, modelopt/, tokens/: the four formats from the pre-norm store;
 * specforge-gz/, speculators-fp8/: SpecForge's gzip'ed files, speculators' fp8 files;
-* fp8store-*: every format from RUN/hidden_fp8 (the same records, fp8 aux + bf16 final),
+* fp8store-*: every format from RUN/hidden_fp8 (the same records, fp8, teacher kept),
   when it exists;
 * relabeled-*: the same states with a manifest stating "input of layer" ids [2, 15, 27]
   (the same tensors): the exporters must rename the ids per trainer;
@@ -103,10 +103,10 @@ def main() -> int:
     # The files' compact layouts: SpecForge's .ckpt.gz, speculators' fp8 files (hs-connectors).
     export([good], out / "specforge-gz", "specforge", seed=0, settings={"compress": True})
     export([good], out / "speculators-fp8", "speculators", seed=0, settings={"dtype": FP8})
-    # An fp8 store (fp8 aux + bf16 final): every format, dequantized at export. Not its
-    # speculators fp8 files: quantized twice (per row, then per token over states of different
-    # magnitudes), 95.4 % of their aux values were within one e4m3 rounding of the forward
-    # (docs/export.md); speculators' fp8 files are made from a bf16 store.
+    # An fp8 store (final state rounded to keep the teacher): every format, dequantized at
+    # export. Not its speculators fp8 files: quantized twice (per row, then per token over
+    # states of different magnitudes), 95.4 % of their aux values were within one e4m3
+    # rounding of the forward (docs/export.md); speculators' fp8 files come from a bf16 store.
     compact = args.run / "hidden_fp8"
     if compact.exists():
         for fmt in FORMATS:

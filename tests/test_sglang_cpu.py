@@ -89,12 +89,20 @@ def stores() -> dict[str, Any]:
     if OUT.exists():
         shutil.rmtree(OUT)
     OUT.mkdir(parents=True)
-    # Same tokens, same machine, one after the other: hf as the demo runs it (float32 compute,
-    # bf16 store), then SGLang's CPU engine in bf16 (what it serves) into a bf16 store.
-    hf = _extract("hf", OUT / "hidden_hf", model, "extract.device=cpu")
+    # Same tokens, same machine, one after the other: hf as the demo runs it (float32 compute)
+    # into a bf16 store (parity is measured in bf16, not through the default fp8 store), then
+    # SGLang's CPU engine in bf16 (what it serves) into a bf16 store.
+    hf = _extract(
+        "hf", OUT / "hidden_hf", model, "extract.device=cpu", "extract.store_dtype=bfloat16"
+    )
     # The bf16 tolerance, measured: transformers itself computing in bf16 (parity's baseline).
     hf_bf16 = _extract(
-        "hf", OUT / "hidden_hf_bf16", model, "extract.device=cpu", "extract.dtype=bfloat16"
+        "hf",
+        OUT / "hidden_hf_bf16",
+        model,
+        "extract.device=cpu",
+        "extract.dtype=bfloat16",
+        "extract.store_dtype=bfloat16",
     )
     sg = _extract(
         "sglang",

@@ -105,6 +105,7 @@ _COMPATIBLE_KEYS = (
     "hidden_size",
     "dtype",
     "store_dtype",
+    "final_rounding",
     "loss_mask",
 )
 
@@ -408,6 +409,7 @@ def _card_manifest(m: dict[str, Any]) -> dict[str, Any]:
         "dtype",
         "store_dtype",
         "scale_layout",
+        "final_rounding",
         "loss_mask",
         "backend",
     )

@@ -152,6 +152,8 @@ def dataset_card(summary: dict[str, Any], exporter: Exporter) -> str:
         "concatenated in that order",
         f"- final state in the store: {m['final_state']} ({m['final_state_doc']})",
     ]
+    if m.get("final_rounding"):
+        lines.append(f"- fp8 final state's rounding: {m['final_rounding']}")
     if c["final_state_written"]:
         how = {
             "as_is": "as stored",
