@@ -20,7 +20,12 @@ from kimi_pipe.extraction.output_head import head_tensor_name, read_output_head
 from kimi_pipe.stages.extract import run_extract
 from kimi_pipe.store.conventions import final_norm_spec, final_state_as
 from kimi_pipe.store.hidden_store import HiddenStore, StoreWriter, make_manifest, quantize_rows
-from kimi_pipe.store.teacher_rounding import TeacherHead, fp8_grid, quantize_keeping_argmax
+from kimi_pipe.store.teacher_rounding import (
+    TeacherHead,
+    fp8_grid,
+    quantize_keeping_argmax,
+    teacher_rows,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 HIDDEN = 48
@@ -75,6 +80,21 @@ def test_keeps_every_rows_argmax_and_each_value_within_one_fp8_step() -> None:
     changed = int((got != q_near.float()).sum())
     assert counts.values_changed == changed
     assert 0 < changed < int(flipped.sum()) * 5  # a few values per flipped row
+
+
+def test_only_the_rows_a_trainer_reads_are_checked() -> None:
+    weight, norm, states = close_calls(400, seed=2)
+    head = TeacherHead(weight, norm)
+    mask = torch.zeros(400, dtype=torch.long)
+    mask[250:] = 1  # a prompt of 250 rows, then the answer
+    read = teacher_rows(mask)
+    assert read[249] and read[250:].all() and not read[:249].any()  # 249 predicts token 250
+    q, scale, counts = quantize_keeping_argmax(states, head, rows_read=read)
+    q_near, _ = quantize_rows(states, 1)
+    assert counts.rows == 151 and counts.kept == counts.flipped > 0
+    assert torch.equal(q[:249].float(), q_near[:249].float())  # prompt rows: round to nearest
+    ref = argmax_as_read(head, states)
+    assert torch.equal(argmax_as_read(head, q.float() * scale)[read], ref[read])
 
 
 def test_nearest_already_right_is_left_alone() -> None:

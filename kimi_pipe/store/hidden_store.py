@@ -66,7 +66,12 @@ from safetensors.torch import save_file
 from kimi_pipe.errors import ConfigError, MissingFile
 from kimi_pipe.store import atomic
 from kimi_pipe.store.teacher_rounding import DOC as ROUNDING_DOC
-from kimi_pipe.store.teacher_rounding import RoundingCounts, TeacherHead, quantize_keeping_argmax
+from kimi_pipe.store.teacher_rounding import (
+    RoundingCounts,
+    TeacherHead,
+    quantize_keeping_argmax,
+    teacher_rows,
+)
 
 FORMAT = "kimi_pipe.hidden_store"
 VERSION = 1
@@ -392,14 +397,16 @@ class StoreWriter:
                 raise ValueError(f"sample {sid!r}: {name} has shape {tuple(got)}, expected {want}")
         if n == 0:
             raise ValueError(f"sample {sid!r} has no tokens")
-        self._buffer.append((sid, ids, mask, self._stored(aux, final)))
+        self._buffer.append((sid, ids, mask, self._stored(aux, final, mask)))
         self._pending.add(sid)
         self._buffer_tokens += n
         full = len(self._buffer) >= self.shard_samples
         if full or (self.shard_tokens is not None and self._buffer_tokens >= self.shard_tokens):
             self.flush()
 
-    def _stored(self, aux: torch.Tensor, final: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _stored(
+        self, aux: torch.Tensor, final: torch.Tensor, loss_mask: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
         """The shard tensors of one sample: each state in its stored dtype (+ fp8 scales)."""
         out: dict[str, torch.Tensor] = {}
         for key, value, rows in (
@@ -407,7 +414,9 @@ class StoreWriter:
             ("hidden_state", final, 1),
         ):
             if key == "hidden_state" and self.teacher is not None:
-                q, scale, counts = quantize_keeping_argmax(value.to("cpu"), self.teacher)
+                q, scale, counts = quantize_keeping_argmax(
+                    value.to("cpu"), self.teacher, rows_read=teacher_rows(loss_mask)
+                )
                 out[key], out[key + SCALE_SUFFIX] = q, scale
                 self.rounding.add(counts)
             elif self.state_dtypes[key] == FP8:

@@ -14,8 +14,10 @@ the reference argmax, each value still within one step of the truth, the same by
 same scale layout: readers do not change.
 
 The reference is the plain store's teacher: the state cast to the read dtype (bfloat16),
-then the same path. A row the search cannot fix in `max_rounds` keeps round-to-nearest and is
-counted (`not_kept`); none did on the demo model.
+then the same path. Only the rows a trainer reads the teacher at are checked (`teacher_rows`:
+a loss position or the one before it); the head products are the whole cost, and a prompt
+row's teacher enters no loss. A row the search cannot fix in `max_rounds` keeps round to
+nearest and is counted (`not_kept`); none did on the demo model.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ FP8_MAX = float(torch.finfo(FP8_TORCH).max)
 DOC = (
     "argmax_kept: fp8 values of a final-state row whose LM-head argmax differed from the "
     "plain store's were re-rounded to the other neighbouring fp8 value (each within one fp8 "
-    "step of the state) until the argmax is the plain store's (kimi_pipe.store.teacher_rounding)"
+    "step of the state) until the argmax is the plain store's, at every loss position and the "
+    "position before it (kimi_pipe.store.teacher_rounding)"
 )
 
 
@@ -90,7 +93,7 @@ class TeacherHead:
 
 @dataclass
 class RoundingCounts:
-    """Rows seen, rows round-to-nearest flipped, and how many of those were kept."""
+    """Rows checked, rows round-to-nearest flipped, and how many of those were kept."""
 
     rows: int = 0
     flipped: int = 0
@@ -110,7 +113,7 @@ class RoundingCounts:
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "rows": self.rows,
+            "rows_checked": self.rows,
             "flipped_by_round_to_nearest": self.flipped,
             "kept_by_re_rounding": self.kept,
             "not_kept": self.not_kept,
@@ -119,10 +122,20 @@ class RoundingCounts:
         }
 
 
+def teacher_rows(loss_mask: torch.Tensor) -> torch.Tensor:
+    """Rows whose teacher a trainer reads: a loss position, or the one before it (the state
+    at t predicts token t + 1; trainers differ in which of the two the mask names)."""
+    mask = loss_mask.reshape(-1).bool()
+    before = torch.zeros_like(mask)
+    before[:-1] = mask[1:]
+    return mask | before
+
+
 def quantize_keeping_argmax(
     final: torch.Tensor,
     head: TeacherHead,
     *,
+    rows_read: torch.Tensor | None = None,
     min_margin: float = 1e-3,
     max_rounds: int = 12,
 ) -> tuple[torch.Tensor, torch.Tensor, RoundingCounts]:
@@ -131,15 +144,27 @@ def quantize_keeping_argmax(
     The fp8 values dequantize to a row whose LM-head argmax equals that of the row cast to
     `head.read_dtype`, with a margin of at least min(`min_margin`, half the reference's own
     margin), wherever the search succeeds. Scales are round-to-nearest's (amax / 448).
+    `rows_read` (bool [T], e.g. `teacher_rows(loss_mask)`): only these rows are checked (the
+    head products are the cost); the others keep round to nearest. None: every row.
     """
     x = final.float()
     scale = (x.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(1e-12)
     target = (x / scale).clamp(-FP8_MAX, FP8_MAX)
     q = target.to(FP8_TORCH)
-    counts = RoundingCounts(rows=x.shape[0])
-    ref, _, ref_margin = head.top(x.to(head.read_dtype))
-    got, _, _ = head.top(_read(q, scale, head))
-    rows = torch.nonzero(got != ref).squeeze(1)
+    checked = (
+        torch.arange(x.shape[0])
+        if rows_read is None
+        else torch.nonzero(rows_read.reshape(-1).bool()).squeeze(1)
+    )
+    counts = RoundingCounts(rows=int(checked.numel()))
+    if checked.numel() == 0:
+        return q, scale, counts
+    ref_c, _, margin_c = head.top(x[checked].to(head.read_dtype))
+    got, _, _ = head.top(_read(q[checked], scale[checked], head))
+    ref = torch.full((x.shape[0],), -1, dtype=torch.long)
+    ref_margin = torch.zeros(x.shape[0])
+    ref[checked], ref_margin[checked] = ref_c, margin_c
+    rows = checked[got != ref_c]
     counts.flipped = int(rows.numel())
     if rows.numel() == 0:
         return q, scale, counts
