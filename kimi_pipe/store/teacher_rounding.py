@@ -73,22 +73,22 @@ class TeacherHead:
     ) -> tuple[torch.Tensor, ...]:
         """Per row: argmax, the runner-up, and the margin of `token` (default: the argmax)
         over the best other token; chunked over rows."""
-        best, second, margin = [], [], []
+        best, rival, margin = [], [], []
         for start in range(0, rows.shape[0], self.row_chunk):
             logits = self.logits(rows[start : start + self.row_chunk])
-            top2 = logits.topk(2, dim=-1)
+            values, indices = logits.topk(2, dim=-1)
             want = (
-                top2.indices[:, 0]
+                indices[:, 0]
                 if token is None
                 else token[start : start + self.row_chunk].to(logits.device)
             )
             mine = logits.gather(1, want[:, None]).squeeze(1)
-            logits.scatter_(1, want[:, None], float("-inf"))
-            other = logits.max(dim=-1)
-            best.append(top2.indices[:, 0])
-            second.append(other.indices)
-            margin.append(mine - other.values)
-        return tuple(torch.cat(t).cpu() for t in (best, second, margin))
+            # The best other token: the runner-up when `want` leads, else the leader.
+            leads = indices[:, 0] == want
+            best.append(indices[:, 0])
+            rival.append(torch.where(leads, indices[:, 1], indices[:, 0]))
+            margin.append(mine - torch.where(leads, values[:, 1], values[:, 0]))
+        return tuple(torch.cat(t).cpu() for t in (best, rival, margin))
 
 
 @dataclass
