@@ -34,6 +34,8 @@ fi
 # hidden_fp8 the same records in fp8, the final state rounded to keep the teacher (the
 # default extract.final_fp8_rounding=keep_teacher; held to bf16's teacher floor: round to
 # nearest gave 94.6 % = next token here against 99.66 %; docs/export.md, "Compact storage").
+# Stores and exports are made afresh: a store made under other settings would be refused.
+rm -rf "$RUN/hidden_hf" "$RUN/hidden_post" "$RUN/hidden_fp8" "$RUN/interop"
 "$PY" -m kimi_pipe.demo dataset.limit=8 provider.params.max_tokens=64 "output_dir=$RUN" \
   extract.store_dtype=bfloat16
 "$PY" -m kimi_pipe.extract model=smollm2 "extract.run_dir=$RUN" extract.only_ok=false \

@@ -120,6 +120,7 @@ class Tally:
         }
         if self.rms_raw:
             out["stored_rms_h_over_w"] = sum(self.rms_raw) / len(self.rms_raw)
+        floor = ARGMAX_MIN if self.teacher_kept else ARGMAX_MIN_FP8
         checks = {
             "ids": self.ids_ok == self.samples > 0,
             "loss_mask": self.mask_ok == self.samples,
@@ -131,13 +132,12 @@ class Tally:
                 self.neighbour_match / self.neighbour_total if self.neighbour_total else None
             )
             checks["rms"] = (not post_norm_claimed) or abs(mean_rms - 1) <= RMS_TOL
-            floor = ARGMAX_MIN if self.teacher_kept else ARGMAX_MIN_FP8
             checks["argmax"] = argmax is not None and argmax >= floor
             checks["aux_layers"] = aux >= AUX_MATCH_MIN
         out["checks"] = checks
         out["pass"] = all(checks.values())
         if self.fp8:
-            out["tolerances"] = f"fp8: aux rel {AUX_REL_FP8}, argmax >= {ARGMAX_MIN_FP8}"
+            out["tolerances"] = f"fp8: aux rel {AUX_REL_FP8}, argmax >= {floor}"
         return out
 
 

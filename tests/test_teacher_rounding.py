@@ -55,16 +55,22 @@ def argmax_as_read(head: TeacherHead, values: torch.Tensor) -> torch.Tensor:
 def test_keeps_every_rows_argmax_and_each_value_within_one_fp8_step() -> None:
     weight, norm, states = close_calls(2000)
     head = TeacherHead(weight, norm)
-    ref = argmax_as_read(head, states)
+    assert head.readings == (False, True)  # float32 norm on the reading; an export's bf16 file
+    ref = {pc: head.top(states.to(torch.bfloat16), post_cast=pc)[0] for pc in head.readings}
+    agree = ref[False] == ref[True]  # the plain store's own readings tie elsewhere
     q_near, scale_near = quantize_rows(states, 1)
-    nearest = argmax_as_read(head, q_near.float() * scale_near)
-    flipped = nearest != ref
+    near = (q_near.float() * scale_near).to(torch.bfloat16)
+    flipped = head.top(near)[0] != ref[False]
+    flipped |= agree & (head.top(near, post_cast=True)[0] != ref[True])
     assert int(flipped.sum()) > 20  # round to nearest does flip close calls
 
     q, scale, counts = quantize_keeping_argmax(states, head)
     assert counts.flipped == int(flipped.sum())
     assert counts.kept == counts.flipped and counts.not_kept == 0
-    assert torch.equal(argmax_as_read(head, q.float() * scale), ref)
+    assert counts.readings_disagree == int((~agree).sum())
+    kept = (q.float() * scale).to(torch.bfloat16)
+    assert torch.equal(head.top(kept)[0], ref[False])
+    assert torch.equal(head.top(kept, post_cast=True)[0][agree], ref[True][agree])
     # Same scales and bytes; rows round to nearest did not flip are untouched.
     assert q.dtype == torch.float8_e4m3fn
     assert torch.equal(scale, scale_near)

@@ -14,10 +14,14 @@ the reference argmax, each value still within one step of the truth, the same by
 same scale layout: readers do not change.
 
 The reference is the plain store's teacher: the state cast to the read dtype (bfloat16),
-then the same path. Only the rows a trainer reads the teacher at are checked (`teacher_rows`:
-a loss position or the one before it); the head products are the whole cost, and a prompt
-row's teacher enters no loss. A row the search cannot fix in `max_rounds` keeps round to
-nearest and is counted (`not_kept`); none did on the demo model.
+then the same path. For a pre-norm store there are two readings, and each must keep its own
+reference: the norm in float32 on the stored reading (speculators, which applies the norm
+itself), and the post-norm state an export writes in the read dtype (SpecForge, ModelOpt).
+Where the plain store's two readings disagree (a tie at its own precision) the first one's
+token is the teacher (`readings_disagree`). Only the rows a trainer reads the teacher at are
+checked (`teacher_rows`: a loss position or the one before it); the head products are the
+whole cost, and a prompt row's teacher enters no loss. A row the search cannot fix in
+`max_rounds` keeps round to nearest and is counted (`not_kept`); none did on the demo model.
 """
 
 from __future__ import annotations
@@ -36,8 +40,9 @@ FP8_MAX = float(torch.finfo(FP8_TORCH).max)
 DOC = (
     "argmax_kept: fp8 values of a final-state row whose LM-head argmax differed from the "
     "plain store's were re-rounded to the other neighbouring fp8 value (each within one fp8 "
-    "step of the state) until the argmax is the plain store's, at every loss position and the "
-    "position before it (kimi_pipe.store.teacher_rounding)"
+    "step of the state) until the argmax is the plain store's, read with the norm in float32 "
+    "and as an export's post-norm file, at every loss position and the position before it "
+    "(kimi_pipe.store.teacher_rounding)"
 )
 
 
@@ -61,21 +66,30 @@ class TeacherHead:
     read_dtype: torch.dtype = torch.bfloat16
     row_chunk: int = 1024  # rows of [chunk, vocab] logits at once (Kimi: 163,840 wide)
 
-    def logits(self, rows: torch.Tensor) -> torch.Tensor:
+    @property
+    def readings(self) -> tuple[bool, ...]:
+        """How trainers read the teacher: the norm in float32 on the stored reading (False),
+        and, for a pre-norm store, the post-norm state an export writes in the read dtype
+        (True: SpecForge and ModelOpt files). Each must keep its own reference's argmax."""
+        return (False, True) if self.final_norm is not None else (False,)
+
+    def logits(self, rows: torch.Tensor, post_cast: bool = False) -> torch.Tensor:
         """[R, H] states as a reader holds them -> [R, vocab] float32 logits."""
         x = rows.to(self.weight.device).float()
         if self.final_norm is not None:
             x = rms_norm(x, self.final_norm)
+            if post_cast:
+                x = x.to(self.read_dtype).float()
         return x @ self.weight.T
 
     def top(
-        self, rows: torch.Tensor, token: torch.Tensor | None = None
+        self, rows: torch.Tensor, token: torch.Tensor | None = None, post_cast: bool = False
     ) -> tuple[torch.Tensor, ...]:
         """Per row: argmax, the runner-up, and the margin of `token` (default: the argmax)
         over the best other token; chunked over rows."""
         best, rival, margin = [], [], []
         for start in range(0, rows.shape[0], self.row_chunk):
-            logits = self.logits(rows[start : start + self.row_chunk])
+            logits = self.logits(rows[start : start + self.row_chunk], post_cast)
             values, indices = logits.topk(2, dim=-1)
             want = (
                 indices[:, 0]
@@ -100,6 +114,7 @@ class RoundingCounts:
     kept: int = 0
     not_kept: int = 0
     values_changed: int = 0
+    readings_disagree: int = 0
     rounds: dict[int, int] = field(default_factory=dict)
 
     def add(self, other: RoundingCounts) -> None:
@@ -108,6 +123,7 @@ class RoundingCounts:
         self.kept += other.kept
         self.not_kept += other.not_kept
         self.values_changed += other.values_changed
+        self.readings_disagree += other.readings_disagree
         for k, v in other.rounds.items():
             self.rounds[k] = self.rounds.get(k, 0) + v
 
@@ -118,6 +134,7 @@ class RoundingCounts:
             "kept_by_re_rounding": self.kept,
             "not_kept": self.not_kept,
             "values_re_rounded": self.values_changed,
+            "plain_store_readings_disagree": self.readings_disagree,
             "rows_by_rounds": {str(k): v for k, v in sorted(self.rounds.items())},
         }
 
@@ -159,12 +176,27 @@ def quantize_keeping_argmax(
     counts = RoundingCounts(rows=int(checked.numel()))
     if checked.numel() == 0:
         return q, scale, counts
-    ref_c, _, margin_c = head.top(x[checked].to(head.read_dtype))
-    got, _, _ = head.top(_read(q[checked], scale[checked], head))
-    ref = torch.full((x.shape[0],), -1, dtype=torch.long)
-    ref_margin = torch.zeros(x.shape[0])
-    ref[checked], ref_margin[checked] = ref_c, margin_c
-    rows = checked[got != ref_c]
+    # One reference per reading: the plain store's argmax as that reading computes it.
+    stored, read_q = x[checked].to(head.read_dtype), _read(q[checked], scale[checked], head)
+    refs: list[torch.Tensor] = []
+    needs: list[torch.Tensor] = []
+    flipped = torch.zeros(checked.numel(), dtype=torch.bool)
+    for post_cast in head.readings:
+        ref, _, ref_margin = head.top(stored, post_cast=post_cast)
+        got, _, _ = head.top(read_q, post_cast=post_cast)
+        need = torch.minimum(torch.full_like(ref_margin, min_margin), ref_margin / 2)
+        if refs:
+            # The plain store's readings disagree (a tie at its own precision): the first
+            # reading's token is the teacher; no fp8 row could match both.
+            split = ref != refs[0]
+            counts.readings_disagree += int(split.sum())
+            need = torch.where(split, torch.full_like(need, float("-inf")), need)
+            got = torch.where(split, ref, got)
+        refs.append(ref)
+        needs.append(need)
+        flipped |= got != ref
+    pick_rows = torch.nonzero(flipped).squeeze(1)
+    rows = checked[pick_rows]
     counts.flipped = int(rows.numel())
     if rows.numel() == 0:
         return q, scale, counts
@@ -176,8 +208,8 @@ def quantize_keeping_argmax(
     lo = torch.where(hi == t, hi, grid[(hi_i - 1).clamp(min=0)])
     nearest = q[rows].float()
     cur = nearest.clone()
-    need = torch.minimum(torch.full_like(ref_margin[rows], min_margin), ref_margin[rows] / 2)
-    want = ref[rows]
+    wants = [r[pick_rows] for r in refs]
+    needs = [n[pick_rows] for n in needs]
     norm_w = (
         torch.tensor(head.final_norm["weight"], dtype=torch.float32)
         if head.final_norm is not None
@@ -185,10 +217,24 @@ def quantize_keeping_argmax(
     )
     row_scale = scale[rows]
     active = torch.ones(rows.numel(), dtype=torch.bool)
+
+    def worst_reading(values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Per row: the reading furthest from its need: (shortfall, its token, its rival)."""
+        deq = (values * row_scale).to(head.read_dtype)
+        per = [
+            (head.top(deq, want, post_cast=pc), want, need)
+            for pc, want, need in zip(head.readings, wants, needs, strict=True)
+        ]
+        short = torch.stack([need - margin for (_, _, margin), _, need in per])
+        worst = short.argmax(0)
+        pick = worst[None, :]
+        token = torch.stack([w for _, w, _ in per]).gather(0, pick).squeeze(0)
+        rival = torch.stack([r for (_, r, _), _, _ in per]).gather(0, pick).squeeze(0)
+        return short.gather(0, pick).squeeze(0), token, rival
+
     for round_no in range(1, max_rounds + 1):
-        deq = (cur * row_scale).to(head.read_dtype)
-        _, rival, margin = head.top(deq, want)
-        done = margin > need
+        shortfall, want, rival = worst_reading(cur)
+        done = shortfall < 0
         newly = done & active
         if newly.any():
             counts.rounds[round_no - 1] = int(newly.sum())
@@ -213,17 +259,16 @@ def quantize_keeping_argmax(
         gain = torch.where((gain > 0) & (cur[idx] == nearest[idx]), gain, torch.zeros_like(gain))
         order = gain.argsort(dim=-1, descending=True)
         cumulative = gain.gather(1, order).cumsum(-1)
-        # Enough values to cover the deficit with some room; at least one.
-        deficit = (need[idx] - margin[idx]).clamp(min=0) * 1.25 + 1e-6
+        # Enough values to cover the shortfall with some room; at least one.
+        deficit = shortfall[idx].clamp(min=0) * 1.25 + 1e-6
         take = (cumulative < deficit[:, None]).sum(-1) + 1
         pick = torch.arange(x.shape[1])[None, :] < take[:, None]
         chosen = torch.zeros_like(pick).scatter(1, order, pick)
         chosen &= gain > 0
         cur[idx] = torch.where(chosen, alt, cur[idx])
     else:
-        deq = (cur * row_scale).to(head.read_dtype)
-        _, _, margin = head.top(deq, want)
-        active &= ~(margin > need)
+        shortfall, _, _ = worst_reading(cur)
+        active &= ~(shortfall < 0)
     # A row the search could not fix keeps round-to-nearest (never something worse).
     fixed = ~active
     counts.kept = int(fixed.sum())
