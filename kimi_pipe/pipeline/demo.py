@@ -29,6 +29,7 @@ import resource
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -85,6 +86,7 @@ def summary_table(run: PipelineRun) -> str:
         ("mismatch classes", classes or "none"),
         ("hidden states stored", f"{ext['capture']['written'] + ext['capture']['skipped_done']} "
                                  f"samples ({ext['counts']})"),
+        ("hidden-state store", _store_line(ext)),
         ("SpecForge export", f"{exp['samples']} samples, {exp['tokens']['total']} tokens"),
     ]  # fmt: skip
     rows += [
@@ -176,3 +178,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _store_line(ext: dict[str, Any]) -> str:
+    """How the states were stored: fp8 with the teacher kept (the default) or plain."""
+    rounding = ext.get("final_fp8_rounding")
+    if not rounding:
+        return "plain states (extract.store_dtype)"
+    return (
+        f"fp8, teacher kept ({rounding['kept_by_re_rounding']} of {rounding['rows_checked']} "
+        f"checked rows re-rounded, {rounding['not_kept']} not kept)"
+    )
