@@ -148,6 +148,38 @@ CASES: list[tuple[str, list[str], str]] = [
     ("run: sweep without providers", ["run", "pipeline=sweep", "dataset=B5"], "providers"),
     ("demo: unknown model option", ["demo", "model=nosuch"], "nosuch"),
     ("demo: not a local provider", ["demo", "provider=openrouter"], "local"),
+    # Issue 30: values of the right kind that cannot buy anything. They used to run: a
+    # negative or zero budget stopped at once and exited 0, concurrency 0 became 1 (and an
+    # unreachable provider was retried until killed).
+    ("generate: negative budget", ["generate", "budget.usd=-1", "dataset.path={records}",
+                                   "output_dir=run", "provider.api_base=http://127.0.0.1:9/v1",
+                                   "serving=unknown"], "budget.usd=-1"),
+    ("generate: zero budget", ["generate", "budget.usd=0", "dataset.path={records}",
+                               "output_dir=run", "provider.api_base=http://127.0.0.1:9/v1",
+                               "serving=unknown"], "budget.usd=0"),
+    ("generate: zero budget, serving=auto", ["generate", "budget.usd=0",
+                                             "dataset.path={records}", "output_dir=run",
+                                             "provider.api_base=http://127.0.0.1:9/v1"],
+     "budget.usd=0"),
+    ("generate: concurrency 0", ["generate", "provider.concurrency=0", "dataset.path={records}",
+                                 "output_dir=run", "provider.api_base=http://127.0.0.1:9/v1",
+                                 "serving=unknown"], "provider.concurrency=0"),
+    ("generate: negative concurrency", ["generate", "provider.concurrency=-4",
+                                        "dataset.path={records}", "output_dir=run"],
+     "provider.concurrency=-4"),
+    ("generate: zero timeout", ["generate", "provider.timeout_s=0", "dataset.path={records}",
+                                "output_dir=run"], "provider.timeout_s=0"),
+    ("generate: reserve factor below 1", ["generate", "budget.reserve_factor=0.5",
+                                          "dataset.path={records}", "output_dir=run"],
+     "budget.reserve_factor=0.5"),
+    ("generate: zero max_samples", ["generate", "budget.max_samples=0",
+                                    "dataset.path={records}", "output_dir=run"],
+     "budget.max_samples=0"),
+    ("generate: zero key poll", ["generate", "budget.key_poll_s=0", "dataset.path={records}",
+                                 "output_dir=run"], "budget.key_poll_s=0"),
+    ("run: negative budget", ["run", "pipeline=openrouter_sglang", "dataset=jsonl",
+                              "dataset.path={records}", "output_dir=run", "budget.usd=-1"],
+     "budget.usd=-1"),
 ]  # fmt: skip
 
 
@@ -160,6 +192,7 @@ def test_a_mistake_is_one_line_and_exit_2(args: list[str], named: str, tmp_path:
     done = run_stage(args, tmp_path)
     assert done.returncode == 2, (done.returncode, done.stderr[-2000:])
     assert "Traceback" not in done.stderr and "HYDRA_FULL_ERROR" not in done.stderr
+    assert "--- Logging error ---" not in done.stderr
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, done.stderr[-2000:]
     assert named in errors[0], errors[0]

@@ -44,7 +44,14 @@ from kimi_pipe.core.token_record import TokenRecord
 from kimi_pipe.errors import KimiPipeError, one_line
 from kimi_pipe.progress import Progress, Snapshot
 from kimi_pipe.providers.account import KeyStatus, account_for
-from kimi_pipe.providers.budget import Budget, BudgetGate, Pricing, Reservation, SlowStart
+from kimi_pipe.providers.budget import (
+    Budget,
+    BudgetGate,
+    Pricing,
+    Reservation,
+    SlowStart,
+    budget_settings,
+)
 from kimi_pipe.providers.calls import (
     BILLED_UNSEEN,
     OVERBILLED,
@@ -205,9 +212,9 @@ class Generator:
         self.account = account_for(self.settings)
         self.request = self.settings.request_record()
         self.max_tokens = int(self.settings.params.get("max_tokens") or 0)
-        bcfg = cfg.budget
-        self.reserve_factor = float(bcfg.get("reserve_factor") or 1.0)
-        capped = [k for k in ("usd", "max_output_tokens") if bcfg.get(k) is not None]
+        self.caps = budget_settings(cfg)
+        self.reserve_factor = self.caps.reserve_factor
+        capped = [k for k in ("usd", "max_output_tokens") if getattr(self.caps, k) is not None]
         if capped and self.max_tokens <= 0:
             raise GenerateError(
                 f"budget.{capped[0]} needs provider.params.max_tokens (the worst "
@@ -303,21 +310,21 @@ class Generator:
     async def _run(
         self, core: TokenCore, prompts: Any, index: Any, records_path: Path, errors_path: Path
     ) -> dict[str, Any]:
-        b = self.cfg.budget
+        b = self.caps
         budget = Budget(
-            b.get("usd"),
-            b.get("max_samples"),
-            b.get("max_output_tokens"),
+            b.usd,
+            b.max_samples,
+            b.max_output_tokens,
             spent_usd=self.spent_before,
             done_samples=index.answered,
             used_output_tokens=index.output_tokens,
-            overbill_guard=float(b.get("overbill_guard") or 1.0),
+            overbill_guard=b.overbill_guard,
         )
         self.budget = budget
         self.key_start = await self._check_key()
         self.http_client = http_client_for(self.settings)
         gate = BudgetGate(budget)
-        max_per_sample = b.get("max_usd_per_sample")
+        max_per_sample = b.max_usd_per_sample
         log.info(
             "generate: %d prompts, %d already done; provider %s (%s), concurrency %d, "
             "budget $%s (spent $%.4f), prices $%.3f/$%.3f per Mtok (%s)",
@@ -326,7 +333,7 @@ class Generator:
             self.settings.name,
             self.settings.api_base,
             self.settings.concurrency,
-            b.get("usd"),
+            b.usd,
             self.spent_before,
             self.pricing.input_per_token * 1e6,
             self.pricing.output_per_token * 1e6,
@@ -339,7 +346,7 @@ class Generator:
         sem = self.window = SlowStart(
             self.settings.concurrency,
             budget,
-            enabled=bool(b.get("slow_start", True)) and budget.cap_usd is not None,
+            enabled=b.slow_start and budget.cap_usd is not None,
         )
         tasks: set[asyncio.Task] = set()
         poller = asyncio.create_task(self._poll_key()) if self.key_start else None
@@ -500,7 +507,7 @@ class Generator:
         self.journal.raise_floor(self.spent_before + self.key_delta)
 
     async def _poll_key(self) -> None:
-        every = float(OmegaConf.select(self.cfg, "budget.key_poll_s", default=10.0) or 10.0)
+        every = self.caps.key_poll_s
         while True:
             await asyncio.sleep(every)
             await self._read_key_usage()
@@ -832,7 +839,7 @@ class Generator:
                 "price_source": self.price_source,
                 "overruns": self.budget.overruns,
                 "overbill_ratio": self.budget.overbill_ratio,
-                "max_usd_per_sample": self.cfg.budget.get("max_usd_per_sample"),
+                "max_usd_per_sample": self.caps.max_usd_per_sample,
             },
             "tokens": {
                 "prompt": prompt_tokens,
@@ -993,9 +1000,11 @@ def run_generate(cfg: DictConfig, run_dir: Path | None = None) -> tuple[Path, di
     from kimi_pipe.stages import serving_auto
     from kimi_pipe.store.prompt_datasets import check_prompt_source
 
-    # Before anything is written: no secret in any value, a run directory that may be one,
-    # a prompt file that is there (before serving=auto's probes buy anything).
+    # Before anything is written: no secret in any value, budget and provider settings that
+    # can buy, a run directory that may be one, a prompt file that is there (before
+    # serving=auto's probes buy anything).
     refuse_secrets(cfg)
+    check_settings(cfg)
     check_prompt_source(cfg.dataset)
     run_dir = check_run_dir(run_dir or run_dir_of(cfg), RUN_FILES)
     # One process per run directory, held until the summary is written.
@@ -1015,6 +1024,14 @@ def run_generate(cfg: DictConfig, run_dir: Path | None = None) -> tuple[Path, di
             if summary["stop_reason"] != "route_changed":
                 break
     return run_dir, summary
+
+
+def check_settings(cfg: DictConfig) -> None:
+    """The budget and provider settings as the run reads them: a value that cannot buy
+    (budget.usd=0, provider.concurrency=0) is a ConfigError naming it, raised before Hydra
+    writes the run directory and before serving=auto's probes."""
+    budget_settings(cfg)
+    ProviderSettings.from_config(cfg.provider)
 
 
 def finish_status(run_dir: Path, summary: dict[str, Any]) -> int:
@@ -1112,6 +1129,7 @@ def check_before_launch(argv: list[str], environ: dict[str, str] | None = None) 
             except not_composed:
                 return
             refuse_secrets(cfg, environ, {where: run_dir})
+            check_settings(cfg)
             check_run_dir(run_dir)
             if not multirun and not same_dir(run_dir, output_dir):
                 raise GenerateError(
