@@ -132,6 +132,22 @@ class Budget:
         """The multiple of its worst case each request in flight is held at."""
         return max(self.overbill_ratio, self.overbill_guard)
 
+    def held(self, usd: float) -> float:
+        """What a reservation of `usd` counts as against `cap_usd` (what the cap compares)."""
+        return usd * self.hold_ratio
+
+    def hold_note(self) -> str:
+        """Why reservations count above their worst case ("" when they do not): what a
+        message comparing `held(usd)` with the budget says next to it."""
+        ratio = self.hold_ratio
+        if ratio <= 1.0:
+            return ""
+        if self.overbill_ratio > self.overbill_guard:
+            why = f"an answer was billed {self.overbill_ratio:.2f}x its reservation"
+        else:
+            why = "budget.overbill_guard"
+        return f"held at {ratio:.2f}x ({why})"
+
     def _blocker(self, usd: float, output_tokens: int, sample: bool) -> str | None:
         held = (self.reserved_usd + usd) * self.hold_ratio
         if self.cap_usd is not None and self.counted_spent_usd + held > self.cap_usd:

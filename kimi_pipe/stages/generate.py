@@ -25,6 +25,7 @@ import asyncio
 import errno
 import json
 import logging
+import math
 import os
 import random
 import sys
@@ -166,6 +167,12 @@ class RunStats:
     stop_message: str | None = None
     consecutive_failures: int = 0  # samples in a row that failed without retry
     skipped_over_budget: int = 0  # samples whose worst case alone cannot fit (tried next run)
+    # Of those skipped for the remaining budget: their worst cases together, the smallest as
+    # the budget held it, and what was left (what serving=auto says of probes that did not
+    # fit; summary "this_run.over_budget").
+    over_budget_usd: float = 0.0
+    over_budget_held_usd: float | None = None
+    over_budget_left_usd: float | None = None
     attempts_exhausted: int = 0  # ids bought retry.max_attempts times over all runs
 
 
@@ -406,8 +413,12 @@ class Generator:
                         if blocker == "budget_usd" and budget.exhausted() is None:
                             # This sample alone is too big for what is left; smaller ones
                             # after it may still fit.
+                            # Nothing is in flight: the cap compares this one reservation,
+                            # held at the budget's multiple, with what is left.
                             left = (budget.cap_usd or 0.0) - budget.counted_spent_usd
-                            self._skip_over_budget(prompt.id, worst, REMAINING, left)
+                            self._skip_over_budget(
+                                prompt.id, worst, REMAINING, left, budget.held(worst)
+                            )
                             continue
                         self._stop_for_budget(worst)
                         break
@@ -450,10 +461,14 @@ class Generator:
             await self.http_client.close()
         self.stats.stop_reason = self.stats.stop_reason or "done"
         if self.stats.skipped_over_budget and not self.stats.stop_message:
+            held = f", {note}," if (note := self.budget.hold_note()) else ""
+            overbilled = self.budget.overbill_ratio > self.budget.overbill_guard
+            check = "check provider.pricing (answers cost more than listed), " if overbilled else ""
             self.stats.stop_message = (
                 f"{self.stats.skipped_over_budget} samples skipped: their worst case alone "
-                "exceeds budget.max_usd_per_sample or the remaining budget (they are tried "
-                "again on the next run); raise budget.usd or lower provider.params.max_tokens"
+                f"exceeds budget.max_usd_per_sample or{held} the remaining budget (they are "
+                f"tried again on the next run); {check}raise budget.usd or lower "
+                "provider.params.max_tokens"
             )
         if prompts.skipped:
             log.warning(
@@ -512,29 +527,45 @@ class Generator:
             await asyncio.sleep(every)
             await self._read_key_usage()
 
-    def _skip_over_budget(self, rid: str, worst: float, limit_name: str, limit: float) -> None:
-        self.stats.skipped_over_budget += 1
+    def _skip_over_budget(
+        self, rid: str, worst: float, limit_name: str, limit: float, held: float | None = None
+    ) -> None:
+        """Say why a sample is skipped: the amount printed is the one compared with `limit`
+        (`held`: its worst case at the multiple the budget holds requests at)."""
+        s = self.stats
+        s.skipped_over_budget += 1
+        compared = worst if held is None else held
         if limit_name == REMAINING:
-            self.stats.stop_reason = self.stats.stop_reason or "budget_usd"
+            s.stop_reason = s.stop_reason or "budget_usd"
+            s.over_budget_usd += worst
+            if s.over_budget_held_usd is None or compared < s.over_budget_held_usd:
+                s.over_budget_held_usd, s.over_budget_left_usd = compared, limit
         # The first few say why; the rest (a nearly spent budget skips every sample) are
         # counted in the summary.
-        level = logging.WARNING if self.stats.skipped_over_budget <= 3 else logging.DEBUG
+        level = logging.WARNING if s.skipped_over_budget <= 3 else logging.DEBUG
+        amount, left = usd_pair(compared, limit)
+        note = self.budget.hold_note() if compared != worst else ""
+        what = f"{usd(worst)} is {note}: {amount}" if note else amount
         log.log(
             level,
-            "%s skipped: its worst case $%.4f exceeds %s ($%.4f); the run goes on",
+            "%s skipped: its worst case %s, more than %s (%s); the run goes on",
             rid,
-            worst,
+            what,
             limit_name,
-            limit,
+            left,
         )
 
     def _stop_for_budget(self, worst: float) -> None:
         reason = self.budget.blocker(worst, self.max_tokens, True) or "budget_usd"
         self.stats.stop_reason = self.stats.stop_reason or reason
-        if reason == "budget_usd" and self.budget.spent_usd == 0 and self.budget.cap_usd:
+        b = self.budget
+        held = b.held(worst)
+        if reason == "budget_usd" and b.counted_spent_usd == 0 and b.cap_usd and held > b.cap_usd:
+            # Said only where it is what stopped the run: nothing spent, one request too big.
+            note = f" ({b.hold_note()}: {usd_pair(held, b.cap_usd)[0]})" if held != worst else ""
             self.stats.stop_message = (
-                f"budget.usd=${self.budget.cap_usd} is below one request's worst case "
-                f"${worst:.4f}; raise budget.usd or lower provider.params.max_tokens"
+                f"budget.usd=${b.cap_usd:g} is below one request's worst case "
+                f"{usd(worst)}{note}; raise budget.usd or lower provider.params.max_tokens"
             )
         log.info("dispatch stopped: %s", self.stats.stop_message or reason)
 
@@ -858,6 +889,14 @@ class Generator:
                 "given_up_retry_next_run": s.given_up,
                 "skipped_already_done": s.skipped_done,
                 "skipped_over_budget": s.skipped_over_budget,
+                "over_budget": None
+                if s.over_budget_held_usd is None
+                else {
+                    "worst_usd": s.over_budget_usd,
+                    "held_usd": s.over_budget_held_usd,
+                    "left_usd": s.over_budget_left_usd,
+                    "hold": self.budget.hold_note(),
+                },
                 "attempts_exhausted": s.attempts_exhausted,
                 "attempts": s.attempts,
                 "retries": s.retries,
@@ -868,6 +907,23 @@ class Generator:
                 "concurrency_reached": self.window.peak,
             },
         }
+
+
+def usd(amount: float) -> str:
+    """USD with 4 decimals, more below a cent so that 3 digits show (a worst case of
+    $0.00084 held at 1000x must not read as $0.0008 x 1000)."""
+    digits = 4 if amount <= 0 or amount >= 0.01 else 2 - math.floor(math.log10(amount))
+    return f"${amount:.{min(digits, 10)}f}"
+
+
+def usd_pair(amount: float, limit: float) -> tuple[str, str]:
+    """Two USD amounts as a message prints them: 4 decimals, more where 4 would print them
+    equal (a message that says one exceeds the other shows it)."""
+    for digits in (4, 6, 8, 10):
+        first, second = f"${amount:.{digits}f}", f"${limit:.{digits}f}"
+        if first != second:
+            break
+    return first, second
 
 
 _STOP_MESSAGES = {
