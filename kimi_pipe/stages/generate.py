@@ -30,6 +30,7 @@ import os
 import random
 import sys
 import time
+import warnings
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -42,7 +43,7 @@ from kimi_pipe.config import CONF_DIR
 from kimi_pipe.core.answer_checks import TextRepair, answer_issues, clean_text
 from kimi_pipe.core.evidence import LADDER, evidence_of
 from kimi_pipe.core.token_record import TokenRecord
-from kimi_pipe.errors import KimiPipeError, one_line
+from kimi_pipe.errors import KimiPipeError, host_error, one_line
 from kimi_pipe.progress import Progress, Snapshot
 from kimi_pipe.providers.account import KeyStatus, account_for
 from kimi_pipe.providers.budget import (
@@ -448,6 +449,11 @@ class Generator:
                     "host_error" if isinstance(exc, OSError) else "interrupted"
                 )
                 gate.close()
+                # A request cancelled while LiteLLM was building it leaves its coroutine
+                # unawaited: Python would warn of it at exit, after the one-line error.
+                warnings.filterwarnings(
+                    "ignore", "coroutine '.*' was never awaited", RuntimeWarning
+                )
                 for t in tasks:
                     t.cancel()
                 await asyncio.gather(*list(tasks), return_exceptions=True)
@@ -1031,8 +1037,11 @@ def generate(cfg: DictConfig, run_dir: Path | None = None) -> tuple[int, dict[st
     except (KimiPipeError, OSError) as exc:
         # A user's mistake or the host's fault (a full disk, a read-only directory): one
         # line naming the path; every complete record and the journal are on disk.
-        message = one_line(exc) or (
-            " ".join(str(exc).split()) if isinstance(exc, FileNotFoundError) else None
+        host = host_error(exc, run_dir or cfg.get("output_dir"))  # a write names no file
+        message = (
+            one_line(exc)
+            or (one_line(host) if host is not None else None)
+            or (" ".join(str(exc).split()) if isinstance(exc, FileNotFoundError) else None)
         )
         if message is None:
             raise  # a bug: keep its traceback
