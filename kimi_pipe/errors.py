@@ -29,6 +29,7 @@ __all__ = [
     "StoreError",
     "UsageError",
     "exit_on_user_error",
+    "host_error",
     "one_line",
     "user_errors",
 ]
@@ -94,6 +95,23 @@ def one_line(exc: BaseException) -> str | None:
     if isinstance(exc, OSError) and exc.errno in _HOST_ERRNOS and exc.filename is not None:
         where = f"{exc.filename}" + (f" -> {exc.filename2}" if exc.filename2 else "")
         return f"{where}: {_HOST_ERRNOS[exc.errno]}"
+    return None
+
+
+def host_error(exc: BaseException, where: object) -> OSError | None:
+    """The host's OSError (a full disk, a read-only directory) that `exc` is or was raised
+    from (`raise ... from`), naming `where` when it names no file (a write or a flush names
+    none); None when there is none (a bug)."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, OSError) and cause.errno in _HOST_ERRNOS:
+            if cause.filename is None:
+                return OSError(cause.errno, _HOST_ERRNOS[cause.errno], str(where))
+            return cause
+        # `raise ... from` only: an exception raised while handling another may be a bug.
+        cause = cause.__cause__
     return None
 
 

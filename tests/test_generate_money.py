@@ -153,3 +153,41 @@ def test_tool_arguments_sent_as_an_object_are_flagged_never_ok(
     records = records_by_id(out / "records.jsonl")
     assert "tool_arguments_not_string" in records["s0"]["issues"] and not records["s0"]["ok"]
     assert records["s1"]["ok"], records["s1"]["issues"]
+
+
+def test_a_sample_skipped_after_overbilling_names_the_amount_compared(
+    tmp_path: Path, fake_openrouter, kimi_dir: Path
+) -> None:
+    """Issue 30: after an answer billed ~1000x its reservation, every later request is held
+    at that multiple; a sample skipped for the remaining budget used to say "its worst case
+    $0.0009 exceeds the remaining budget ($0.18)". The line names the amount compared: the
+    worst case times the hold ratio, which does exceed what is left."""
+    import re
+
+    from conftest_generate import prompts_and_run, run_subprocess
+
+    srv = fake_openrouter(default=Behaviour(overbill=1000.0, input_price=1e-6, output_price=50e-6))
+    out, overrides, _ = prompts_and_run(tmp_path, srv.url(), kimi_dir, n=6, usd=1.0)
+    done = run_subprocess(
+        [*overrides, "provider.params.max_tokens=16", "budget.reserve_factor=1.0"]
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    ratio = summary["budget"]["overbill_ratio"]
+    assert ratio > 500 and summary["this_run"]["skipped_over_budget"] >= 1
+    log = (out / "generate.log").read_text()
+    usd = r"\$(\d+\.\d+)"
+    skips = re.findall(
+        rf"skipped: its worst case {usd} is held at (\d+\.\d+)x \(an answer was billed "
+        rf"(\d+\.\d+)x its reservation\): {usd}, more than the remaining budget \({usd}\)",
+        log,
+    )
+    assert skips, log[-3000:]
+    assert len(skips) == len(re.findall(r"skipped: ", log))  # every skip line says so
+    for worst, held_at, billed_at, held, left in skips:
+        assert float(held_at) == float(billed_at) == pytest.approx(ratio, abs=0.01)
+        assert float(held) == pytest.approx(float(worst) * ratio, rel=0.01, abs=1e-4)
+        assert float(held) > float(left)  # the amount printed is the one that did not fit
+        assert float(worst) < float(left)  # ...the worst case alone would have
+    # The run's closing message says the same multiple.
+    assert f"held at {ratio:.2f}x" in done.stderr

@@ -344,3 +344,67 @@ def test_the_local_provider_declares_its_profile(tmp_path: Path) -> None:
     assert route.declared == "unknown" and route.declared_by == "provider.serving_profile"
     assert serving_profile(job).name == "unknown"
     assert not (tmp_path / RUN_FILE).exists()  # nothing probed, nothing bought
+
+
+USD = r"\$(\d+\.\d+)"
+
+
+def test_probes_that_do_not_fit_the_budget_say_so_with_their_worst_case(
+    fake_openrouter: Any, kimi_dir: Path, tmp_path: Path
+) -> None:
+    """Issue 30: budget.usd below what the budget holds for one probe used to end in "no
+    provider answered". The command line says that the probes did not fit, the amounts
+    compared (each as the budget held it, against what it left) and what to change."""
+    import re
+
+    from conftest_generate import run_subprocess
+
+    srv = fake_openrouter()
+    prompts = tmp_path / "prompts.jsonl"
+    write_prompts(prompts, 2)
+    out = tmp_path / "run"
+    overrides = [
+        o for o in base_overrides(prompts, srv.url(), out, kimi_dir) if o != "serving=unknown"
+    ]
+    done = run_subprocess(
+        [*overrides, "budget.usd=0.01", f"serving_auto.cache_dir={tmp_path / 'cache'}"]
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and "--- Logging error ---" not in done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: serving=auto: the probes did not "), (
+        done.stderr[-2000:]
+    )
+    line = lines[0]
+    assert "no provider answered" not in line
+    assert srv.requests == []  # not a probe bought, not an answer
+    # What one probe is held at (x budget.overbill_guard, 3 by default) against what the
+    # budget left for the probes: the first exceeds the second, as said.
+    found = re.search(
+        rf"the cheapest, held at 3\.00x \(budget\.overbill_guard\), needs {USD}, more than "
+        rf"the {USD} left of budget\.usd=0\.01",
+        line,
+    )
+    assert found, line
+    held, left = float(found[1]), float(found[2])
+    assert left == 0.01 and held > left
+    # Its worst case is at least max_tokens of the battery at the listed output price.
+    listed_out = 2.5e-6  # fake_openrouter's default USD per completion token
+    assert held >= 3 * BATTERY.max_tokens * listed_out
+    total = re.search(rf"{len(BATTERY.probes)} probes not bought \(worst case {USD} in all\)", line)
+    assert total and float(total[1]) * 3 >= held  # the battery's worst case, unheld
+    # What to change: a budget that holds one probe, or a profile named (no probes).
+    need = re.search(rf"raise budget\.usd to at least {USD}", line)
+    assert need and float(need[1]) >= held
+    assert "serving=NAME" in line
+
+    # Raised as said, the probes are bought and the job runs (the fake changes nothing).
+    again = run_subprocess(
+        [
+            *overrides,
+            f"budget.usd={float(need[1]) * 4}",
+            f"serving_auto.cache_dir={tmp_path / 'c2'}",
+        ]
+    )
+    assert "the probes did not fit" not in again.stderr
+    assert sum(_is_probe(r.body) for r in srv.requests) == len(BATTERY.probes)

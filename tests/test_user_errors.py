@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -148,6 +150,38 @@ CASES: list[tuple[str, list[str], str]] = [
     ("run: sweep without providers", ["run", "pipeline=sweep", "dataset=B5"], "providers"),
     ("demo: unknown model option", ["demo", "model=nosuch"], "nosuch"),
     ("demo: not a local provider", ["demo", "provider=openrouter"], "local"),
+    # Issue 30: values of the right kind that cannot buy anything. They used to run: a
+    # negative or zero budget stopped at once and exited 0, concurrency 0 became 1 (and an
+    # unreachable provider was retried until killed).
+    ("generate: negative budget", ["generate", "budget.usd=-1", "dataset.path={records}",
+                                   "output_dir=run", "provider.api_base=http://127.0.0.1:9/v1",
+                                   "serving=unknown"], "budget.usd=-1"),
+    ("generate: zero budget", ["generate", "budget.usd=0", "dataset.path={records}",
+                               "output_dir=run", "provider.api_base=http://127.0.0.1:9/v1",
+                               "serving=unknown"], "budget.usd=0"),
+    ("generate: zero budget, serving=auto", ["generate", "budget.usd=0",
+                                             "dataset.path={records}", "output_dir=run",
+                                             "provider.api_base=http://127.0.0.1:9/v1"],
+     "budget.usd=0"),
+    ("generate: concurrency 0", ["generate", "provider.concurrency=0", "dataset.path={records}",
+                                 "output_dir=run", "provider.api_base=http://127.0.0.1:9/v1",
+                                 "serving=unknown"], "provider.concurrency=0"),
+    ("generate: negative concurrency", ["generate", "provider.concurrency=-4",
+                                        "dataset.path={records}", "output_dir=run"],
+     "provider.concurrency=-4"),
+    ("generate: zero timeout", ["generate", "provider.timeout_s=0", "dataset.path={records}",
+                                "output_dir=run"], "provider.timeout_s=0"),
+    ("generate: reserve factor below 1", ["generate", "budget.reserve_factor=0.5",
+                                          "dataset.path={records}", "output_dir=run"],
+     "budget.reserve_factor=0.5"),
+    ("generate: zero max_samples", ["generate", "budget.max_samples=0",
+                                    "dataset.path={records}", "output_dir=run"],
+     "budget.max_samples=0"),
+    ("generate: zero key poll", ["generate", "budget.key_poll_s=0", "dataset.path={records}",
+                                 "output_dir=run"], "budget.key_poll_s=0"),
+    ("run: negative budget", ["run", "pipeline=openrouter_sglang", "dataset=jsonl",
+                              "dataset.path={records}", "output_dir=run", "budget.usd=-1"],
+     "budget.usd=-1"),
 ]  # fmt: skip
 
 
@@ -160,6 +194,7 @@ def test_a_mistake_is_one_line_and_exit_2(args: list[str], named: str, tmp_path:
     done = run_stage(args, tmp_path)
     assert done.returncode == 2, (done.returncode, done.stderr[-2000:])
     assert "Traceback" not in done.stderr and "HYDRA_FULL_ERROR" not in done.stderr
+    assert "--- Logging error ---" not in done.stderr
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, done.stderr[-2000:]
     assert named in errors[0], errors[0]
@@ -185,3 +220,102 @@ def test_help_is_the_stage_usage(stage: str, capsys: pytest.CaptureFixture[str])
     assert module.main(["--help"]) == 0
     out = capsys.readouterr().out
     assert f"python -m kimi_pipe.{stage}" in out
+
+
+# ---------------------------------------------------------------------------------------
+# A full disk (issue 30): whatever write fails first (Hydra's saved config, the log, the
+# lock, the journal, the records, the summary), the run ends in one line naming the path,
+# exit 2: never Hydra's traceback, nor the logging module's "--- Logging error ---".
+
+
+def _mount_tmpfs(where: Path, kib: int) -> bool:
+    """A `kib` KiB tmpfs on `where` (root can mount one); False where the host refuses."""
+    where.mkdir(parents=True, exist_ok=True)
+    try:
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={kib}k", "tmpfs", str(where)],
+            capture_output=True, timeout=30, check=False,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return done.returncode == 0
+
+
+def _one_line_full(done: subprocess.CompletedProcess[str], under: Path) -> str:
+    """The one line a run on a full disk ends in: exit 2, nothing else on stderr."""
+    assert done.returncode == 2, (done.returncode, done.stderr[-2000:])
+    assert "Traceback" not in done.stderr and "--- Logging error ---" not in done.stderr
+    assert "--- Logging error ---" not in done.stdout
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr[-2000:]
+    assert lines[0].startswith(f"error: {under}") and "no space left on device" in lines[0], lines
+    return lines[0]
+
+
+def _generate_into(out: Path, tmp: Path, url: str, kimi_dir: Path) -> list[str]:
+    from conftest_generate import base_overrides, write_prompts
+
+    prompts = tmp / "prompts.jsonl"
+    if not prompts.exists():
+        write_prompts(prompts, 2)
+    return base_overrides(prompts, url, out, kimi_dir)
+
+
+# Free space (KiB) left on a 64 KiB tmpfs: the first write to fail was, on this machine,
+# Hydra's saved config (0-12), the lock (16), the journal (20-24), the records (28-32),
+# summary.json (36); the run fits from about 40 on.
+FREE_KIB = (0, 8, 16, 24, 28, 36)
+
+
+@pytest.mark.kimi
+@pytest.mark.slow
+def test_a_full_disk_is_one_line_whatever_write_fails_first(
+    tmp_path: Path, fake_openrouter, kimi_dir: Path
+) -> None:
+    from conftest_generate import run_subprocess
+
+    srv = fake_openrouter()
+    disk = tmp_path / "disk"
+    if not _mount_tmpfs(disk, 64):
+        # No mount here: the kernel's /dev/full, where Hydra saves the run's config, refuses
+        # every write with ENOSPC as a full disk does.
+        out = tmp_path / "run"
+        (out / ".hydra" / "generate").mkdir(parents=True)
+        (out / ".hydra" / "generate" / "config.yaml").symlink_to("/dev/full")
+        _one_line_full(run_subprocess(_generate_into(out, tmp_path, srv.url(), kimi_dir)), out)
+        return
+    failed: list[str] = []
+    try:
+        for free in FREE_KIB:
+            for path in disk.iterdir():
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+            (disk / "fill").write_bytes(b"\0" * (64 - free) * 1024)
+            out = disk / "run"
+            done = run_subprocess(_generate_into(out, tmp_path, srv.url(), kimi_dir))
+            if done.returncode == 0 and (out / "summary.json").exists():
+                continue  # it fitted (longer paths elsewhere move where it stops fitting)
+            failed.append(_one_line_full(done, out))
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True, check=False)
+    assert len(failed) >= len(FREE_KIB) - 1, failed
+    assert any(line.startswith(f"error: {out}/") for line in failed), failed  # a file named
+
+
+@pytest.mark.kimi
+@pytest.mark.slow
+def test_a_log_that_cannot_be_written_is_one_line(
+    tmp_path: Path, fake_openrouter, kimi_dir: Path
+) -> None:
+    """The run's log (Hydra's generate.log) on a device that is full: the logging module's
+    own traceback used to come first. The run buys and writes its records; it ends in one
+    line naming the log, exit 2."""
+    from conftest_generate import run_subprocess
+
+    srv = fake_openrouter()
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "generate.log").symlink_to("/dev/full")  # every write: ENOSPC, from the kernel
+    done = run_subprocess(_generate_into(out, tmp_path, srv.url(), kimi_dir))
+    line = _one_line_full(done, out / "generate.log")
+    assert "log is incomplete" in line
+    assert json.loads((out / "summary.json").read_text())["counts"]["answered"] == 2

@@ -18,8 +18,57 @@ import asyncio
 import logging
 import threading
 from dataclasses import dataclass
+from typing import Any
+
+from kimi_pipe.errors import ConfigError
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BudgetSettings:
+    """The `budget` config node (conf/budget/default.yaml), checked: a cap of 0 or below,
+    or a multiple below 1, is a mistake said before anything is bought, not a run that
+    stops at once and exits 0."""
+
+    usd: float | None = None
+    max_samples: int | None = None
+    max_output_tokens: int | None = None
+    reserve_factor: float = 1.0
+    overbill_guard: float = 1.0
+    slow_start: bool = True
+    max_usd_per_sample: float | None = None
+    key_poll_s: float = 10.0
+
+    def check(self) -> BudgetSettings:
+        positive = {
+            "usd": "give a positive USD cap, or null for none",
+            "max_usd_per_sample": "give a positive USD cap per sample, or null for none",
+            "key_poll_s": "give the seconds between reads of the key's usage",
+        }
+        for key, what in positive.items():
+            value = getattr(self, key)
+            if value is not None and not value > 0:
+                raise ConfigError(f"budget.{key}={value:g}: {what}")
+        for key in ("max_samples", "max_output_tokens"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ConfigError(f"budget.{key}={value}: give a whole number >= 1, or null")
+        for key in ("reserve_factor", "overbill_guard"):
+            value = getattr(self, key)
+            if not value >= 1.0:  # NaN too
+                raise ConfigError(
+                    f"budget.{key}={value:g}: give a multiple >= 1 of each request's worst "
+                    "case (below 1 a request could cost more than the budget held for it)"
+                )
+        return self
+
+
+def budget_settings(cfg: Any) -> BudgetSettings:
+    """The composed config's checked `budget` node; a ConfigError names a wrong value."""
+    from kimi_pipe.config import node_settings
+
+    return node_settings(cfg, "budget", BudgetSettings).check()
 
 
 @dataclass(frozen=True)
@@ -82,6 +131,22 @@ class Budget:
     def hold_ratio(self) -> float:
         """The multiple of its worst case each request in flight is held at."""
         return max(self.overbill_ratio, self.overbill_guard)
+
+    def held(self, usd: float) -> float:
+        """What a reservation of `usd` counts as against `cap_usd` (what the cap compares)."""
+        return usd * self.hold_ratio
+
+    def hold_note(self) -> str:
+        """Why reservations count above their worst case ("" when they do not): what a
+        message comparing `held(usd)` with the budget says next to it."""
+        ratio = self.hold_ratio
+        if ratio <= 1.0:
+            return ""
+        if self.overbill_ratio > self.overbill_guard:
+            why = f"an answer was billed {self.overbill_ratio:.2f}x its reservation"
+        else:
+            why = "budget.overbill_guard"
+        return f"held at {ratio:.2f}x ({why})"
 
     def _blocker(self, usd: float, output_tokens: int, sample: bool) -> str | None:
         held = (self.reserved_usd + usd) * self.hold_ratio

@@ -9,6 +9,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from kimi_pipe.config import whole_number
 from kimi_pipe.providers.credentials import header_carries_credential, valid_env_name
 from kimi_pipe.providers.errors import ProviderConfigError
 
@@ -93,17 +94,29 @@ class ProviderSettings:
         pricing = data.get("pricing") or {}
         retry = RetryPolicy(**(data.get("retry") or {}))
         if retry.max_attempts < 1:
-            raise ProviderConfigError("provider.retry.max_attempts must be >= 1")
-        concurrency = int(data.get("concurrency") or 1)
-        if concurrency < 1:
-            raise ProviderConfigError("provider.concurrency must be >= 1")
+            raise ProviderConfigError(
+                f"provider.retry.max_attempts={retry.max_attempts}: must be >= 1"
+            )
+        # Unset means one request at a time; a value given must be one (0 is not "unset").
+        concurrency = whole_number(data.get("concurrency"), "provider.concurrency")
+        if concurrency is not None and concurrency < 1:
+            raise ProviderConfigError(
+                f"provider.concurrency={concurrency}: give the number of requests in flight "
+                "at once, a whole number >= 1"
+            )
+        timeout_s = data.get("timeout_s")
+        number = isinstance(timeout_s, int | float) and not isinstance(timeout_s, bool)
+        if timeout_s is not None and not (number and timeout_s > 0):
+            raise ProviderConfigError(
+                f"provider.timeout_s={timeout_s}: give the seconds one request may take (> 0)"
+            )
         return cls(
             name=str(data["name"]),
             model=str(data["model"]),
             api_base=data.get("api_base"),
             api_key_env=data.get("api_key_env") or None,
-            timeout_s=float(data.get("timeout_s") or 600),
-            concurrency=concurrency,
+            timeout_s=float(timeout_s) if timeout_s is not None else 600.0,
+            concurrency=concurrency or 1,
             params=params,
             extra_body=extra,
             retry=retry,

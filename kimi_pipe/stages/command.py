@@ -18,14 +18,19 @@ into one line and exit 2. A bug keeps its traceback.
 
 from __future__ import annotations
 
+import functools
+import logging
+import os
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
 
 from kimi_pipe.config import CONF_DIR, compose
-from kimi_pipe.errors import EXIT_USER_ERROR, ConfigError, one_line
+from kimi_pipe.errors import EXIT_USER_ERROR, ConfigError, StoreError, host_error, one_line
 
 # Hydra flags that do not run the task, or run it as a sweep (its overrides are sweep
 # syntax that a plain compose rejects).
@@ -33,6 +38,8 @@ _NOT_A_SINGLE_RUN = {"-m", "--multirun", "-h", "--help", "--hydra-help", "--info
                      "--cfg", "-c", "--resolve", "--package", "-p", "--shell-completion",
                      "-sc", "--version", "--config-path", "-cp", "--config-name", "-cn",
                      "--config-dir", "-cd", "--experimental-rerun"}  # fmt: skip
+
+HYDRA_FULL_ERROR = "HYDRA_FULL_ERROR"
 
 # A stage's task: the composed config in; an exit status, or a summary (status 0).
 Task = Callable[[DictConfig], Any]
@@ -163,11 +170,78 @@ def compose_command(
         return status
 
 
+class _FileLogGuard:
+    """The run's file logs (Hydra's `<name>.log` in the run directory), whose failed writes
+    (a full disk) are kept here instead of the logging module's "--- Logging error ---"
+    traceback on stderr: the handler is silenced and the stage ends in one line, exit 2."""
+
+    def __init__(self) -> None:
+        self.failures: list[OSError] = []
+        for handler in logging.getLogger().handlers:
+            if isinstance(handler, logging.FileHandler):
+                handler.handleError = functools.partial(self._failed, handler)  # type: ignore[method-assign]
+
+    def _failed(self, handler: logging.FileHandler, record: logging.LogRecord) -> None:
+        exc = sys.exc_info()[1]
+        failure = None if exc is None else host_error(exc, handler.baseFilename)
+        if failure is None:  # a bad log call (a format error): a bug, keep its traceback
+            logging.FileHandler.handleError(handler, record)
+            return
+        self.failures.append(failure)
+        handler.setLevel(logging.CRITICAL + 1)  # nothing more to a disk that refused
+
+    def status(self, status: int) -> int:
+        """The stage's exit status, 2 (said in one line) where only its log failed."""
+        if status or not self.failures:
+            return status
+        where = one_line(self.failures[0])
+        report(StoreError(f"{where}: the run's log is incomplete (the task finished)"))
+        return EXIT_USER_ERROR
+
+
+@contextmanager
+def _hydra_raises() -> Iterator[None]:
+    """Hydra's own failures (saving the config to `.hydra/`, opening the log) raised to the
+    caller instead of printed as a traceback and exit 1 (HYDRA_FULL_ERROR, restored)."""
+    saved = os.environ.get(HYDRA_FULL_ERROR)
+    os.environ[HYDRA_FULL_ERROR] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(HYDRA_FULL_ERROR, None)
+        else:
+            os.environ[HYDRA_FULL_ERROR] = saved
+
+
+def _hydra_failure(exc: Exception) -> int | None:
+    """A failure raised by Hydra around the task, as one line and exit 2; None for a bug."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    if isinstance(exc, HydraException | OmegaConfBaseException) and host_error(exc, "") is None:
+        # A sweep's overrides (composed only here): Hydra's message, without its search path.
+        message = str(exc).split("\nConfig search path", 1)[0]
+        return report(ConfigError(f"bad override or config: {message}"))
+    failure = host_error(exc, _hydra_writes())
+    return None if failure is None else report(failure)
+
+
+def _hydra_writes() -> str:
+    """Where the Hydra job that failed writes: the directory of the log Hydra opened for it
+    (its run directory) before saving its config; else the cwd."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            return str(Path(handler.baseFilename).parent)
+    return os.getcwd()
+
+
 def hydra_command(task: Task, argv: Sequence[str] | None = None, *, name: str) -> int:
     """Run `task` as the Hydra app `name` over conf/ (argv replaces sys.argv[1:] when given).
 
     `name` is Hydra's job name: the saved config goes to `.hydra/<name>/` and the log to
-    `<name>.log` in the run directory, whatever module holds the task."""
+    `<name>.log` in the run directory, whatever module holds the task. A write that fails
+    on the host (a full disk: the saved config, the log) is one line and exit 2 too."""
     import hydra
 
     overrides = list(sys.argv[1:] if argv is None else argv)
@@ -181,6 +255,7 @@ def hydra_command(task: Task, argv: Sequence[str] | None = None, *, name: str) -
 
     @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
     def stage_app(cfg: DictConfig) -> None:
+        logs = _FileLogGuard()  # Hydra opened the job's log before calling the task
         try:
             status = _status(task(cfg))
         except Exception as exc:
@@ -188,14 +263,21 @@ def hydra_command(task: Task, argv: Sequence[str] | None = None, *, name: str) -
             if status_or_none is None:
                 raise
             status = status_or_none
+        status = logs.status(status)
         if status:
             raise SystemExit(status)  # not an Exception: Hydra lets it through
 
     saved, sys.argv = sys.argv, [sys.argv[0], *overrides]
     try:
-        stage_app()
+        with _hydra_raises():
+            stage_app()
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else (1 if exc.code else 0)
+    except Exception as exc:
+        status = _hydra_failure(exc)
+        if status is None:
+            raise
+        return status
     finally:
         sys.argv = saved
     return 0

@@ -25,10 +25,12 @@ import asyncio
 import errno
 import json
 import logging
+import math
 import os
 import random
 import sys
 import time
+import warnings
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -41,10 +43,17 @@ from kimi_pipe.config import CONF_DIR
 from kimi_pipe.core.answer_checks import TextRepair, answer_issues, clean_text
 from kimi_pipe.core.evidence import LADDER, evidence_of
 from kimi_pipe.core.token_record import TokenRecord
-from kimi_pipe.errors import KimiPipeError, one_line
+from kimi_pipe.errors import KimiPipeError, host_error, one_line
 from kimi_pipe.progress import Progress, Snapshot
 from kimi_pipe.providers.account import KeyStatus, account_for
-from kimi_pipe.providers.budget import Budget, BudgetGate, Pricing, Reservation, SlowStart
+from kimi_pipe.providers.budget import (
+    Budget,
+    BudgetGate,
+    Pricing,
+    Reservation,
+    SlowStart,
+    budget_settings,
+)
 from kimi_pipe.providers.calls import (
     BILLED_UNSEEN,
     OVERBILLED,
@@ -159,6 +168,12 @@ class RunStats:
     stop_message: str | None = None
     consecutive_failures: int = 0  # samples in a row that failed without retry
     skipped_over_budget: int = 0  # samples whose worst case alone cannot fit (tried next run)
+    # Of those skipped for the remaining budget: their worst cases together, the smallest as
+    # the budget held it, and what was left (what serving=auto says of probes that did not
+    # fit; summary "this_run.over_budget").
+    over_budget_usd: float = 0.0
+    over_budget_held_usd: float | None = None
+    over_budget_left_usd: float | None = None
     attempts_exhausted: int = 0  # ids bought retry.max_attempts times over all runs
 
 
@@ -205,9 +220,9 @@ class Generator:
         self.account = account_for(self.settings)
         self.request = self.settings.request_record()
         self.max_tokens = int(self.settings.params.get("max_tokens") or 0)
-        bcfg = cfg.budget
-        self.reserve_factor = float(bcfg.get("reserve_factor") or 1.0)
-        capped = [k for k in ("usd", "max_output_tokens") if bcfg.get(k) is not None]
+        self.caps = budget_settings(cfg)
+        self.reserve_factor = self.caps.reserve_factor
+        capped = [k for k in ("usd", "max_output_tokens") if getattr(self.caps, k) is not None]
         if capped and self.max_tokens <= 0:
             raise GenerateError(
                 f"budget.{capped[0]} needs provider.params.max_tokens (the worst "
@@ -303,21 +318,21 @@ class Generator:
     async def _run(
         self, core: TokenCore, prompts: Any, index: Any, records_path: Path, errors_path: Path
     ) -> dict[str, Any]:
-        b = self.cfg.budget
+        b = self.caps
         budget = Budget(
-            b.get("usd"),
-            b.get("max_samples"),
-            b.get("max_output_tokens"),
+            b.usd,
+            b.max_samples,
+            b.max_output_tokens,
             spent_usd=self.spent_before,
             done_samples=index.answered,
             used_output_tokens=index.output_tokens,
-            overbill_guard=float(b.get("overbill_guard") or 1.0),
+            overbill_guard=b.overbill_guard,
         )
         self.budget = budget
         self.key_start = await self._check_key()
         self.http_client = http_client_for(self.settings)
         gate = BudgetGate(budget)
-        max_per_sample = b.get("max_usd_per_sample")
+        max_per_sample = b.max_usd_per_sample
         log.info(
             "generate: %d prompts, %d already done; provider %s (%s), concurrency %d, "
             "budget $%s (spent $%.4f), prices $%.3f/$%.3f per Mtok (%s)",
@@ -326,7 +341,7 @@ class Generator:
             self.settings.name,
             self.settings.api_base,
             self.settings.concurrency,
-            b.get("usd"),
+            b.usd,
             self.spent_before,
             self.pricing.input_per_token * 1e6,
             self.pricing.output_per_token * 1e6,
@@ -339,7 +354,7 @@ class Generator:
         sem = self.window = SlowStart(
             self.settings.concurrency,
             budget,
-            enabled=bool(b.get("slow_start", True)) and budget.cap_usd is not None,
+            enabled=b.slow_start and budget.cap_usd is not None,
         )
         tasks: set[asyncio.Task] = set()
         poller = asyncio.create_task(self._poll_key()) if self.key_start else None
@@ -399,8 +414,12 @@ class Generator:
                         if blocker == "budget_usd" and budget.exhausted() is None:
                             # This sample alone is too big for what is left; smaller ones
                             # after it may still fit.
+                            # Nothing is in flight: the cap compares this one reservation,
+                            # held at the budget's multiple, with what is left.
                             left = (budget.cap_usd or 0.0) - budget.counted_spent_usd
-                            self._skip_over_budget(prompt.id, worst, REMAINING, left)
+                            self._skip_over_budget(
+                                prompt.id, worst, REMAINING, left, budget.held(worst)
+                            )
                             continue
                         self._stop_for_budget(worst)
                         break
@@ -430,6 +449,11 @@ class Generator:
                     "host_error" if isinstance(exc, OSError) else "interrupted"
                 )
                 gate.close()
+                # A request cancelled while LiteLLM was building it leaves its coroutine
+                # unawaited: Python would warn of it at exit, after the one-line error.
+                warnings.filterwarnings(
+                    "ignore", "coroutine '.*' was never awaited", RuntimeWarning
+                )
                 for t in tasks:
                     t.cancel()
                 await asyncio.gather(*list(tasks), return_exceptions=True)
@@ -443,10 +467,14 @@ class Generator:
             await self.http_client.close()
         self.stats.stop_reason = self.stats.stop_reason or "done"
         if self.stats.skipped_over_budget and not self.stats.stop_message:
+            held = f", {note}," if (note := self.budget.hold_note()) else ""
+            overbilled = self.budget.overbill_ratio > self.budget.overbill_guard
+            check = "check provider.pricing (answers cost more than listed), " if overbilled else ""
             self.stats.stop_message = (
                 f"{self.stats.skipped_over_budget} samples skipped: their worst case alone "
-                "exceeds budget.max_usd_per_sample or the remaining budget (they are tried "
-                "again on the next run); raise budget.usd or lower provider.params.max_tokens"
+                f"exceeds budget.max_usd_per_sample or{held} the remaining budget (they are "
+                f"tried again on the next run); {check}raise budget.usd or lower "
+                "provider.params.max_tokens"
             )
         if prompts.skipped:
             log.warning(
@@ -500,34 +528,50 @@ class Generator:
         self.journal.raise_floor(self.spent_before + self.key_delta)
 
     async def _poll_key(self) -> None:
-        every = float(OmegaConf.select(self.cfg, "budget.key_poll_s", default=10.0) or 10.0)
+        every = self.caps.key_poll_s
         while True:
             await asyncio.sleep(every)
             await self._read_key_usage()
 
-    def _skip_over_budget(self, rid: str, worst: float, limit_name: str, limit: float) -> None:
-        self.stats.skipped_over_budget += 1
+    def _skip_over_budget(
+        self, rid: str, worst: float, limit_name: str, limit: float, held: float | None = None
+    ) -> None:
+        """Say why a sample is skipped: the amount printed is the one compared with `limit`
+        (`held`: its worst case at the multiple the budget holds requests at)."""
+        s = self.stats
+        s.skipped_over_budget += 1
+        compared = worst if held is None else held
         if limit_name == REMAINING:
-            self.stats.stop_reason = self.stats.stop_reason or "budget_usd"
+            s.stop_reason = s.stop_reason or "budget_usd"
+            s.over_budget_usd += worst
+            if s.over_budget_held_usd is None or compared < s.over_budget_held_usd:
+                s.over_budget_held_usd, s.over_budget_left_usd = compared, limit
         # The first few say why; the rest (a nearly spent budget skips every sample) are
         # counted in the summary.
-        level = logging.WARNING if self.stats.skipped_over_budget <= 3 else logging.DEBUG
+        level = logging.WARNING if s.skipped_over_budget <= 3 else logging.DEBUG
+        amount, left = usd_pair(compared, limit)
+        note = self.budget.hold_note() if compared != worst else ""
+        what = f"{usd(worst)} is {note}: {amount}" if note else amount
         log.log(
             level,
-            "%s skipped: its worst case $%.4f exceeds %s ($%.4f); the run goes on",
+            "%s skipped: its worst case %s, more than %s (%s); the run goes on",
             rid,
-            worst,
+            what,
             limit_name,
-            limit,
+            left,
         )
 
     def _stop_for_budget(self, worst: float) -> None:
         reason = self.budget.blocker(worst, self.max_tokens, True) or "budget_usd"
         self.stats.stop_reason = self.stats.stop_reason or reason
-        if reason == "budget_usd" and self.budget.spent_usd == 0 and self.budget.cap_usd:
+        b = self.budget
+        held = b.held(worst)
+        if reason == "budget_usd" and b.counted_spent_usd == 0 and b.cap_usd and held > b.cap_usd:
+            # Said only where it is what stopped the run: nothing spent, one request too big.
+            note = f" ({b.hold_note()}: {usd_pair(held, b.cap_usd)[0]})" if held != worst else ""
             self.stats.stop_message = (
-                f"budget.usd=${self.budget.cap_usd} is below one request's worst case "
-                f"${worst:.4f}; raise budget.usd or lower provider.params.max_tokens"
+                f"budget.usd=${b.cap_usd:g} is below one request's worst case "
+                f"{usd(worst)}{note}; raise budget.usd or lower provider.params.max_tokens"
             )
         log.info("dispatch stopped: %s", self.stats.stop_message or reason)
 
@@ -832,7 +876,7 @@ class Generator:
                 "price_source": self.price_source,
                 "overruns": self.budget.overruns,
                 "overbill_ratio": self.budget.overbill_ratio,
-                "max_usd_per_sample": self.cfg.budget.get("max_usd_per_sample"),
+                "max_usd_per_sample": self.caps.max_usd_per_sample,
             },
             "tokens": {
                 "prompt": prompt_tokens,
@@ -851,6 +895,14 @@ class Generator:
                 "given_up_retry_next_run": s.given_up,
                 "skipped_already_done": s.skipped_done,
                 "skipped_over_budget": s.skipped_over_budget,
+                "over_budget": None
+                if s.over_budget_held_usd is None
+                else {
+                    "worst_usd": s.over_budget_usd,
+                    "held_usd": s.over_budget_held_usd,
+                    "left_usd": s.over_budget_left_usd,
+                    "hold": self.budget.hold_note(),
+                },
                 "attempts_exhausted": s.attempts_exhausted,
                 "attempts": s.attempts,
                 "retries": s.retries,
@@ -861,6 +913,23 @@ class Generator:
                 "concurrency_reached": self.window.peak,
             },
         }
+
+
+def usd(amount: float) -> str:
+    """USD with 4 decimals, more below a cent so that 3 digits show (a worst case of
+    $0.00084 held at 1000x must not read as $0.0008 x 1000)."""
+    digits = 4 if amount <= 0 or amount >= 0.01 else 2 - math.floor(math.log10(amount))
+    return f"${amount:.{min(digits, 10)}f}"
+
+
+def usd_pair(amount: float, limit: float) -> tuple[str, str]:
+    """Two USD amounts as a message prints them: 4 decimals, more where 4 would print them
+    equal (a message that says one exceeds the other shows it)."""
+    for digits in (4, 6, 8, 10):
+        first, second = f"${amount:.{digits}f}", f"${limit:.{digits}f}"
+        if first != second:
+            break
+    return first, second
 
 
 _STOP_MESSAGES = {
@@ -968,8 +1037,11 @@ def generate(cfg: DictConfig, run_dir: Path | None = None) -> tuple[int, dict[st
     except (KimiPipeError, OSError) as exc:
         # A user's mistake or the host's fault (a full disk, a read-only directory): one
         # line naming the path; every complete record and the journal are on disk.
-        message = one_line(exc) or (
-            " ".join(str(exc).split()) if isinstance(exc, FileNotFoundError) else None
+        host = host_error(exc, run_dir or cfg.get("output_dir"))  # a write names no file
+        message = (
+            one_line(exc)
+            or (one_line(host) if host is not None else None)
+            or (" ".join(str(exc).split()) if isinstance(exc, FileNotFoundError) else None)
         )
         if message is None:
             raise  # a bug: keep its traceback
@@ -993,9 +1065,11 @@ def run_generate(cfg: DictConfig, run_dir: Path | None = None) -> tuple[Path, di
     from kimi_pipe.stages import serving_auto
     from kimi_pipe.store.prompt_datasets import check_prompt_source
 
-    # Before anything is written: no secret in any value, a run directory that may be one,
-    # a prompt file that is there (before serving=auto's probes buy anything).
+    # Before anything is written: no secret in any value, budget and provider settings that
+    # can buy, a run directory that may be one, a prompt file that is there (before
+    # serving=auto's probes buy anything).
     refuse_secrets(cfg)
+    check_settings(cfg)
     check_prompt_source(cfg.dataset)
     run_dir = check_run_dir(run_dir or run_dir_of(cfg), RUN_FILES)
     # One process per run directory, held until the summary is written.
@@ -1015,6 +1089,14 @@ def run_generate(cfg: DictConfig, run_dir: Path | None = None) -> tuple[Path, di
             if summary["stop_reason"] != "route_changed":
                 break
     return run_dir, summary
+
+
+def check_settings(cfg: DictConfig) -> None:
+    """The budget and provider settings as the run reads them: a value that cannot buy
+    (budget.usd=0, provider.concurrency=0) is a ConfigError naming it, raised before Hydra
+    writes the run directory and before serving=auto's probes."""
+    budget_settings(cfg)
+    ProviderSettings.from_config(cfg.provider)
 
 
 def finish_status(run_dir: Path, summary: dict[str, Any]) -> int:
@@ -1112,6 +1194,7 @@ def check_before_launch(argv: list[str], environ: dict[str, str] | None = None) 
             except not_composed:
                 return
             refuse_secrets(cfg, environ, {where: run_dir})
+            check_settings(cfg)
             check_run_dir(run_dir)
             if not multirun and not same_dir(run_dir, output_dir):
                 raise GenerateError(

@@ -588,19 +588,64 @@ def with_overrides(cfg: Any, overrides: Sequence[str]) -> Any:
     return out
 
 
+@dataclass(frozen=True)
+class Shortfall:
+    """Probes of a battery run that did not fit the budget they were bought under (the
+    generate summary's `this_run.over_budget`): what a message saying so names."""
+
+    skipped: int  # probes not bought for the budget
+    answered: int  # probes this run bought
+    worst_usd: float  # the skipped probes' worst cases together (reserve_factor included)
+    held_usd: float  # the smallest of them as the budget held it (x budget.overbill_guard)
+    left_usd: float  # what the budget had left for them
+    hold: str  # why held above the worst case ("held at 3.00x (...)"; "" when not)
+
+    @classmethod
+    def of(cls, summary: Mapping[str, Any]) -> Shortfall | None:
+        this_run = summary.get("this_run") or {}
+        over = this_run.get("over_budget")
+        if not over:
+            return None
+        return cls(
+            skipped=int(this_run.get("skipped_over_budget") or 0),
+            answered=int(this_run.get("answered") or 0),
+            worst_usd=float(over["worst_usd"]),
+            held_usd=float(over["held_usd"]),
+            left_usd=float(over["left_usd"]),
+            hold=str(over.get("hold") or ""),
+        )
+
+    def describe(self, bound_by: str = "the budget") -> str:
+        """`N probes not bought (...); the cheapest, held at ..., needs $H, more than the
+        $L left of <bound_by>`: the amounts the budget compared."""
+        from kimi_pipe.stages.generate import usd_pair
+
+        held, left = usd_pair(self.held_usd, self.left_usd)
+        how = f", {self.hold}," if self.hold else ""
+        return (
+            f"{self.skipped} probes not bought (worst case ${self.worst_usd:.4f} in all); the "
+            f"cheapest{how} needs {held}, more than the {left} left of {bound_by}"
+        )
+
+
 def buy_battery(
     base_cfg: Any, battery: Battery, prompts: Path, slug: str | None, usd: float, run: Path
-) -> list[dict[str, Any]]:
+) -> tuple[list[dict[str, Any]], Shortfall | None]:
     """Buy the battery through the generate stage (pinned to `slug`, or the route as
-    configured when None) into `run`; returns its records (resumes what `run` holds)."""
+    configured when None) into `run`; returns its records (resumes what `run` holds) and
+    what of it did not fit `usd` (None: nothing was skipped for the budget)."""
     from kimi_pipe.stages.generate import RECORDS, finish_status, run_generate
     from kimi_pipe.store.records import iter_records
 
     cfg = with_overrides(base_cfg, provider_overrides(battery, prompts, slug, usd, run))
     # A mistake (a config, the key, a price) is raised and said once by the caller's
     # command; a run stopped by the provider still has its answers judged.
-    finish_status(*run_generate(cfg, run))
-    return list(iter_records(run / RECORDS)) if (run / RECORDS).exists() else []
+    where, summary = run_generate(cfg, run)
+    short = Shortfall.of(summary)
+    if short is None or short.answered:
+        finish_status(where, summary)  # else the caller says that the probes did not fit
+    records = list(iter_records(run / RECORDS)) if (run / RECORDS).exists() else []
+    return records, short
 
 
 # Settings that belong to the battery, not to the command that asked for the probes (a
@@ -613,11 +658,17 @@ def probe_overrides(overrides: Sequence[str]) -> list[str]:
 
 
 def probe_providers(
-    base: Any, providers: Sequence[str], out_dir: Path, battery: Battery, usd: float | None
+    base: Any,
+    providers: Sequence[str],
+    out_dir: Path,
+    battery: Battery,
+    usd: float | None,
+    usd_key: str = "probe.usd",
 ) -> list[ProviderConformance]:
     """The battery bought pinned to each provider on the composed config `base` (its model
     and provider settings; the battery brings its own prompts, budget and profile), judged,
-    written to `out_dir` and cached for serving=auto."""
+    written to `out_dir` and cached for serving=auto. A battery none of whose probes fit
+    its share of `usd` is a ProbeError naming `usd_key` (the setting that gave `usd`)."""
     from kimi_pipe.stages.serving_auto import cache_conformance
 
     check_providers(providers, "providers")
@@ -629,7 +680,19 @@ def probe_providers(
     results = []
     for slug in providers:
         run = out_dir / slug.replace("/", "_")
-        records = buy_battery(base, battery, prompts, slug, each, run)
+        records, short = buy_battery(base, battery, prompts, slug, each, run)
+        if short is not None and not records:
+            given = (
+                f"{usd_key}={total:g}"
+                if usd is not None
+                else (
+                    f"the battery's usd_each ${battery.usd_each:g} per provider ({usd_key} unset)"
+                )
+            )
+            raise ProbeError(
+                f"the probes on {slug} did not fit the budget: "
+                f"{short.describe(f'its share ${each:g} of {given}')}; raise {usd_key}"
+            )
         results.append(judge(battery, slug, records))
     write_conformance(out_dir, battery, results)
     cache_conformance(base, battery.source, results)  # serving=auto reads these verdicts

@@ -36,12 +36,15 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from kimi_pipe.core.serving import CHOICES, UNKNOWN, ServingProfile
 from kimi_pipe.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kimi_pipe.stages.probe import Shortfall
 
 log = logging.getLogger("kimi_pipe.serving_auto")
 
@@ -283,17 +286,29 @@ class _Prober:
         write_probe_prompts(self.battery, self.prompts)
         usd = OmegaConf.select(cfg, "serving_auto.usd_per_provider", default=None)
         self.cap = float(usd) if usd is not None else self.battery.usd_each
+        self.cap_key = (
+            f"serving_auto.usd_per_provider={self.cap:g}"
+            if usd is not None
+            else f"the battery's usd_each ${self.cap:g} (serving_auto.usd_per_provider unset)"
+        )
+        # Batteries (by run name) that the budget cut short: (shortfall or None when
+        # nothing was left to buy any, which cap bound, what the job had spent).
+        self.short: dict[str, tuple[Shortfall | None, str, float]] = {}
 
-    def _cap_left(self) -> float:
-        """This probe's cap: serving_auto.usd_per_provider within what budget.usd leaves."""
+    def _cap_left(self) -> tuple[float, str, float]:
+        """This probe's cap: serving_auto.usd_per_provider within what budget.usd leaves;
+        with the setting that bound it and what the job's journal had spent."""
         from kimi_pipe.store.spend_journal import JOURNAL, SpendJournal
 
         cap_usd = OmegaConf.select(self.cfg, "budget.usd", default=None)
         if cap_usd is None:
-            return self.cap
+            return self.cap, self.cap_key, 0.0
         with SpendJournal(self.run_dir / JOURNAL) as journal:
-            left = float(cap_usd) - journal.spent()
-        return max(0.0, min(self.cap, left))
+            spent = journal.spent()
+        left = float(cap_usd) - spent
+        if left < self.cap:
+            return max(0.0, left), f"budget.usd={float(cap_usd):g}", spent
+        return self.cap, self.cap_key, spent
 
     def buy(self, slug: str | None) -> tuple[list[dict[str, Any]], float]:
         """Buy the battery (pinned to slug, or on the route) booked in the job's journal;
@@ -303,7 +318,7 @@ class _Prober:
 
         name = slug or ROUTE_RUN
         run = self.base / _safe(name)
-        cap = self._cap_left()
+        cap, bound_by, spent = self._cap_left()
         rid = INTENT_PREFIX + name
         with SpendJournal(self.run_dir / JOURNAL) as journal:
             booked = sum(
@@ -315,8 +330,11 @@ class _Prober:
             seq = journal.intent(rid, 1, cap)
         records: list[dict[str, Any]] = []
         try:
+            short: Shortfall | None = None
             if cap > 0:
-                records = buy_battery(self.cfg, self.battery, self.prompts, slug, cap, run)
+                records, short = buy_battery(self.cfg, self.battery, self.prompts, slug, cap, run)
+            if cap <= 0 or short is not None:
+                self.short[name] = (short, bound_by, spent)
         finally:
             probe_journal = run / JOURNAL
             spent_there = 0.0
@@ -328,6 +346,30 @@ class _Prober:
                 journal.settle(seq, cost, cost > 0)
         log.info("serving=auto: battery on %s: %d answers, $%.6f", name, len(records), cost)
         return records, cost
+
+    def budget_message(self, fits: Mapping[str, ProviderFit]) -> str:
+        """Why no provider was found usable where the budget cut probes short: its figures
+        (the amounts it compared) and what to change, in one line."""
+        name, (short, bound_by, spent) = next(iter(self.short.items()))
+        where = "the route as configured" if name == ROUTE_RUN else name
+        by_budget = bound_by.startswith("budget.usd")
+        raise_it = "raise budget.usd" if by_budget else "raise serving_auto.usd_per_provider"
+        if short is None:
+            what = f"{bound_by} left nothing for them (the job has spent ${spent:.4f})"
+            at_least = f" above ${spent:.4f}" if by_budget else ""
+        else:
+            what = f"on {where}, {short.describe(bound_by)}"
+            # Enough for one probe at a time (as the budget holds it), beyond what is spent.
+            at_least = f" to at least ${(spent if by_budget else 0.0) + short.held_usd:.4f}"
+        others = "; ".join(
+            f"{f.provider}: {f.why}" for f in fits.values() if f.provider not in self.short
+        )
+        return (
+            f"serving=auto: the probes did not fit the budget: {what}"
+            + (f" (the providers probed: {others})" if others else "")
+            + f". Nothing was bought beyond the probes; {raise_it}{at_least}, or name a "
+            "profile to skip the probes: serving=NAME (conf/serving, docs/serving_profiles.md)"
+        )
 
     def judge(self, slug: str, records: list[dict[str, Any]], usd: float) -> ProviderFit:
         from kimi_pipe.stages.probe import judge
@@ -449,6 +491,8 @@ def fit_route(cfg: DictConfig, run_dir: Path) -> Route:
         fits[slug] = prober.judge(slug, records, usd)
     route = Route(fits=fits)
     _write_run_file(run_dir, prober, route, wanted)
+    if not route.usable() and prober.short:
+        raise ServingAutoError(prober.budget_message(fits))
     if not route.usable():
         why = "; ".join(f"{f.provider}: {f.why}" for f in fits.values()) or "no provider answered"
         raise ServingAutoError(

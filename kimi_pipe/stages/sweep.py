@@ -152,7 +152,14 @@ def run_probe_step(base: DictConfig, settings: SweepSettings, sweep_dir: Path) -
         file=sys.stderr,
         flush=True,
     )
-    probe_providers(base, settings.providers, sweep_dir / PROBES_DIR, battery, settings.probe_usd)
+    probe_providers(
+        base,
+        settings.providers,
+        sweep_dir / PROBES_DIR,
+        battery,
+        settings.probe_usd,
+        usd_key="sweep.probe_usd",
+    )
 
 
 def run_jobs(base: DictConfig, settings: SweepSettings, sweep_dir: Path, limit_key: str) -> int:

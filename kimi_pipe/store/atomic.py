@@ -91,6 +91,12 @@ def write_bytes(
         finally:
             os.close(fd)
         os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        if exc.filename is not None:
+            raise
+        # A write or fsync on a full disk names no file: name the one being written.
+        raise OSError(exc.errno, exc.strerror, str(path)) from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -38,8 +38,12 @@ class RunLock:
                 f"{self.path.parent} is in use by another process ({holder}); wait for it to "
                 "finish or stop it, or use another output_dir"
             ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
+        except OSError as exc:  # a full disk: the write names no file, the message must
+            os.close(fd)
+            raise OSError(exc.errno, exc.strerror, str(self.path)) from None
         self._fd = fd
         return self
 
