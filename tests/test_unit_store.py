@@ -493,3 +493,13 @@ def test_a_renewed_lease_outlives_its_term_and_a_released_one_frees_the_unit(
         run_units(make_store(where, 600.0), "w2", broken)
     # The failed unit is free at once, not after 600 s.
     assert make_store(where, 600.0).status()["free"] == 4
+
+
+def test_a_live_worker_finishes_the_units_of_a_dead_one(where: dict[str, str]) -> None:
+    store = planned(where, lease_s=2.0)
+    dead = store.claim("u-000002", "dead")  # claims, then never renews nor commits
+    assert dead is not None
+    results = run_units(make_store(where, 2.0), "stayer", fill, wait_for_held=True, poll_s=0.2)
+    assert sorted(r.unit for r in results) == [f"u-{i:06d}" for i in range(5)]
+    assert [r.attempt for r in results if r.unit == "u-000002"] == ["g000001-stayer"]
+    check_samples(make_store(where), IDS)

@@ -1,8 +1,8 @@
 """Helpers of tests/test_unit_store.py, and the writer it kills (run as a script).
 
-As a script: claim unit u-000000 of the store named by the environment, write every sample's
-data objects, then stop just before the index (print READY and sleep) so that the test can
-SIGKILL the process mid-commit.
+As a script: claim unit u-000000 of the store named by the environment (renewing the lease
+as a worker does), write every sample's data objects, then stop just before the index (print
+READY and sleep) so that the test can SIGKILL the process mid-commit.
 """
 
 from __future__ import annotations
@@ -95,9 +95,10 @@ def main() -> None:
         time.sleep(600)  # killed here: data objects written, index not
 
     UnitWriter._publish = stop_before_index  # type: ignore[method-assign]
-    writer = store.writer(lease, part_bytes=200)  # several data objects
-    fill(writer)
-    writer.commit()
+    with lease.keepalive():  # a live worker's heartbeat: the lease ends lease_s after the kill
+        writer = store.writer(lease, part_bytes=200)  # several data objects
+        fill(writer)
+        writer.commit()
 
 
 if __name__ == "__main__":

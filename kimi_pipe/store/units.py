@@ -853,14 +853,23 @@ def run_units(
     *,
     part_bytes: int = DEFAULT_PART_BYTES,
     max_units: int | None = None,
+    wait_for_held: bool = False,
+    poll_s: float = 10.0,
 ) -> list[CommitResult]:
     """The loop every executor runs: claim a unit, fill it with `work`, commit it, until no
     unit is left to claim (or `max_units` are done). Workers need no coordinator: the plan,
-    the leases and the indexes in the store are the whole schedule."""
+    the leases and the indexes in the store are the whole schedule.
+
+    `wait_for_held`: when only units held by other workers are left, poll every `poll_s`
+    until they are committed, taking over any whose lease runs out (a dead worker's), so
+    the run ends complete as long as one worker lives."""
     results: list[CommitResult] = []
     while max_units is None or len(results) < max_units:
         lease = store.claim_next(owner)
         if lease is None:
+            if wait_for_held and len(store.committed()) < len(store.plan.units):
+                time.sleep(poll_s)
+                continue
             break
         with lease.keepalive():
             writer = store.writer(lease, part_bytes=part_bytes)
