@@ -1,0 +1,882 @@
+"""The unit store: hidden states in fixed-size work units on any fsspec filesystem.
+
+One protocol for local disk, S3-compatible stores and GCS, and for any executor (Ray,
+submitit, a shell loop): nothing in it renames, locks or hard-links (docs/store-units.md).
+
+Layout under the root URL (paths relative to it)::
+
+    plan.c0.json                     the work: sample ids cut into units (written once)
+    leases/u-000042.g000003.json     claim generation 3 of unit u-000042 (owner, expiry)
+    data/u-000042/<attempt>/part-00000.safetensors
+                                     an attempt's data objects (hidden_store's shard format)
+    index/u-000042.c0.json           the unit's index: commits it (written once)
+
+* **Plan**: the sorted sample ids cut every `unit_size` samples (and, with `unit_tokens`,
+  before a unit would pass that many tokens). It depends on the ids and these two numbers
+  only, never on how many workers run, so a unit is the same work whoever does it.
+* **Lease**: a worker claims a unit by creating its next lease generation (create-if-absent:
+  of two claimants exactly one wins) and renews it by rewriting it (`Lease.keepalive`). A
+  generation whose expiry has passed may be superseded by the next one: a dead worker loses
+  its units after `lease_s` seconds.
+* **Commit**: a unit's data objects go under a prefix of their own attempt first; its index
+  object, naming each object with its size and sha256, is created last and only if absent.
+  The first index is the commit and stays; a second commit of the unit changes nothing.
+* **Read**: readers list index objects only, read only the objects an index names, and
+  check each against its size and sha256. Data objects no index names (a killed writer's,
+  a losing attempt's) are never read; `orphans()` lists them for deletion.
+
+Worker API (any executor runs this loop)::
+
+    store = UnitStore.open("s3://bucket/run/hidden", lease_s=600)
+    store.ensure_plan(sample_ids, unit_size=256, manifest=make_manifest(...))
+    def work(writer):                  # fill one claimed unit
+        for sid in writer.unit.ids:
+            writer.add(sid, input_ids, loss_mask, aux, final)   # or writer.skip(sid, code)
+    run_units(store, owner, work)      # claim, fill, commit until no unit is left to claim
+
+Reader API::
+
+    for sid, tensors in store.iter_samples():   # committed units in plan order, verified
+        ...
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import re
+import socket
+import struct
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from fsspec import AbstractFileSystem
+
+from kimi_pipe.errors import ConfigError, MissingFile, StoreError
+from kimi_pipe.store import objects
+from kimi_pipe.store.hidden_store import (
+    FP8,
+    IDENTITY_KEYS,
+    SCALE_SUFFIX,
+    STATE_KEYS,
+    dequantize_rows,
+    quantize_rows,
+    state_dtypes,
+    torch_dtype,
+)
+from kimi_pipe.store.teacher_rounding import (
+    RoundingCounts,
+    TeacherHead,
+    quantize_keeping_argmax,
+    teacher_rows,
+)
+
+log = logging.getLogger(__name__)
+
+FORMAT = "kimi_pipe.unit_store"
+VERSION = 1
+PLAN = "plan"
+INDEX_DIR = "index"
+LEASE_DIR = "leases"
+DATA_DIR = "data"
+PART_SUFFIX = ".safetensors"
+DEFAULT_LEASE_S = 600.0
+DEFAULT_PART_BYTES = 256 << 20  # a writer holds at most about this much of a unit in memory
+OWNER_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_LEASE_RE = re.compile(r"^(?P<unit>u-\d+)\.g(?P<gen>\d+)\.json$")
+_INDEX_RE = re.compile(r"^(?P<unit>u-\d+)\.c\d+\.json$")
+
+# safetensors dtype names of what a unit holds (little-endian, like the safetensors library).
+_ST_DTYPES: dict[torch.dtype, str] = {
+    torch.int64: "I64",
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float8_e4m3fn: "F8_E4M3",
+}
+
+
+class CorruptUnit(StoreError):
+    """A committed unit names a data object that is missing or not what its index says."""
+
+
+def default_owner() -> str:
+    """A worker name unique to this process: host, pid and a random tag."""
+    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:48] or "host"
+    return f"{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def check_owner(owner: str) -> str:
+    if not OWNER_RE.match(owner):
+        raise ConfigError(f"worker name {owner!r}: use letters, digits, '.', '_' or '-'")
+    return owner
+
+
+# --- the plan ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Unit:
+    """One unit of work: a fixed list of sample ids, committed at once."""
+
+    name: str
+    ids: tuple[str, ...]
+    tokens: int | None = None
+
+
+def unit_name(number: int) -> str:
+    return f"u-{number:06d}"
+
+
+def plan_units(
+    ids: Iterable[str | int],
+    unit_size: int,
+    lengths: Mapping[str, int] | None = None,
+    unit_tokens: int | None = None,
+) -> list[Unit]:
+    """Cut the sorted ids into units of `unit_size` samples (and at most `unit_tokens` tokens,
+    a longer sample alone). Sorting makes the plan a function of the id set, not of the
+    order the records came in or of how many workers will run it."""
+    if unit_size < 1:
+        raise ConfigError(f"unit_size must be >= 1, got {unit_size}")
+    if unit_tokens is not None and (unit_tokens < 1 or lengths is None):
+        raise ConfigError("unit_tokens needs lengths and must be >= 1")
+    keys = [str(i) for i in ids]
+    if len(set(keys)) != len(keys):
+        dup = sorted({k for k in keys if keys.count(k) > 1})[:5]
+        raise ConfigError(f"sample ids appear twice: {dup}")
+    units: list[Unit] = []
+    current: list[str] = []
+    tokens = 0
+
+    def cut() -> None:
+        nonlocal current, tokens
+        if current:
+            units.append(Unit(unit_name(len(units)), tuple(current), tokens if lengths else None))
+        current, tokens = [], 0
+
+    for sid in sorted(keys):
+        n = int(lengths[sid]) if lengths is not None else 0
+        over = unit_tokens is not None and current and tokens + n > unit_tokens
+        if len(current) >= unit_size or over:
+            cut()
+        current.append(sid)
+        tokens += n
+    cut()
+    return units
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the store holds once every unit is committed (the plan record's content)."""
+
+    unit_size: int
+    unit_tokens: int | None
+    manifest: dict[str, Any]
+    units: tuple[Unit, ...]
+    sha256: str = ""  # of the plan record as stored: every index names it
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "kind": "plan",
+            "unit_size": self.unit_size,
+            "unit_tokens": self.unit_tokens,
+            "manifest": self.manifest,
+            "units": [{"unit": u.name, "ids": list(u.ids), "tokens": u.tokens} for u in self.units],
+        }
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any]) -> Plan:
+        if body.get("format") != FORMAT or body.get("kind") != "plan":
+            raise StoreError(f"not a unit store plan: format {body.get('format')!r}")
+        if int(body.get("version", 0)) > VERSION:
+            raise StoreError(f"unit store version {body['version']} is newer than {VERSION}")
+        units = tuple(Unit(u["unit"], tuple(u["ids"]), u.get("tokens")) for u in body["units"])
+        digest = hashlib.sha256(objects.encode_record(body)).hexdigest()
+        return cls(
+            int(body["unit_size"]), body.get("unit_tokens"), dict(body["manifest"]), units, digest
+        )
+
+    def unit(self, name: str) -> Unit:
+        for u in self.units:
+            if u.name == name:
+                return u
+        raise KeyError(f"no unit {name!r} in the plan")
+
+
+# --- the store --------------------------------------------------------------------------------
+class UnitStore:
+    """A unit store at `root` on `fs` (see the module doc for the protocol)."""
+
+    def __init__(
+        self,
+        fs: AbstractFileSystem,
+        root: str,
+        *,
+        lease_s: float = DEFAULT_LEASE_S,
+        grace_s: float | None = None,
+    ) -> None:
+        """`lease_s`: how long a claim lasts without a renewal (a dead worker's units come
+        back after it). `grace_s`: how old a torn write-once record (local disk only) must be
+        before it is passed over; default `lease_s`."""
+        objects.check_conditional_create(fs)
+        if lease_s <= 0:
+            raise ConfigError(f"lease_s must be > 0, got {lease_s}")
+        self.fs = fs
+        self.root = root.rstrip("/")
+        self.lease_s = float(lease_s)
+        self.grace_s = float(grace_s if grace_s is not None else lease_s)
+        self._plan: Plan | None = None
+        self._committed: dict[str, dict[str, Any]] = {}  # a commit never goes away: cached
+
+    @classmethod
+    def open(
+        cls,
+        url: str,
+        *,
+        lease_s: float = DEFAULT_LEASE_S,
+        grace_s: float | None = None,
+        **storage_options: Any,
+    ) -> UnitStore:
+        """A store at a URL: a local path, ``s3://bucket/prefix`` (s3fs, `pip install
+        kimi_pipe[s3]`), ``gs://bucket/prefix`` (gcsfs); storage_options go to fsspec."""
+        fs, root = objects.open_fs(url, **storage_options)
+        return cls(fs, root, lease_s=lease_s, grace_s=grace_s)
+
+    def path(self, *parts: str) -> str:
+        return objects.join(self.root, *parts)
+
+    def relative(self, path: str) -> str:
+        return path[len(self.root) + 1 :] if path.startswith(self.root + "/") else path
+
+    # --- plan -------------------------------------------------------------------------------
+    def ensure_plan(
+        self,
+        ids: Iterable[str | int],
+        *,
+        unit_size: int,
+        manifest: dict[str, Any],
+        lengths: Mapping[str, int] | None = None,
+        unit_tokens: int | None = None,
+    ) -> Plan:
+        """Write the plan unless one stands; every worker may call this, the first plan wins
+        and the others check that they were asked for the same work."""
+        units = plan_units(ids, unit_size, lengths, unit_tokens)
+        # As JSON gives it back (tuples become lists), so that plans compare equal.
+        manifest = json.loads(json.dumps(manifest))
+        wanted = Plan(unit_size, unit_tokens, manifest, tuple(units))
+        body, _ = objects.create_once(self.fs, self.path(PLAN), wanted.body(), self.grace_s)
+        plan = Plan.from_body(body)
+        diff = _plan_diff(plan, wanted)
+        if diff:
+            raise StoreError(
+                f"unit store {self.root} was planned for other work ({diff}); use another "
+                "output location or delete it"
+            )
+        self._plan = plan
+        return plan
+
+    @property
+    def plan(self) -> Plan:
+        if self._plan is None:
+            body = objects.read_once(self.fs, self.path(PLAN))
+            if body is None:
+                raise MissingFile(f"{self.root}: no unit store plan (ensure_plan writes it)")
+            self._plan = Plan.from_body(body)
+        return self._plan
+
+    # --- commits ----------------------------------------------------------------------------
+    def _index_base(self, unit: str) -> str:
+        return self.path(INDEX_DIR, unit)
+
+    def _checked_index(self, body: dict[str, Any] | None) -> dict[str, Any] | None:
+        if body is None:
+            return None
+        if body.get("kind") != "unit_index" or body.get("plan_sha256") != self.plan.sha256:
+            raise StoreError(
+                f"{self.root}: index of unit {body.get('unit')!r} belongs to another plan"
+            )
+        return body
+
+    def committed_index(self, unit: str) -> dict[str, Any] | None:
+        """The index that commits `unit`, or None (not committed yet)."""
+        if unit not in self._committed:
+            body = self._checked_index(objects.read_once(self.fs, self._index_base(unit)))
+            if body is None:
+                return None
+            self._committed[unit] = body
+        return self._committed[unit]
+
+    def committed(self) -> dict[str, dict[str, Any]]:
+        """Every committed unit's index (one listing of index/; indexes read once each)."""
+        slots: dict[str, list[str]] = {}
+        for p in objects.listing(self.fs, self.path(INDEX_DIR)):
+            m = _INDEX_RE.match(p.rsplit("/", 1)[-1])
+            if m and m["unit"] not in self._committed:
+                slots.setdefault(m["unit"], []).append(p)
+        for unit, paths in slots.items():
+            body = self._checked_index(objects.first_valid(self.fs, self._index_base(unit), paths))
+            if body is not None:
+                self._committed[unit] = body
+        return dict(self._committed)
+
+    # --- leases -----------------------------------------------------------------------------
+    def _lease_path(self, unit: str, generation: int) -> str:
+        return self.path(LEASE_DIR, f"{unit}.g{generation:06d}.json")
+
+    def _lease_paths(self) -> dict[str, tuple[int, str]]:
+        """Each unit's newest lease generation and its path (one listing of leases/)."""
+        newest: dict[str, tuple[int, str]] = {}
+        for p in objects.listing(self.fs, self.path(LEASE_DIR)):
+            m = _LEASE_RE.match(p.rsplit("/", 1)[-1])
+            if m and int(m["gen"]) >= newest.get(m["unit"], (-1, ""))[0]:
+                newest[m["unit"]] = (int(m["gen"]), p)
+        return newest
+
+    def _unit_lease(self, unit: str) -> tuple[int, str | None]:
+        paths = [str(p) for p in self.fs.glob(self.path(LEASE_DIR, f"{unit}.g*.json"))]
+        gens = [(int(m["gen"]), p) for p in paths if (m := _LEASE_RE.match(p.rsplit("/", 1)[-1]))]
+        return max(gens) if gens else (-1, None)
+
+    def lease_expiry(self, path: str) -> float:
+        """When the lease at `path` ends. A torn lease (local disk, a writer killed while
+        renewing) counts as renewed when it was last written."""
+        body = objects.decode_record(objects.read_bytes(self.fs, path))
+        if body is not None:
+            return float(body["expires"])
+        written = objects.modified_s(self.fs, path)
+        return (written or 0.0) + self.lease_s
+
+    def claim(self, unit: Unit | str, owner: str) -> Lease | None:
+        """Claim `unit` for `owner`: a Lease, or None when it is committed or held by a live
+        lease. Of workers claiming the same free unit at once, exactly one gets it."""
+        check_owner(owner)
+        u = self.plan.unit(unit) if isinstance(unit, str) else unit
+        if self.committed_index(u.name) is not None:
+            return None
+        self.fs.invalidate_cache()
+        generation, path = self._unit_lease(u.name)
+        if path is not None and time.time() < self.lease_expiry(path):
+            return None
+        lease = Lease(self, u, generation + 1, owner, time.time() + self.lease_s)
+        try:
+            objects.create_exclusive(self.fs, lease.path, objects.encode_record(lease.body()))
+        except FileExistsError:
+            return None  # another worker took this generation first
+        if self.committed_index(u.name) is not None:  # committed while we claimed
+            lease.release()
+            return None
+        if generation >= 0:
+            log.warning("unit %s: lease generation %d expired; taken over", u.name, generation)
+        return lease
+
+    def claim_next(self, owner: str) -> Lease | None:
+        """Claim some unit that is neither committed nor held; None when there is none.
+        Workers start their scan at different places (a hash of the owner) to collide less."""
+        committed = self.committed()
+        newest = self._lease_paths()
+        now = time.time()
+        free = [
+            u
+            for u in self.plan.units
+            if u.name not in committed
+            and (u.name not in newest or self.lease_expiry(newest[u.name][1]) <= now)
+        ]
+        if not free:
+            return None
+        start = int.from_bytes(hashlib.sha256(owner.encode()).digest()[:4], "big") % len(free)
+        for u in free[start:] + free[:start]:
+            lease = self.claim(u, owner)
+            if lease is not None:
+                return lease
+        return None
+
+    def writer(
+        self,
+        lease: Lease,
+        *,
+        part_bytes: int = DEFAULT_PART_BYTES,
+        head_weight: torch.Tensor | None = None,
+    ) -> UnitWriter:
+        return UnitWriter(self, lease, part_bytes=part_bytes, head_weight=head_weight)
+
+    # --- reading ----------------------------------------------------------------------------
+    def iter_units(self) -> Iterator[dict[str, Any]]:
+        """The index of every committed unit, in plan order."""
+        committed = self.committed()
+        for u in self.plan.units:
+            if u.name in committed:
+                yield committed[u.name]
+
+    def read_object(self, ref: Mapping[str, Any]) -> bytes:
+        """A data object named by an index, checked against its size and sha256."""
+        path = self.path(str(ref["path"]))
+        data = objects.read_bytes(self.fs, path)
+        if data is None:
+            raise CorruptUnit(f"{path}: named by a committed index but missing")
+        if len(data) != int(ref["size"]):
+            raise CorruptUnit(f"{path}: {len(data)} bytes, its index says {ref['size']}")
+        if hashlib.sha256(data).hexdigest() != ref["sha256"]:
+            raise CorruptUnit(f"{path}: sha256 differs from its index")
+        return data
+
+    def read_unit(
+        self, index: Mapping[str, Any], dequantize: bool = True
+    ) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
+        """(sample id, tensors) of one committed unit, one data object in memory at a time.
+        `dequantize`: fp8 states come back in the manifest's dtype (as `HiddenStore[id]`);
+        False: as stored, with their `<state>_scale` rows (as `HiddenStore.raw`)."""
+        from safetensors.torch import load
+
+        read_dtype = torch_dtype(self.plan.manifest["dtype"])
+        by_part: dict[int, list[tuple[str, int, int]]] = {}
+        for sid, part, offset, length in index["samples"]:
+            by_part.setdefault(int(part), []).append((str(sid), int(offset), int(length)))
+        for number, ref in enumerate(index["objects"]):
+            tensors = load(self.read_object(ref))
+            for sid, offset, length in by_part.get(number, []):
+                out = {k: v[offset : offset + length].clone() for k, v in tensors.items()}
+                if dequantize:
+                    for key in STATE_KEYS:
+                        scale = out.pop(key + SCALE_SUFFIX, None)
+                        if scale is not None:
+                            out[key] = dequantize_rows(out[key], scale, read_dtype)
+                yield sid, out
+            del tensors
+
+    def iter_samples(
+        self, dequantize: bool = True
+    ) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
+        """Every committed sample, unit by unit in plan order (what an export reads)."""
+        for index in self.iter_units():
+            yield from self.read_unit(index, dequantize)
+
+    def orphans(self) -> list[str]:
+        """Data objects of committed units that their index does not name (a killed or losing
+        attempt's): safe to delete, no reader ever opens them."""
+        committed = self.committed()
+        named = {self.path(ref["path"]) for index in committed.values() for ref in index["objects"]}
+        out = []
+        for p in objects.listing(self.fs, self.path(DATA_DIR)):
+            unit = self.relative(p).split("/")[1] if "/" in self.relative(p) else ""
+            if unit in committed and p not in named:
+                out.append(p)
+        return out
+
+    def status(self) -> dict[str, Any]:
+        committed = self.committed()
+        newest = self._lease_paths()
+        now = time.time()
+        held = [
+            u.name
+            for u in self.plan.units
+            if u.name not in committed
+            and u.name in newest
+            and self.lease_expiry(newest[u.name][1]) > now
+        ]
+        return {
+            "units": len(self.plan.units),
+            "committed": len(committed),
+            "held": len(held),
+            "free": len(self.plan.units) - len(committed) - len(held),
+            "samples": sum(len(i["samples"]) for i in committed.values()),
+            "skipped": sum(len(i["issues"]) for i in committed.values()),
+        }
+
+
+def _plan_diff(have: Plan, want: Plan) -> str:
+    diffs = []
+    if have.unit_size != want.unit_size:
+        diffs.append(f"unit_size {have.unit_size} != {want.unit_size}")
+    if have.unit_tokens != want.unit_tokens:
+        diffs.append(f"unit_tokens {have.unit_tokens} != {want.unit_tokens}")
+    for key in IDENTITY_KEYS:
+        if have.manifest.get(key) != want.manifest.get(key):
+            diffs.append(f"{key} {have.manifest.get(key)!r} != {want.manifest.get(key)!r}")
+    if [u.ids for u in have.units] != [u.ids for u in want.units]:
+        a = {i for u in have.units for i in u.ids}
+        b = {i for u in want.units for i in u.ids}
+        diffs.append(f"sample ids differ ({len(a - b)} only planned, {len(b - a)} only asked)")
+    return "; ".join(diffs)
+
+
+# --- leases -----------------------------------------------------------------------------------
+@dataclass
+class Lease:
+    """Generation `generation` of the claim on `unit`, held by `owner` until `expires`."""
+
+    store: UnitStore
+    unit: Unit
+    generation: int
+    owner: str
+    expires: float
+    lost: bool = False  # a later generation exists: another worker took the unit over
+    released: bool = False
+    # A heartbeat must not renew a lease that was just released (it would hold the unit).
+    _guard: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    @property
+    def path(self) -> str:
+        return self.store._lease_path(self.unit.name, self.generation)
+
+    @property
+    def attempt(self) -> str:
+        """This claim's data prefix: unique per (generation, owner), so attempts never mix."""
+        return f"g{self.generation:06d}-{self.owner}"
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "kind": "lease",
+            "unit": self.unit.name,
+            "generation": self.generation,
+            "owner": self.owner,
+            "expires": self.expires,
+        }
+
+    def superseded(self) -> bool:
+        self.store.fs.invalidate_cache()
+        newest, _ = self.store._unit_lease(self.unit.name)
+        self.lost = self.lost or newest > self.generation
+        return self.lost
+
+    def renew(self) -> bool:
+        """Push the expiry `lease_s` ahead; False when the unit was taken over (`lost`) or
+        the lease released."""
+        with self._guard:
+            if self.released or self.superseded():
+                return False
+            self.expires = time.time() + self.store.lease_s
+            objects.overwrite(self.store.fs, self.path, objects.encode_record(self.body()))
+            return True
+
+    def release(self) -> None:
+        """End the claim now (after a commit, or when giving the unit up)."""
+        with self._guard:
+            if self.released or self.superseded():
+                self.released = True
+                return
+            self.released = True
+            self.expires = 0.0
+            objects.overwrite(self.store.fs, self.path, objects.encode_record(self.body()))
+
+    @contextlib.contextmanager
+    def keepalive(self, every_s: float | None = None) -> Iterator[Lease]:
+        """Renew in a background thread every `every_s` (default a quarter of the lease) while
+        the block runs. A renewal that fails is logged and retried at the next beat."""
+        interval = every_s if every_s is not None else self.store.lease_s / 4
+        stop = threading.Event()
+
+        def beat() -> None:
+            while not stop.wait(interval):
+                try:
+                    if not self.renew():
+                        if self.lost:
+                            log.warning("unit %s: lease lost to a later claim", self.unit.name)
+                        return
+                except Exception as exc:  # noqa: BLE001 - a heartbeat must not kill the work
+                    log.warning("unit %s: lease renewal failed: %s", self.unit.name, exc)
+
+        thread = threading.Thread(target=beat, name=f"lease-{self.unit.name}", daemon=True)
+        thread.start()
+        try:
+            yield self
+        finally:
+            stop.set()
+            thread.join()
+
+
+# --- writing a unit ---------------------------------------------------------------------------
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    """A CPU tensor's bytes as safetensors stores them (C order, little-endian)."""
+    t = t.detach().to("cpu").contiguous()
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def safetensors_header(
+    specs: Mapping[str, tuple[torch.dtype, Sequence[int], int]], metadata: Mapping[str, str]
+) -> bytes:
+    """The header of a safetensors file whose tensors follow in sorted key order, so that the
+    data can be streamed after it instead of built in memory first."""
+    header: dict[str, Any] = {"__metadata__": dict(metadata)}
+    offset = 0
+    for key in sorted(specs):
+        dtype, shape, nbytes = specs[key]
+        header[key] = {
+            "dtype": _ST_DTYPES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    return struct.pack("<Q", len(raw)) + raw
+
+
+@dataclass
+class _Column:
+    dtype: torch.dtype
+    width: tuple[int, ...]
+    chunks: list[bytes] = field(default_factory=list)
+    rows: int = 0
+    nbytes: int = 0
+
+
+@dataclass(frozen=True)
+class CommitResult:
+    unit: str
+    ours: bool  # False: an earlier commit of this unit stands, this attempt is discarded
+    attempt: str
+    samples: int
+    skipped: int
+    tokens: int
+
+
+class UnitWriter:
+    """Fill one claimed unit and commit it. Rows are kept as their stored bytes and written
+    out as a data object every `part_bytes` (and at commit), so a writer holds at most about
+    min(unit, part_bytes) of state in memory, however long the run."""
+
+    def __init__(
+        self,
+        store: UnitStore,
+        lease: Lease,
+        *,
+        part_bytes: int = DEFAULT_PART_BYTES,
+        head_weight: torch.Tensor | None = None,
+    ) -> None:
+        if sys.byteorder != "little":
+            raise StoreError("the unit store writes safetensors bytes as they are in memory")
+        if part_bytes < 1:
+            raise ConfigError(f"part_bytes must be >= 1, got {part_bytes}")
+        self.store = store
+        self.lease = lease
+        self.unit = lease.unit
+        self.part_bytes = part_bytes
+        manifest = store.plan.manifest
+        self.state_dtypes = state_dtypes(manifest)
+        self.hidden_size = int(manifest["hidden_size"])
+        self.n_aux = len(manifest["layer_ids"])
+        # What the capture loop casts states to before its NaN/inf check (as StoreWriter).
+        self.dtype = torch_dtype(manifest["dtype"])
+        if FP8 in self.state_dtypes.values() and self.dtype == torch.bfloat16:
+            self.dtype = torch.float32
+        self.teacher: TeacherHead | None = None
+        self.rounding = RoundingCounts()
+        if head_weight is not None and self.state_dtypes["hidden_state"] == FP8:
+            if "final_rounding" not in manifest:
+                raise ConfigError("a teacher-keeping fp8 store needs final_rounding in its plan")
+            norm = manifest.get("final_norm") if manifest.get("final_state") == "pre_norm" else None
+            self.teacher = TeacherHead(head_weight, norm, torch_dtype(manifest["dtype"]))
+        self._wanted = set(self.unit.ids)
+        self.done_ids: set[str] = set()  # written or skipped (the capture loop's Sink API)
+        self._issues: list[list[str]] = []
+        self._samples: list[list[Any]] = []  # [id, part number, offset, length]
+        self._objects: list[dict[str, Any]] = []
+        self._columns: dict[str, _Column] = {}
+        self._part_rows: list[tuple[str, int, int]] = []
+        self._buffered = 0
+        self.peak_buffered = 0  # most bytes of rows held at once (the memory bound)
+        self.tokens = 0
+        self._result: CommitResult | None = None
+
+    def _accept(self, sample_id: str) -> None:
+        if self._result is not None:
+            raise StoreError(f"unit {self.unit.name} is already committed")
+        if sample_id not in self._wanted:
+            raise ValueError(f"sample {sample_id!r} is not in unit {self.unit.name}")
+        if sample_id in self.done_ids:
+            raise ValueError(f"sample {sample_id!r} was already added to unit {self.unit.name}")
+
+    def add(
+        self,
+        sample_id: str | int,
+        input_ids: Sequence[int] | torch.Tensor,
+        loss_mask: Sequence[int] | torch.Tensor,
+        aux: torch.Tensor,
+        final: torch.Tensor,
+    ) -> None:
+        """One sample of this unit: aux [L, k*H] (or [1, L, k*H]), final [L, H]."""
+        sid = str(sample_id)
+        self._accept(sid)
+        ids = torch.as_tensor(input_ids, dtype=torch.int64).reshape(-1)
+        mask = torch.as_tensor(loss_mask, dtype=torch.int64).reshape(-1)
+        aux = aux.detach().squeeze(0) if aux.dim() == 3 else aux.detach()
+        final = final.detach().squeeze(0) if final.dim() == 3 else final.detach()
+        n = ids.numel()
+        expected = {
+            "loss_mask": (tuple(mask.shape), (n,)),
+            "aux": (tuple(aux.shape), (n, self.n_aux * self.hidden_size)),
+            "final": (tuple(final.shape), (n, self.hidden_size)),
+        }
+        for name, (got, want) in expected.items():
+            if got != want:
+                raise ValueError(f"sample {sid!r}: {name} has shape {got}, expected {want}")
+        if n == 0:
+            raise ValueError(f"sample {sid!r} has no tokens")
+        tensors = {"input_ids": ids, "loss_mask": mask, **self._stored(aux, final, mask)}
+        offset = self._part_rows[-1][1] + self._part_rows[-1][2] if self._part_rows else 0
+        for key, t in tensors.items():
+            col = self._columns.get(key)
+            if col is None:
+                col = self._columns[key] = _Column(t.dtype, tuple(t.shape[1:]))
+            data = _tensor_bytes(t)
+            col.chunks.append(data)
+            col.rows += n
+            col.nbytes += len(data)
+            self._buffered += len(data)
+        self.peak_buffered = max(self.peak_buffered, self._buffered)
+        self._part_rows.append((sid, offset, n))
+        self.done_ids.add(sid)
+        self.tokens += n
+        if self._buffered >= self.part_bytes:
+            self._flush_part()
+
+    def _stored(
+        self, aux: torch.Tensor, final: torch.Tensor, loss_mask: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """Each state in its stored dtype (+ fp8 scales): hidden_store's per-row format."""
+        out: dict[str, torch.Tensor] = {}
+        for key, value, rows in (("aux_hidden_state", aux, self.n_aux), ("hidden_state", final, 1)):
+            if key == "hidden_state" and self.teacher is not None:
+                q, scale, counts = quantize_keeping_argmax(
+                    value.to("cpu"), self.teacher, rows_read=teacher_rows(loss_mask)
+                )
+                out[key], out[key + SCALE_SUFFIX] = q, scale
+                self.rounding.add(counts)
+            elif self.state_dtypes[key] == FP8:
+                out[key], out[key + SCALE_SUFFIX] = quantize_rows(value.to("cpu"), rows)
+            else:
+                out[key] = value.to("cpu", torch_dtype(self.state_dtypes[key]))
+        return out
+
+    def skip(self, sample_id: str | int, code: str, detail: str = "") -> None:
+        """Record that a sample of this unit is not stored (NaN/inf, OOM, bad capture): the
+        unit can still commit, and its index says why the sample is missing."""
+        sid = str(sample_id)
+        self._accept(sid)
+        self._issues.append([sid, code, detail])
+        self.done_ids.add(sid)
+
+    def _flush_part(self) -> None:
+        """Stream the buffered rows into this attempt's next data object (hidden_store's
+        shard format: tensors concatenated on the token axis, sample offsets in metadata)."""
+        if not self._part_rows:
+            return
+        number = len(self._objects)
+        rel = objects.join(
+            DATA_DIR, self.unit.name, self.lease.attempt, f"part-{number:05d}{PART_SUFFIX}"
+        )
+        specs = {k: (c.dtype, (c.rows, *c.width), c.nbytes) for k, c in self._columns.items()}
+        meta = {"samples": json.dumps([list(r) for r in self._part_rows])}
+        with objects.hashing_writer(self.store.fs, self.store.path(rel)) as w:
+            w.write(safetensors_header(specs, meta))
+            for key in sorted(self._columns):
+                chunks = self._columns[key].chunks
+                while chunks:  # free each row's bytes as soon as they are written
+                    w.write(chunks.pop(0))
+        self._objects.append({"path": rel, "size": w.size, "sha256": w.sha256})
+        self._samples.extend([sid, number, off, n] for sid, off, n in self._part_rows)
+        self._columns.clear()
+        self._part_rows = []
+        self._buffered = 0
+
+    def index_body(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "kind": "unit_index",
+            "unit": self.unit.name,
+            "plan_sha256": self.store.plan.sha256,
+            "attempt": self.lease.attempt,
+            "owner": self.lease.owner,
+            "generation": self.lease.generation,
+            "objects": self._objects,
+            "samples": self._samples,
+            "issues": self._issues,
+            "tokens": self.tokens,
+        }
+
+    def _publish(self, body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        """Create the unit's index unless one stands: the commit point."""
+        return objects.create_once(
+            self.store.fs, self.store._index_base(self.unit.name), body, self.store.grace_s
+        )
+
+    def commit(self) -> CommitResult:
+        """Write the last data object, then the index (the commit), then end the lease.
+        Every sample of the unit must have been added or skipped."""
+        if self._result is not None:
+            return self._result
+        missing = self._wanted - self.done_ids
+        if missing:
+            raise StoreError(
+                f"unit {self.unit.name}: {len(missing)} samples neither added nor skipped "
+                f"(e.g. {sorted(missing)[:3]})"
+            )
+        self._flush_part()
+        if self.lease.superseded():
+            log.warning("unit %s: committing after losing the lease", self.unit.name)
+        standing, ours = self._publish(self.index_body())
+        if ours:
+            self.store._committed[self.unit.name] = standing
+        else:
+            log.warning(
+                "unit %s: already committed by %s; this attempt's objects are orphans",
+                self.unit.name,
+                standing.get("attempt"),
+            )
+        self.lease.release()
+        self._result = CommitResult(
+            self.unit.name,
+            ours,
+            str(standing["attempt"]),
+            len(standing["samples"]),
+            len(standing["issues"]),
+            int(standing["tokens"]),
+        )
+        return self._result
+
+
+def run_units(
+    store: UnitStore,
+    owner: str,
+    work: Callable[[UnitWriter], None],
+    *,
+    part_bytes: int = DEFAULT_PART_BYTES,
+    max_units: int | None = None,
+    wait_for_held: bool = False,
+    poll_s: float = 10.0,
+) -> list[CommitResult]:
+    """The loop every executor runs: claim a unit, fill it with `work`, commit it, until no
+    unit is left to claim (or `max_units` are done). Workers need no coordinator: the plan,
+    the leases and the indexes in the store are the whole schedule.
+
+    `wait_for_held`: when only units held by other workers are left, poll every `poll_s`
+    until they are committed, taking over any whose lease runs out (a dead worker's), so
+    the run ends complete as long as one worker lives."""
+    results: list[CommitResult] = []
+    while max_units is None or len(results) < max_units:
+        lease = store.claim_next(owner)
+        if lease is None:
+            if wait_for_held and len(store.committed()) < len(store.plan.units):
+                time.sleep(poll_s)
+                continue
+            break
+        with lease.keepalive():
+            writer = store.writer(lease, part_bytes=part_bytes)
+            try:
+                work(writer)
+            except BaseException:
+                lease.release()  # the unit is free again now, not after lease_s
+                raise
+            results.append(writer.commit())
+    return results
