@@ -79,6 +79,18 @@ VARIANTS: list[dict[str, Any]] = [
     # Streaming, accumulated as a client does (deltas concatenated, tool calls by index).
     {
         "server": "vllm",
+        "version": "0.15.1",
+        "venv": "venv-vllm0151",
+        "settings": {"spaces_between_special_tokens": True, "stream": True},
+    },
+    {
+        "server": "vllm",
+        "version": "0.15.1",
+        "venv": "venv-vllm0151",
+        "settings": {"spaces_between_special_tokens": False, "stream": True},
+    },
+    {
+        "server": "vllm",
         "version": "0.33.0",
         "venv": "venv-vllm0330",
         "settings": {"spaces_between_special_tokens": True, "stream": True},
@@ -253,6 +265,49 @@ def answer_specs() -> Iterator[dict[str, Any]]:
     }
 
 
+# Whitespace where a stack acts: field edges, beside markers, between calls (issue 30). Each
+# class a stack was seen to turn into a wrong `ok` record has several members here.
+EDGE_REASONINGS = [" ", "  ", "\n", "\n\n", " \n", "\t", " Hi.", "Hi. ", "Hi.\n", "\nHi.", "Ok"]
+EDGE_CONTENTS = ["", " ", "\n", "\n\n", "  ", " Sure.", "Sure. ", "\nSure.\n", "Sure.\n\n", "Sure"]
+EDGE_CALLS: list[list[tuple[str, str]]] = [
+    [],
+    [("get_weather", ' {"city": "Rome"}')],
+    [("get_weather", '{"city": "Rome"}\n')],
+    [("get_weather", '\n{"city": "Rome"}\n')],
+    [("get_weather", '  {"city": "Rome"}')],
+    [("get_weather", '{"city": "Rome"} ')],
+    [("get_weather", '{"city": "Rome"}'), ("get_weather", '{"city": "Oslo"}')],
+    [("get_weather", '{"city": " Rome "}')],
+]
+# Separators the model writes inside the section: between calls, after the section begin.
+EDGE_SEPARATORS = [("", ""), ("\n", ""), (" ", ""), ("", "\n")]
+
+
+def edge_specs() -> Iterator[dict[str, Any]]:
+    """Answers at the whitespace edges: each reasoning, content, call set and separator appears
+    beside several others; a second turn restarts the call index at 0 in some."""
+    n = 0
+    for r_index, reasoning in enumerate(EDGE_REASONINGS):
+        for c_index, content in enumerate(EDGE_CONTENTS):
+            calls = EDGE_CALLS[(r_index + 3 * c_index) % len(EDGE_CALLS)]
+            between, after_begin = EDGE_SEPARATORS[(r_index + c_index) % len(EDGE_SEPARATORS)]
+            earlier = 2 if (r_index * 7 + c_index) % 5 == 0 else 0
+            n += 1
+            yield {
+                "id": f"e{n:03d}",
+                "reasoning": reasoning,
+                "content": content,
+                "calls": calls,
+                "earlier_calls": earlier,
+                # The model's own index restarts at 0 in a second turn (it is not a counter
+                # a stack can trust): in every other answer with earlier calls.
+                "index_restart": bool(earlier) and n % 2 == 0,
+                "between_calls": between,
+                "after_section_begin": after_begin,
+                "cut": None,
+            }
+
+
 def build_ground_truth() -> list[dict[str, Any]]:
     sys.path.insert(0, str(ROOT))
     from kimi_pipe.config import compose
@@ -262,7 +317,7 @@ def build_ground_truth() -> list[dict[str, Any]]:
 
     model = load_model(compose(["model=kimi_k25"]).model)
     answers = []
-    for spec in answer_specs():
+    for spec in [*answer_specs(), *edge_specs()]:
         pieces: list[Piece] = [spec["reasoning"]]
         if not spec.get("no_think_end"):
             pieces.append(Marker("</think>"))
@@ -270,8 +325,12 @@ def build_ground_truth() -> list[dict[str, Any]]:
         earlier = spec["earlier_calls"]
         if spec["calls"]:
             pieces.append(Marker("<|tool_calls_section_begin|>"))
+            pieces.append(spec.get("after_section_begin", ""))
+            first = 0 if spec.get("index_restart") else earlier
             for index, (name, arguments) in enumerate(spec["calls"]):
-                pieces += [Marker("<|tool_call_begin|>"), f"functions.{name}:{earlier + index}"]
+                if index:
+                    pieces.append(spec.get("between_calls", ""))
+                pieces += [Marker("<|tool_call_begin|>"), f"functions.{name}:{first + index}"]
                 pieces += [Marker("<|tool_call_argument_begin|>"), arguments]
                 pieces.append(Marker("<|tool_call_end|>"))
             pieces.append(Marker("<|tool_calls_section_end|>"))
@@ -530,6 +589,99 @@ def _vllm_stream_message(tok: Any, answer: dict[str, Any], spaces: bool) -> dict
     }
 
 
+def _vllm015_stream_message(tok: Any, answer: dict[str, Any], spaces: bool) -> dict[str, Any]:
+    """vLLM 0.15.1 streaming, as serving_chat's generator runs it for Kimi K2: the reasoning
+    parser's extract_reasoning_streaming until the think-end, then (tools, tool_choice auto)
+    the tool parser's extract_tool_calls_streaming with the text carried over; on the last
+    chunk the check for unstreamed argument text. Deltas are accumulated as a client does."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.reasoning.kimi_k2_reasoning_parser import KimiK2ReasoningParser
+    from vllm.tool_parsers.kimi_k2_tool_parser import KimiK2ToolParser
+
+    request = ChatCompletionRequest(model="kimi", stream=True, **_request(answer))
+    reasoning_parser = KimiK2ReasoningParser(tok)
+    tool_parser = KimiK2ToolParser(tok) if answer["tools"] else None
+    steps = _vllm_deltas(tok, answer["prompt_ids"], answer["output_ids"], spaces)
+    if tok.eos_token_id in answer["output_ids"]:
+        steps.append(("", [tok.eos_token_id]))  # the stop token: no text, finish_reason set
+    message: dict[str, Any] = {}
+    previous_text, previous_ids = "", []
+    reasoning_ended = added_content = False
+    for n, (delta_text, output_ids) in enumerate(steps):
+        finished = n == len(steps) - 1
+        current_text = previous_text + delta_text
+        current_ids = previous_ids + output_ids
+        delta = None
+        if tool_parser is None:
+            delta = reasoning_parser.extract_reasoning_streaming(
+                previous_text, current_text, delta_text, previous_ids, current_ids, output_ids
+            )
+        else:
+            if not reasoning_ended:
+                delta = reasoning_parser.extract_reasoning_streaming(
+                    previous_text, current_text, delta_text, previous_ids, current_ids, output_ids
+                )
+                if reasoning_parser.is_reasoning_end(output_ids):
+                    reasoning_ended = True
+                    current_ids = reasoning_parser.extract_content_ids(output_ids)
+                    if delta and delta.content:
+                        current_text = delta.content
+                        delta.content = None
+                    else:
+                        current_text = ""
+            if reasoning_ended:
+                delta_ids = output_ids
+                prev_text, prev_ids = previous_text, previous_ids
+                if not added_content:
+                    added_content = True
+                    prev_text, prev_ids = "", []
+                    delta_text, delta_ids = current_text, current_ids
+                delta = tool_parser.extract_tool_calls_streaming(
+                    previous_text=prev_text,
+                    current_text=current_text,
+                    delta_text=delta_text,
+                    previous_token_ids=prev_ids,
+                    current_token_ids=current_ids,
+                    delta_token_ids=delta_ids,
+                    request=request,
+                )
+        previous_text, previous_ids = current_text, current_ids
+        if (
+            finished
+            and tool_parser is not None
+            and delta is not None
+            and delta.tool_calls
+            and delta.tool_calls[0].function
+            and delta.tool_calls[0].function.arguments is not None
+        ):
+            # serving_chat: arguments the partial-JSON parse knows but did not stream.
+            index = max(len(tool_parser.prev_tool_call_arr) - 1, 0)
+            function = delta.tool_calls[0].function
+            latest = len(function.arguments) if isinstance(function.arguments, str) else 0
+            expected = json.dumps(
+                tool_parser.prev_tool_call_arr[index].get("arguments", {}), ensure_ascii=False
+            )
+            actual = tool_parser.streamed_args_for_tool[index]
+            if latest > 0:
+                actual = actual[:-latest]
+            remaining = expected.replace(actual, "", 1)
+            original = next((c for c in delta.tool_calls if c.index == index), None)
+            piece: dict[str, Any] = {"index": index, "function": {"arguments": remaining}}
+            if original is not None and original.id:
+                piece["id"] = original.id
+            if original is not None and original.function and original.function.name:
+                piece["function"]["name"] = original.function.name
+            _accumulate(message, {"tool_calls": [piece]})
+            continue
+        if delta is not None:
+            _accumulate(message, delta.model_dump(exclude_none=True))
+    return {
+        "reasoning": message.get("reasoning") or message.get("reasoning_content"),
+        "content": message.get("content"),
+        "tool_calls": message.get("tool_calls") or [],
+    }
+
+
 def _sglang_stream_message(tok: Any, answer: dict[str, Any]) -> dict[str, Any]:
     """SGLang streaming: reasoning parser then function-call parser per text delta; ids as
     serving_chat's streaming path makes them (history count + tool_index)."""
@@ -583,7 +735,9 @@ def run_worker(server: str, version: str, settings: dict[str, Any], tokenizer_di
         spaces = bool(settings.get("spaces_between_special_tokens"))
         if settings.get("stream"):
             try:
-                if server == "vllm":
+                if server == "vllm" and version.startswith("0.15"):
+                    message = _vllm015_stream_message(tok, answer, spaces)
+                elif server == "vllm":
                     message = _vllm_stream_message(tok, answer, spaces)
                 else:
                     message = _sglang_stream_message(tok, answer)

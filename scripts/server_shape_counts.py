@@ -46,6 +46,12 @@ def declared(record: dict) -> ServingProfile:
         overrides["tool_call_ids"] = "foreign"
     if record["settings"].get("stream") and record["version"] == "0.5.14":
         overrides["tool_call_ids"] = "conversation"
+    if record["settings"].get("stream") and record["version"] == "0.15.1":
+        # Streaming: the space before a marker leaves with the marker's delta; the tool
+        # parser streams the model's own id.
+        overrides["tool_call_ids"] = "model"
+        if record["settings"].get("spaces_between_special_tokens"):
+            overrides["marker_spacing"] = "leading"
     return replace(shipped(PROFILE_OF_VERSION[record["version"]]), **overrides)
 
 

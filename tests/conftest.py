@@ -15,11 +15,14 @@ from kimi_pipe.core.models import Model, load_model
 from kimi_pipe.core.serving import ServingProfile
 from kimi_pipe.core.tokenizers import STRICT_ENV, TokenizerNotFound
 
-# The hand-written provider answers keep the reasoning's trailing whitespace, as a stack that
-# declares `reasoning_tail: kept` does; under the default `unknown` profile a tail that could
-# have lost a newline is flagged (test_unknown_stack_flags_an_unprovable_reasoning_tail).
-TAIL_KEPT = ServingProfile(name="tail_kept", reasoning_tail="kept")
-TAIL_KEPT_OVERRIDE = "serving.reasoning_tail=kept"  # the same, on a command line
+# The hand-written provider answers keep the reasoning's trailing whitespace and the tool-call
+# arguments' edges, as a stack that declares `reasoning_tail: kept` and `argument_edges: kept`
+# does; under the default `unknown` profile a tail that could have lost a newline is flagged
+# (test_unknown_stack_flags_an_unprovable_reasoning_tail), and so are arguments a stripping
+# parser may have trimmed at no cost in ids.
+TAIL_KEPT = ServingProfile(name="tail_kept", reasoning_tail="kept", argument_edges="kept")
+# The same, on a command line (two overrides: splice with *).
+TAIL_KEPT_OVERRIDES = ("serving.reasoning_tail=kept", "serving.argument_edges=kept")
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"

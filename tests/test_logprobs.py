@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from conftest import TAIL_KEPT
-from conftest import TAIL_KEPT_OVERRIDE as KEPT
+from conftest import TAIL_KEPT_OVERRIDES as KEPT
 from conftest_generate import base_overrides, read_jsonl, run_inprocess, write_prompts
 from fake_openrouter import Behaviour
 from fake_stacks import Stack
@@ -335,7 +335,7 @@ def test_generate_writes_the_engines_ids_over_http(
     ids = write_prompts(prompts, 3, tools_every=2, text=lambda i: f"Question {i}: call calc?")
     out = tmp_path / "with"
     status, summary = run_inprocess(
-        [*base_overrides(prompts, srv.url(), out, kimi_dir), "provider.logprobs=true", KEPT], out
+        [*base_overrides(prompts, srv.url(), out, kimi_dir), "provider.logprobs=true", *KEPT], out
     )
     assert status == 0 and summary is not None
     body = srv.requests[0].body
@@ -351,7 +351,7 @@ def test_generate_writes_the_engines_ids_over_http(
         assert rec["id_sources"][0][2] == "engine"
 
     out2 = tmp_path / "without"
-    status, _ = run_inprocess([*base_overrides(prompts, srv.url(), out2, kimi_dir), KEPT], out2)
+    status, _ = run_inprocess([*base_overrides(prompts, srv.url(), out2, kimi_dir), *KEPT], out2)
     assert status == 0
     for rec in read_jsonl(out2 / "records.jsonl"):
         truth = stack.emitted[f"Question {int(rec['id'][1:])}: call calc?"]

@@ -18,7 +18,7 @@ import jinja2
 import pytest
 from conftest import (
     TAIL_KEPT,
-    TAIL_KEPT_OVERRIDE,
+    TAIL_KEPT_OVERRIDES,
     expected_output_ids,
     load_or_skip,
     model_config,
@@ -312,7 +312,7 @@ def test_reconstruct_stage_runs_with_model_qwen3_5(qwen: Model, tmp_path: Path) 
 
     target = tmp_path / "out.jsonl"
     source = FIXTURES / "qwen3_5_responses.jsonl"
-    args = ["model=qwen3_5", f"input={source}", f"output={target}", TAIL_KEPT_OVERRIDE]
+    args = ["model=qwen3_5", f"input={source}", f"output={target}", *TAIL_KEPT_OVERRIDES]
     assert main(args) == 0
     records = [json.loads(line) for line in target.read_text(encoding="utf-8").splitlines()]
     assert [r["id"] for r in records] == [c["id"] for c in CASES]

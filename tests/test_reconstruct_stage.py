@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import TAIL_KEPT, TAIL_KEPT_OVERRIDE
+from conftest import TAIL_KEPT, TAIL_KEPT_OVERRIDES
 
 from kimi_pipe.core.models import Model
 from kimi_pipe.core.reconstruction import ERRORS
@@ -64,7 +64,7 @@ def test_hostile_lines_are_malformed_records_and_the_batch_goes_on(
     done = subprocess.run(
         [sys.executable, "-m", "kimi_pipe.reconstruct", "model=kimi_k25"]
         + [f"model.tokenizer.path={kimi_dir}", f"input={source}", f"output={target}"]
-        + [TAIL_KEPT_OVERRIDE],
+        + [*TAIL_KEPT_OVERRIDES],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -151,7 +151,7 @@ def test_main_prints_the_counts(
     assert (
         main(
             ["model=kimi_k25", f"model.tokenizer.path={kimi_dir}"]
-            + [f"input={source}", f"output={target}", TAIL_KEPT_OVERRIDE]
+            + [f"input={source}", f"output={target}", *TAIL_KEPT_OVERRIDES]
         )
         == 0
     )

@@ -48,7 +48,9 @@ def test_every_key_reconstruct_writes_is_declared(kimi: Any, tmp_path: Path) -> 
     sets = [r["candidates"] for r in records if "candidates" in r]
     assert sets, "the sample holds flagged records with candidate sets"
     for candidates in sets:
-        assert set(candidates) == {"closed", "why_open", "classes", "diverge_at", "options"}
+        keys = {"closed", "why_open", "classes", "diverge_at", "options"}
+        # A closed set names what it was proven against (issue 30).
+        assert set(candidates) == keys | ({"proven_against"} if candidates["closed"] else set())
         for option in candidates["options"]:
             assert set(option) == {"output_ids", "loss_mask", "label"}
 

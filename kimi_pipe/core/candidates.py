@@ -17,6 +17,7 @@ model (extraction/resolve.py). Schema: the `candidates` field in docs/design.md.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -28,6 +29,7 @@ from kimi_pipe.core.reconstruction import (
     AnswerFields,
     Reconstruction,
     answer_fields,
+    argument_edge_readings,
     reconstruct,
     undo_serving,
 )
@@ -39,6 +41,7 @@ CLASS_OF_CODE = {
     "reasoning_tail_unverifiable": "reasoning_tail",
     "leading_space_after_marker": "marker_space",
     "space_before_tool_section": "tool_section_space",
+    "tool_arguments_edges_unverifiable": "argument_edges",
 }
 ENUMERABLE = frozenset(CLASS_OF_CODE)
 # The note a record proven by a one-member closed set carries instead of its flag.
@@ -49,6 +52,7 @@ SINGLE_CANDIDATE = "single_candidate"
 TAIL_ALPHABET = ("\n", "\r")
 MAX_TAIL_CHARS = 16  # newline runs listed at most (open sets, and the search bound's cap)
 MAX_TAIL_NODES = 1024  # search budget; reaching it leaves the set open (never guessed closed)
+MAX_EDGE_READINGS = 64  # argument-edge readings of one answer enumerated; more leave it open
 # Readings kept for the split check miss the bill by at most this many ids: as many as the
 # departures its search follows (core/splits.py, `max_departures`).
 READING_DISTANCE = 3
@@ -145,7 +149,9 @@ def enumerate_candidates(
         return None
     enum_tail = "reasoning_tail_unverifiable" in covered or tail_billing
     spacings = (
-        ["none", "spaces"] if "leading_space_after_marker" in covered else [profile.marker_spacing]
+        ["none", "spaces", "leading"]
+        if "leading_space_after_marker" in covered
+        else [profile.marker_spacing]
     )
     moves = [0, 1, 2] if "space_before_tool_section" in covered else [0]
     classes = sorted(
@@ -160,6 +166,12 @@ def enumerate_candidates(
         why_open.append("the stack may have stripped other whitespace around the arguments")
     if billing_tolerance:
         why_open.append(f"billing tolerance {billing_tolerance}: billing cannot bound the options")
+    enum_edges = "tool_arguments_edges_unverifiable" in covered
+    may_drop_whitespace = profile.reasoning_tail in ("stripped", UNKNOWN)
+    if enum_edges and "billing_mismatch" in covered:
+        # Whitespace that costs ids may have been stripped from the arguments too: only the
+        # readings at the same count are listed.
+        why_open.append("billing leaves room for whitespace stripped from the arguments")
     options: list[Option] = []
     seen: set[tuple[int, ...]] = set()
     short: dict[tuple[int, ...], Option] = {}
@@ -174,13 +186,33 @@ def enumerate_candidates(
         undone = undo_serving(model, hypothesis, answer, scratch)
         if "marker_spacing_mismatch" in scratch:
             continue  # a stack that spaces every marker cannot have written this answer
-        for move in moves:
+        if enum_tail and answer.reasoning_source is not None and not undone.reasoning.strip():
+            # Nothing left to anchor a stripped tail: the whole reasoning may have been
+            # whitespace, of any length billing allows.
+            why_open.append("the stack may have stripped a whitespace-only reasoning")
+        edge_sets = _edge_assignments(model, undone) if enum_edges else [None]
+        if edge_sets is None:
+            why_open.append("too many argument-edge readings to list")
+            edge_sets = [None]
+        for move, edges in [(m, e) for m in moves for e in edge_sets]:
             moved = _move_space_to_arguments(undone, trailing=move == 2) if move else undone
             if moved is None:
                 continue
+            if edges is not None:
+                moved = _with_edges(moved, edges)
             base = _build(
                 model, messages, tools, response, moved, hypothesis, billing_tolerance, prompt
             )
+            if (
+                may_drop_whitespace
+                and reported is not None
+                and base.completion_tokens_reconstructed < reported - billing_tolerance
+            ):
+                # vLLM 0.33 drops a whitespace-only reasoning or content: ids billing saw and
+                # the text lost, which another reading's spaces can match by count alone.
+                why_open.append(
+                    "a reading short of the bill: the stack may have dropped whitespace"
+                )
             near_tails = [""]
             tails = [""]
             rebuild = _TailBuilds(model, messages, tools, response, moved, hypothesis, prompt, base)
@@ -221,12 +253,16 @@ def enumerate_candidates(
                         Option(
                             rebuilt.output_ids,
                             rebuilt.loss_mask,
-                            _label(spacing if len(spacings) > 1 else None, move, tail),
+                            _label(spacing if len(spacings) > 1 else None, move, tail, edges),
                         ),
                     )
             for tail in tails:
                 rebuilt = rebuild(tail, billing_tolerance)
-                if _errors(rebuilt.issues) - {"space_before_tool_section"}:
+                if (
+                    _errors(rebuilt.issues)
+                    - {"space_before_tool_section"}
+                    - ({"tool_arguments_edges_unverifiable"} if enum_edges else set())
+                ):
                     continue
                 if "space_before_tool_section" in _errors(rebuilt.issues) and (
                     "space_before_tool_section" not in covered
@@ -240,7 +276,7 @@ def enumerate_candidates(
                     Option(
                         rebuilt.output_ids,
                         rebuilt.loss_mask,
-                        _label(spacing if len(spacings) > 1 else None, move, tail),
+                        _label(spacing if len(spacings) > 1 else None, move, tail, edges),
                     )
                 )
     if not options:
@@ -438,10 +474,38 @@ def _runs_that_fit(model: Model, reasoning: str, low: int, high: int) -> list[st
     return fits
 
 
-def _label(spacing: str | None, move: int, tail: str) -> str:
+EdgeReadings = tuple[tuple[str, str], ...]
+
+
+def _edge_assignments(model: Model, answer: AnswerFields) -> list[EdgeReadings] | None:
+    """Every combination of the calls' argument-edge readings (one (leading, trailing) pair per
+    call), or None when there are more than MAX_EDGE_READINGS."""
+    per_call = [argument_edge_readings(model, c) for c in answer.tool_calls]
+    total = 1
+    for readings in per_call:
+        total *= len(readings)
+    if total > MAX_EDGE_READINGS:
+        return None
+    return [tuple(combo) for combo in itertools.product(*per_call)]
+
+
+def _with_edges(answer: AnswerFields, edges: EdgeReadings) -> AnswerFields:
+    calls = []
+    for call, (lead, trail) in zip(answer.tool_calls, edges, strict=True):
+        function = call.get("function")
+        arguments = function.get("arguments") if isinstance(function, Mapping) else None
+        if isinstance(function, Mapping) and isinstance(arguments, str) and (lead or trail):
+            call = {**call, "function": {**function, "arguments": lead + arguments + trail}}
+        calls.append(call)
+    return replace(answer, tool_calls=calls)
+
+
+def _label(spacing: str | None, move: int, tail: str, edges: EdgeReadings | None = None) -> str:
     parts = []
     if spacing == "spaces":
         parts.append("marker spaces removed (the stack's)")
+    elif spacing == "leading":
+        parts.append("the space after each marker removed (the stack's)")
     elif spacing == "none":
         parts.append("marker-side spaces kept (the model's)")
     if move:
@@ -450,6 +514,9 @@ def _label(spacing: str | None, move: int, tail: str) -> str:
         parts.append("the arguments' trailing space restored")
     if tail:
         parts.append(f"reasoning tail {tail!r} restored")
+    for n, (lead, trail) in enumerate(edges or ()):
+        if lead or trail:
+            parts.append(f"call {n} arguments' edges {lead!r} / {trail!r} restored")
     return "; ".join(parts) or "as returned"
 
 

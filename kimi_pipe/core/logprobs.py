@@ -363,7 +363,11 @@ def _covered_codes(coverage: str) -> set[str]:
     """Flags the engine's own bytes settle where they cover the output: the tool calls (their
     arguments verbatim) from the content on; with the whole output also the reasoning's tail
     (a newline after final punctuation) and the spaces beside every marker."""
-    codes = {"tool_arguments_maybe_coerced"} if coverage in ("whole", "content") else set()
+    codes = set()
+    if coverage in ("whole", "content"):
+        # The section's bytes: arguments as written (types, edges) and the model's own index.
+        codes |= {"tool_arguments_maybe_coerced", "tool_arguments_edges_unverifiable"}
+        codes |= {"tool_index_unverifiable"}
     if coverage == "whole":
         codes |= {"reasoning_tail_unverifiable", "leading_space_after_marker"}
         codes |= {"space_before_tool_section"}

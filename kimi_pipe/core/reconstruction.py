@@ -7,6 +7,7 @@ them, then checks the result against the provider's own billing.
 
 from __future__ import annotations
 
+import itertools
 import json
 import unicodedata
 from collections.abc import Mapping, Sequence
@@ -41,7 +42,13 @@ ERRORS = frozenset(
         "reasoning_without_think_end",  # reasoning only, no think-end: dropped or never written?
         "reasoning_tail_unverifiable",  # a stripped reasoning tail the billed length cannot prove
         "tool_arguments_maybe_coerced",  # typed values a stack may have re-serialised ("30" -> 30)
-        "space_before_tool_section",  # content ends with a space: an argument's, moved?
+        "space_before_tool_section",  # content ends with whitespace: an argument's, moved?
+        # A stack that strips the arguments' edges (`\s*` in the parser) leaves no trace of
+        # whitespace there that costs no id (' {"' and '{"' are one token each):
+        "tool_arguments_edges_unverifiable",
+        # A conversation with earlier calls and an index a stack rebuilt or may have rebuilt:
+        # the model's own index (its counter, or 0 again) is not in the text.
+        "tool_index_unverifiable",
     }
 )
 NOTES = frozenset(
@@ -266,6 +273,9 @@ def _tool_call_ids(
         )
         ids.append(out.tool_call_id.format(name=name, index=expected))
         issues.append("tool_call_ids_rebuilt")
+        if offset:
+            # Rebuilt with the conversation counter; the model may have counted from 0 again.
+            issues.append("tool_index_unverifiable")
     return ids
 
 
@@ -277,6 +287,10 @@ def _model_index(
     rule = profile.tool_call_ids
     if rule == "model":
         return call_id  # the model's own text, whatever it counted
+    if offset and rule in ("conversation", "per_answer", "foreign", UNKNOWN):
+        # A stack that numbers the calls itself wrote this index (or may have, `unknown`):
+        # after earlier calls the model's own index is its counter or 0 again, not in the text.
+        issues.append("tool_index_unverifiable")
     if rule == "double_count":
         index -= offset  # SGLang 0.5.14 added the history count to the model's own index
     elif rule == "per_answer":
@@ -372,6 +386,45 @@ def _ends_mergeable(text: str) -> bool:
     return bool(last) and not last.isspace() and unicodedata.category(last)[0] not in "LN"
 
 
+# Whitespace the model may have written at an argument's edges that a stripping parser removes
+# at no cost in ids. A leading run joins the first chunk only as its one optional prefix
+# character (pat_str's ` ?` / `[^\r\n\p{L}\p{N}]?`), so every whitespace character is tried
+# alone; a trailing run joins only a final punctuation chunk as carriage returns and newlines.
+_EDGE_LEADS = tuple(c for c in map(chr, range(0x3001)) if c.isspace()) + ("  ", " \n", "\n ")
+_EDGE_TRAILS = tuple(
+    dict.fromkeys(
+        ["".join(p) for n in range(1, 5) for p in itertools.product("\r\n", repeat=n)]
+        + ["\n" * n for n in range(5, 17)]
+        + ["\r\n" * n for n in range(3, 9)]
+        + [" ", "\t", " \n", "\n "]
+    )
+)
+
+
+def argument_edge_readings(model: Model, call: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """(leading, trailing) whitespace the model may have written around this call's returned
+    arguments at the same count of ids, ("", "") first; only ("", "") at an edge that already
+    carries whitespace (a stack that strips left none there) or for non-string arguments."""
+    function = call.get("function")
+    arguments = function.get("arguments") if isinstance(function, Mapping) else None
+    if not isinstance(arguments, str) or not arguments.strip():
+        return [("", "")]
+    base = len(model.encode([arguments]))
+    # An edge that still has whitespace was not stripped (a stack may strip one side only).
+    leads = [""]
+    if not arguments[0].isspace():
+        leads += [w for w in _EDGE_LEADS if len(model.encode([w + arguments])) == base]
+    trails = [""]
+    if not arguments[-1].isspace():
+        trails += [w for w in _EDGE_TRAILS if len(model.encode([arguments + w])) == base]
+    return [
+        (lead, trail)
+        for lead in leads
+        for trail in trails
+        if (lead, trail) == ("", "") or len(model.encode([lead + arguments + trail])) == base
+    ]
+
+
 def undo_serving(
     model: Model,
     profile: ServingProfile,
@@ -394,7 +447,10 @@ def undo_serving(
         or str((c.get("function") or {}).get("arguments") or "").startswith(" ")
         for c in calls
     )
-    if profile.marker_spacing == "spaces":
+    if profile.marker_spacing in ("spaces", "leading"):
+        # `leading`: only the space after each marker arrives (the one before a marker is
+        # dropped with the marker's own streaming delta).
+        trailing = profile.marker_spacing == "spaces"
         changed = mismatch = False
         closed = bool(content or calls) or not truncated
         if source is not None:
@@ -402,7 +458,7 @@ def undo_serving(
                 reasoning, changed = reasoning[1:], True
             elif reasoning:
                 mismatch = True
-            if closed and reasoning:
+            if trailing and closed and reasoning:
                 if reasoning.endswith(" "):
                     reasoning, changed = reasoning[:-1], True
                 elif profile.reasoning_tail == "kept":
@@ -411,7 +467,7 @@ def undo_serving(
             content, changed = content[1:], True
         elif content:
             mismatch = True
-        if calls and content:
+        if trailing and calls and content:
             if content.endswith(" "):
                 content, changed = content[:-1], True
             else:
@@ -422,7 +478,12 @@ def undo_serving(
             # Streaming parsers pass the argument text on raw, with the marker spaces.
             function = call.get("function")
             arguments = function.get("arguments") if isinstance(function, Mapping) else None
-            if isinstance(arguments, str) and arguments[:1] == " " and arguments[-1:] == " ":
+            if (
+                trailing
+                and isinstance(arguments, str)
+                and arguments[:1] == " "
+                and arguments[-1:] == " "
+            ):
                 call["function"] = {**function, "arguments": arguments[1:-1]}  # type: ignore[dict-item]
                 changed = True
         if changed:
@@ -439,10 +500,21 @@ def undo_serving(
         )
     ):
         issues.append("leading_space_after_marker")
-    if calls and content.endswith(" "):
-        # A streaming parser can move an argument's leading space into the content (SGLang
-        # 0.5.14): ' {"' and '{"' are one token each, so the billed length does not see it.
+    # Marker-delimited arguments (json_verbatim): any whitespace may have moved; elsewhere a
+    # space (the content's own separator before the calls is the format's).
+    verbatim_section = out.arguments == "json_verbatim"
+    if calls and (content[-1:].isspace() if verbatim_section else content.endswith(" ")):
+        # A streaming parser can move an argument's leading space, or the whitespace after the
+        # section's begin marker, into the content (SGLang 0.5.14 and 0.5.23): ' {"' and '{"'
+        # are one token each, so the billed length does not see it.
         issues.append("space_before_tool_section")
+    if (
+        calls
+        and out.arguments == "json_verbatim"
+        and profile.argument_edges != "kept"
+        and any(len(argument_edge_readings(model, c)) > 1 for c in calls)
+    ):
+        issues.append("tool_arguments_edges_unverifiable")
     # Reasoning only: the model ended inside its reasoning, or a detokenizer dropped the
     # think-end and the reply is in the reasoning (same length). Only a stack that keeps the
     # marker lets the billed length decide (reconstruct).

@@ -18,7 +18,7 @@ from kimi_pipe.core.evidence import UNRESOLVED, evidence_of, sampling_of
 from kimi_pipe.core.logprobs import LogprobPolicy, apply_logprobs, record_fields
 from kimi_pipe.core.models import Model
 from kimi_pipe.core.reconstruction import ERRORS, Reconstruction, reconstruct
-from kimi_pipe.core.serving import UNKNOWN_PROFILE, ServingProfile
+from kimi_pipe.core.serving import UNKNOWN_PROFILE, ServingProfile, admitted_stacks
 from kimi_pipe.core.token_record import TokenRecord
 
 
@@ -96,8 +96,17 @@ class RecordBuilder:
         record = cast(TokenRecord, rec.to_record() | record_fields(rec))
         if candidates is not None and candidates.proves:
             record = _proven_by(record, candidates)
+            record["proven_against"] = {
+                "profile": self.serving.name,
+                "stacks": admitted_stacks(self.serving),
+            }
         elif candidates is not None:
             record["candidates"] = candidates.to_record()
+            if candidates.closed:
+                record["candidates"]["proven_against"] = {
+                    "profile": self.serving.name,
+                    "stacks": admitted_stacks(self.serving),
+                }
         if candidates is not None and candidates.keeps_readings and candidates.short:
             # Readings a few ids short of the bill: the split check weighs their longer splits.
             record["short_readings"] = [o.to_record() for o in candidates.short]
@@ -120,6 +129,7 @@ def _proven_by(record: TokenRecord, candidates: Candidates) -> TokenRecord:
         "reasoning_tail": {"reasoning_tail_unverifiable", "billing_mismatch"},
         "marker_space": {"leading_space_after_marker"},
         "tool_section_space": {"space_before_tool_section"},
+        "argument_edges": {"tool_arguments_edges_unverifiable"},
     }
     # Each option passed its own billing check: a mismatch of the as-returned reading goes too.
     drop = set().union({"billing_mismatch"}, *(covered[c] for c in candidates.classes))

@@ -18,8 +18,10 @@ UNKNOWN = "unknown"
 # field -> the values it may take ("unknown" is allowed everywhere)
 CHOICES: dict[str, tuple[str, ...]] = {
     # vLLM's spaces_between_special_tokens=True with Kimi's slow tokenizer puts one space
-    # on each side of every marker the decoded text keeps.
-    "marker_spacing": ("none", "spaces"),
+    # on each side of every marker the decoded text keeps (`spaces`). Streaming (vLLM 0.15),
+    # the space before a marker travels in the marker's own delta and is dropped with it:
+    # only the space after each marker reaches the client (`leading`).
+    "marker_spacing": ("none", "spaces", "leading"),
     # vLLM 0.33 strips the reasoning's trailing whitespace.
     "reasoning_tail": ("kept", "stripped"),
     # Who wrote the tool-call ids we get back:
@@ -35,6 +37,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "argument_types": ("verbatim", "coerced"),
     # A detokenizer that drops the think-end marker leaves the whole reply in the reasoning.
     "think_end": ("kept", "dropped"),
+    # The Kimi tool parsers of vLLM and SGLang match `\s*{arguments}\s*` between the markers:
+    # whitespace the model wrote at the arguments' edges is gone (`stripped`).
+    "argument_edges": ("kept", "stripped"),
 }
 
 
@@ -47,6 +52,7 @@ class ServingProfile:
     tool_names: str = UNKNOWN
     argument_types: str = UNKNOWN
     think_end: str = UNKNOWN
+    argument_edges: str = UNKNOWN
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any] | None) -> ServingProfile:
@@ -74,6 +80,15 @@ class ServingProfile:
 
 
 UNKNOWN_PROFILE = ServingProfile()
+
+
+def admitted_stacks(profile: ServingProfile) -> dict[str, list[str]]:
+    """Every behaviour a profile admits, field by field (`unknown`: all of CHOICES): what a
+    closed candidate set was proven against (tests/test_closed_sets.py checks the claim)."""
+    return {
+        key: list(choices) if getattr(profile, key) == UNKNOWN else [getattr(profile, key)]
+        for key, choices in CHOICES.items()
+    }
 
 
 def serving_profile(cfg: Any) -> ServingProfile:

@@ -33,7 +33,15 @@ class CandidateOption(TypedDict):
     label: str
 
 
-class CandidateSet(TypedDict):
+class ProvenAgainst(TypedDict):
+    """The profile a closed set (or a one-member proof) was built under, and every behaviour
+    of every field it admits (core/serving.admitted_stacks)."""
+
+    profile: str
+    stacks: dict[str, list[str]]
+
+
+class CandidateSet(TypedDict, total=False):
     """The readings an unresolved record may be (core/candidates.py)."""
 
     closed: bool
@@ -41,6 +49,7 @@ class CandidateSet(TypedDict):
     classes: list[str]
     diverge_at: int | None
     options: list[CandidateOption]
+    proven_against: ProvenAgainst  # closed sets only
 
 
 class TokenRecord(TokenIds, total=False):
@@ -51,6 +60,7 @@ class TokenRecord(TokenIds, total=False):
     evidence: str  # engine_ids | text_proven | target_resolved | unresolved
     sampling: dict[str, Any] | None
     candidates: CandidateSet
+    proven_against: ProvenAgainst  # a one-member closed set: what it was proven against
     # Readings a few ids short of the bill: their longer splits fit it too (the split check).
     short_readings: list[CandidateOption]
     # Readings a few ids over the bill: their shorter splits fit it too.

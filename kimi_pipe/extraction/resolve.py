@@ -66,6 +66,7 @@ _FALLBACK_CLASS_OF_CODE: dict[str, str] = {
     "reasoning_tail_unverifiable": "reasoning_tail",
     "leading_space_after_marker": "marker_space",
     "space_before_tool_section": "tool_section_space",
+    "tool_arguments_edges_unverifiable": "argument_edges",
 }
 _TAIL_CLASSES = frozenset({"reasoning_tail", "content_tail"})
 
