@@ -108,6 +108,9 @@ def base_overrides(
         "provider.timeout_s=5",
         # These tests measure the stage itself; serving=auto's probes: test_serving_auto.py.
         "serving=unknown",
+        # The fake OpenRouter hands the arguments back as the model wrote them (no parser's
+        # `\\s*` around them): declared, so tool calls are proven as they are there.
+        "serving.argument_edges=kept",
     ]
 
 

@@ -37,6 +37,7 @@ MODEL_ID = "moonshotai/kimi-k2.5"
 
 _BEGIN_WITH = re.compile(r"[Bb]egin your answer with the word '([^']+)'")
 _TOOL_ARG = re.compile(r"[Cc]all (\S+) with (\w+) set to the string \"([^\"]*)\"")
+_ARGUMENT_EDGES = re.compile(r"newline before and after the arguments")
 _REASONING_BLANK = re.compile(r"end your reasoning with a blank line")
 _EXACT_LINE = re.compile(r"[Rr]eply with exactly the line '([^']+)' followed by a newline")
 
@@ -68,6 +69,8 @@ def scripted_answer(messages: list[dict], tools: list[dict] | None) -> ModelAnsw
     if m := _TOOL_ARG.search(text):
         name, key, value = m.groups()
         args = json.dumps({key: value}, ensure_ascii=False)
+        if _ARGUMENT_EDGES.search(text):
+            args = f"\n{args}\n"
         index = _earlier_calls(messages)  # the model's own counter runs over the conversation
         return ModelAnswer(reasoning, "", [{"name": name, "arguments": args, "index": index}])
     if tools and "call" in text.lower():
@@ -103,6 +106,7 @@ class Stack:
     tool_index: str = "model"  # "model" (kept), "double" (SGLang 0.5.14), "response" (0..)
     foreign_ids: bool = False  # call_<hex> ids instead of the model's
     reserialise_args: bool = False  # typed re-serialisation: "30" -> 30
+    strip_argument_edges: bool = False  # the Kimi parsers of vLLM and SGLang: `\s*{args}\s*`
     truncate_dotted_names: bool = False  # older vLLM: web.search -> search
     delete_marker_text: bool = False  # literal <think>/<|im_end|> text removed from fields
     # --- logprobs -------------------------------------------------------------------------
@@ -196,6 +200,8 @@ class Stack:
                 index = n
             if self.truncate_dotted_names:
                 name = name.rsplit(".", 1)[-1]
+            if self.strip_argument_edges:
+                args = args.strip()
             if self.reserialise_args:
                 args = json.dumps(
                     {k: _typed(v) for k, v in json.loads(args).items()}, ensure_ascii=False
@@ -307,7 +313,13 @@ def stacks(model: Model) -> dict[str, Stack]:
     """Five imitated stacks plus an exact one; provider name -> stack."""
     return {
         "exact_whole": Stack(model, "exact_whole", logprobs="whole"),
-        "vllm_spaced": Stack(model, "vllm_spaced", marker_spacing=True, logprobs="content"),
+        "vllm_spaced": Stack(
+            model,
+            "vllm_spaced",
+            marker_spacing=True,
+            strip_argument_edges=True,
+            logprobs="content",
+        ),
         "vllm_033": Stack(
             model,
             "vllm_033",
@@ -315,8 +327,11 @@ def stacks(model: Model) -> dict[str, Stack]:
             reserialise_args=True,
             truncate_dotted_names=True,
             delete_marker_text=True,
+            strip_argument_edges=True,
         ),
-        "sglang_0514": Stack(model, "sglang_0514", tool_index="double", logprobs="whole"),
+        "sglang_0514": Stack(
+            model, "sglang_0514", tool_index="double", strip_argument_edges=True, logprobs="whole"
+        ),
         "stripping": Stack(model, "stripping", strip_whitespace=True),
         "dropped_think": Stack(model, "dropped_think", drop_think_end=True, logprobs="whole"),
     }

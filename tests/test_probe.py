@@ -34,7 +34,9 @@ def stack_server(kimi: Model) -> Any:
     behaviours["spaced_foreign"] = Behaviour(
         provider_name="spaced_foreign",
         counter=counter,
-        stack=Stack(kimi, "spaced_foreign", marker_spacing=True, foreign_ids=True),
+        stack=Stack(
+            kimi, "spaced_foreign", marker_spacing=True, foreign_ids=True, strip_argument_edges=True
+        ),
     )
     behaviours["vllm_033_logprobs"] = Behaviour(
         provider_name="vllm_033_logprobs",
@@ -68,12 +70,18 @@ def test_verdicts_per_imitated_stack(
         assert seen.body["provider"]["require_parameters"] is False
     expect_seen = {
         "exact_whole": set(),
-        "vllm_spaced": {"marker_spacing"},
-        "vllm_033": {"argument_reserialised", "dotted_name_truncated", "marker_text_deleted"},
-        "sglang_0514": {"tool_index_rule"},
+        # The Kimi parsers of vLLM and SGLang strip the arguments' edges (`\s*`).
+        "vllm_spaced": {"marker_spacing", "argument_edges_stripped"},
+        "vllm_033": {
+            "argument_reserialised",
+            "dotted_name_truncated",
+            "marker_text_deleted",
+            "argument_edges_stripped",
+        },
+        "sglang_0514": {"tool_index_rule", "argument_edges_stripped"},
         "stripping": {"content_whitespace_stripped"},
         "dropped_think": {"think_end_dropped"},
-        "spaced_foreign": {"marker_spacing", "foreign_tool_ids"},
+        "spaced_foreign": {"marker_spacing", "foreign_tool_ids", "argument_edges_stripped"},
         # The engine's tokens show the whitespace the text lost.
         "vllm_033_logprobs": {"reasoning_whitespace_stripped"},
     }
@@ -82,8 +90,8 @@ def test_verdicts_per_imitated_stack(
         assert got == seen_quirks, name
     exact = results["exact_whole"]
     assert set(exact.quirks.values()) == {CLEAN}
-    assert exact.logprobs == "whole" and exact.logprob_agree == exact.answered == 7
-    assert exact.noncanonical_splits >= 7  # one sampled split per answer, recovered
+    assert exact.logprobs == "whole" and exact.logprob_agree == exact.answered == 8
+    assert exact.noncanonical_splits >= 8  # one sampled split per answer, recovered
     assert results["vllm_spaced"].logprobs == "content"
     assert results["vllm_033"].logprobs == "none"
     # Whitespace the model wrote is lost at the same token count: no evidence either way.
@@ -105,7 +113,9 @@ def test_verdicts_per_imitated_stack(
     assert results["sglang_0514"].fields == {
         "marker_spacing": "none", "reasoning_tail": "kept", "tool_call_ids": "double_count",
         "tool_names": "full", "argument_types": "verbatim", "think_end": "kept",
+        "argument_edges": "stripped",
     }  # fmt: skip
+    assert results["exact_whole"].fields["argument_edges"] == "kept"
     table = (tmp_path / "conformance.md").read_text()
     assert "| vllm_033 |" in table and "argument_reserialised" in table
     assert (tmp_path / "conformance.json").is_file()
@@ -285,3 +295,26 @@ def test_probe_cli(stack_server: Any, kimi_dir: Path, tmp_path: Path, api_key_en
     assert main(args) == 0
     assert "| exact_whole |" in (out / "conformance.md").read_text()
     assert main([*args[:-1], f"probe.battery={tmp_path / 'none.yaml'}"]) == 2
+
+
+def test_argument_edges_kept_stripped_or_not_asked() -> None:
+    probe = {"id": "e", "check": {"kind": "argument_edges", "tool": "f"}}
+
+    def answer(arguments: str, **extra: Any) -> dict[str, Any]:
+        call = {"id": "functions.f:0", "function": {"name": "f", "arguments": arguments}}
+        return _record({"content": "", "tool_calls": [call]}, **extra)
+
+    kept = check_answer(probe, answer('\n{"s": "45"}\n'))
+    assert kept["argument_edges_stripped"][0] == CLEAN
+    # Billing counts the newline the text lost: the stack stripped it.
+    billed = answer(
+        '{"s": "45"}', completion_tokens_reported=12, completion_tokens_reconstructed=11
+    )
+    assert check_answer(probe, billed)["argument_edges_stripped"][0] == SEEN
+    # The engine's tokens hold it (logprobs), at the same count.
+    trims = [{"engine": '\n{"s": "45"}\n', "text": '{"s": "45"}'}]
+    traced = answer('{"s": "45"}', logprobs={"present": True, "stack_trims": trims})
+    assert check_answer(probe, traced)["argument_edges_stripped"][0] == SEEN
+    # No whitespace and nothing missing: the model did not do what was asked.
+    plain = answer('{"s": "45"}', completion_tokens_reported=11, completion_tokens_reconstructed=11)
+    assert check_answer(probe, plain) == {}

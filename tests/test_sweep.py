@@ -157,6 +157,9 @@ def swept(tmp_path_factory: pytest.TempPathFactory, kimi: Model, kimi_dir: Path)
                 "provider.params.max_tokens=512", "provider.timeout_s=60",
                 "provider.retry.max_attempts=3", "provider.retry.base_delay_s=0.05",
                 "sweep.probes=false",  # the probe stage has its own tests (tests/test_probe.py)
+                # As is, but the fake's stacks hand tool arguments back as written (no
+                # parser's `\\s*` around them): declared, tool calls are proven there.
+                "serving=unknown", "serving.argument_edges=kept",
             ],
             cwd=work, env=env, capture_output=True, text=True, timeout=600, check=False,
         )  # fmt: skip

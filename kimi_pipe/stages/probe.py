@@ -66,6 +66,7 @@ CHECKS = (
     "keeps_text",
     "ends_with_newline",
     "reasoning_trailing_whitespace",
+    "argument_edges",
     "string_argument",
     "tool_index",
     "tool_name",
@@ -205,6 +206,8 @@ def check_answer(probe: Mapping[str, Any], record: Mapping[str, Any]) -> Verdict
         out |= _reasoning_whitespace(reasoning, record, issues)
     elif kind in ("string_argument", "tool_index", "tool_name"):
         out |= _tool_checks(kind, spec, _calls(msg), issues)
+    elif kind == "argument_edges":
+        out |= _argument_edges(spec, _calls(msg), record)
     lp = record.get("logprobs") or {}
     if lp.get("present") and "mismatch" in lp and kind == "begins_with" and not out:
         out["marker_spacing"] = (SEEN, "the engine's tokens differ from the text")
@@ -232,6 +235,30 @@ def _reasoning_whitespace(reasoning: str, record: Mapping[str, Any], issues: set
         and rebuilt < reported
     ):
         return {name: (SEEN, f"billing counts {reported - rebuilt} token(s) the text lacks")}
+    return {}
+
+
+def _argument_edges(
+    spec: Mapping[str, Any], calls: list[Mapping[str, Any]], record: Mapping[str, Any]
+) -> Verdicts:
+    """Arguments asked to begin and end with a newline: kept, or gone (billing counts them)."""
+    name = "argument_edges_stripped"
+    call = next((c for c in calls if (c.get("function") or {}).get("name") == spec["tool"]), None)
+    if call is None:
+        return {}
+    text = str((call.get("function") or {}).get("arguments") or "")
+    if text and text != text.strip():
+        return {name: (CLEAN, f"arguments {text[:12]!r}... keep their edge whitespace")}
+    # The engine's tokens (logprobs) hold the arguments with whitespace the text lacks.
+    for trim in (record.get("logprobs") or {}).get("stack_trims") or []:
+        engine = str(trim.get("engine") or "")
+        if trim.get("text") == text and engine != text and engine.strip() == text:
+            return {name: (SEEN, f"the engine wrote {engine[:12]!r}... for {text[:12]!r}...")}
+    reported = record.get("completion_tokens_reported")
+    rebuilt = record.get("completion_tokens_reconstructed")
+    if isinstance(reported, int) and isinstance(rebuilt, int) and rebuilt < reported:
+        return {name: (SEEN, f"billing counts {reported - rebuilt} token(s) the arguments lack")}
+    # No edge whitespace and nothing missing: the model did not do what was asked.
     return {}
 
 
@@ -297,6 +324,7 @@ QUIRK_FIELDS: dict[str, tuple[str, str | None, str]] = {
     "reasoning_whitespace_stripped": ("reasoning_tail", "stripped", "kept"),
     "think_end_dropped": ("think_end", "dropped", "kept"),
     "dotted_name_truncated": ("tool_names", "last_dot_part", "full"),
+    "argument_edges_stripped": ("argument_edges", "stripped", "kept"),
     # Seen as a typed value: coerced; seen as re-spaced JSON: no field says that (None).
     "argument_reserialised": ("argument_types", None, "verbatim"),
 }
