@@ -106,12 +106,14 @@ def base_overrides(
         "provider.retry.base_delay_s=0.01",
         "provider.retry.max_delay_s=0.05",
         "provider.timeout_s=5",
-        # These tests measure the stage itself; serving=auto's probes: test_serving_auto.py.
-        "serving=unknown",
-        # The fake OpenRouter hands the arguments back as the model wrote them (no parser's
-        # `\\s*` around them): declared, so tool calls are proven as they are there.
-        "serving.argument_edges=kept",
+        *SERVING_AS_IS,
     ]
+
+
+# These tests measure the stage itself (serving=auto's probes: test_serving_auto.py). The fake
+# OpenRouter hands tool arguments back as the model wrote them (no parser's `\s*` around
+# them): declared, so its tool calls are proven as they are there.
+SERVING_AS_IS = ("serving=unknown", "serving.argument_edges=kept")
 
 
 def run_inprocess(overrides: Sequence[str], out: Path) -> tuple[int, dict | None]:

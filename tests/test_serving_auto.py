@@ -12,7 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest_generate import base_overrides, read_jsonl, run_inprocess, write_prompts
+from conftest_generate import (
+    SERVING_AS_IS,
+    base_overrides,
+    read_jsonl,
+    run_inprocess,
+    write_prompts,
+)
 from fake_openrouter import Behaviour, KimiCounter
 from fake_stacks import Stack, routed_fake, stacks
 
@@ -86,7 +92,7 @@ def _overrides(srv: Any, tmp: Path, out: Path, kimi_dir: Path, n: int = 4, **kw:
     if not prompts.exists():
         write_prompts(prompts, n, tools_every=2, text=lambda i: f"Question {i}: call calc for {i}.")
     base = [
-        o for o in base_overrides(prompts, srv.url(), out, kimi_dir, **kw) if o != "serving=unknown"
+        o for o in base_overrides(prompts, srv.url(), out, kimi_dir, **kw) if o not in SERVING_AS_IS
     ]
     # A loaded machine must not turn answers into timeouts (retried, booked at worst case).
     return [
@@ -364,7 +370,7 @@ def test_probes_that_do_not_fit_the_budget_say_so_with_their_worst_case(
     write_prompts(prompts, 2)
     out = tmp_path / "run"
     overrides = [
-        o for o in base_overrides(prompts, srv.url(), out, kimi_dir) if o != "serving=unknown"
+        o for o in base_overrides(prompts, srv.url(), out, kimi_dir) if o not in SERVING_AS_IS
     ]
     done = run_subprocess(
         [*overrides, "budget.usd=0.01", f"serving_auto.cache_dir={tmp_path / 'cache'}"]
