@@ -33,6 +33,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from kimi_pipe.errors import MissingFile
+from kimi_pipe.extraction.executors import executor_of, run_executor
 from kimi_pipe.extraction.sharding import run_sharded
 from kimi_pipe.extraction.token_samples import Backend, load_backend, records_path
 
@@ -57,6 +58,10 @@ def run_extract(cfg: DictConfig, backend: Backend | None = None) -> dict[str, An
             f"token records {records} not found: run `python -m kimi_pipe.generate` "
             "(records.jsonl in its run dir) or `python -m kimi_pipe.reconstruct` first"
         )
+    if executor_of(cfg) is not None:  # the unit protocol: docs/distributed.md
+        summary = run_executor(cfg, backend)
+        print(f"[extract] unit store {summary['store']}: {summary['status']}", file=sys.stderr)
+        return summary
     own_backend = backend is None
     backend = backend or load_backend(cfg)
     try:
