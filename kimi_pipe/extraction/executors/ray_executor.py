@@ -123,15 +123,24 @@ class RayPool:
         self.calls: list[Any] = []
 
     def add(
-        self, n: int = 1, *, wait_for_held: bool = True, max_units: int | None = None
+        self,
+        n: int = 1,
+        *,
+        wait_for_held: bool = True,
+        max_units: int | None = None,
+        ready_first: bool = False,
     ) -> list[Any]:
-        """Start `n` more actors, each running the unit loop; returns their handles."""
-        new = []
-        for _ in range(n):
-            actor = self._actor.remote(self._container, len(self.actors))
+        """Start `n` more actors, each running the unit loop; returns their handles.
+        `ready_first`: wait until every new actor has opened its engine before any of them
+        claims a unit (a benchmark measures the extraction alone)."""
+        import ray
+
+        new = [self._actor.remote(self._container, len(self.actors) + i) for i in range(n)]
+        if ready_first:
+            ray.get([actor.name.remote() for actor in new])
+        for actor in new:
             self.actors.append(actor)
             self.calls.append(actor.run.remote(wait_for_held, max_units))
-            new.append(actor)
         return new
 
     def wait(self) -> tuple[list[dict[str, Any]], list[str]]:

@@ -222,6 +222,7 @@ def run_worker(
     settings = settings or UnitSettings.from_cfg(cfg)
     owner = check_owner(owner or default_owner())
     started = time.monotonic()
+    cpu_started = time.process_time()  # CPU this process got: on a shared host, not the wall
     work = prepare(cfg, backend, settings)
     ecfg = cfg.extract
     budget = batch_budget(ecfg, backend)
@@ -267,6 +268,7 @@ def run_worker(
         "counts": work.counts,
         "resolve": work.resolution,
         "wall_s": round(time.monotonic() - started, 3),
+        "cpu_s": round(time.process_time() - cpu_started, 3),
     }
 
 
