@@ -98,7 +98,10 @@ def one_run(
         end = time.monotonic()
     finally:
         pool.close()
-    tokens = sum(d["tokens"] for d in done)
+    # From the committed indexes: a killed worker's commits count, its lost unit does not.
+    tokens = sum(
+        int(json.loads(p.read_text())["tokens"]) for p in (store / "index").glob("u-*.json")
+    )
     gens: dict[str, int] = {}
     for p in (store / "leases").glob("u-*.json"):
         unit = p.name.split(".")[0]

@@ -418,3 +418,40 @@ def test_bad_executor_settings_are_one_line_errors(tmp_path: Path, tiny_dir: Pat
         from kimi_pipe.extraction.executors.submitit_executor import SubmititSettings
 
         SubmititSettings.from_cfg(make_cfg(["extract.submitit.cluster=pbs"]))
+
+
+@pytest.mark.slow
+def test_hydra_submitit_launcher_runs_local_workers_as_a_job_array(
+    child_env: None, tmp_path: Path, tiny_dir: Path
+) -> None:
+    """The batch route with no driver: Hydra's submitit launcher (its `submitit_local`
+    launcher, the SLURM one's twin) runs two jobs, each `extract.executor=local`."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    ids = write_records(tmp_path, 10, 256)
+    sweep = tmp_path / "sweep"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kimi_pipe.extract",
+            "-m",
+            "hydra/launcher=submitit_local",
+            "extract.executor=local",
+            "extract.worker=0,1",
+            *tiny_overrides(tmp_path, tiny_dir, "extract.units.lease_s=5", "resolve.enabled=false"),
+            f"hydra.sweep.dir={sweep}",
+            "hydra.sweep.subdir=w${extract.worker}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in sweep.iterdir() if p.name.startswith("w")) == ["w0", "w1"]
+    assert len(list(sweep.glob(".submitit/*/*_result.pkl"))) == 2  # two jobs ran to the end
+    check_exactly_once(tmp_path / "hidden_hf", ids, tmp_path)
+    assert not takeovers(tmp_path / "hidden_hf")
