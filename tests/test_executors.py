@@ -22,6 +22,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
+from test_unit_store import s3_endpoint  # noqa: F401  (the moto S3 server fixture)
 
 from kimi_pipe.errors import ConfigError
 from kimi_pipe.stages.export import INDEX_FILE, export
@@ -454,3 +455,51 @@ def test_hydra_submitit_launcher_runs_local_workers_as_a_job_array(
     assert len(list(sweep.glob(".submitit/*/*_result.pkl"))) == 2  # two jobs ran to the end
     check_exactly_once(tmp_path / "hidden_hf", ids, tmp_path)
     assert not takeovers(tmp_path / "hidden_hf")
+
+
+def test_local_worker_on_s3_equals_the_local_store(
+    s3_endpoint: str,  # noqa: F811 - the fixture imported above
+    tmp_path: Path,
+    tiny_dir: Path,
+) -> None:
+    """The executor path on an object store (moto's S3 on 127.0.0.1): the same units, the
+    same data object bytes as on local disk, and the samples read back through the
+    object-store reader equal the local ones."""
+    from omegaconf import OmegaConf, open_dict
+    from test_unit_store import new_bucket
+    from unit_store_child import FAKE_KEY
+
+    ids = write_records(tmp_path, 8, 256)
+    options = {
+        "key": FAKE_KEY,
+        "secret": FAKE_KEY,
+        "client_kwargs": {"endpoint_url": s3_endpoint, "region_name": "us-east-1"},
+        "skip_instance_cache": True,
+        "use_listings_cache": False,
+    }
+    url = f"s3://{new_bucket(s3_endpoint)}/run/hidden"
+    remote_cfg = make_cfg(tiny_overrides(tmp_path, tiny_dir, "extract.executor=local"))
+    with open_dict(remote_cfg):
+        OmegaConf.update(remote_cfg, "extract.units.url", url)
+        OmegaConf.update(remote_cfg, "extract.units.storage_options", options, merge=False)
+    remote = run_extract(remote_cfg)
+    local = run_extract(
+        make_cfg(
+            tiny_overrides(
+                tmp_path, tiny_dir, "extract.executor=local", f"extract.output_dir={tmp_path}/u"
+            )
+        )
+    )
+    assert remote["complete"] and local["complete"]
+    s3_units = UnitStore.open(url, **options)
+    s3_index, local_index = s3_units.committed(), indexes(tmp_path / "u")
+    assert sorted(s3_index) == sorted(local_index)
+    for unit, body in local_index.items():
+        got = s3_index[unit]
+        assert [o["sha256"] for o in got["objects"]] == [o["sha256"] for o in body["objects"]]
+        assert got["samples"] == body["samples"]
+    on_s3, on_disk = UnitHiddenStore(s3_units, cache_objects=1), UnitHiddenStore(tmp_path / "u")
+    assert not on_s3.local and sorted(on_s3.ids) == sorted(on_disk.ids) == sorted(ids)
+    for sid in reversed(ids):  # out of order: the object cache must not mix units up
+        a, b = on_s3[sid], on_disk[sid]
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
