@@ -26,7 +26,7 @@ from test_unit_store import s3_endpoint  # noqa: F401  (the moto S3 server fixtu
 
 from kimi_pipe.errors import ConfigError
 from kimi_pipe.stages.export import INDEX_FILE, export
-from kimi_pipe.stages.extract import run_extract
+from kimi_pipe.stages.extract import is_complete, run_extract
 from kimi_pipe.store.hidden_store import HiddenStore
 from kimi_pipe.store.unit_reader import UnitHiddenStore, is_unit_store
 from kimi_pipe.store.units import CorruptUnit, UnitStore
@@ -343,13 +343,14 @@ def test_local_worker_store_equals_work_shard_store(tmp_path: Path, tiny_dir: Pa
     sharded = run_extract(
         make_cfg(tiny_overrides(tmp_path, tiny_dir, f"extract.output_dir={tmp_path}/shards"))
     )
-    units = run_extract(
-        make_cfg(
-            tiny_overrides(
-                tmp_path, tiny_dir, "extract.executor=local", f"extract.output_dir={tmp_path}/u"
-            )
+    unit_cfg = make_cfg(
+        tiny_overrides(
+            tmp_path, tiny_dir, "extract.executor=local", f"extract.output_dir={tmp_path}/u"
         )
     )
+    assert not is_complete(unit_cfg, tmp_path)  # the runner's check: nothing planned yet
+    units = run_extract(unit_cfg)
+    assert is_complete(unit_cfg, tmp_path)
     assert units["complete"] and units["status"]["committed"] == 4  # ceil(11 / 3)
     assert is_unit_store(tmp_path / "u") and not is_unit_store(tmp_path / "shards")
     old, new = HiddenStore(sharded["store"]), UnitHiddenStore(tmp_path / "u")
@@ -378,7 +379,8 @@ def test_local_worker_store_equals_work_shard_store(tmp_path: Path, tiny_dir: Pa
 
 def test_export_reads_only_what_indexes_name(tmp_path: Path, tiny_dir: Path) -> None:
     ids = write_records(tmp_path, 7, 256)
-    run_extract(make_cfg(tiny_overrides(tmp_path, tiny_dir, "extract.executor=local")))
+    cfg = make_cfg(tiny_overrides(tmp_path, tiny_dir, "extract.executor=local"))
+    run_extract(cfg)
     store = tmp_path / "hidden_hf"
     # A killed attempt's objects lie beside the committed ones: nobody names them.
     stray = store / "data" / "u-000000" / "g000009-dead" / "part-00000.safetensors"
@@ -387,6 +389,7 @@ def test_export_reads_only_what_indexes_name(tmp_path: Path, tiny_dir: Path) -> 
     # The index of one unit removed: its samples are not committed, the export lacks them.
     dropped = indexes(store)["u-000002"]
     (store / "index" / "u-000002.c0.json").unlink()
+    assert not is_complete(cfg, tmp_path)  # the runner sees a unit missing
     got = exported_ids(store, tmp_path / "exp")
     lost = {row[0] for row in dropped["samples"]}
     assert sorted(got) == sorted(set(ids) - lost) and len(got) == len(set(got))

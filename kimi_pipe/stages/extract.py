@@ -88,7 +88,33 @@ def store_dir(cfg: DictConfig, run_dir: Path) -> Path:
 def outputs(cfg: DictConfig, run_dir: Path) -> list[Path]:
     from kimi_pipe.store.hidden_store import MANIFEST
 
+    if executor_of(cfg) is not None:
+        root = _unit_settings(cfg, run_dir).local_root
+        return [root / "plan.c0.json"] if root is not None else []  # a unit store's first record
     return [store_dir(cfg, run_dir) / MANIFEST]
+
+
+def _unit_settings(cfg: DictConfig, run_dir: Path) -> Any:
+    from kimi_pipe.extraction.executors.worker import UnitSettings
+
+    cfg = cfg.copy()
+    with open_dict(cfg):
+        if OmegaConf.select(cfg, "extract.run_dir", default=None) is None:
+            OmegaConf.update(cfg, "extract.run_dir", str(run_dir), force_add=True)
+    return UnitSettings.from_cfg(cfg)
+
+
+def is_complete(cfg: DictConfig, run_dir: Path) -> bool:
+    """The runner's check: the store's files exist; a unit store has every unit committed."""
+    if not all(p.exists() for p in outputs(cfg, run_dir)):
+        return False
+    if executor_of(cfg) is None:
+        return True
+    try:
+        status = _unit_settings(cfg, run_dir).open().status()
+    except MissingFile:  # no plan yet: nothing was started
+        return False
+    return bool(status["committed"] == status["units"])
 
 
 def run_stage(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:
