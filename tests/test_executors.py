@@ -184,7 +184,9 @@ def smol_cfg(tmp: Path, smollm2_dir: Path, executor: str, *more: str) -> DictCon
             "resolve.enabled=false",
             f"extract.executor={executor}",
             "extract.units.unit_samples=2",
-            "extract.units.lease_s=3",
+            # Short enough that a dead worker's unit comes back within the test, long
+            # enough that a live one's heartbeat (every lease_s / 4) survives a loaded host.
+            "extract.units.lease_s=4",
             "extract.units.poll_s=0.3",
             *more,
         ]
@@ -251,7 +253,7 @@ def test_ray_worker_count_changes_between_and_during_runs_redo_nothing(
 
     ids = write_records(tmp_path, 40, SMOL_VOCAB, seed=5)
     store = tmp_path / "hidden_hf"
-    cfg = smol_cfg(tmp_path, smollm2_dir, "ray")
+    cfg = smol_cfg(tmp_path, smollm2_dir, "ray", "extract.units.lease_s=30")  # nobody dies
     first = RayPool(cfg)  # run 1: one worker that leaves after 3 units
     try:
         first.add(1, wait_for_held=False, max_units=3)
