@@ -508,3 +508,58 @@ def test_local_worker_on_s3_equals_the_local_store(
     for sid in reversed(ids):  # out of order: the object cache must not mix units up
         a, b = on_s3[sid], on_disk[sid]
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_stage_runs_ray_and_submitit_executors_to_the_end(
+    ray_cluster: None, tmp_path: Path, tiny_dir: Path
+) -> None:
+    """`run_extract` with extract.executor=ray and =submitit (the command line's path): two
+    workers each, the summary complete, every id once in the export."""
+    ids = write_records(tmp_path, 12, 256)
+    for executor in ("ray", "submitit"):
+        out = tmp_path / executor
+        summary = run_extract(
+            make_cfg(
+                tiny_overrides(
+                    tmp_path,
+                    tiny_dir,
+                    f"extract.executor={executor}",
+                    f"extract.output_dir={out}",
+                    "extract.units.workers=2",
+                    "resolve.enabled=false",
+                )
+            )
+        )
+        assert summary["complete"] and summary["executor"] == executor
+        assert len(summary["workers"]) == 2 and not summary["worker_errors"]
+        committed = [u for w in summary["workers"] for u in w["units_committed"]]
+        assert sorted(committed) == sorted(indexes(out))  # each unit by exactly one worker
+        assert json.loads((out / "extract_summary.json").read_text())["complete"]
+        (tmp_path / f"exp_{executor}").mkdir()
+        check_exactly_once(out, ids, tmp_path / f"exp_{executor}")
+
+
+def test_a_bad_executor_on_the_command_line_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    write_records(tmp_path, 2, 256)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kimi_pipe.extract",
+            f"extract.run_dir={tmp_path}",
+            "extract.executor=spark",
+            f"hydra.run.dir={tmp_path}/h",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if "extract.executor" in line]
+    assert len(lines) == 1 and "must be one of" in lines[0] and "Traceback" not in proc.stderr
