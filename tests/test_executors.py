@@ -140,6 +140,27 @@ def takeovers(store: Path) -> dict[str, list[tuple[int, str]]]:
     return {u: g for u, g in leases(store).items() if len(g) > 1}
 
 
+def check_in_flight(
+    store: Path, committed: dict[str, dict[str, Any]], victim: str, seen_held: str
+) -> set[str]:
+    """The units the killed worker held when it died (claimed first by it, committed by
+    another), checked to be the only units claimed twice. Normally the unit it was seen
+    holding just before the kill; if the kill landed in the instant after that unit's
+    commit, the victim committed it and held at most one more."""
+    first_owner = {u: gens[0][1] for u, gens in leases(store).items()}
+    in_flight = {
+        u
+        for u, body in committed.items()
+        if first_owner.get(u) == victim and body["owner"] != victim
+    }
+    assert set(takeovers(store)) == in_flight  # nothing else was done twice
+    if committed[seen_held]["owner"] == victim:
+        assert len(in_flight) <= 1
+    else:
+        assert in_flight == {seen_held}
+    return in_flight
+
+
 # --- real SmolLM2 on Ray and submitit -------------------------------------------------------------
 @pytest.fixture(scope="module")
 def smollm2_dir() -> Path:
@@ -226,11 +247,9 @@ def test_ray_actor_killed_mid_run_every_id_once(
         assert done[0]["owner"].startswith("ray1-")
     committed = check_exactly_once(store, ids, tmp_path)
     # Only the unit in flight was claimed twice, after its lease ran out, by another worker.
-    again = takeovers(store)
-    assert set(again) == {victim_unit}
-    assert again[victim_unit][0] == (0, victim)
-    assert committed[victim_unit]["owner"] != victim
-    assert committed[victim_unit]["generation"] >= 1
+    in_flight = check_in_flight(store, committed, victim, victim_unit)
+    for unit in in_flight:
+        assert committed[unit]["generation"] >= 1
     assert not any(d["units_lost"] for d in done)
     assert committed_by(store, "ray0-") and committed_by(store, "ray1-")  # both worked
     # What a reader gets is the record's ids with the model's states beside them.
@@ -302,9 +321,8 @@ def test_submitit_local_job_killed_mid_run_every_id_once(
                 job.cancel()
     assert len(done) == 1 and len(errors) == 1
     committed = check_exactly_once(store, ids, tmp_path)
-    again = takeovers(store)
-    assert set(again) == {victim_unit}  # the unit the job held, and no other, done twice
-    assert committed[victim_unit]["owner"].startswith("job1-")
+    for unit in check_in_flight(store, committed, owner, victim_unit):
+        assert committed[unit]["owner"].startswith("job1-")
     assert done[0]["owner"].startswith("job1-")
 
 
