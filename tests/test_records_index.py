@@ -8,9 +8,12 @@ full parse in every case, and a stale index is never trusted.
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from kimi_pipe.store.records import RecordWriter, load_resume_index, parse_resume_index
 from kimi_pipe.store.records_index import (
@@ -123,3 +126,14 @@ def test_a_run_without_an_index_gets_one_from_its_first_writer(tmp_path: Path) -
     same(path)
     fast = load_indexed(path)
     assert fast is not None and fast.records == 16
+
+
+def test_an_index_that_is_a_symbolic_link_is_not_written_through(tmp_path: Path) -> None:
+    path = tmp_path / "records.jsonl"
+    target = tmp_path / "elsewhere.txt"
+    target.write_text("keep me\n")
+    index_path(path).symlink_to(target)
+    with pytest.raises(OSError) as exc:
+        IndexedRecordWriter(path)
+    assert exc.value.errno == errno.ELOOP
+    assert target.read_text() == "keep me\n"

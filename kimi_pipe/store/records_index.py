@@ -17,6 +17,7 @@ already indexed is not seen.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -216,6 +217,10 @@ class IndexedRecordWriter(RecordWriter):
 
     def __init__(self, path: str | Path, fsync_every_s: float = 1.0) -> None:
         super().__init__(path, fsync_every_s)  # creates the file, cuts a torn last line
+        self._index_fd = -1
+        if index_path(self.path).is_symlink():  # as the records file: never written through
+            self.close()
+            raise OSError(errno.ELOOP, "a symbolic link is not followed", str(index_path(path)))
         end = _read_entries(self.path)
         if end is None:
             n = rebuild(self.path)
