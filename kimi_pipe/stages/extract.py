@@ -33,6 +33,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from kimi_pipe.errors import MissingFile
+from kimi_pipe.extraction.executors import executor_of, run_executor
 from kimi_pipe.extraction.sharding import run_sharded
 from kimi_pipe.extraction.token_samples import Backend, load_backend, records_path
 
@@ -57,6 +58,10 @@ def run_extract(cfg: DictConfig, backend: Backend | None = None) -> dict[str, An
             f"token records {records} not found: run `python -m kimi_pipe.generate` "
             "(records.jsonl in its run dir) or `python -m kimi_pipe.reconstruct` first"
         )
+    if executor_of(cfg) is not None:  # the unit protocol: docs/distributed.md
+        summary = run_executor(cfg, backend)
+        print(f"[extract] unit store {summary['store']}: {summary['status']}", file=sys.stderr)
+        return summary
     own_backend = backend is None
     backend = backend or load_backend(cfg)
     try:
@@ -83,7 +88,33 @@ def store_dir(cfg: DictConfig, run_dir: Path) -> Path:
 def outputs(cfg: DictConfig, run_dir: Path) -> list[Path]:
     from kimi_pipe.store.hidden_store import MANIFEST
 
+    if executor_of(cfg) is not None:
+        root = _unit_settings(cfg, run_dir).local_root
+        return [root / "plan.c0.json"] if root is not None else []  # a unit store's first record
     return [store_dir(cfg, run_dir) / MANIFEST]
+
+
+def _unit_settings(cfg: DictConfig, run_dir: Path) -> Any:
+    from kimi_pipe.extraction.executors.worker import UnitSettings
+
+    cfg = cfg.copy()
+    with open_dict(cfg):
+        if OmegaConf.select(cfg, "extract.run_dir", default=None) is None:
+            OmegaConf.update(cfg, "extract.run_dir", str(run_dir), force_add=True)
+    return UnitSettings.from_cfg(cfg)
+
+
+def is_complete(cfg: DictConfig, run_dir: Path) -> bool:
+    """The runner's check: the store's files exist; a unit store has every unit committed."""
+    if not all(p.exists() for p in outputs(cfg, run_dir)):
+        return False
+    if executor_of(cfg) is None:
+        return True
+    try:
+        status = _unit_settings(cfg, run_dir).open().status()
+    except MissingFile:  # no plan yet: nothing was started
+        return False
+    return bool(status["committed"] == status["units"])
 
 
 def run_stage(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:

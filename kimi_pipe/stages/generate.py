@@ -73,6 +73,7 @@ from kimi_pipe.providers.errors import (
 from kimi_pipe.providers.settings import ProviderSettings
 from kimi_pipe.store import atomic
 from kimi_pipe.store.records import RecordWriter, iter_records, load_resume_index, record_cost
+from kimi_pipe.store.records_index import IndexedRecordWriter
 from kimi_pipe.store.run_dir import check_run_dir, same_dir
 from kimi_pipe.store.run_lock import LOCK, RunLock
 from kimi_pipe.store.spend_journal import JOURNAL, SpendJournal
@@ -359,7 +360,7 @@ class Generator:
         tasks: set[asyncio.Task] = set()
         poller = asyncio.create_task(self._poll_key()) if self.key_start else None
         max_attempts = self.settings.retry.max_attempts
-        with RecordWriter(records_path) as writer, RecordWriter(errors_path) as err_writer:
+        with IndexedRecordWriter(records_path) as writer, RecordWriter(errors_path) as err_writer:
             try:
                 for prompt in prompts:
                     if prompt.id in index.ids:

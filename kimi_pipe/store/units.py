@@ -855,6 +855,7 @@ def run_units(
     max_units: int | None = None,
     wait_for_held: bool = False,
     poll_s: float = 10.0,
+    head_weight: torch.Tensor | None = None,
 ) -> list[CommitResult]:
     """The loop every executor runs: claim a unit, fill it with `work`, commit it, until no
     unit is left to claim (or `max_units` are done). Workers need no coordinator: the plan,
@@ -862,7 +863,8 @@ def run_units(
 
     `wait_for_held`: when only units held by other workers are left, poll every `poll_s`
     until they are committed, taking over any whose lease runs out (a dead worker's), so
-    the run ends complete as long as one worker lives."""
+    the run ends complete as long as one worker lives. `head_weight`: the LM head that an
+    fp8 final state keeps the teacher of (`UnitWriter`)."""
     results: list[CommitResult] = []
     while max_units is None or len(results) < max_units:
         lease = store.claim_next(owner)
@@ -872,7 +874,7 @@ def run_units(
                 continue
             break
         with lease.keepalive():
-            writer = store.writer(lease, part_bytes=part_bytes)
+            writer = store.writer(lease, part_bytes=part_bytes, head_weight=head_weight)
             try:
                 work(writer)
             except BaseException:

@@ -63,6 +63,7 @@ from kimi_pipe.stages.export.tokens import TOKENS_FILE
 from kimi_pipe.store.conventions import final_state_as, final_state_conversion
 from kimi_pipe.store.hidden_store import HiddenStore, state_dtypes
 from kimi_pipe.store.records import iter_records
+from kimi_pipe.store.unit_reader import UnitHiddenStore, is_unit_store
 
 __all__ = [
     "CARD_FILE",
@@ -130,7 +131,8 @@ def open_stores(paths: Sequence[str | os.PathLike[str]]) -> list[HiddenStore]:
                 f"store {path} does not exist: make one with `python -m kimi_pipe.extract` "
                 "(or the extract stage of a pipeline) and pass its directory in stores=[...]"
             )
-    stores = [HiddenStore(p) for p in resolved]
+    # A unit store (extract.executor=...) is read through its committed indexes only.
+    stores = [UnitHiddenStore(p) if is_unit_store(p) else HiddenStore(p) for p in resolved]
     first = stores[0].manifest
     for s in stores[1:]:
         diff = [k for k in _COMPATIBLE_KEYS if s.manifest.get(k) != first.get(k)]

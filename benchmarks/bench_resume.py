@@ -1,0 +1,129 @@
+"""Generate's resume over large records: the index of ids against the full parse, same run.
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_resume.py [--gb 1] [--dir DIR] [--json OUT]
+
+Writes about `--gb` GB of synthetic records and their index (generate's shape: ids, token
+id lists, text, usage, cost; about 4 KB a record, 1 in 20 an error record), then times in
+the same process:
+
+* full: `records.parse_resume_index` (what every resume did: parse every record);
+* index build (--time-build): `records_index.rebuild` (once, when a run without an index is
+  first opened);
+* indexed: `records_index.load_indexed` (the resume now: the index plus the records past it);
+* writer open: `IndexedRecordWriter(path)` (the generate writer's start: checks the index).
+
+Both resume reads are checked equal. The page cache is warm for both (the file was just
+written), so `full` is the parse, not the disk. No assertion: figures for docs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from kimi_pipe.store.records import parse_resume_index
+from kimi_pipe.store.records_index import (
+    IndexedRecordWriter,
+    _entry,
+    _header,
+    _header_line,
+    _line,
+    index_path,
+    load_indexed,
+    rebuild,
+)
+
+
+def synthetic(i: int, rng: random.Random) -> dict[str, Any]:
+    if i % 20 == 19:
+        return {"id": f"B5-{i:09d}", "error": {"class": "RateLimitError"}, "cost": 0.0}
+    n_prompt, n_out = rng.randint(150, 400), rng.randint(150, 450)
+    return {
+        "id": f"B5-{i:09d}",
+        "ok": True,
+        "issues": [],
+        "prompt_ids": [rng.randrange(163840) for _ in range(n_prompt)],
+        "output_ids": [rng.randrange(163840) for _ in range(n_out)],
+        "text": "x" * rng.randint(200, 800),
+        "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out},
+        "cost": round(rng.random() * 1e-3, 8),
+        "provider": "synthetic",
+    }
+
+
+def write_records(path: Path, target_bytes: int) -> int:
+    """Write records and their index lines until the file holds `target_bytes`: the bytes
+    `IndexedRecordWriter` writes (tests/test_records_index.py tests the writer), without
+    its json.dumps per record, which would take most of an hour at 10 GB here. A block of
+    distinct records is reused with fresh ids."""
+    rng = random.Random(0)
+    block = [synthetic(i, rng) for i in range(2000)]
+    lines = [json.dumps(r, separators=(",", ":")) for r in block]
+    written = n = 0
+    with open(path, "wb") as fh, open(index_path(path), "wb") as ih:
+        ih.write(_header_line(_header(path)))
+        while written < target_bytes:
+            for rec, line in zip(block, lines, strict=True):
+                data = (line.replace(rec["id"], f"B5-{n:09d}", 1) + "\n").encode()
+                fh.write(data)
+                written += len(data)
+                ih.write(_line(_entry({**rec, "id": f"B5-{n:09d}"}, written)))
+                n += 1
+                if written >= target_bytes:
+                    break
+    return n
+
+
+def timed(fn: Any, *args: Any) -> tuple[Any, float]:
+    start = time.perf_counter()
+    out = fn(*args)
+    return out, time.perf_counter() - start
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gb", type=float, default=1.0)
+    ap.add_argument("--dir", type=Path, default=None)
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--time-build", action="store_true", help="also time a full index rebuild")
+    args = ap.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="bench_resume_", dir=args.dir))
+    try:
+        path = root / "records.jsonl"
+        records, write_s = timed(write_records, path, int(args.gb * 1e9))
+        full, full_s = timed(parse_resume_index, path)
+        fast, fast_s = timed(load_indexed, path)
+        build_s = timed(rebuild, path)[1] if args.time_build else None
+        assert fast == full, "the indexed resume differs from the full parse"
+        writer, open_s = timed(IndexedRecordWriter, path)
+        writer.close()
+        report = {
+            "records": records,
+            "records_bytes": path.stat().st_size,
+            "index_bytes": index_path(path).stat().st_size,
+            "write_s": round(write_s, 2),
+            "full_parse_s": round(full_s, 3),
+            "index_build_s": round(build_s, 3) if build_s is not None else None,
+            "indexed_resume_s": round(fast_s, 3),
+            "writer_open_s": round(open_s, 3),
+            "speedup_full_over_indexed": round(full_s / fast_s, 1),
+            "ids": len(full.ids),
+        }
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.json:
+        args.json.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

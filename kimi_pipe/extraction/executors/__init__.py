@@ -1,0 +1,48 @@
+"""Executors of the extract stage on the unit protocol (docs/distributed.md).
+
+`extract.executor` picks who runs the unit workers (`executors.worker.run_worker`):
+
+* `local`: this process is one worker. Start as many as you like, by hand or as a job array
+  (Hydra's submitit launcher: `-m hydra/launcher=... extract.worker=0,1,2,3`).
+* `ray`: `extract.units.workers` Ray actors, one engine each (`ray_executor`).
+* `submitit`: `extract.units.workers` submitit jobs, on SLURM or this machine
+  (`submitit_executor`).
+
+All of them write the same unit store (`kimi_pipe.store.units`); `extract.executor=null`
+keeps the work shards and merge of `extraction/sharding.py`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import DictConfig
+
+from kimi_pipe.extraction.executors.worker import EXECUTORS, executor_of, run_summary, run_worker
+from kimi_pipe.extraction.token_samples import Backend
+
+__all__ = ["EXECUTORS", "executor_of", "run_executor"]
+
+
+def run_executor(cfg: DictConfig, backend: Backend | None = None) -> dict[str, Any]:
+    """Run `extract.executor` to the end; the run's summary. `backend` (local only): an open
+    engine to use instead of loading one."""
+    name = executor_of(cfg)
+    if name == "ray":
+        from kimi_pipe.extraction.executors.ray_executor import run_ray
+
+        return run_ray(cfg)
+    if name == "submitit":
+        from kimi_pipe.extraction.executors.submitit_executor import run_submitit
+
+        return run_submitit(cfg)
+    from kimi_pipe.extraction.executors.worker import open_worker_backend
+
+    own = backend is None
+    engine = backend or open_worker_backend(cfg)
+    try:
+        mine = run_worker(cfg, engine)
+    finally:
+        if own:
+            engine.close()
+    return run_summary(cfg, [mine])

@@ -1,0 +1,148 @@
+"""`extract.executor=submitit`: unit workers as submitit jobs (SLURM, or local processes).
+
+`extract.submitit.cluster=slurm` submits `extract.units.workers` jobs to SLURM (one job =
+one engine; the `slurm_*` settings go to `submitit.AutoExecutor`); `local` runs them as
+processes of this machine through `submitit.LocalExecutor` (what the tests run), the same
+job code. A job that dies (preempted, killed, out of time) loses its unit's lease; another
+job takes the unit over after `extract.units.lease_s`, or a later run of the same command
+finishes it. Units already committed are never redone, whatever the number of jobs.
+
+The same worker runs under Hydra's submitit launcher as a job array (no driver process):
+
+    python -m kimi_pipe.extract -m hydra/launcher=submitit_slurm_extract \
+        extract.executor=local extract.worker=0,1,2,3 extract.run_dir=runs/B5/x ...
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from kimi_pipe.errors import ConfigError, StoreError
+from kimi_pipe.extraction.executors.worker import (
+    UnitSettings,
+    open_worker_backend,
+    run_summary,
+    run_worker,
+)
+from kimi_pipe.store.units import default_owner
+
+log = logging.getLogger("kimi_pipe.extract")
+
+CLUSTERS = ("local", "slurm")
+
+
+@dataclass(frozen=True)
+class SubmititSettings:
+    """`extract.submitit.*`."""
+
+    cluster: str = "local"
+    folder: str | None = None  # job logs and pickles; null: <store>/submitit (local store)
+    timeout_min: int = 1440
+    parameters: dict[str, Any] = field(default_factory=dict)  # AutoExecutor's (slurm_*, ...)
+
+    @classmethod
+    def from_cfg(cls, cfg: DictConfig) -> SubmititSettings:
+        node = OmegaConf.select(cfg, "extract.submitit", default=None)
+        raw: dict[str, Any] = {}
+        if node is not None:
+            container = OmegaConf.to_container(node, resolve=True)
+            if not isinstance(container, dict):
+                raise ConfigError("extract.submitit must be a mapping of settings")
+            raw = {str(k): v for k, v in container.items()}
+        cluster = str(raw.get("cluster") or "local")
+        if cluster not in CLUSTERS:
+            raise ConfigError(
+                f"extract.submitit.cluster must be one of {CLUSTERS}, not {cluster!r}"
+            )
+        params = raw.get("parameters") or {}
+        if not isinstance(params, dict):
+            raise ConfigError("extract.submitit.parameters must be a mapping")
+        try:
+            timeout = int(raw.get("timeout_min", 1440))
+        except (TypeError, ValueError):
+            raise ConfigError("extract.submitit.timeout_min must be an integer") from None
+        return cls(cluster, raw.get("folder"), timeout, dict(params))
+
+
+def submitit_job(cfg: dict[str, Any], index: int) -> dict[str, Any]:
+    """What one job runs (pickled by submitit): open the engine, run the unit loop."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    conf = OmegaConf.create(cfg)
+    backend = open_worker_backend(conf)  # type: ignore[arg-type]
+    try:
+        return run_worker(conf, backend, owner=f"job{index}-{default_owner()}")  # type: ignore[arg-type]
+    finally:
+        backend.close()
+
+
+def executor_for(cfg: DictConfig) -> Any:
+    """A submitit executor for `extract.submitit` (LocalExecutor or SLURM's)."""
+    import submitit
+
+    settings = SubmititSettings.from_cfg(cfg)
+    units = UnitSettings.from_cfg(cfg)
+    folder = settings.folder
+    if folder is None:
+        root = units.local_root
+        if root is None:
+            raise ConfigError("extract.submitit.folder is needed when the store is not local")
+        folder = str(root / "submitit")
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    executor: Any
+    if settings.cluster == "local":
+        executor = submitit.LocalExecutor(folder=folder)
+        executor.update_parameters(timeout_min=settings.timeout_min, **settings.parameters)
+    else:
+        executor = submitit.AutoExecutor(folder=folder, cluster="slurm")
+        executor.update_parameters(timeout_min=settings.timeout_min, **settings.parameters)
+    return executor
+
+
+def submit(cfg: DictConfig, n: int, *, first_index: int = 0) -> list[Any]:
+    """Submit `n` unit-worker jobs; returns their submitit jobs."""
+    executor = executor_for(cfg)
+    container = OmegaConf.to_container(cfg, resolve=True)
+    return [executor.submit(submitit_job, container, first_index + i) for i in range(n)]
+
+
+def wait(jobs: list[Any]) -> tuple[list[dict[str, Any]], list[str]]:
+    """Each finished job's summary, and the failures of the others."""
+    done: list[dict[str, Any]] = []
+    errors: list[str] = []
+    for job in jobs:
+        try:
+            done.append(job.result())
+        except Exception as exc:  # noqa: BLE001 - a failed job is reported, its units taken over
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            log.warning("submitit job %s ended without finishing: %s", job.job_id, first)
+            errors.append(f"job {job.job_id}: {first}")
+    return done, errors
+
+
+def run_submitit(cfg: DictConfig) -> dict[str, Any]:
+    """Extract with `extract.units.workers` submitit jobs and wait for them."""
+    units = UnitSettings.from_cfg(cfg)
+    units.open()
+    started = time.monotonic()
+    jobs = submit(cfg, units.workers)
+    done, errors = wait(jobs)
+    summary = run_summary(
+        cfg,
+        done,
+        worker_errors=errors,
+        jobs=[str(j.job_id) for j in jobs],
+        wall_s=round(time.monotonic() - started, 3),
+    )
+    if not summary["complete"]:
+        missing = summary["status"]["units"] - summary["status"]["committed"]
+        raise StoreError(
+            f"unit store {summary['store']}: {missing} units not committed (every job died); "
+            "run the same command again to finish them"
+        )
+    return summary

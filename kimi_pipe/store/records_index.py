@@ -1,0 +1,259 @@
+"""An index of completed ids beside `records.jsonl`: a resume reads it, not the records.
+
+`records.jsonl.ids` holds one short line per record (id, error or not, cost, output
+tokens, and the byte offset where the record ends), written by `IndexedRecordWriter` right
+after the record itself. A resume (`load_indexed`) reads these lines and parses only the
+records past the last offset they name (those appended after it: a writer killed between
+the record and its index line). At 100x the seeds a records file is about 12 GB and its
+index about 1 % of that.
+
+The index is trusted only while it describes the file it was written for: its first line
+names the records file's device and inode (a rewrite by rename, as target resolution does,
+makes a new inode), every offset must lie inside the file and the last one must end a line.
+Otherwise `load_indexed` returns None (the caller parses the whole file) and the next
+`IndexedRecordWriter` rebuilds it. Known limit: an edit in place (same inode) of a record
+already indexed is not seen.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from kimi_pipe.store import atomic
+from kimi_pipe.store.records import (
+    RecordWriter,
+    ResumeIndex,
+    _json_object,
+    append_whole,
+    open_append_fd,
+    record_cost,
+    record_output_tokens,
+)
+
+log = logging.getLogger(__name__)
+
+SUFFIX = ".ids"
+FORMAT = "kimi_pipe.records_ids"
+VERSION = 1
+
+
+def index_path(records_path: str | Path) -> Path:
+    p = Path(records_path)
+    return p.with_name(p.name + SUFFIX)
+
+
+def _header(records_path: Path) -> dict[str, Any]:
+    st = os.stat(records_path)
+    return {"format": FORMAT, "version": VERSION, "dev": st.st_dev, "ino": st.st_ino}
+
+
+# An index line: end offset, kind, cost, output tokens, id; tab-separated, because a resume
+# splits a line several times faster than json.loads parses one (benchmarks/bench_resume.py).
+OK, ERROR, BAD = 0, 1, 2  # kinds: an answer, an error record, a line that is not a record
+Entry = tuple[int, int, float, int, "str | None"]
+_PLAIN = frozenset(b"\t\n\r\\")
+
+
+def _entry(rec: dict[str, Any] | None, end: int) -> Entry:
+    if rec is None:  # a whole line that is not a JSON object: counted, as a full read does
+        return (end, BAD, 0.0, 0, None)
+    rid = rec.get("id")
+    kind = ERROR if rec.get("error") is not None else OK
+    sid = rid if isinstance(rid, str) else None
+    return (end, kind, record_cost(rec), record_output_tokens(rec), sid)
+
+
+def _id_field(sid: str | None) -> bytes:
+    if sid is None:
+        return b"-"
+    raw = sid.encode("utf-8", "surrogatepass")
+    if raw == b"-" or raw.startswith(b'"') or _PLAIN.intersection(raw):
+        return json.dumps(sid).encode()  # quoted: an id a tab, newline or '-' would break
+    return raw
+
+
+def _line(entry: Entry) -> bytes:
+    end, kind, cost, tokens, sid = entry
+    return b"%d\t%d\t%s\t%d\t%s\n" % (end, kind, repr(cost).encode(), tokens, _id_field(sid))
+
+
+def _parse(raw: bytes) -> Entry:
+    end, kind, cost, tokens, rid = raw.split(b"\t", 4)
+    if rid == b"-":
+        sid = None
+    elif rid.startswith(b'"'):
+        sid = json.loads(rid)
+    else:
+        sid = rid.decode("utf-8", "surrogatepass")
+    return (int(end), int(kind), float(cost), int(tokens), sid)
+
+
+def _header_line(header: dict[str, Any]) -> bytes:
+    return json.dumps(header, separators=(",", ":")).encode() + b"\n"
+
+
+def scan(records_path: Path, start: int = 0) -> Iterator[tuple[dict[str, Any] | None, int]]:
+    """(record or None for a bad line, offset after its line) of every whole line from
+    `start`; a last line without its newline (torn) is not yielded."""
+    with open(records_path, "rb") as fh:
+        fh.seek(start)
+        offset = start
+        for raw in fh:
+            if not raw.endswith(b"\n"):
+                return
+            offset += len(raw)
+            if not raw.strip():
+                continue
+            try:
+                obj = json.loads(raw)
+            except ValueError:
+                obj = None
+            yield (obj if isinstance(obj, dict) else None), offset
+
+
+def _add(index: ResumeIndex, entry: Entry) -> None:
+    _, kind, cost, tokens, sid = entry
+    if kind == BAD:
+        index.bad_lines += 1
+        return
+    if sid is not None:
+        index.ids.add(sid)
+    index.answered += kind == OK
+    index.cost += cost
+    index.output_tokens += tokens
+    index.records += 1
+
+
+def _read_entries(records_path: Path, into: ResumeIndex | None = None) -> int | None:
+    """Check the index against `records_path` as it is now (adding its entries to `into`);
+    the offset its last entry ends at, or None when it is missing or does not describe the
+    file (then nothing may be taken from it)."""
+    side = index_path(records_path)
+    try:
+        data = side.read_bytes()
+        st = os.stat(records_path)
+    except FileNotFoundError:
+        return None
+    lines = data.split(b"\n")
+    try:
+        header = json.loads(lines[0])
+    except ValueError:
+        return None
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        return None
+    if (header.get("dev"), header.get("ino")) != (st.st_dev, st.st_ino):
+        return None  # the records file was replaced (a rewrite): another file
+    scratch = ResumeIndex()
+    end = 0
+    for raw in lines[1:-1]:  # the part after the last newline is empty or a torn line
+        try:
+            entry = _parse(raw)
+        except ValueError:
+            return None
+        if not end < entry[0] <= st.st_size:
+            return None
+        _add(scratch, entry)
+        end = entry[0]
+    if end:
+        with open(records_path, "rb") as fh:
+            fh.seek(end - 1)
+            if fh.read(1) != b"\n":
+                return None
+    if into is not None:
+        into.ids, into.answered, into.cost = scratch.ids, scratch.answered, scratch.cost
+        into.output_tokens, into.records = scratch.output_tokens, scratch.records
+        into.bad_lines = scratch.bad_lines
+    return end
+
+
+def load_indexed(records_path: str | Path, *spend_logs: str | Path) -> ResumeIndex | None:
+    """`records.load_resume_index` from the index plus the records past it; None when there
+    is no index that describes the file (then parse it whole)."""
+    from kimi_pipe.store.records import iter_records
+
+    path = Path(records_path)
+    index = ResumeIndex()
+    end = _read_entries(path, index)
+    if end is None:
+        return None
+    last = end
+    for rec, offset in scan(path, end):  # records written after the index's last line
+        last = offset
+        _add(index, _entry(rec, offset))
+    with open(path, "rb") as fh:  # a last line without its newline, as iter_records reads it
+        fh.seek(last)
+        rest = fh.read()
+    if rest:
+        obj = _json_object(rest)
+        if obj is None:
+            index.torn_tail = True
+        else:
+            _add(index, _entry(obj, last + len(rest)))
+    for extra in spend_logs:
+        for rec in iter_records(extra):
+            index.cost += record_cost(rec)
+            index.output_tokens += record_output_tokens(rec)
+    return index
+
+
+def rebuild(records_path: str | Path) -> int:
+    """Write the index of the whole records file (one full parse); returns its entries."""
+    path = Path(records_path)
+    lines = [_header_line(_header(path))]
+    for rec, offset in scan(path):
+        lines.append(_line(_entry(rec, offset)))
+    atomic.write_bytes(index_path(path), b"".join(lines))
+    return len(lines) - 1
+
+
+class IndexedRecordWriter(RecordWriter):
+    """`RecordWriter` that also appends each record's index line, after the record."""
+
+    def __init__(self, path: str | Path, fsync_every_s: float = 1.0) -> None:
+        super().__init__(path, fsync_every_s)  # creates the file, cuts a torn last line
+        self._index_fd = -1
+        if index_path(self.path).is_symlink():  # as the records file: never written through
+            self.close()
+            raise OSError(errno.ELOOP, "a symbolic link is not followed", str(index_path(path)))
+        end = _read_entries(self.path)
+        if end is None:
+            n = rebuild(self.path)
+            log.info("%s: index of %d records rebuilt", index_path(self.path), n)
+        else:
+            # Records appended after the last index line (a kill between the two writes):
+            # index them now, from their offsets.
+            tail = b"".join(_line(_entry(r, o)) for r, o in scan(self.path, end))
+            if tail:
+                with open(index_path(self.path), "ab") as fh:
+                    fh.write(tail)
+        side = index_path(self.path)
+        self._cut_torn_index(side)
+        self._index_fd = open_append_fd(side)
+
+    @staticmethod
+    def _cut_torn_index(side: Path) -> None:
+        """Drop an index line cut short by a kill, so appends start on a fresh line."""
+        data = side.read_bytes()
+        keep = data.rfind(b"\n") + 1
+        if keep < len(data):
+            with open(side, "rb+") as fh:
+                fh.truncate(keep)
+
+    def append(self, record: Any) -> None:
+        super().append(record)
+        end = os.fstat(self._fd).st_size  # one writer per run directory: our own append
+        append_whole(self._index_fd, _line(_entry(dict(record), end)), index_path(self.path))
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            if self._index_fd >= 0:
+                fd, self._index_fd = self._index_fd, -1
+                os.close(fd)
