@@ -57,7 +57,9 @@ class TokenRecord(TokenIds, total=False):
 
     id: Any  # the sample id (a string); null for a line that could not be read
     # The evidence ladder (core/evidence.py, core/candidates.py).
-    evidence: str  # engine_ids | text_proven | target_resolved | unresolved
+    evidence: str  # engine_ids | text_proven | target_resolved | prefix_proven | unresolved
+    # prefix_proven: {"prefix_tokens", "cut_by", "codes", "of_tokens", "rule"} (core/prefix.py)
+    prefix: dict[str, Any]
     sampling: dict[str, Any] | None
     candidates: CandidateSet
     proven_against: ProvenAgainst  # a one-member closed set: what it was proven against

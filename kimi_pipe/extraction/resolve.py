@@ -39,6 +39,7 @@ from typing import Any, Protocol, cast
 
 import torch
 
+from kimi_pipe.core.prefix import with_prefix
 from kimi_pipe.core.token_record import TokenRecord
 from kimi_pipe.errors import ConfigError, StoreError
 from kimi_pipe.extraction.sampler import (  # noqa: F401  (re-exported: resolve's public names)
@@ -347,7 +348,7 @@ def apply_resolution(
         out["issues"] = [*issues, TARGET_UNRESOLVED]
         out["ok"] = False
         out["evidence"] = UNRESOLVED
-        return out
+        return with_prefix(out)  # the options' shared prefix stays proven (core/prefix.py)
     option = record["candidates"]["options"][numbers["chosen"]]
     covered = covered_issues(record["candidates"])
     moved = [c for c in issues if c in covered]
@@ -366,6 +367,7 @@ def apply_resolution(
     out["completion_tokens_reconstructed"] = len(option["output_ids"])
     out["ok"] = True
     out["evidence"] = TARGET_RESOLVED
+    out.pop("prefix", None)  # the whole answer is resolved now
     return out
 
 
