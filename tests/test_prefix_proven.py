@@ -202,3 +202,57 @@ def test_yield_in_tokens_and_dollars_adds_up(kimi: Model) -> None:
     # A later record of an id replaces an earlier one, as extraction reads them.
     again = token_yield([cut, {**cut, "completion_tokens_reported": 1}])
     assert again["completion_tokens_bought"] == 1
+
+
+class _Scorer:
+    tokens = 0
+
+
+class _Target:
+    """A target whose next-token scorer is never asked: the search is replaced below."""
+
+    def next_token_scorer(self, sampling: Any) -> _Scorer:
+        return _Scorer()
+
+
+def _checked(record: dict[str, Any], others: list[tuple[list[int], float]], limits: list[str],
+             monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:  # fmt: skip
+    """check_prefix with the split search's answer given: the record's own path at log 0 and
+    `others` (ids, logprob)."""
+    from kimi_pipe.core.splits import SplitPath, SplitSearch
+    from kimi_pipe.extraction import prefix_check
+    from kimi_pipe.extraction.resolve import ResolveSettings
+
+    def search(prompt: Any, ids: Any, billed: Any, vocab: Any, scorer: Any) -> SplitSearch:
+        paths = [SplitPath(tuple(o), lp) for o, lp in others]
+        return SplitSearch(0.0, True, paths, limits=list(limits))
+
+    monkeypatch.setattr(prefix_check, "search_splits", search)
+    monkeypatch.setattr(prefix_check, "neighbour_readings", lambda *a: ([], []))
+    out, _ = prefix_check.check_prefix(record, _Target(), None, ResolveSettings(), "t")  # type: ignore[arg-type]
+    assert out is not None
+    return dict(out)
+
+
+def test_the_target_confirms_or_withdraws_a_prefix(
+    kimi: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A non-canonical split of a reading that leaves the prefix before the cut (the engine
+    may have drawn it: same text, same count) withdraws the prefix unless the target gives it
+    at most 1 - min_posterior; one that leaves it after the cut changes nothing."""
+    record, truth = _tail_record(kimi)
+    k = record["prefix"]["prefix_tokens"]
+    first = record["candidates"]["options"][0]["output_ids"]
+    early = [*first[:2], 7, *first[3:]]  # departs at position 2 < k
+    late = [*first[: k + 1], 7, *first[k + 2 :]]
+    alone = _checked(record, [], [], monkeypatch)
+    assert alone["evidence"] == PREFIX_PROVEN and alone["prefix"]["split_check"]["posterior"] == 1
+    assert "prefix_split_checked" in alone["notes"]
+    assert _checked(record, [(late, 0.0)], [], monkeypatch)["evidence"] == PREFIX_PROVEN
+    assert _checked(record, [(early, -20.0)], [], monkeypatch)["evidence"] == PREFIX_PROVEN
+    doubt = _checked(record, [(early, -1.0)], [], monkeypatch)
+    assert doubt["evidence"] == UNRESOLVED and "prefix" not in doubt
+    assert doubt["issues"][-1] == "prefix_split_ambiguous" and not usable(doubt)
+    assert with_prefix(doubt)["evidence"] == UNRESOLVED  # withdrawn for good
+    bounded = _checked(record, [], ["too many branches"], monkeypatch)
+    assert bounded["evidence"] == UNRESOLVED  # an incomplete search proves nothing

@@ -77,6 +77,7 @@ class TokenRecord(TokenIds, total=False):
     # Extraction's rewrites (extraction/resolve.py, extraction/split_check.py).
     resolution: dict[str, Any]
     split_check: dict[str, Any]
+    prefix_split_check: dict[str, Any]  # a prefix the target did not confirm: its numbers
     # generate's purchase.
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None

@@ -581,6 +581,7 @@ def _split_check_pass(
     model = getattr(scorer, "model", None)
     if not settings.split_check or vocab is None or model is None or scorer is None:
         return {"split_check": False}
+    from kimi_pipe.extraction.prefix_check import check_prefix, checkable_prefix
     from kimi_pipe.extraction.split_check import check_record, checkable
 
     started = time.monotonic()
@@ -589,6 +590,15 @@ def _split_check_pass(
         if mine is not None and not mine(sid):
             continue
         current = updates[sid][1] if sid in updates else rec
+        if checkable_prefix(current):
+            # A proven prefix is weighed like a text-proven record (extraction/prefix_check.py).
+            checked, cost = check_prefix(current, model, vocab, settings, scorer.model_name)
+            tokens += cost
+            if checked is not None:
+                key = "prefix_split_checked" if "prefix" in checked else "prefix_split_ambiguous"
+                counts[key] = counts.get(key, 0) + 1
+                updates[sid] = (_digest(raw), checked)
+            continue
         if checkable(current, settings.billing_splits) is not None:
             continue
         new, cost = check_record(current, model, vocab, settings, scorer.model_name)
