@@ -46,6 +46,7 @@ def main() -> int:
     ap.add_argument("--answers", type=int, default=None, help="the first N answers only")
     ap.add_argument("--only", default="", help="comma-separated answer indices")
     ap.add_argument("--all-prefixes", action="store_true", help="check resolved sets' too")
+    ap.add_argument("--no-check", action="store_true", help="count prefixes, check none")
     ap.add_argument("--min-posterior", type=float, default=0.999)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path, default=None)
@@ -88,6 +89,7 @@ def main() -> int:
         if args.answers is not None and i >= args.answers or only and i not in only:
             continue
         tokens["bought"] += len(truth)
+        tokens["bought_in_sets"] = tokens.get("bought_in_sets", 0)
         ended = truth[-1:] == [end_id]
         body = truth[:-1] if ended else truth
         tail = end if ended else []
@@ -101,6 +103,7 @@ def main() -> int:
         if len(options) < 2:
             continue
         count("sets")
+        tokens["bought_in_sets"] += len(truth)
         rec: dict[str, Any] = cal.gap_record(f"a{i}", prompt, options, sampling)
         rec["short_readings"] = cal.readings(short)
         rec["long_readings"] = cal.readings(long)
@@ -122,6 +125,8 @@ def main() -> int:
         right = cut == truth[: len(cut)]
         if not right:
             silent_before.append(i)
+        if args.no_check:
+            continue
         checked, _cost = check_prefix(rec, hf, vocab, settings, "smollm2")
         assert checked is not None
         if checked["evidence"] != "prefix_proven":
