@@ -129,14 +129,18 @@ def main() -> int:
             continue
         checked, _cost = check_prefix(rec, hf, vocab, settings, "smollm2")
         assert checked is not None
-        if checked["evidence"] != "prefix_proven":
+        facts = checked.get("prefix_split_check") or checked.get("prefix", {}).get("split_check")
+        posterior = (facts or {}).get("posterior")
+        kept = checked["evidence"] == "prefix_proven"
+        print(f"[prefix] {i}: {len(cut)}/{len(truth)} ids, right {right}, kept {kept}, "
+              f"posterior {posterior}", file=sys.stderr, flush=True)  # fmt: skip
+        if not kept:
             count("prefix_withdrawn" + ("" if right else "_was_wrong"))
             continue
         count("prefix_after_check")
         tokens["prefix_after_check"] += len(cut)
         if not right:
             silent_after.append(i)
-        print(f"[prefix] {i}: {len(cut)}/{len(truth)} ids, right {right}", file=sys.stderr)
     figures = {
         "answers": args.answers or len(truths),
         "only": sorted(only) or None,
