@@ -126,7 +126,8 @@ def test_two_options_stay_unresolved_with_their_candidates(kimi: Model) -> None:
     truth = _truth(kimi, "Check it.</think>Done.<|im_end|>")
     response = _response("Check it.", "Done.", len(truth))
     record = RecordBuilder(kimi).build(MESSAGES, None, response)
-    assert not record["ok"] and record["evidence"] == UNRESOLVED
+    # Not ok: the readings' shared prefix only is proven (tests/test_prefix_proven.py).
+    assert not record["ok"] and record["evidence"] == "prefix_proven"
     cands = record["candidates"]
     assert cands["closed"] and truth in [o["output_ids"] for o in cands["options"]]
     assert record["sampling"] is None  # no request known
@@ -232,7 +233,7 @@ def test_other_errors_are_not_enumerated(kimi: Model) -> None:
 
 
 def test_evidence_helpers() -> None:
-    assert DEFAULT_ACCEPT == ("engine_ids", "text_proven", "target_resolved")
+    assert DEFAULT_ACCEPT == ("engine_ids", "text_proven", "target_resolved", "prefix_proven")
     old = {"ok": True, "issues": [], "output_ids": [1]}
     assert evidence_of(old) == TEXT_PROVEN and usable(old)
     engine = {**old, "logprobs": {"coverage": "whole", "agree": True},

@@ -73,6 +73,14 @@ def test_demo_end_to_end_and_resume(tmp_path: Path) -> None:
     # Greedy on both sides with the same weights and threads: every id must agree.
     assert audit["exact"] == N, (run_dir / "audit.md").read_text()
     assert f"100.0% ({N} of {N})" in out
+    # Yield in tokens and dollars (issue 33), as generate's summary.json has it.
+    from kimi_pipe.core.token_yield import yield_line
+
+    block = json.loads((run_dir / "summary.json").read_text())["yield"]
+    billed = sum(r["usage"]["completion_tokens"] for r in records)
+    assert block["completion_tokens_bought"] == billed
+    assert 0 < block["exact_accepted"] <= block["completion_tokens_bought"]
+    assert yield_line(block) in out
 
     export = run_dir / "export_specforge"
     index = [json.loads(x) for x in (export / "export_index.jsonl").read_text().splitlines()]

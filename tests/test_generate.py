@@ -330,6 +330,13 @@ def test_summary_is_json_with_counts(
     summary = json.loads((out / "summary.json").read_text())
     assert summary["counts"] == {"records": 3, "answered": 2, "ok": 2, "flagged": 0, "failed": 1}
     assert summary["tokens"]["completion_reported"] == sum(b.completion_tokens for b in srv.bills)
+    # Yield in tokens and dollars (issue 33): both answers are proven whole.
+    block = summary["yield"]
+    bought = summary["tokens"]["completion_reported"]
+    assert block["completion_tokens_bought"] == bought == block["exact_accepted"]
+    price = summary["budget"]["price_out_usd_per_mtok"] / 1e6
+    assert block["listed_usd_per_exact_token"] == pytest.approx(price)
+    assert block["spend_usd_per_exact_token"] == pytest.approx(summary["spend_usd"] / bought)
 
 
 def test_prices_fall_back_when_the_server_has_no_listing(

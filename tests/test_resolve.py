@@ -199,7 +199,9 @@ def test_below_threshold_stays_unresolved(smol: tuple[Any, Any]) -> None:
     posterior = res["posterior"]
     assert 0.5 < posterior < 1.0  # the target prefers one, but not with certainty
     strict = resolve_one(rec, scorer, ResolveSettings(min_posterior=(1 + posterior) / 2))
-    assert not strict["ok"] and strict["evidence"] == "unresolved"
+    # Not resolved: the options' shared ids stay proven (core/prefix.py), the rest is cut.
+    assert not strict["ok"] and strict["evidence"] == "prefix_proven"
+    assert strict["prefix"]["prefix_tokens"] == rec["candidates"]["diverge_at"]
     assert strict["issues"] == ["reasoning_tail_unverifiable", TARGET_UNRESOLVED]
     assert strict["output_ids"] == rec["output_ids"]  # nothing replaced
     assert strict["resolution"]["posterior"] == pytest.approx(posterior)
@@ -259,8 +261,12 @@ def test_extract_resolves_then_stores_the_chosen_ids(tmp_path: Path, smol: Any) 
     assert after["tight"]["evidence"] == "target_resolved" and after["tight"]["ok"]
     assert after["unsure"]["issues"][-1] == TARGET_UNRESOLVED and not after["unsure"]["ok"]
     assert after["plain"] == plain  # untouched
+    assert after["unsure"]["evidence"] == "prefix_proven"  # its shared prefix only is kept
     store = HiddenStore(tmp_path / "hidden_hf")
-    assert sorted(store.ids) == ["plain", "tight"]
+    assert sorted(store.ids) == ["plain", "tight", "unsure"]
+    k = unsure["candidates"]["diverge_at"]
+    cut = unsure["prompt_ids"] + unsure["candidates"]["options"][0]["output_ids"][:k]
+    assert store.tokens("unsure")["input_ids"].tolist() == cut
     chosen = tight["candidates"]["options"][after["tight"]["resolution"]["chosen"]]
     assert store.tokens("tight")["input_ids"].tolist() == tight["prompt_ids"] + chosen["output_ids"]
     assert chosen["output_ids"] != tight["output_ids"] or after["tight"]["resolution"]["chosen"]

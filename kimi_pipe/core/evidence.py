@@ -4,10 +4,14 @@ Every record carries `evidence`, one rung of:
   engine_ids       the engine's own tokens (whole-output logprobs, confirmed against text+billing)
   text_proven      text + serving profile + billed completion_tokens prove the ids
   target_resolved  chosen among a closed candidate set by the target model (extraction)
+  prefix_proven    flagged, but every reading of its closed candidate set shares the ids up
+                   to a first differing position: that prefix is proven and only it is used
+                   (`prefix` says where and why it was cut; core/prefix.py)
   unresolved       flagged; `issues` says why
 `ok` keeps its meaning: `ok` is true exactly when the rung is engine_ids or text_proven (or
 target_resolved after extraction rewrote the record). Which rungs reach training files is a
-policy (`export.accept`, `extract.accept`), by default the three proven ones.
+policy (`export.accept`, `extract.accept`), by default the three proven ones and the proven
+prefixes (a cut answer, as a `truncated` one is).
 Schema: LADDER section of docs/design.md.
 """
 
@@ -19,9 +23,10 @@ from typing import Any
 ENGINE_IDS = "engine_ids"
 TEXT_PROVEN = "text_proven"
 TARGET_RESOLVED = "target_resolved"
+PREFIX_PROVEN = "prefix_proven"
 UNRESOLVED = "unresolved"
-LADDER = (ENGINE_IDS, TEXT_PROVEN, TARGET_RESOLVED, UNRESOLVED)  # strongest first
-DEFAULT_ACCEPT: tuple[str, ...] = (ENGINE_IDS, TEXT_PROVEN, TARGET_RESOLVED)
+LADDER = (ENGINE_IDS, TEXT_PROVEN, TARGET_RESOLVED, PREFIX_PROVEN, UNRESOLVED)  # strongest first
+DEFAULT_ACCEPT: tuple[str, ...] = (ENGINE_IDS, TEXT_PROVEN, TARGET_RESOLVED, PREFIX_PROVEN)
 
 # A note (not an error) that a rung keeps: the answer was cut by max_tokens, its ids proven.
 CUT_NOTE = "truncated"

@@ -17,6 +17,7 @@ from kimi_pipe.core.candidates import SINGLE_CANDIDATE, Candidates, enumerate_ca
 from kimi_pipe.core.evidence import UNRESOLVED, evidence_of, sampling_of
 from kimi_pipe.core.logprobs import LogprobPolicy, apply_logprobs, record_fields
 from kimi_pipe.core.models import Model
+from kimi_pipe.core.prefix import with_prefix
 from kimi_pipe.core.reconstruction import ERRORS, Reconstruction, reconstruct
 from kimi_pipe.core.serving import UNKNOWN_PROFILE, ServingProfile, admitted_stacks
 from kimi_pipe.core.token_record import TokenRecord
@@ -114,6 +115,7 @@ class RecordBuilder:
             # And a few ids over it: their shorter splits.
             record["long_readings"] = [o.to_record() for o in candidates.long]
         record["evidence"] = evidence_of(record)
+        record = with_prefix(record)  # flagged, yet its readings share a prefix: keep that
         record["sampling"] = sampling_of(request) if request is not None else None
         return record
 
@@ -150,4 +152,5 @@ def mark_flagged(record: TokenRecord, codes: Sequence[str]) -> TokenRecord:
         record["issues"] = list(dict.fromkeys([*record.get("issues", []), *codes]))
         record["ok"] = False
         record["evidence"] = UNRESOLVED
+        record = with_prefix(record)  # a code the candidate set does not cover: no prefix
     return record

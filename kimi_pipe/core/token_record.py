@@ -57,7 +57,9 @@ class TokenRecord(TokenIds, total=False):
 
     id: Any  # the sample id (a string); null for a line that could not be read
     # The evidence ladder (core/evidence.py, core/candidates.py).
-    evidence: str  # engine_ids | text_proven | target_resolved | unresolved
+    evidence: str  # engine_ids | text_proven | target_resolved | prefix_proven | unresolved
+    # prefix_proven: {"prefix_tokens", "cut_by", "codes", "of_tokens", "rule"} (core/prefix.py)
+    prefix: dict[str, Any]
     sampling: dict[str, Any] | None
     candidates: CandidateSet
     proven_against: ProvenAgainst  # a one-member closed set: what it was proven against
@@ -75,6 +77,7 @@ class TokenRecord(TokenIds, total=False):
     # Extraction's rewrites (extraction/resolve.py, extraction/split_check.py).
     resolution: dict[str, Any]
     split_check: dict[str, Any]
+    prefix_split_check: dict[str, Any]  # a prefix the target did not confirm: its numbers
     # generate's purchase.
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None

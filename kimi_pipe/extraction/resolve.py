@@ -39,6 +39,7 @@ from typing import Any, Protocol, cast
 
 import torch
 
+from kimi_pipe.core.prefix import with_prefix
 from kimi_pipe.core.token_record import TokenRecord
 from kimi_pipe.errors import ConfigError, StoreError
 from kimi_pipe.extraction.sampler import (  # noqa: F401  (re-exported: resolve's public names)
@@ -347,7 +348,7 @@ def apply_resolution(
         out["issues"] = [*issues, TARGET_UNRESOLVED]
         out["ok"] = False
         out["evidence"] = UNRESOLVED
-        return out
+        return with_prefix(out)  # the options' shared prefix stays proven (core/prefix.py)
     option = record["candidates"]["options"][numbers["chosen"]]
     covered = covered_issues(record["candidates"])
     moved = [c for c in issues if c in covered]
@@ -366,6 +367,7 @@ def apply_resolution(
     out["completion_tokens_reconstructed"] = len(option["output_ids"])
     out["ok"] = True
     out["evidence"] = TARGET_RESOLVED
+    out.pop("prefix", None)  # the whole answer is resolved now
     return out
 
 
@@ -579,6 +581,7 @@ def _split_check_pass(
     model = getattr(scorer, "model", None)
     if not settings.split_check or vocab is None or model is None or scorer is None:
         return {"split_check": False}
+    from kimi_pipe.extraction.prefix_check import check_prefix, checkable_prefix
     from kimi_pipe.extraction.split_check import check_record, checkable
 
     started = time.monotonic()
@@ -587,6 +590,15 @@ def _split_check_pass(
         if mine is not None and not mine(sid):
             continue
         current = updates[sid][1] if sid in updates else rec
+        if checkable_prefix(current):
+            # A proven prefix is weighed like a text-proven record (extraction/prefix_check.py).
+            checked, cost = check_prefix(current, model, vocab, settings, scorer.model_name)
+            tokens += cost
+            if checked is not None:
+                key = "prefix_split_checked" if "prefix" in checked else "prefix_split_ambiguous"
+                counts[key] = counts.get(key, 0) + 1
+                updates[sid] = (_digest(raw), checked)
+            continue
         if checkable(current, settings.billing_splits) is not None:
             continue
         new, cost = check_record(current, model, vocab, settings, scorer.model_name)

@@ -54,10 +54,12 @@ def read_token_records(
     """Read token records; bad lines/records are reported and counted, never fatal.
 
     `accept`: the evidence rungs kept (core/evidence.py); None derives it from `only_ok`
-    (true: the proven rungs; false: every rung). A partial_character record is never kept.
+    (true: the proven rungs and proven prefixes; false: every rung). A partial_character
+    record is never kept; a prefix_proven one is cut to its proven prefix (core/prefix.py).
     A later record with the same id replaces an earlier one (a retried sample).
     """
     from kimi_pipe.core.evidence import DEFAULT_ACCEPT, LADDER, evidence_of, usable
+    from kimi_pipe.core.prefix import training_ids
 
     rungs = tuple(accept) if accept else (DEFAULT_ACCEPT if only_ok else LADDER)
     path = Path(path)
@@ -74,7 +76,7 @@ def read_token_records(
             counts["skipped_not_ok" if not rec.get("ok") else "skipped_by_accept"] += 1
             counts[f"skipped_evidence_{evidence_of(rec)}"] += 1
             continue
-        if only_ok and accept is None and not rec.get("ok", False):
+        if only_ok and accept is None and not rec.get("ok", False) and not usable(rec, rungs):
             counts["skipped_not_ok"] += 1  # an error record (no ids)
             continue
         problem = record_problem(rec)
@@ -82,13 +84,22 @@ def read_token_records(
             counts[f"skipped_{problem}"] += 1
             log.warning("%s: record %r unusable (%s), skipped", path, rec.get("id"), problem)
             continue
+        try:
+            ids, mask = training_ids(rec)  # a prefix_proven record: its proven prefix only
+        except ValueError as exc:
+            counts["skipped_prefix_not_proven"] += 1
+            log.warning("%s: %s, skipped", path, exc)
+            continue
+        if len(ids) < len(rec["prompt_ids"]) + len(rec["output_ids"]):
+            counts["cut_to_proven_prefix"] += 1
+            counts["tokens_dropped_by_prefix"] += (
+                len(rec["prompt_ids"]) + len(rec["output_ids"]) - len(ids)
+            )
         sid = str(rec["id"])
         if sid in by_id:
             counts["replaced_duplicate_id"] += 1
             del by_id[sid]  # keep file order of the surviving record
-        by_id[sid] = TokenSample(
-            sid, list(rec["prompt_ids"]) + list(rec["output_ids"]), list(rec["loss_mask"])
-        )
+        by_id[sid] = TokenSample(sid, ids, mask)
     bad = len(read.bad_lines) + int(read.torn_tail)
     counts["lines"] = read.records + bad
     if bad:

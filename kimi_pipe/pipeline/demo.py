@@ -79,6 +79,7 @@ def summary_table(run: PipelineRun) -> str:
         ("completion tokens (server usage / reconstructed)",
          f"{gen['tokens']['completion_reported']} / {gen['tokens']['completion_reconstructed']} "
          f"(drift {drift.get('reconstructed_minus_reported')})"),
+        ("yield (tokens, dollars)", _yield_line(gen)),
         ("reconstruct stage == generate ids",
          f"{rec['same_as_generate']} of {rec['same_as_generate'] + rec['differ_from_generate']}"),
         ("fidelity exact-match rate",
@@ -99,6 +100,14 @@ def summary_table(run: PipelineRun) -> str:
     width = max(len(k) for k, _ in rows)
     lines = ["| " + k.ljust(width) + " | " + v + " |" for k, v in rows]
     return "\n".join(lines)
+
+
+def _yield_line(gen: dict[str, Any]) -> str:
+    """Tokens bought, exact for training and the cost per exact token (generate's yield)."""
+    from kimi_pipe.core.token_yield import yield_line
+
+    block = gen.get("yield")
+    return yield_line(block) if block else "n/a"
 
 
 def where_table(run: PipelineRun) -> str:

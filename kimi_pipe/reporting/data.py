@@ -223,6 +223,8 @@ class RunStats:
     logprob_coverage: Counter[str] = field(default_factory=Counter)  # whole / content
     bad_lines: int = 0
     evidence: Counter[str] = field(default_factory=Counter)  # answered records per ladder rung
+    # Completion tokens bought, exact per rung, cost per exact token (core/token_yield.py).
+    token_yield: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ok_rate(self) -> float | None:
@@ -451,7 +453,27 @@ def summarize(run: Run) -> RunStats:
     stats.cost_usd = sum(known) if known else None
     stats.provider = provider_slug(run, served)
     stats.served_by = ", ".join(sorted(served)) or UNKNOWN
+    stats.token_yield = run_yield(run)
     return stats
+
+
+def run_yield(run: Run) -> dict[str, Any]:
+    """A run's yield in tokens and dollars under its own `export.accept`, at the listed
+    output price and the spend its summary.json books (core/token_yield.py)."""
+    from kimi_pipe.core.evidence import parse_accept
+    from kimi_pipe.core.token_yield import token_yield
+
+    try:
+        accept = parse_accept((run.config.get("export") or {}).get("accept"))
+    except (ValueError, AttributeError):
+        accept = parse_accept(None)
+    price = _num(_dig(run.summary, "budget", "price_out_usd_per_mtok"))
+    return token_yield(
+        run.records,
+        accept,
+        price_out_per_token=price / 1e6 if price is not None else None,
+        spend_usd=_num(run.summary.get("spend_usd")),
+    )
 
 
 # --------------------------------------------------------------------------- recommendation
@@ -669,6 +691,7 @@ def report_data(stats: list[RunStats], rec: Recommendation) -> dict[str, Any]:
                 "answered": s.answered,
                 "ok_rate": s.ok_rate,
                 "evidence": {rung: s.evidence[rung] for rung in LADDER},
+                "yield": s.token_yield,
                 "billing_drift_pct": s.drift_total_pct,
                 "billing_drift_per_sample_pct": s.drift_pct,
                 "issues": dict(s.issues),

@@ -888,6 +888,8 @@ class Generator:
                 "reconstructed_minus_reported": rebuilt - reported,
                 "ratio": (rebuilt / reported) if reported else None,
             },
+            # Of the completion tokens bought, how many reach training exact (issue 33).
+            "yield": _token_yield(self.cfg, records_path, self.pricing, total_spend),
             "this_run": {
                 "startup_s": round(self.startup_s, 3),
                 "wall_s": round(wall, 3),
@@ -914,6 +916,20 @@ class Generator:
                 "concurrency_reached": self.window.peak,
             },
         }
+
+
+def _token_yield(cfg: Any, records_path: Path, pricing: Any, spend: float) -> dict[str, Any]:
+    """The yield block (core/token_yield.py) under the run's `export.accept`."""
+    from kimi_pipe.core.evidence import parse_accept
+    from kimi_pipe.core.token_yield import token_yield
+
+    accept = parse_accept(OmegaConf.select(cfg, "export.accept", default=None))
+    return token_yield(
+        iter_records(records_path),
+        accept,
+        price_out_per_token=pricing.output_per_token,
+        spend_usd=spend,
+    )
 
 
 def usd(amount: float) -> str:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from kimi_pipe.core.evidence import LADDER
+from kimi_pipe.core.token_yield import yield_line
 from kimi_pipe.errors import ConfigError
 from kimi_pipe.reporting.charts import write_charts
 from kimi_pipe.reporting.data import (
@@ -115,6 +116,7 @@ def render_markdown(
             f"{_counter_text(s.tool_problems)}",
             f"- cost: {fmt_usd(s.cost_usd)} in total, {fmt_usd(s.usd_per_mtok)} per million "
             "output tokens",
+            f"- yield: {yield_line(s.token_yield) if s.token_yield else 'n/a'}",
             f"- errors: {_counter_text(s.error_classes)}; mean attempts per request "
             f"{s.mean_attempts:.2f}; failed attempts {s.failed_attempts} "
             f"({fmt_pct(_pct(s.attempt_failure_rate))} of all attempts)",

@@ -306,6 +306,7 @@ def export(
         exporter.add_row(p.index, p.id, ids, mask)
         tokens["total"] += length
         tokens["loss"] += int(sum(mask))
+        policy.count_tokens(p.store, p.id, length, int(sum(mask)))
         tokens["max_len"] = max(tokens["max_len"], length)
         per_store[p.store]["samples"] += 1  # type: ignore[operator]
         per_store[p.store]["tokens"] += length  # type: ignore[operator]
@@ -333,7 +334,7 @@ def export(
         "converted": converted(manifest, conv, exporter.files(ctx)),
         "conventions": conv,
         "target_model_path": model_path,
-        "sources": [source_figures(s) for s in stores],
+        "sources": [source_figures(s, policy.accept) for s in stores],
         "policy": policy.summary(),
         "wall_s": round(time.monotonic() - started, 3),
         **extras,
@@ -479,6 +480,13 @@ class ExportPolicy:
     rung_of: dict[tuple[int, str], str]
     exported: Counter[str] = field(default_factory=Counter)
     excluded: Counter[str] = field(default_factory=Counter)
+    tokens: Counter[str] = field(default_factory=Counter)  # exported tokens per rung
+    loss_tokens: Counter[str] = field(default_factory=Counter)  # ... with loss_mask 1
+
+    def count_tokens(self, store: int, sample_id: str, total: int, loss: int) -> None:
+        rung = self.rung_of.get((store, sample_id), "no_record")
+        self.tokens[rung] += total
+        self.loss_tokens[rung] += loss
 
     def keep(self, store: int, sample_id: str) -> bool:
         rung = self.rung_of.get((store, sample_id), "no_record")
@@ -491,12 +499,15 @@ class ExportPolicy:
             "accept": list(self.accept),
             "exported_by_evidence": dict(sorted(self.exported.items())),
             "excluded_by_evidence": dict(sorted(self.excluded.items())),
+            "exported_tokens_by_evidence": dict(sorted(self.tokens.items())),
+            "exported_loss_tokens_by_evidence": dict(sorted(self.loss_tokens.items())),
         }
 
 
 def accepted_samples(stores: Sequence[HiddenStore], accept: Sequence[str] | None) -> ExportPolicy:
     """The export policy over the stores' source records (last record of an id wins)."""
-    from kimi_pipe.core.evidence import NEVER_USABLE, evidence_of, parse_accept
+    from kimi_pipe.core.evidence import NEVER_USABLE, PREFIX_PROVEN, evidence_of, parse_accept
+    from kimi_pipe.stages.export.prefix import cut_to_prefix
 
     rung_of: dict[tuple[int, str], str] = {}
     for si, store in enumerate(stores):
@@ -509,12 +520,18 @@ def accepted_samples(stores: Sequence[HiddenStore], accept: Sequence[str] | None
                 sid = str(rec.get("id"))
                 if sid in ids:
                     never = NEVER_USABLE & set(rec.get("issues") or ())
-                    rung_of[(si, sid)] = "never_usable" if never else evidence_of(rec)
+                    rung = "never_usable" if never else evidence_of(rec)
+                    if rung == PREFIX_PROVEN and not cut_to_prefix(store, sid, rec):
+                        rung = "prefix_not_cut"  # stored whole: never past the prefix
+                    rung_of[(si, sid)] = rung
     return ExportPolicy(parse_accept(accept), rung_of)
 
 
-def source_figures(store: HiddenStore) -> dict[str, Any]:
-    """Fidelity (audit.json) and billing drift (summary.json, records) of a store's sources."""
+def source_figures(store: HiddenStore, accept: Sequence[str] | None = None) -> dict[str, Any]:
+    """Fidelity (audit.json), billing drift (summary.json, records) and yield in tokens and
+    dollars under `accept` (core/token_yield.py) of a store's sources."""
+    from kimi_pipe.stages.export.prefix import run_yield
+
     runs = [Path(r) for r in store.manifest.get("source_runs", [])]
     out: dict[str, Any] = {"store": str(store.path), "runs": []}
     for run in runs:
@@ -527,6 +544,7 @@ def source_figures(store: HiddenStore) -> dict[str, Any]:
                 "billing_drift_run": summary.get("billing_drift"),
                 "tokens_run": summary.get("tokens"),
                 "billing_drift_exported": _records_drift(rec_file, set(store.ids)),
+                "yield": run_yield(rec_file, summary, accept),
             }
         )
     return out

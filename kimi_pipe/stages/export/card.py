@@ -94,7 +94,26 @@ def _policy_rows(policy: dict[str, Any] | None) -> list[str]:
         f"| left out by the policy, evidence `{rung}` | {n} |"
         for rung, n in policy.get("excluded_by_evidence", {}).items()
     ]
+    loss = policy.get("exported_loss_tokens_by_evidence", {})
+    rows += [
+        f"| exported tokens (loss tokens), evidence `{rung}` | {n} ({loss.get(rung, 0)}) |"
+        for rung, n in policy.get("exported_tokens_by_evidence", {}).items()
+    ]
     return rows
+
+
+def _yield_lines(block: dict[str, Any] | None) -> list[str]:
+    """A source run's yield in tokens and dollars (core/token_yield.py)."""
+    if not block:
+        return []
+    from kimi_pipe.core.token_yield import yield_line
+
+    rungs = ", ".join(f"{r} {n}" for r, n in block["exact_by_rung"].items() if n)
+    return [
+        f"Yield under `{', '.join(block['accept'])}`: {yield_line(block)}. Exact output tokens "
+        f"per rung: {rungs or 'none'} (a `prefix_proven` answer counts its proven prefix only).",
+        "",
+    ]
 
 
 def dataset_card(summary: dict[str, Any], exporter: Exporter) -> str:
@@ -172,6 +191,7 @@ def dataset_card(summary: dict[str, Any], exporter: Exporter) -> str:
                 lines += ["| figure | value |", "| --- | --- |", *_audit_lines(audit), ""]
             else:
                 lines += ["No fidelity audit (`audit.json`) in this run.", ""]
+            lines += _yield_lines(run.get("yield"))
             drift = run.get("billing_drift_exported")
             if drift:
                 lines += [
