@@ -1,7 +1,7 @@
 """Every trainer format: conventions converted or refused, files laid out as each trainer reads.
 
 Fast: synthetic stores through the writer API and a tiny random Llama; no trainer installed.
-The trainers' own loaders run in `make interop` (scripts/interop.py).
+The trainers' own loaders run in `make interop` (tools/interop.py).
 """
 
 from __future__ import annotations

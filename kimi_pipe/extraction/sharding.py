@@ -561,7 +561,7 @@ def resolve_for_shard(
 
 def _split_vocabulary(cfg: Any) -> Any:
     """The records' tokenizer as the split check sees it (None: no model config here),
-    loaded only when a record is checked (scripts/bench_extract.py: seconds per stage run)."""
+    loaded only when a record is checked (benchmarks/bench_extract.py: seconds per stage run)."""
     from omegaconf import OmegaConf
 
     from kimi_pipe.core.models import load_model
