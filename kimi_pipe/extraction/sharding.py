@@ -541,7 +541,8 @@ def resolve_for_shard(
 ) -> dict[str, Any]:
     """Target resolution (`extraction.resolve`) of this work shard's records, when the config
     enables it and the backend can score (`backend.suffix_scorer()`)."""
-    from kimi_pipe.extraction.resolve import ResolveSettings, resolve_records
+    from kimi_pipe.extraction.records_pass import resolve_records
+    from kimi_pipe.extraction.resolve import ResolveSettings
 
     settings = ResolveSettings.from_cfg(cfg)
     if not settings.enabled:
