@@ -216,7 +216,7 @@ class Generator:
         self.run_dir = run_dir
         self.route = route  # serving_auto.Route: the providers probed and their profiles
         self.settings = ProviderSettings.from_config(cfg.provider)
-        self.key = api_key(self.settings)  # first: a missing key stops before any work
+        self.key = api_key(self.settings.api_key_env)  # first: a missing key stops before any work
         self.account = account_for(self.settings)
         self.request = self.settings.request_record()
         self.max_tokens = int(self.settings.params.get("max_tokens") or 0)
