@@ -17,9 +17,9 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from kimi_pipe.config import CONF_DIR
+from kimi_pipe.conformance.probe import load_battery
 from kimi_pipe.core.models import load_model
 from kimi_pipe.core.prompt_render import prompt_ids
-from kimi_pipe.stages.probe import load_battery
 
 
 def main() -> None:

@@ -7,8 +7,7 @@ from typing import Any
 
 import pytest
 
-from kimi_pipe.core.models import Model
-from kimi_pipe.stages.probe import (
+from kimi_pipe.conformance.probe import (
     CLEAN,
     SEEN,
     UNKNOWN,
@@ -16,9 +15,10 @@ from kimi_pipe.stages.probe import (
     check_answer,
     default_battery,
     load_battery,
-    main,
-    run_probes,
 )
+from kimi_pipe.core.models import Model
+from kimi_pipe.generation.probes import run_probes
+from kimi_pipe.stages.probe import main
 from tests.support.fake_openrouter import Behaviour, KimiCounter
 from tests.support.fake_stacks import Stack, routed_fake, stacks
 
@@ -173,7 +173,7 @@ def test_report_routes_only_to_faithful_providers(
     import os
     import shutil
 
-    from kimi_pipe.stages.report import build_report
+    from kimi_pipe.reporting.report import build_report
     from tests.support.conftest_generate import base_overrides, run_inprocess, write_prompts
 
     srv, _ = stack_server

@@ -14,16 +14,16 @@ from typing import Any
 import pytest
 
 from kimi_pipe.config import compose
-from kimi_pipe.core.models import Model
-from kimi_pipe.core.serving import CHOICES, serving_profile
-from kimi_pipe.stages.probe import default_battery, load_battery
-from kimi_pipe.stages.serving_auto import (
+from kimi_pipe.conformance.auto import (
     INTENT_PREFIX,
     RUN_FILE,
     prepare,
     profile_from_spec,
     spec_overrides,
 )
+from kimi_pipe.conformance.probe import default_battery, load_battery
+from kimi_pipe.core.models import Model
+from kimi_pipe.core.serving import CHOICES, serving_profile
 from kimi_pipe.store.spend_journal import JOURNAL, SpendJournal
 from tests.support.conftest_generate import base_overrides, read_jsonl, run_inprocess, write_prompts
 from tests.support.fake_openrouter import Behaviour, KimiCounter

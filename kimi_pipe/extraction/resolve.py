@@ -39,6 +39,8 @@ from typing import Any, Protocol, cast
 
 import torch
 
+from kimi_pipe.core.evidence import TARGET_RESOLVED as TARGET_RESOLVED  # one home: the ladder
+from kimi_pipe.core.evidence import UNRESOLVED as UNRESOLVED
 from kimi_pipe.core.token_record import TokenRecord
 from kimi_pipe.errors import ConfigError, StoreError
 from kimi_pipe.extraction.sampler import (  # noqa: F401  (re-exported: resolve's public names)
@@ -50,14 +52,14 @@ from kimi_pipe.extraction.sampler import (  # noqa: F401  (re-exported: resolve'
     sampled_logprobs,
     sampler_log_table,
 )
+from kimi_pipe.store.layout import LOCK
 
 log = logging.getLogger("kimi_pipe.resolve")
 
 TARGET_UNRESOLVED = "target_unresolved"  # scored, but no option reached resolve.min_posterior
 RESOLVED_NOTE = "resolved_by_target"
-TARGET_RESOLVED = "target_resolved"
-UNRESOLVED = "unresolved"
-LOCK_FILE = ".lock"  # the run directory's lock (store/run_lock.py): generate holds it
+# The run directory's lock (store/run_lock.py): generate holds it.
+LOCK_FILE = LOCK
 
 # Which error codes an ambiguity class accounts for where kimi_pipe.core.candidates (helper
 # 19a, the owner of the classes) has no CLASS_OF_CODE table. A stripped tail that billing saw

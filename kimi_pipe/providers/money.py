@@ -78,3 +78,20 @@ def _checked_prices(prices: tuple[Any, Any], where: str, minimum: float) -> tupl
             )
         out.append(usd)
     return out[0], out[1]
+
+
+def usd(amount: float) -> str:
+    """USD with 4 decimals, more below a cent so that 3 digits show (a worst case of
+    $0.00084 held at 1000x must not read as $0.0008 x 1000)."""
+    digits = 4 if amount <= 0 or amount >= 0.01 else 2 - math.floor(math.log10(amount))
+    return f"${amount:.{min(digits, 10)}f}"
+
+
+def usd_pair(amount: float, limit: float) -> tuple[str, str]:
+    """Two USD amounts as a message prints them: 4 decimals, more where 4 would print them
+    equal (a message that says one exceeds the other shows it)."""
+    for digits in (4, 6, 8, 10):
+        first, second = f"${amount:.{digits}f}", f"${limit:.{digits}f}"
+        if first != second:
+            break
+    return first, second

@@ -114,7 +114,7 @@ def base_overrides(
 def run_inprocess(overrides: Sequence[str], out: Path) -> tuple[int, dict | None]:
     """The stage in this process (no Hydra run dir files; fast)."""
     from kimi_pipe.config import compose
-    from kimi_pipe.stages.generate import generate
+    from kimi_pipe.generation.probes import generate
 
     return generate(compose(list(overrides)), out)
 

@@ -62,6 +62,7 @@ from kimi_pipe.stages.export.speculators import SPECULATORS_STATES, speculators_
 from kimi_pipe.stages.export.tokens import TOKENS_FILE
 from kimi_pipe.store.conventions import final_state_as, final_state_conversion
 from kimi_pipe.store.hidden_store import HiddenStore, state_dtypes
+from kimi_pipe.store.layout import AUDIT_JSON, RECORDS, SUMMARY
 from kimi_pipe.store.records import iter_records
 
 __all__ = [
@@ -466,7 +467,7 @@ def _record_file(store: HiddenStore, run: Path) -> Path:
     records = Path(extract_summary["records"]) if extract_summary.get("records") else None
     if records is not None and records.parent.resolve() == run.resolve():
         return records  # the extract input was another file of this run
-    return run / "records.jsonl"
+    return run / RECORDS
 
 
 @dataclass
@@ -517,11 +518,11 @@ def source_figures(store: HiddenStore) -> dict[str, Any]:
     out: dict[str, Any] = {"store": str(store.path), "runs": []}
     for run in runs:
         rec_file = _record_file(store, run)
-        summary = _read_json(run / "summary.json") or {}
+        summary = _read_json(run / SUMMARY) or {}
         out["runs"].append(
             {
                 "run": str(run),
-                "audit": _read_json(run / "audit.json"),
+                "audit": _read_json(run / AUDIT_JSON),
                 "billing_drift_run": summary.get("billing_drift"),
                 "tokens_run": summary.get("tokens"),
                 "billing_drift_exported": _records_drift(rec_file, set(store.ids)),

@@ -1,7 +1,7 @@
 """`serving=auto` (the default for generate): fit the serving profile from probes, then buy.
 
 At the start of a generate job, before any answer is bought, the conformance battery
-(`conf/probes/<model>.yaml`, stages/probe.py) is bought once per provider the job will use,
+(`conf/probes/<model>.yaml`, conformance/probe.py) is bought once per provider the job will use,
 pinned to it, and judged; each provider gets the conf/serving profile its answers fit. The
 job is then pinned (`provider.routing.only`/`order`, no fallbacks) to the providers whose
 quirks a profile undoes, and every record carries `serving_profile` (a conf/serving name, or
@@ -33,24 +33,42 @@ import json
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from kimi_pipe.core.serving import CHOICES, UNKNOWN, ServingProfile
+from kimi_pipe.conformance.probe import (
+    Battery,
+    ProbeError,
+    Shortfall,
+    default_battery,
+    judge,
+    load_battery,
+    load_serving_fields,
+    profile_spec,
+    write_probe_prompts,
+)
+from kimi_pipe.core.serving import CHOICES, UNKNOWN, ServingProfile, serving_profile
 from kimi_pipe.errors import ConfigError
-
-if TYPE_CHECKING:
-    from kimi_pipe.stages.probe import Shortfall
+from kimi_pipe.store.layout import RECORDS, SERVING_AUTO_DIR, SERVING_AUTO_RUN
+from kimi_pipe.store.records import iter_records
+from kimi_pipe.store.spend_journal import JOURNAL, SpendJournal
 
 log = logging.getLogger("kimi_pipe.serving_auto")
 
+# How a battery is bought: (config, battery, prompts file, provider slug or None for the
+# route, USD cap, run dir) -> (records, what did not fit). The generate job passes
+# generation/probes.py's `buy_battery`: this module never imports the job that calls it.
+BuyBattery = Callable[
+    [Any, Battery, Path, str | None, float, Path], tuple[list[dict[str, Any]], Shortfall | None]
+]
+
 AUTO = "auto"
-RUN_FILE = "serving_auto.json"
-PROBE_DIR = "serving_auto"  # = reporting.data.SERVING_AUTO_DIR
+RUN_FILE = SERVING_AUTO_RUN
+PROBE_DIR = SERVING_AUTO_DIR
 ROUTE_RUN = "_route"  # the discovery run: the battery on the route as configured
 INTENT_PREFIX = "serving_auto:"  # journal ids of probe bookings (never a prompt's id)
 MAX_ROUTE_CHANGES = 4  # re-probes per generate call before it gives up
@@ -67,7 +85,6 @@ class ServingAutoError(ConfigError):
 @functools.lru_cache(maxsize=256)
 def profile_from_spec(spec: str) -> ServingProfile:
     """The ServingProfile a spec names (conf/serving/NAME.yaml plus its field overrides)."""
-    from kimi_pipe.stages.probe import ProbeError, load_serving_fields
 
     base, *parts = str(spec).split("+")
     try:
@@ -172,8 +189,6 @@ class Route:
 def named(cfg: DictConfig) -> Route:
     """The route of a job that names its profile (serving=NAME [serving.FIELD=VALUE]):
     no probes; records carry NAME plus the fields overridden on the command line."""
-    from kimi_pipe.core.serving import serving_profile
-    from kimi_pipe.stages.probe import profile_spec
 
     profile = serving_profile(cfg)
     try:
@@ -266,10 +281,8 @@ class VerdictCache:
 
 
 class _Prober:
-    def __init__(self, cfg: DictConfig, run_dir: Path) -> None:
-        from kimi_pipe.stages.probe import default_battery, load_battery, write_probe_prompts
-
-        self.cfg, self.run_dir = cfg, run_dir
+    def __init__(self, cfg: DictConfig, run_dir: Path, buy: BuyBattery | None = None) -> None:
+        self.cfg, self.run_dir, self.buy_battery = cfg, run_dir, buy
         path = OmegaConf.select(cfg, "serving_auto.battery", default=None)
         path = Path(str(path)) if path else default_battery(str(cfg.model.name))
         if not path.is_file():
@@ -298,7 +311,6 @@ class _Prober:
     def _cap_left(self) -> tuple[float, str, float]:
         """This probe's cap: serving_auto.usd_per_provider within what budget.usd leaves;
         with the setting that bound it and what the job's journal had spent."""
-        from kimi_pipe.store.spend_journal import JOURNAL, SpendJournal
 
         cap_usd = OmegaConf.select(self.cfg, "budget.usd", default=None)
         if cap_usd is None:
@@ -313,8 +325,9 @@ class _Prober:
     def buy(self, slug: str | None) -> tuple[list[dict[str, Any]], float]:
         """Buy the battery (pinned to slug, or on the route) booked in the job's journal;
         returns (records, USD this call spent)."""
-        from kimi_pipe.stages.probe import buy_battery
-        from kimi_pipe.store.spend_journal import JOURNAL, SpendJournal
+        buy_battery = self.buy_battery
+        if buy_battery is None:  # a caller that never probes (a declared profile) passes none
+            raise ServingAutoError("serving=auto must buy probes here, and no buyer was given")
 
         name = slug or ROUTE_RUN
         run = self.base / _safe(name)
@@ -372,7 +385,6 @@ class _Prober:
         )
 
     def judge(self, slug: str, records: list[dict[str, Any]], usd: float) -> ProviderFit:
-        from kimi_pipe.stages.probe import judge
 
         return remember(self.cache, judge(self.battery, slug, records), usd)
 
@@ -436,8 +448,6 @@ def _read_run_file(run_dir: Path) -> dict[str, ProviderFit]:
 
 
 def _answered_providers(run_dir: Path) -> list[str]:
-    from kimi_pipe.stages.generate import RECORDS
-    from kimi_pipe.store.records import iter_records
 
     path = run_dir / RECORDS
     if not path.exists():
@@ -448,10 +458,10 @@ def _answered_providers(run_dir: Path) -> list[str]:
     return sorted(seen)
 
 
-def fit_route(cfg: DictConfig, run_dir: Path) -> Route:
+def fit_route(cfg: DictConfig, run_dir: Path, buy: BuyBattery | None = None) -> Route:
     """Probe (or read from cache, or from this run's earlier fit) every provider the job
     will use; raises ServingAutoError where nothing can be concluded."""
-    prober = _Prober(cfg, run_dir)
+    prober = _Prober(cfg, run_dir, buy)
     earlier = _read_run_file(run_dir)  # a resumed job keeps what it measured
     fits: dict[str, ProviderFit] = {}
     wanted = _configured_providers(cfg)
@@ -548,9 +558,11 @@ def is_plain_auto(profile: ServingProfile) -> bool:
     return profile.name == AUTO and all(getattr(profile, k) == UNKNOWN for k in CHOICES)
 
 
-def prepare(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, Route]:
-    """generate's first step: the route every record of the job is reconstructed under."""
-    from kimi_pipe.core.serving import serving_profile
+def prepare(
+    cfg: DictConfig, run_dir: Path, buy: BuyBattery | None = None
+) -> tuple[DictConfig, Route]:
+    """generate's first step: the route every record of the job is reconstructed under;
+    `buy` buys a probe battery where one must be bought (the generate job passes it)."""
 
     try:
         profile = serving_profile(cfg)
@@ -570,7 +582,7 @@ def prepare(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, Route]:
         return out, Route(
             declared=str(declared), declared_by="provider.serving_profile", declared_profile=profile
         )
-    route = fit_route(cfg, run_dir)
+    route = fit_route(cfg, run_dir, buy)
     return pinned(cfg, route), route
 
 
