@@ -36,8 +36,8 @@ from typing import Any
 import torch
 
 from kimi_pipe.config import DATA_DIR, compose
+from kimi_pipe.exporters import export
 from kimi_pipe.extraction.hf_backend import HFBackend
-from kimi_pipe.stages.export import export
 from kimi_pipe.store.conventions import final_state_as
 from kimi_pipe.store.hidden_store import (
     FP8_MAX,

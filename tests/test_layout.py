@@ -24,6 +24,7 @@ LAYERS = {
     "extraction": 3,
     "reporting": 4,
     "conformance": 4,  # probe batteries, checks, profile fitting, serving=auto
+    "exporters": 4,  # the export engine and one file per trainer format
     "generation": 4.5,  # the generate job and the probes bought through it: under the stages
     "stages": 5,
     "pipeline": 6,

@@ -185,7 +185,7 @@ def test_sglang_cpu_exports_load_in_the_trainers_own_loaders(stores: dict[str, A
     loader (tools/interop_check.py in the trainers' venv). The store is post-norm (SGLang
     hands the states after the final norm), so speculators, which needs pre-norm, is refused
     with the reason, as for any post-norm store."""
-    from kimi_pipe.stages.export import export
+    from kimi_pipe.exporters import export
     from kimi_pipe.store.conventions import ConventionError
 
     store = OUT / "hidden_sglang"

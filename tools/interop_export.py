@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from kimi_pipe.stages.export import FORMATS, export
+from kimi_pipe.exporters import FORMATS, export
 from kimi_pipe.store.conventions import ConventionError, final_state_as
 from kimi_pipe.store.hidden_store import FP8, MANIFEST, HiddenStore
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from kimi_pipe.errors import ConfigError, StoreError
-from kimi_pipe.stages.export.base import ExportContext, Exporter
+from kimi_pipe.exporters.base import ExportContext, Exporter
 from kimi_pipe.store import atomic
 from kimi_pipe.store.conventions import PRE_NORM
 from kimi_pipe.store.hidden_store import FP8, FP8_MAX, FP8_TORCH

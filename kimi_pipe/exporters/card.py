@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kimi_pipe.stages.export.base import Exporter
+from kimi_pipe.exporters.base import Exporter
 
 
 def _fmt(value: Any) -> str:

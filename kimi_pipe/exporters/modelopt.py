@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from kimi_pipe.stages.export.base import ExportContext, Exporter, save_torch
+from kimi_pipe.exporters.base import ExportContext, Exporter, save_torch
 from kimi_pipe.store.conventions import POST_NORM
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from kimi_pipe.errors import ConfigError, InputError, MissingFile
-from kimi_pipe.stages.export.base import ExportContext, Exporter, save_torch, write_atomic
+from kimi_pipe.exporters.base import ExportContext, Exporter, save_torch, write_atomic
 from kimi_pipe.store.conventions import POST_NORM
 
 ROWS_PER_DIR = 2000  # SpecForge's rows_{g}-{g+2000} grouping

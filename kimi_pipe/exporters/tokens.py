@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kimi_pipe.stages.export.base import ExportContext, Exporter, write_atomic
+from kimi_pipe.exporters.base import ExportContext, Exporter, write_atomic
 
 TOKENS_FILE = "tokens.jsonl"
 

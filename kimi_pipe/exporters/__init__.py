@@ -35,11 +35,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
 from kimi_pipe.errors import ConfigError, MissingFile
-from kimi_pipe.extraction.layers import drafter_config_ids, manifest_output_ids
-from kimi_pipe.stages.export.base import (
+from kimi_pipe.exporters.base import (
     ExportContext,
     Exporter,
     ExportFormatError,
@@ -47,9 +46,9 @@ from kimi_pipe.stages.export.base import (
     load_exporter,
     write_atomic,
 )
-from kimi_pipe.stages.export.card import dataset_card
-from kimi_pipe.stages.export.modelopt import modelopt_path
-from kimi_pipe.stages.export.specforge import (
+from kimi_pipe.exporters.card import dataset_card
+from kimi_pipe.exporters.modelopt import modelopt_path
+from kimi_pipe.exporters.specforge import (
     ROWS_PER_DIR,
     SPECFORGE_CONFIG,
     SPECFORGE_DEFAULT_MAX_LENGTH,
@@ -58,8 +57,9 @@ from kimi_pipe.stages.export.specforge import (
     specforge_path,
     specforge_weight_keys,
 )
-from kimi_pipe.stages.export.speculators import SPECULATORS_STATES, speculators_path
-from kimi_pipe.stages.export.tokens import TOKENS_FILE
+from kimi_pipe.exporters.speculators import SPECULATORS_STATES, speculators_path
+from kimi_pipe.exporters.tokens import TOKENS_FILE
+from kimi_pipe.extraction.layers import drafter_config_ids, manifest_output_ids
 from kimi_pipe.store.conventions import final_state_as, final_state_conversion
 from kimi_pipe.store.hidden_store import HiddenStore, state_dtypes
 from kimi_pipe.store.layout import AUDIT_JSON, RECORDS, SUMMARY
@@ -587,44 +587,3 @@ def run_export(cfg: DictConfig) -> dict[str, Any]:
         file=sys.stderr,
     )
     return summary
-
-
-def output_dir(cfg: DictConfig, run_dir: Path) -> Path:
-    out = OmegaConf.select(cfg, "output", default=None)
-    fmt = OmegaConf.select(cfg, "format", default="specforge")
-    return Path(str(out)) if out else run_dir / f"export_{fmt}"
-
-
-def inputs(cfg: DictConfig, run_dir: Path) -> list[Path]:
-    stores = OmegaConf.select(cfg, "stores", default=None) or []
-    return [Path(str(s)) for s in ([stores] if isinstance(stores, str) else stores)]
-
-
-def outputs(cfg: DictConfig, run_dir: Path) -> list[Path]:
-    return [output_dir(cfg, run_dir) / CARD_FILE]
-
-
-def run_stage(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:
-    """The stage entry: training files from `stores` (default output: <run_dir>/export_<fmt>)."""
-    if not inputs(cfg, run_dir or Path(".")):
-        raise ConfigError("no store to export: run an extract stage first or pass stores=[...]")
-    cfg = cfg.copy()
-    with open_dict(cfg):
-        OmegaConf.update(cfg, "stores", [str(p) for p in inputs(cfg, Path("."))], force_add=True)
-        OmegaConf.update(cfg, "seed", int(OmegaConf.select(cfg, "seed", default=0) or 0))
-        if run_dir is not None:
-            OmegaConf.update(cfg, "output", str(output_dir(cfg, run_dir)), force_add=True)
-    return run_export(cfg)
-
-
-def main(argv: list[str] | None = None) -> int:
-    from kimi_pipe.stages.command import hydra_command
-
-    def export_stage(cfg: DictConfig) -> None:
-        run_export(cfg)
-
-    return hydra_command(export_stage, argv, name="export")
-
-
-if __name__ == "__main__":
-    sys.exit(main())

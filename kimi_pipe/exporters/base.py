@@ -1,11 +1,11 @@
 """The exporter protocol: what one EAGLE-3 trainer format supplies to the export stage.
 
 An exporter is one class in one file of this package, named by its config
-`conf/export/<name>.yaml` (`exporter: kimi_pipe.stages.export.<file>.<Class>`): adding a format
-is that file plus that config. The stage (`kimi_pipe.stages.export`) does everything shared:
-it opens and checks the stores, selects and shuffles the samples, converts the final state to
-the exporter's `final_state`, skips non-finite samples, resumes, writes the index, the summary
-and the card. The exporter supplies:
+`conf/export/<name>.yaml` (`exporter: kimi_pipe.exporters.<file>.<Class>`): adding a format
+is that file plus that config. The engine (`kimi_pipe.exporters`, run by the export stage)
+does everything shared: it opens and checks the stores, selects and shuffles the samples,
+converts the final state to the exporter's `final_state`, skips non-finite samples, resumes,
+writes the index, the summary and the card. The exporter supplies:
 
 * `final_state`: the final-state convention its files hold (`post_norm`, `pre_norm`, or None
   for a format without hidden states);
@@ -148,7 +148,7 @@ def load_exporter(name: str, settings: Mapping[str, Any] | None = None) -> Expor
     if not isinstance(target, str) or "." not in target:
         raise ExportFormatError(f"conf/export/{name}.yaml: 'exporter' must name a class")
     module_name, _, cls_name = target.rpartition(".")
-    if not module_name.startswith("kimi_pipe.stages.export."):
+    if not module_name.startswith("kimi_pipe.exporters."):
         # Exporters live in this package: a config must not import arbitrary code.
         raise ExportFormatError(f"conf/export/{name}.yaml: exporter {target!r} is not an exporter")
     cls = getattr(importlib.import_module(module_name), cls_name, None)
