@@ -1,26 +1,7 @@
-r"""Conformance probes: the battery, the checks of each answer, the verdicts and the profile
-that fits (the probe stage, kimi_pipe/stages/probe.py, buys them through
-kimi_pipe/generation/probes.py).
-
-    python -m kimi_pipe.probe probe.providers=[moonshotai,fireworks] [probe.usd=0.3] \
-        [probe.output_dir=runs/probe] [probe.battery=PATH.yaml] [group.key=value ...]
-    make probe providers=moonshotai,fireworks [usd=0.3]          # the same
-
-A Hydra app over the shared config; its settings are the `probe` group
-(conf/probe/default.yaml), the model and provider settings those of generate.
-A battery (`conf/probes/<model>.yaml`) holds small prompts built so that one server
-transformation (a quirk) shows in the answer, each with a deterministic check. For every
-provider the battery is bought through the generate stage, pinned to it
-(`provider.routing.order=[slug]`, `allow_fallbacks=false`), asking for logprobs without
-requiring them (a provider without logprobs still answers), under `usd` split evenly.
-Then `conformance.json` and `conformance.md` say per provider and quirk: clean (the answer
-shows the model's text intact), seen (changed), unknown (no usable answer); whether the
-provider returns logprobs and whether they agree with the text; the serving profile that
-fits; and whether the provider can be used (no seen quirk that cannot be inverted).
-
-Run directory: `<output_dir>/prompts.jsonl`, `<output_dir>/<slug>/` (generate's run),
-`conformance.json`, `conformance.md`. Running it again resumes (answered probes are kept).
-"""
+r"""Conformance probes: the battery (`conf/probes/<model>.yaml`: small prompts, each built so
+that one server transformation shows in the answer), the deterministic check of each answer,
+the verdicts per provider (clean, seen, unknown) and the serving profile that fits. Bought
+through kimi_pipe/generation/probes.py; the command is kimi_pipe/stages/probe.py."""
 
 from __future__ import annotations
 

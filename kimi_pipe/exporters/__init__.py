@@ -1,24 +1,7 @@
-"""Stage: export hidden-state stores for an EAGLE-3 trainer, with a dataset card.
-
-    python -m kimi_pipe.export format=specforge stores=[runs/B5/x/hidden_hf,runs/B6/x/hidden_hf] \
-        seed=0 output=exports/b5-b6 [target_model_path=/models/Kimi-K2.5]
-
-Formats are plug-ins (docs/export.md): one file in this package and one config
-`conf/export/<name>.yaml` each (`specforge`, `speculators`, `modelopt`, `tokens`); `format=NAME`
-picks one (an alias of the group choice `export=NAME`). The exporter protocol is in `base.py`.
-
-Every export reads the store's manifest and converts (post-norm from a pre-norm store that
-recorded its final norm; layer ids renamed to the trainer's convention; fp8 states
-dequantized) or refuses with a message before writing anything: it never writes a convention
-it was not asked for. Its summary and card describe the files as written (`files`), with the
-store's own description (`source_manifest`) and what was converted (`converted`) apart.
-
-Merge and shuffle are deterministic: samples of all stores are ordered by (store path, sample
-id) and shuffled with `random.Random(seed)`, so the same stores and seed always give the same
-files, whatever order the stores are listed in. `export_index.jsonl` maps each file back to its
-store and sample id. A killed export resumes: files are written tmp + rename and existing ones
-are kept (the plan is checked to be the same). Samples with NaN/inf states are skipped, counted.
-"""
+"""The export engine: hidden-state stores -> one EAGLE-3 trainer's files and a dataset card.
+It plans and shuffles the samples, converts conventions (or refuses before writing), resumes,
+and writes the index, the summary and the card; each format is one file of this package
+(`base.py` holds the protocol). The command: kimi_pipe/stages/export.py; docs/export.md."""
 
 from __future__ import annotations
 

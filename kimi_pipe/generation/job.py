@@ -1,24 +1,6 @@
-"""The generate job: buy model answers through LiteLLM and store them with exact token ids
-(the generate stage, kimi_pipe/stages/generate.py, is its command).
-
-    python -m kimi_pipe.generate dataset=B5 provider=openrouter budget.usd=20
-    python -m kimi_pipe.generate dataset=jsonl dataset.path=P.jsonl model=kimi_k25 \
-        model.tokenizer.path=DIR provider=openrouter provider.api_base=URL budget.usd=X \
-        output_dir=DIR
-
-Pipeline per prompt: render prompt ids (worst-case budget reservation) -> request through
-`litellm.acompletion` (bounded concurrency, retries) -> reconstruct ids inline -> append one
-record to `records.jsonl` (flushed). Running the same command again resumes: answered ids
-are skipped and money already spent counts against `budget.usd`.
-
-Run directory: `records.jsonl` (one record per answered or permanently failed id),
-`attempt_errors.jsonl` (every failed attempt with what it cost; samples given up after
-their retries are tried again on the next run), `spend_journal.jsonl` (write-ahead: every
-request before it is sent, and what it cost; see store/spend_journal.py), `.lock` (one
-process per directory), `summary.json`, `.hydra/`.
-Exit status: 0 done or a budget cap reached, 2 bad config/input or the directory is in use,
-3 stopped by the provider (402 out of credits, 401 bad key), 4 every request failed.
-"""
+"""The generate job: buy model answers through LiteLLM under a hard USD cap and store them
+with exact token ids, resumable (a killed run is finished by running it again). Its command
+line, settings and what a run directory holds: kimi_pipe/stages/generate.py, docs/generate.md."""
 
 from __future__ import annotations
 

@@ -1,18 +1,6 @@
-r"""Provider report: per-run fidelity, cost and speed from finished generate runs (the
-report stage, kimi_pipe/stages/report.py, is its command).
-
-    python -m kimi_pipe.report report.sweep_dir=runs/sweep/B5 [report.out_dir=DIR] \
-        [report.min_ok_rate=0.95] [report.max_error_rate=0.10] [report.min_tool_valid_rate=0.95] \
-        [report.ignore_quantizations=[fp4,nvfp4,mxfp4,fp6]] [report.rank_step=0.02]
-    make report sweep_dir=runs/sweep/B5                          # the same
-
-A Hydra app over the shared config; its settings are the `report` group
-(conf/report/default.yaml). `report.sweep_dir` is one generate run directory (it holds
-`records.jsonl`) or any directory above several of them (a sweep, or `runs/<dataset>`).
-Writes `report.md`, `report.json` and PNG charts into `report.out_dir` (default:
-`sweep_dir`) and ends with a recommended OpenRouter `provider` routing block. Reads only
-what generate wrote; needs no network and no model, and writes no run directory of its own.
-"""
+r"""The provider report: per-run fidelity, cost and speed from finished generate runs, as
+`report.md`, `report.json` and charts, ending with a recommended routing. Reads only what
+generate wrote. The command and its settings: kimi_pipe/stages/report.py."""
 
 from __future__ import annotations
 
