@@ -47,8 +47,8 @@ test: setup
 
 # The gates CI runs besides the tests: lint, one formatter, and the type checker (pinned).
 lint: setup
-	$(BIN)/ruff check kimi_pipe tests scripts
-	$(BIN)/ruff format --check kimi_pipe tests scripts
+	$(BIN)/ruff check kimi_pipe tests benchmarks tools
+	$(BIN)/ruff format --check kimi_pipe tests benchmarks tools
 	$(BIN)/mypy
 
 # Regenerate the golden token-id snapshots; review the diff like code.
@@ -58,7 +58,7 @@ snapshots: setup
 
 # Reconstruct the bundled recorded answers with the Kimi tokenizer (../shared or KIMI_TOKENIZER_DIR).
 yield: setup
-	$(PYTHON) scripts/yield_table.py
+	$(PYTHON) -m benchmarks.yield_table
 
 reconstruct-sample: setup
 	$(PYTHON) -m kimi_pipe.reconstruct model=kimi_k25 \
@@ -94,19 +94,19 @@ report: setup
 	$(PYTHON) -m kimi_pipe.report $(if $(sweep_dir),report.sweep_dir=$(sweep_dir)) $(ARGS)
 
 bench: setup
-	$(PYTHON) scripts/bench_reconstruct.py
-	$(PYTHON) scripts/bench_generate.py
+	$(PYTHON) -m benchmarks.bench_reconstruct
+	$(PYTHON) -m benchmarks.bench_generate
 
 # Every export format loaded by the trainers' own code (SpecForge, speculators, ModelOpt from
 # PyPI, in their own venv), with numeric checks; figures in README (docs/export.md).
 interop: setup
-	PY=$(PYTHON) bash scripts/interop.sh
+	PY=$(PYTHON) bash tools/interop.sh
 
 # SGLang's real engine on this CPU (Intel Xeon with AMX, or AVX2 with SGLang's torch-native
 # paths), in its own venv .venv-sglang; the CPU kernel is compiled once from SGLang's sources
 # (SGLANG_SRC=a clone or an archive of them, else ../shared/sglang/) and cached in ~/.cache/kimi_pipe.
 sglang-cpu:
-	bash scripts/sglang_cpu/setup.sh
+	bash tools/sglang_cpu/setup.sh
 
 # The sglang_cpu tier: extract=sglang extract.device=cpu against extract=hf on every record of the
 # demo (made first with `make demo` when missing), target resolution and the split check through
@@ -116,7 +116,7 @@ SGLANG_DEMO_ARGS ?=
 test-sglang-cpu: setup
 	@test -x .venv-sglang/bin/python || { echo "error: .venv-sglang missing: run make sglang-cpu first"; exit 2; }
 	test -f runs/demo/records.jsonl || $(PYTHON) -m kimi_pipe.demo $(SGLANG_DEMO_ARGS)
-	INTEROP_VENV_ONLY=1 bash scripts/interop.sh
+	INTEROP_VENV_ONLY=1 bash tools/interop.sh
 	KIMI_PIPE_SGLANG_CPU=1 .venv-sglang/bin/python -m pytest -q -s -p no:cacheprovider -m sglang_cpu tests/test_sglang_cpu.py
 
 # Locks (uv, from PyPI): one universal requirements.lock for Python 3.11-3.13 and Linux,
@@ -153,7 +153,7 @@ wheel: setup
 # Install the wheel like a user (fresh venv outside the checkout, INSTALL_PY, default
 # Python 3.12) and run `kimi-pipe reconstruct` on the bundled sample from another directory.
 check-install: wheel
-	$(PYTHON) scripts/check_install.py --python $(or $(INSTALL_PY),3.12) --wheel-dir dist
+	$(PYTHON) -m tools.check_install --python $(or $(INSTALL_PY),3.12) --wheel-dir dist
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache build dist

@@ -26,8 +26,6 @@ def Stage(module: str, extra: str, summary: str, needs: tuple[str, ...] = ()) ->
 
 STAGES: dict[str, StageEntry] = {name: e for name, e in ENTRIES.items() if e.command}
 
-EXIT_USAGE = EXIT_USER_ERROR
-
 
 def usage() -> str:
     width = max(len(name) for name in STAGES)
@@ -51,7 +49,7 @@ def _missing_dependency(name: str, stage: StageEntry, missing: str) -> int:
             f"error: stage {name!r} is not in this kimi_pipe version ({missing} is missing)",
             file=sys.stderr,
         )
-        return EXIT_USAGE
+        return EXIT_USER_ERROR
     missing = missing.split(".")[0]
     extra = stage.extra or "all"
     print(
@@ -60,19 +58,19 @@ def _missing_dependency(name: str, stage: StageEntry, missing: str) -> int:
         "(in a checkout, `make setup` installs everything).",
         file=sys.stderr,
     )
-    return EXIT_USAGE
+    return EXIT_USER_ERROR
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help", "help"):
         print(usage(), file=sys.stdout if args else sys.stderr)
-        return 0 if args else EXIT_USAGE
+        return 0 if args else EXIT_USER_ERROR
     name, rest = args[0], args[1:]
     stage = STAGES.get(name)
     if stage is None:
         print(f"error: unknown stage {name!r}\n\n{usage()}", file=sys.stderr)
-        return EXIT_USAGE
+        return EXIT_USER_ERROR
     absent = missing_modules(stage)
     if absent:
         return _missing_dependency(name, stage, absent[0])
@@ -93,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if message is None:
             raise
         print(f"error: {message}", file=sys.stderr)
-        return EXIT_USAGE
+        return EXIT_USER_ERROR
     finally:
         sys.argv = saved_argv
     return int(status or 0)

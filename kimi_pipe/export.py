@@ -1,4 +1,4 @@
-"""`python -m kimi_pipe.export`: the export stage, kimi_pipe/stages/export/."""
+"""`python -m kimi_pipe.export`: the export stage, kimi_pipe/stages/export.py."""
 
 import sys
 

@@ -1,7 +1,7 @@
 """What four real serving stacks do to Kimi K2.5's output text, as pure functions (issue 30).
 
 Written from the stacks' own code and checked against the answers that code returned on
-ground-truth ids (tests/fixtures/server_shapes, scripts/make_server_fixtures.py;
+ground-truth ids (tests/fixtures/server_shapes, tools/make_server_fixtures.py;
 test_stack_models_reproduce_the_real_servers): each model takes the model's own output in
 fields (reasoning, content, calls as (name, arguments, index) in the order written) and
 returns the chat-completion message that stack sends.

@@ -25,7 +25,7 @@ from omegaconf import DictConfig
 from test_unit_store import s3_endpoint  # noqa: F401  (the moto S3 server fixture)
 
 from kimi_pipe.errors import ConfigError
-from kimi_pipe.stages.export import INDEX_FILE, export
+from kimi_pipe.exporters import INDEX_FILE, export
 from kimi_pipe.stages.extract import is_complete, run_extract
 from kimi_pipe.store.hidden_store import HiddenStore
 from kimi_pipe.store.unit_reader import UnitHiddenStore, is_unit_store

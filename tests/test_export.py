@@ -12,14 +12,14 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from kimi_pipe.extraction.hf_backend import HFBackend
-from kimi_pipe.stages.export import (
+from kimi_pipe.exporters import (
     INDEX_FILE,
     ROWS_PER_DIR,
     export_specforge,
     run_export,
     specforge_path,
 )
+from kimi_pipe.extraction.hf_backend import HFBackend
 from kimi_pipe.stages.extract import run_extract
 from kimi_pipe.store.hidden_store import HiddenStore, StoreWriter, make_manifest
 from tests.test_extract_hf import (

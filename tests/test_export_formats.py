@@ -1,7 +1,7 @@
 """Every trainer format: conventions converted or refused, files laid out as each trainer reads.
 
 Fast: synthetic stores through the writer API and a tiny random Llama; no trainer installed.
-The trainers' own loaders run in `make interop` (scripts/interop.py).
+The trainers' own loaders run in `make interop` (tools/interop.py).
 """
 
 from __future__ import annotations
@@ -13,15 +13,7 @@ import pytest
 import torch
 import yaml
 
-from kimi_pipe.extraction.hf_backend import HFBackend
-from kimi_pipe.extraction.layers import (
-    drafter_config_ids,
-    engine_capture_ids,
-    manifest_output_ids,
-    sglang_config_to_capture_ids,
-    vllm_config_to_capture_ids,
-)
-from kimi_pipe.stages.export import (
+from kimi_pipe.exporters import (
     INDEX_FILE,
     SPECFORGE_CONFIG,
     TOKENS_FILE,
@@ -30,6 +22,14 @@ from kimi_pipe.stages.export import (
     specforge_path,
     specforge_weight_keys,
     speculators_path,
+)
+from kimi_pipe.extraction.hf_backend import HFBackend
+from kimi_pipe.extraction.layers import (
+    drafter_config_ids,
+    engine_capture_ids,
+    manifest_output_ids,
+    sglang_config_to_capture_ids,
+    vllm_config_to_capture_ids,
 )
 from kimi_pipe.store.conventions import ConventionError, final_norm_spec, rms_norm
 from kimi_pipe.store.hidden_store import StoreWriter, make_manifest
@@ -326,7 +326,7 @@ def test_card_names_per_engine_layer_ids(tmp_path: Path) -> None:
 def test_run_export_reads_format_model_path_and_max_length(tmp_path: Path) -> None:
     from omegaconf import OmegaConf
 
-    from kimi_pipe.stages.export import run_export
+    from kimi_pipe.exporters import run_export
 
     tied = write_index(tmp_path / "tied", ["model.embed_tokens.weight"])
     store = make_store(tmp_path / "run" / "store", final_state="pre_norm")

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from kimi_pipe.config import compose
-from kimi_pipe.stages.export import (
+from kimi_pipe.exporters import (
     FORMATS,
     export,
     modelopt_path,

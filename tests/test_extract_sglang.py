@@ -1,7 +1,7 @@
 """extract.backend=sglang without a GPU: the real backend, store and sharding code, with the
 SGLang rank replaced by a stand-in that runs a real (tiny, random-weight) Llama through
 transformers and captures the states the way SGLang does (capture id = output-of-layer + 1 =
-input of the next layer). The `cuda` test runs the real SGLang engine (scripts/gpu_check.sh).
+input of the next layer). The `cuda` test runs the real SGLang engine (tools/gpu_check.sh).
 """
 
 from __future__ import annotations
@@ -909,7 +909,7 @@ def test_slurm_launcher_config_composes() -> None:
 @pytest.mark.cuda
 def test_real_sglang_matches_hf_on_gpu(tmp_path: Path) -> None:
     if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU (run scripts/gpu_check.sh on a GPU machine)")
+        pytest.skip("needs a CUDA GPU (run tools/gpu_check.sh on a GPU machine)")
     pytest.importorskip("sglang", reason="needs pip install '.[sglang]'")
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -1,5 +1,5 @@
 """The generate stage against a real HTTP server on 127.0.0.1 speaking OpenRouter's wire
-format (tests/fake_openrouter.py), with the real Kimi tokenizer."""
+format (tests/support/fake_openrouter.py), with the real Kimi tokenizer."""
 
 from __future__ import annotations
 
@@ -7,13 +7,14 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest_generate import (
+
+from tests.support.conftest_generate import (
     base_overrides,
     read_jsonl,
     run_inprocess,
     write_prompts,
 )
-from fake_openrouter import Behaviour
+from tests.support.fake_openrouter import Behaviour
 
 pytestmark = [pytest.mark.kimi, pytest.mark.slow]
 

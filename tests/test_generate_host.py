@@ -16,7 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest_generate import (
+
+from tests.support.conftest_generate import (
     FAKE_KEY,
     REPO,
     base_overrides,
@@ -28,7 +29,7 @@ from conftest_generate import (
     subprocess_env,
     write_prompts,
 )
-from fake_openrouter import Behaviour
+from tests.support.fake_openrouter import Behaviour
 
 pytestmark = [pytest.mark.kimi, pytest.mark.slow]
 

@@ -1,4 +1,4 @@
-"""The generate stage against a hostile provider (tests/fake_openrouter.py hostile modes,
+"""The generate stage against a hostile provider (tests/support/fake_openrouter.py hostile modes,
 real HTTP on 127.0.0.1, real Kimi tokenizer): the USD cap and the files hold whatever the
 provider says. Each test names the finding of issue 10 it covers (F1-F10, lower items)."""
 
@@ -9,7 +9,8 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest_generate import (
+
+from tests.support.conftest_generate import (
     FAKE_KEY,
     base_overrides,
     read_jsonl,
@@ -18,7 +19,7 @@ from conftest_generate import (
     run_prompts,
     write_prompts,
 )
-from fake_openrouter import Behaviour
+from tests.support.fake_openrouter import Behaviour
 
 pytestmark = [pytest.mark.kimi, pytest.mark.slow]
 

@@ -16,8 +16,15 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest_generate import FAKE_KEY, REPO, base_overrides, read_jsonl, write_prompts
-from fake_openrouter import Behaviour
+
+from tests.support.conftest_generate import (
+    FAKE_KEY,
+    REPO,
+    base_overrides,
+    read_jsonl,
+    write_prompts,
+)
+from tests.support.fake_openrouter import Behaviour
 
 pytestmark = [pytest.mark.kimi, pytest.mark.slow]
 

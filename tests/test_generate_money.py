@@ -1,4 +1,4 @@
-"""Issue 20, money: a lying provider (tests/fake_openrouter.py, real HTTP on 127.0.0.1, real
+"""Issue 20, money: a lying provider (tests/support/fake_openrouter.py, real HTTP on 127.0.0.1, real
 Kimi tokenizer) bills into its own ledger; the client counts at least that and the USD cap
 holds. Each test names the finding it covers."""
 
@@ -8,14 +8,15 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest_generate import (
+
+from tests.support.conftest_generate import (
     base_overrides,
     read_jsonl,
     records_by_id,
     run_inprocess,
     run_prompts,
 )
-from fake_openrouter import Behaviour
+from tests.support.fake_openrouter import Behaviour
 
 pytestmark = [pytest.mark.kimi, pytest.mark.slow]
 
@@ -164,7 +165,7 @@ def test_a_sample_skipped_after_overbilling_names_the_amount_compared(
     worst case times the hold ratio, which does exceed what is left."""
     import re
 
-    from conftest_generate import prompts_and_run, run_subprocess
+    from tests.support.conftest_generate import prompts_and_run, run_subprocess
 
     srv = fake_openrouter(default=Behaviour(overbill=1000.0, input_price=1e-6, output_price=50e-6))
     out, overrides, _ = prompts_and_run(tmp_path, srv.url(), kimi_dir, n=6, usd=1.0)

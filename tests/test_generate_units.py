@@ -25,8 +25,8 @@ from kimi_pipe.store.records import (
     RecordWriter,
     cut_torn_tail,
     iter_records,
-    load_resume_index,
 )
+from kimi_pipe.store.records_index import load_resume_index
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -1,7 +1,7 @@
 """Installing outside a checkout: the `kimi-pipe` command, configs inside the wheel, locks.
 
 The full user install (fresh venv, Python 3.12, dependencies from the index) is
-scripts/check_install.py, which .ci/run runs after the suite; these tests are its fast,
+tools/check_install.py, which .ci/run runs after the suite; these tests are its fast,
 offline parts.
 """
 

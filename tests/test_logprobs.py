@@ -13,9 +13,6 @@ from typing import Any
 import pytest
 from conftest import TAIL_KEPT
 from conftest import TAIL_KEPT_OVERRIDES as KEPT
-from conftest_generate import base_overrides, read_jsonl, run_inprocess, write_prompts
-from fake_openrouter import Behaviour
-from fake_stacks import Stack
 
 from kimi_pipe.core.logprobs import (
     BadLogprobs,
@@ -26,6 +23,9 @@ from kimi_pipe.core.logprobs import (
 )
 from kimi_pipe.core.models import Model
 from kimi_pipe.core.reconstruction import Reconstruction, reconstruct
+from tests.support.conftest_generate import base_overrides, read_jsonl, run_inprocess, write_prompts
+from tests.support.fake_openrouter import Behaviour
+from tests.support.fake_stacks import Stack
 
 MESSAGES = [{"role": "user", "content": "Count."}]
 

@@ -137,7 +137,7 @@ def test_extraction_reads_the_proven_prefix_only(tmp_path: Path, kimi: Model) ->
 
 
 def test_export_honours_the_cut(tmp_path: Path, kimi: Model) -> None:
-    from kimi_pipe.stages.export import export
+    from kimi_pipe.exporters import export
     from kimi_pipe.store.hidden_store import StoreWriter, make_manifest
 
     run = tmp_path / "run"

@@ -1,4 +1,4 @@
-"""Conformance probes against imitated stacks over real HTTP (tests/fake_stacks.py)."""
+"""Conformance probes against imitated stacks over real HTTP (tests/support/fake_stacks.py)."""
 
 from __future__ import annotations
 
@@ -6,11 +6,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fake_openrouter import Behaviour, KimiCounter
-from fake_stacks import Stack, routed_fake, stacks
 
-from kimi_pipe.core.models import Model
-from kimi_pipe.stages.probe import (
+from kimi_pipe.conformance.probe import (
     CLEAN,
     SEEN,
     UNKNOWN,
@@ -18,9 +15,12 @@ from kimi_pipe.stages.probe import (
     check_answer,
     default_battery,
     load_battery,
-    main,
-    run_probes,
 )
+from kimi_pipe.core.models import Model
+from kimi_pipe.generation.probes import run_probes
+from kimi_pipe.stages.probe import main
+from tests.support.fake_openrouter import Behaviour, KimiCounter
+from tests.support.fake_stacks import Stack, routed_fake, stacks
 
 
 @pytest.fixture
@@ -183,9 +183,8 @@ def test_report_routes_only_to_faithful_providers(
     import os
     import shutil
 
-    from conftest_generate import base_overrides, run_inprocess, write_prompts
-
-    from kimi_pipe.stages.report import build_report
+    from kimi_pipe.reporting.report import build_report
+    from tests.support.conftest_generate import base_overrides, run_inprocess, write_prompts
 
     srv, _ = stack_server
     chosen = list(stacks_names())

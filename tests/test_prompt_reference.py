@@ -1,6 +1,6 @@
 """Prompt ids equal the official Kimi K2.5 rendering encoded as the reference tokenizer does
 (#9 item 5): long texts cut before BPE, the history reasoning field the official template
-reads, null values as the template prints them. The oracle is tests/kimi_reference.py (a
+reads, null values as the template prints them. The oracle is tests/support/kimi_reference.py (a
 Jinja template rendered to one string, split at added tokens, cut character by character)."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kimi_reference import cut_runs, reference_pieces, reference_prompt_ids
 
 from kimi_pipe.core.models import Model
 from kimi_pipe.core.prompt_render import PromptError, prompt_ids
 from kimi_pipe.core.reconstruction import reconstruct
 from kimi_pipe.core.tokenizers import TextChunking, split_for_bpe
+from tests.support.kimi_reference import cut_runs, reference_pieces, reference_prompt_ids
 
 # Characters on both sides of str.isspace, including the less obvious ones (U+001C is
 # whitespace to Python, U+00A0 and U+3000 too).

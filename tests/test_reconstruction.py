@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 from conftest import TAIL_KEPT, expected_output_ids
-from kimi_reference import reference_prompt_ids
 
 from kimi_pipe.core.models import Model
 from kimi_pipe.core.reconstruction import ERRORS, reconstruct
+from tests.support.kimi_reference import reference_prompt_ids
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 

@@ -15,11 +15,12 @@ from typing import Any
 
 import pytest
 
-from kimi_pipe.store.records import RecordWriter, load_resume_index, parse_resume_index
+from kimi_pipe.store.records import RecordWriter, parse_resume_index
 from kimi_pipe.store.records_index import (
     IndexedRecordWriter,
     index_path,
     load_indexed,
+    load_resume_index,
 )
 
 

@@ -331,7 +331,7 @@ def test_kill_during_rewrites_leaves_every_record_whole(tmp_path: Path) -> None:
 
 
 def test_a_backend_that_cannot_score_leaves_records_unresolved(tmp_path: Path) -> None:
-    from kimi_pipe.extraction.resolve import resolve_records
+    from kimi_pipe.extraction.records_pass import resolve_records
 
     rec = {
         "id": "x",

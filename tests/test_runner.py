@@ -200,7 +200,7 @@ def test_sweep_stage_runs_the_sweep_as_a_function(
     SweepStage().run(StageContext(stage_config(cfg, sweep_spec.overrides), tmp_path))
     assert not seen[-1][1].probes
     # The probe stage probes the sweep's providers under the sweep's probe budget.
-    from kimi_pipe.stages import probe
+    from kimi_pipe.conformance import probe
 
     staged = stage_config(
         compose(["pipeline=sweep", "dataset=B5", "sweep.providers=[a,b]", "sweep.probe_usd=0.4"]),

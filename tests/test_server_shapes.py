@@ -1,6 +1,6 @@
 """Never silently wrong against what real serving stacks return (issue 9).
 
-`tests/fixtures/server_shapes/*.jsonl` were made by `scripts/make_server_fixtures.py`, which
+`tests/fixtures/server_shapes/*.jsonl` were made by `tools/make_server_fixtures.py`, which
 runs vLLM's and SGLang's own detokenizer and Kimi K2 parsers on ground-truth ids encoded with
 the real Kimi K2.5 tokenizer. Every record must either rebuild to exactly those ids or come
 back `ok: false`, under the unknown profile and under the profile declared for its stack.

@@ -1,7 +1,7 @@
 """serving=auto: generate fits the serving profile from probes before buying (issue 19.4).
 
-Everything over real HTTP against imitated stacks (tests/fake_stacks.py behind
-tests/fake_openrouter.py), with the real Kimi tokenizer.
+Everything over real HTTP against imitated stacks (tests/support/fake_stacks.py behind
+tests/support/fake_openrouter.py), with the real Kimi tokenizer.
 """
 
 from __future__ import annotations
@@ -12,28 +12,28 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest_generate import (
-    SERVING_AS_IS,
-    base_overrides,
-    read_jsonl,
-    run_inprocess,
-    write_prompts,
-)
-from fake_openrouter import Behaviour, KimiCounter
-from fake_stacks import Stack, routed_fake, stacks
 
 from kimi_pipe.config import compose
-from kimi_pipe.core.models import Model
-from kimi_pipe.core.serving import CHOICES, serving_profile
-from kimi_pipe.stages.probe import default_battery, load_battery
-from kimi_pipe.stages.serving_auto import (
+from kimi_pipe.conformance.auto import (
     INTENT_PREFIX,
     RUN_FILE,
     prepare,
     profile_from_spec,
     spec_overrides,
 )
+from kimi_pipe.conformance.probe import default_battery, load_battery
+from kimi_pipe.core.models import Model
+from kimi_pipe.core.serving import CHOICES, serving_profile
 from kimi_pipe.store.spend_journal import JOURNAL, SpendJournal
+from tests.support.conftest_generate import (
+    SERVING_AS_IS,
+    base_overrides,
+    read_jsonl,
+    run_inprocess,
+    write_prompts,
+)
+from tests.support.fake_openrouter import Behaviour, KimiCounter
+from tests.support.fake_stacks import Stack, routed_fake, stacks
 
 BATTERY = load_battery(default_battery("kimi_k25"))
 PROBE_TEXTS = {
@@ -363,7 +363,7 @@ def test_probes_that_do_not_fit_the_budget_say_so_with_their_worst_case(
     compared (each as the budget held it, against what it left) and what to change."""
     import re
 
-    from conftest_generate import run_subprocess
+    from tests.support.conftest_generate import run_subprocess
 
     srv = fake_openrouter()
     prompts = tmp_path / "prompts.jsonl"

@@ -182,10 +182,10 @@ INTEROP_PY = (
 )
 def test_sglang_cpu_exports_load_in_the_trainers_own_loaders(stores: dict[str, Any]) -> None:
     """SpecForge, ModelOpt and tokens exports of the SGLang store, read by each trainer's own
-    loader (scripts/interop_check.py in the trainers' venv). The store is post-norm (SGLang
+    loader (tools/interop_check.py in the trainers' venv). The store is post-norm (SGLang
     hands the states after the final norm), so speculators, which needs pre-norm, is refused
     with the reason, as for any post-norm store."""
-    from kimi_pipe.stages.export import export
+    from kimi_pipe.exporters import export
     from kimi_pipe.store.conventions import ConventionError
 
     store = OUT / "hidden_sglang"
@@ -197,7 +197,7 @@ def test_sglang_cpu_exports_load_in_the_trainers_own_loaders(stores: dict[str, A
     proc = subprocess.run(
         [
             str(INTEROP_PY),
-            "scripts/interop_check.py",
+            "tools/interop_check.py",
             "--exports",
             str(exports),
             "--records",

@@ -31,7 +31,7 @@ from kimi_pipe.core.prompt_render import prompt_ids
 from kimi_pipe.core.reconstruction import reconstruct
 from kimi_pipe.reporting import data as run_data
 from kimi_pipe.stages import sweep
-from tests.fake_openrouter import Behaviour, FakeOpenRouter, _make_handler
+from tests.support.fake_openrouter import Behaviour, FakeOpenRouter, _make_handler
 
 REPO = Path(__file__).resolve().parent.parent
 N = 20  # prompts per provider; prompt q03 is 5% of them

@@ -56,8 +56,8 @@ def test_every_key_reconstruct_writes_is_declared(kimi: Any, tmp_path: Path) -> 
 
 
 def test_generate_error_records_are_declared() -> None:
+    from kimi_pipe.generation.job import _error_record
     from kimi_pipe.providers.errors import ErrorInfo
-    from kimi_pipe.stages.generate import _error_record
     from kimi_pipe.store.prompt_datasets import Prompt
 
     prompt = Prompt("p0", [{"role": "user", "content": "hi"}], None)

@@ -253,7 +253,7 @@ def _one_line_full(done: subprocess.CompletedProcess[str], under: Path) -> str:
 
 
 def _generate_into(out: Path, tmp: Path, url: str, kimi_dir: Path) -> list[str]:
-    from conftest_generate import base_overrides, write_prompts
+    from tests.support.conftest_generate import base_overrides, write_prompts
 
     prompts = tmp / "prompts.jsonl"
     if not prompts.exists():
@@ -272,7 +272,7 @@ FREE_KIB = (0, 8, 16, 24, 28, 36)
 def test_a_full_disk_is_one_line_whatever_write_fails_first(
     tmp_path: Path, fake_openrouter, kimi_dir: Path
 ) -> None:
-    from conftest_generate import run_subprocess
+    from tests.support.conftest_generate import run_subprocess
 
     srv = fake_openrouter()
     disk = tmp_path / "disk"
@@ -309,7 +309,7 @@ def test_a_log_that_cannot_be_written_is_one_line(
     """The run's log (Hydra's generate.log) on a device that is full: the logging module's
     own traceback used to come first. The run buys and writes its records; it ends in one
     line naming the log, exit 2."""
-    from conftest_generate import run_subprocess
+    from tests.support.conftest_generate import run_subprocess
 
     srv = fake_openrouter()
     out = tmp_path / "run"

@@ -532,7 +532,7 @@ class SGLangSuffixScorer:
     sampler (`resolve.sampled_logprobs`, as the hf scorer) over SGLang's logits."""
 
     def __init__(self, target: SGLangTarget, model_name: str) -> None:
-        self.model = target  # the split check's target (resolve._split_check_pass)
+        self.model = target  # the split check's target (records_pass._split_check_pass)
         self.model_name = model_name
         self.prefix_tokens = 0  # work done, for the cost report
         self.suffix_tokens = 0

@@ -541,7 +541,8 @@ def resolve_for_shard(
 ) -> dict[str, Any]:
     """Target resolution (`extraction.resolve`) of this work shard's records, when the config
     enables it and the backend can score (`backend.suffix_scorer()`)."""
-    from kimi_pipe.extraction.resolve import ResolveSettings, resolve_records
+    from kimi_pipe.extraction.records_pass import resolve_records
+    from kimi_pipe.extraction.resolve import ResolveSettings
 
     settings = ResolveSettings.from_cfg(cfg)
     if not settings.enabled:
@@ -561,7 +562,7 @@ def resolve_for_shard(
 
 def _split_vocabulary(cfg: Any) -> Any:
     """The records' tokenizer as the split check sees it (None: no model config here),
-    loaded only when a record is checked (scripts/bench_extract.py: seconds per stage run)."""
+    loaded only when a record is checked (benchmarks/bench_extract.py: seconds per stage run)."""
     from omegaconf import OmegaConf
 
     from kimi_pipe.core.models import load_model

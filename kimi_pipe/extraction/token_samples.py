@@ -21,11 +21,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from kimi_pipe.core.token_record import record_problem
 from kimi_pipe.errors import ConfigError, MissingFile
+from kimi_pipe.store.layout import RECORDS as RECORDS_FILE
 from kimi_pipe.store.records import ReadStats, iter_records
 
 log = logging.getLogger("kimi_pipe.extract")
-
-RECORDS_FILE = "records.jsonl"
 
 
 class Backend(Protocol):

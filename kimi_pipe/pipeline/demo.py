@@ -36,6 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 from kimi_pipe.config import DATA_DIR
 from kimi_pipe.errors import KimiPipeError
 from kimi_pipe.pipeline.runner import PipelineRun, print_run, raise_user_error, run_pipeline
+from kimi_pipe.store.layout import RECONSTRUCTED, RECORDS
 
 DEMO_PROMPTS = DATA_DIR / "demo_prompts.jsonl"
 
@@ -116,9 +117,9 @@ def where_table(run: PipelineRun) -> str:
     items = [
         ("run directory", run_dir),
         ("converted model", res["model"]["path"]),
-        ("token records", run_dir / "records.jsonl"),
+        ("token records", run_dir / RECORDS),
         ("server log", run_dir / "local_server.log"),
-        ("reconstructed records", run_dir / "reconstructed.jsonl"),
+        ("reconstructed records", run_dir / RECONSTRUCTED),
         ("audit", f"{aud['audit_json']} (table: {aud['audit_md']})"),
         ("hidden-state store", ext["store"]),
         ("SpecForge export", exp["output"]),

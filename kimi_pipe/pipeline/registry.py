@@ -27,6 +27,14 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from kimi_pipe.errors import ConfigError
 from kimi_pipe.pipeline.stage import Stage, StageContext
+from kimi_pipe.store.layout import (
+    AUDIT_JSON,
+    AUDIT_MD,
+    RECONSTRUCTED,
+    RECORDS,
+    REPORT_JSON,
+    REPORT_MD,
+)
 
 _GENERATE = ("litellm", "httpx", "datasets", "numpy")
 _EXTRACT = ("torch", "transformers", "safetensors", "accelerate", "datasets", "numpy")
@@ -64,12 +72,12 @@ STAGE_TABLE: tuple[StageEntry, ...] = (
     StageEntry("reconstruct", "kimi_pipe.stages.reconstruct",
                "provider answers -> exact token ids (the contract)",
                settings=("model", "validation", "serving", "provider.logprobs"),
-               reads=("records.jsonl",), writes=("reconstructed.jsonl",)),
+               reads=(RECORDS,), writes=(RECONSTRUCTED,)),
     StageEntry("audit", "kimi_pipe.stages.audit", "audit reconstructed records", "extract",
-               _EXTRACT, settings=("model", "audit"), reads=("records.jsonl",),
-               writes=("audit.json", "audit.md")),
+               _EXTRACT, settings=("model", "audit"), reads=(RECORDS,),
+               writes=(AUDIT_JSON, AUDIT_MD)),
     StageEntry("extract", "kimi_pipe.stages.extract", "hidden states from the target",
-               "extract", _EXTRACT, settings=("model", "extract"), reads=("records.jsonl",)),
+               "extract", _EXTRACT, settings=("model", "extract"), reads=(RECORDS,)),
     StageEntry("export", "kimi_pipe.stages.export", "EAGLE-3 training data", "extract",
                _EXTRACT, settings=("format", "stores", "seed", "output"),
                from_results={"stores": "extract.store"}),
@@ -81,7 +89,7 @@ STAGE_TABLE: tuple[StageEntry, ...] = (
                          "validation", "serving"),
                writes=("report.md",)),
     StageEntry("report", "kimi_pipe.stages.report", "report over finished runs", "report",
-               _REPORT, settings=("report",), writes=("report.md", "report.json")),
+               _REPORT, settings=("report",), writes=(REPORT_MD, REPORT_JSON)),
     StageEntry("demo", "kimi_pipe.pipeline.demo", "the whole pipeline offline on SmolLM2",
                "all", _GENERATE + _EXTRACT + _REPORT, in_pipelines=False),
     StageEntry("run", "kimi_pipe.pipeline.runner", "run a pipeline config end to end", "all",

@@ -8,26 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from kimi_pipe.providers import openrouter_account
 from kimi_pipe.providers.errors import ProviderConfigError
+from kimi_pipe.providers.money import GenerationBill, KeyStatus
 from kimi_pipe.providers.settings import ProviderSettings
-
-
-@dataclass(frozen=True)
-class KeyStatus:
-    """OpenRouter's `GET /key`: USD used by the key so far and its credit limit."""
-
-    usage: float
-    limit: float | None  # None: the key has no credit limit
-    limit_remaining: float | None
-
-
-@dataclass(frozen=True)
-class GenerationBill:
-    """What the provider says one generation cost, with the tokens it counted."""
-
-    usd: float | None
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
 
 
 class Account(Protocol):
@@ -61,19 +45,13 @@ class OpenRouterAccount:
     settings: ProviderSettings
 
     async def listed_prices(self, key: str) -> tuple[float, float]:
-        from kimi_pipe.providers.openrouter_account import listed_prices
-
-        return await listed_prices(self.settings, key)
+        return await openrouter_account.listed_prices(self.settings, key)
 
     async def key_status(self, key: str) -> KeyStatus | None:
-        from kimi_pipe.providers.openrouter_account import key_status
-
-        return await key_status(self.settings, key)
+        return await openrouter_account.key_status(self.settings, key)
 
     async def generation_bill(self, key: str, generation_id: str) -> GenerationBill | None:
-        from kimi_pipe.providers.openrouter_account import generation_bill
-
-        return await generation_bill(self.settings, key, generation_id)
+        return await openrouter_account.generation_bill(self.settings, key, generation_id)
 
 
 ACCOUNTS = {"openrouter": OpenRouterAccount}

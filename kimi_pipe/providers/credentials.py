@@ -6,13 +6,10 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kimi_pipe.errors import ConfigError
 from kimi_pipe.providers.errors import MissingApiKey
-
-if TYPE_CHECKING:
-    from kimi_pipe.providers.settings import ProviderSettings
 
 # An environment variable name: what `*api_key_env` must hold (not a key itself).
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -76,15 +73,16 @@ def valid_env_name(value: str) -> bool:
     return _ENV_NAME.fullmatch(value) is not None
 
 
-def api_key(settings: ProviderSettings) -> str:
-    """The key from the environment ("" when the provider needs none)."""
-    if settings.api_key_env is None:
+def api_key(key_env: str | None) -> str:
+    """The key from the environment variable `key_env` (`provider.api_key_env`; None: the
+    provider needs none, ""). A name, not the settings: settings validate with this module."""
+    if key_env is None:
         return ""
-    key = os.environ.get(settings.api_key_env, "").strip()
+    key = os.environ.get(key_env, "").strip()
     if not key:
         raise MissingApiKey(
-            f"no API key: the environment variable {settings.api_key_env} is not set.\n"
-            f"  export {settings.api_key_env}=sk-or-v1-...   (https://openrouter.ai/keys)\n"
+            f"no API key: the environment variable {key_env} is not set.\n"
+            f"  export {key_env}=sk-or-v1-...   (https://openrouter.ai/keys)\n"
             "The key is read only from the environment, never from the config."
         )
     return key

@@ -7,16 +7,17 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kimi_pipe.providers.account import GenerationBill, KeyStatus
-from kimi_pipe.providers.costs import (
+from kimi_pipe.providers.credentials import scrub
+from kimi_pipe.providers.errors import ProviderConfigError
+from kimi_pipe.providers.money import (
     MIN_LISTED_USD_PER_MTOK,
+    GenerationBill,
+    KeyStatus,
     _checked_prices,
     _count,
     _number,
     valid_usd,
 )
-from kimi_pipe.providers.credentials import scrub
-from kimi_pipe.providers.errors import ProviderConfigError
 from kimi_pipe.providers.settings import ProviderSettings
 
 log = logging.getLogger(__name__)

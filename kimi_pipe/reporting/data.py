@@ -20,14 +20,13 @@ from omegaconf import DictConfig
 
 from kimi_pipe.core.evidence import LADDER, evidence_of
 from kimi_pipe.errors import MissingFile
+from kimi_pipe.store.layout import ATTEMPT_ERRORS as ATTEMPT_ERRORS_FILE
+from kimi_pipe.store.layout import PROBES_DIR, SERVING_AUTO_DIR, SUMMARY
+from kimi_pipe.store.layout import RECORDS as RECORDS_FILE
 
-RECORDS_FILE = "records.jsonl"
-PROBES_DIR = "probes"  # where the probe stage writes inside a sweep directory
-SERVING_AUTO_DIR = "serving_auto"  # generate's serving=auto probe runs inside a run dir
 # Notes that prove a record exact rather than doubt it (core/logprobs.py).
 # Codes that are no fidelity fault: evidence of exact ids, or notes about money only.
 EXACTNESS_EVIDENCE = frozenset({"noncanonical_split", "cost_below_listed_price"})
-ATTEMPT_ERRORS_FILE = "attempt_errors.jsonl"  # every failed attempt, with what it cost
 UNKNOWN = "unknown"
 
 
@@ -106,7 +105,7 @@ def load_run(path: Path, root: Path) -> Run:
         # generate saves its config under .hydra/generate/ (one subdir per stage)
         config=_read_yaml(path / ".hydra" / "generate" / "config.yaml")
         or _read_yaml(path / ".hydra" / "config.yaml"),
-        summary=_read_json(path / "summary.json"),
+        summary=_read_json(path / SUMMARY),
         attempt_errors=list(iter_records(path / ATTEMPT_ERRORS_FILE)),
         bad_lines=len(read.bad_lines) + int(read.torn_tail),
     )

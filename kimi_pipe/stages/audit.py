@@ -45,12 +45,12 @@ from kimi_pipe.core.id_compare import (  # noqa: F401  (re-exported: the audit's
 )
 from kimi_pipe.errors import InputError, MissingFile
 from kimi_pipe.store import atomic
+from kimi_pipe.store.layout import AUDIT_JSON, RECORDS
 from kimi_pipe.store.records import RecordWriter, iter_records
 
 log = logging.getLogger("kimi_pipe.audit")
 
 TRUTH_FILE = "audit_truth.jsonl"
-AUDIT_JSON = "audit.json"
 AUDIT_MD = "audit.md"
 
 
@@ -264,7 +264,7 @@ def _records_path(s: AuditSettings) -> Path:
     if s.records:
         path = Path(s.records)
     elif s.run_dir:
-        path = Path(s.run_dir) / "records.jsonl"
+        path = Path(s.run_dir) / RECORDS
     else:
         raise AuditError("give audit.run_dir=RUN_DIR (a generate run) or audit.records=FILE.jsonl")
     if not path.is_file():

@@ -27,6 +27,7 @@ from typing import Any, BinaryIO
 
 from omegaconf import DictConfig
 
+from kimi_pipe.conformance.auto import is_plain_auto, recorded_profile
 from kimi_pipe.core.evidence import LADDER, evidence_of
 from kimi_pipe.core.logprobs import LOGPROB_ERRORS, LogprobPolicy
 from kimi_pipe.core.models import Model, load_model
@@ -35,8 +36,8 @@ from kimi_pipe.core.record_builder import RecordBuilder
 from kimi_pipe.core.serving import UNKNOWN_PROFILE, ServingProfile, serving_profile
 from kimi_pipe.core.token_record import TokenRecord
 from kimi_pipe.errors import ConfigError, InputError, MissingFile
-from kimi_pipe.stages.serving_auto import is_plain_auto, recorded_profile
 from kimi_pipe.store import atomic
+from kimi_pipe.store.layout import RECONSTRUCTED, RECORDS
 
 MALFORMED = "malformed_record"
 # Codes that make a record flagged: the reconstruction errors and the stage's own.
@@ -266,8 +267,8 @@ def run_stage(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:
     source = Path(cfg.input) if cfg.input else None
     target = Path(cfg.output) if cfg.output else None
     if run_dir is not None:
-        source = source or Path(run_dir) / "records.jsonl"
-        target = target or Path(run_dir) / "reconstructed.jsonl"
+        source = source or Path(run_dir) / RECORDS
+        target = target or Path(run_dir) / RECONSTRUCTED
     if source is None or target is None:
         raise ConfigError("give input=IN.jsonl and output=OUT.jsonl")
     if not source.is_file():
@@ -289,7 +290,7 @@ def run_stage(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:
     counts = run_configured(cfg, model, source, target, serving)
     print("\n".join(summary_lines(counts, target)), file=sys.stderr)
     summary = summary_data(source, target, counts)
-    if run_dir is not None and source == Path(run_dir) / "records.jsonl":
+    if run_dir is not None and source == Path(run_dir) / RECORDS:
         summary.update(compare_with_generate(source, target))
     return summary
 

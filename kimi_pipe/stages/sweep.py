@@ -12,7 +12,7 @@ same first `sweep.n` prompts of the dataset and an even share of `sweep.usd` (nu
 `budget.usd` is the shared total), so every provider gets the same cap on the same prompts
 and no job can spend another's share. It writes `<sweep_dir>/<slug>/` (records.jsonl,
 summary.json, .hydra/). Running the same command again resumes every job (generate skips
-answered ids and counts money already spent). Then `kimi_pipe.stages.report` writes
+answered ids and counts money already spent). Then `kimi_pipe.reporting.report` writes
 `<sweep_dir>/report.md` and its charts under the `report.*` policy.
 
 Every other override (`provider.params.max_tokens=4096`, `dataset.path=p.jsonl`,
@@ -31,8 +31,13 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from kimi_pipe.errors import ConfigError
-from kimi_pipe.stages.probe import check_providers, with_overrides
+from kimi_pipe.conformance.probe import battery_of, check_providers, with_overrides
+from kimi_pipe.errors import EXIT_INTERRUPTED, ConfigError
+from kimi_pipe.generation.job import finish_status
+from kimi_pipe.generation.probes import probe_providers, run_generate
+from kimi_pipe.reporting.data import PROBES_DIR
+from kimi_pipe.reporting.report import build_report, policy_of
+from kimi_pipe.store.layout import RECORDS
 
 # Where the provider group keeps the pinned order and the fallback switch.
 ORDER_KEY = "provider.routing.order"
@@ -143,8 +148,6 @@ def build_command(
 
 def run_probe_step(base: DictConfig, settings: SweepSettings, sweep_dir: Path) -> None:
     """Conformance probes pinned to each provider, into <sweep_dir>/probes (resumable)."""
-    from kimi_pipe.reporting.data import PROBES_DIR
-    from kimi_pipe.stages.probe import battery_of, probe_providers
 
     battery = battery_of(base)
     print(
@@ -167,7 +170,6 @@ def run_jobs(base: DictConfig, settings: SweepSettings, sweep_dir: Path, limit_k
     mistake in the shared config (ConfigError, InputError) stops the sweep, said once; a
     failure of one provider's job is said for it and the next provider goes on."""
     from kimi_pipe.errors import EXIT_USER_ERROR, InputError, KimiPipeError, one_line
-    from kimi_pipe.stages.generate import EXIT_INTERRUPTED, finish_status, run_generate
 
     worst = 0
     for slug in settings.providers:
@@ -231,9 +233,7 @@ def sweep(
     if settings.probes:
         run_probe_step(base, settings, sweep_dir)
     status = run_jobs(base, settings, sweep_dir, limit_key)
-    if settings.report and any(sweep_dir.rglob("records.jsonl")):
-        from kimi_pipe.stages.report import build_report, policy_of
-
+    if settings.report and any(sweep_dir.rglob(RECORDS)):
         build_report(sweep_dir, sweep_dir, policy_of(cfg))  # also a partly finished sweep
     return status, summary
 

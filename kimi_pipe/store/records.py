@@ -198,16 +198,6 @@ def record_output_tokens(record: dict[str, Any]) -> int:
     return int(value) if isinstance(value, int) else 0
 
 
-def load_resume_index(records_path: str | Path, *spend_logs: str | Path) -> ResumeIndex:
-    """Ids already answered in `records_path`; spend counted over it and `spend_logs`
-    (records of money spent on samples that were given up and will be tried again).
-    Read from the records' index of ids (`records_index`) when one describes the file."""
-    from kimi_pipe.store.records_index import load_indexed  # it imports this module
-
-    fast = load_indexed(records_path, *spend_logs)
-    return fast if fast is not None else parse_resume_index(records_path, *spend_logs)
-
-
 def parse_resume_index(records_path: str | Path, *spend_logs: str | Path) -> ResumeIndex:
     """`load_resume_index` by parsing every record (no index of ids, or a stale one)."""
     index = ResumeIndex()

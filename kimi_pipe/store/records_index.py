@@ -32,6 +32,7 @@ from kimi_pipe.store.records import (
     _json_object,
     append_whole,
     open_append_fd,
+    parse_resume_index,
     record_cost,
     record_output_tokens,
 )
@@ -173,7 +174,7 @@ def _read_entries(records_path: Path, into: ResumeIndex | None = None) -> int | 
 
 
 def load_indexed(records_path: str | Path, *spend_logs: str | Path) -> ResumeIndex | None:
-    """`records.load_resume_index` from the index plus the records past it; None when there
+    """`load_resume_index` from the index plus the records past it; None when there
     is no index that describes the file (then parse it whole)."""
     from kimi_pipe.store.records import iter_records
 
@@ -257,3 +258,11 @@ class IndexedRecordWriter(RecordWriter):
             if self._index_fd >= 0:
                 fd, self._index_fd = self._index_fd, -1
                 os.close(fd)
+
+
+def load_resume_index(records_path: str | Path, *spend_logs: str | Path) -> ResumeIndex:
+    """Ids already answered in `records_path`; spend counted over it and `spend_logs`
+    (records of money spent on samples that were given up and will be tried again).
+    Read from the records' index of ids when one describes the file."""
+    fast = load_indexed(records_path, *spend_logs)
+    return fast if fast is not None else parse_resume_index(records_path, *spend_logs)

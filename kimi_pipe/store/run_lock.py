@@ -13,8 +13,7 @@ import socket
 from pathlib import Path
 
 from kimi_pipe.errors import StoreError
-
-LOCK = ".lock"
+from kimi_pipe.store.layout import LOCK as LOCK  # re-exported: the lock's file name
 
 
 class RunDirLocked(StoreError):

@@ -40,11 +40,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from kimi_pipe.store.layout import JOURNAL as JOURNAL  # re-exported: the journal's file name
 from kimi_pipe.store.records import append_whole, cut_torn_tail, iter_records, open_append_fd
 
 log = logging.getLogger(__name__)
 
-JOURNAL = "spend_journal.jsonl"
 
 # How an intent was settled: by its own run, or on resume.
 SETTLED = "run"

@@ -1,0 +1,486 @@
+"""Calibrate target resolution on a real model: does a posterior of p mean "wrong 1 - p"?
+
+    .venv/bin/python -m benchmarks.calibrate_resolution --answers 500 --top-p 0.9 \
+        --truths runs/calibration_truths.json --json docs/calibration_run500.json
+
+1. Samples answers with the demo's SmolLM2 (transformers `generate`, temperature 1, the
+   given top_p, top_k off); the sampled ids are the ground truth. They are cached
+   (`--truths`) so that a second analysis does not sample again.
+2. A stack changes what it returns the way Kimi's stacks do (docs: kimi-k25-format.md),
+   keeping the billed completion_tokens: it splits the answer into a "reasoning" and a
+   "content" at the first sentence end followed by whitespace (or returns it whole), strips
+   the reasoning's trailing whitespace (vLLM strips the reasoning's) and the content's
+   leading whitespace (a parser that trims around a marker). The text it hides is a
+   whitespace string W between the two, at most one billed id beyond a space merged into the
+   next word.
+3. Candidates: every W of the form "", " ", t or t + " " (t: each whitespace token of the
+   vocabulary) whose canonical encoding of reasoning + W + content has the billed length.
+   Under "the split is canonical" the set is CLOSED for W worth at most one id (a whitespace
+   run of one token, plus the single space a word token takes before it). One option proves
+   the ids (`text_proven`); two or more go to `extraction.resolve` (pruned at the first id
+   the sampler could not draw), scored with the same weights under the same sampling. The
+   W of newlines and at most one space whose canonical ids miss the bill by 1 to 3 ids are
+   kept with the record as readings (`short_readings`, `long_readings`), as
+   core/candidates.py keeps newline tails: a non-canonical split of one may fit the bill.
+4. Every usable record then goes through the split check (`extraction.split_check`, as the
+   extract stage runs it): its ids are confirmed as a split the sampler could draw, or
+   replaced by the split the target prefers (also a split of a kept near reading), or
+   flagged.
+5. Prints the shares (text-proven, target-resolved, unresolved), every usable record whose
+   ids are not the sampled ones (silent: must be 0), resolved-wrong against the count the
+   posteriors predict (sum of 1 - posterior over resolved records), the posteriors in bins,
+   and the forward work (tokens) and time of resolution and the split check next to a plain
+   extraction forward over the same answers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+from kimi_pipe.config import compose  # noqa: E402
+from kimi_pipe.core.candidates import NO_OPTION_FITS, READING_DISTANCE  # noqa: E402
+from kimi_pipe.core.models import load_model  # noqa: E402
+from kimi_pipe.core.prompt_render import prompt_ids  # noqa: E402
+from kimi_pipe.extraction.hf_backend import HFBackend, resolve_model_path  # noqa: E402
+from kimi_pipe.extraction.resolve import (  # noqa: E402
+    HFSuffixScorer,
+    ResolveSettings,
+    score_record,
+)
+from kimi_pipe.extraction.split_check import (  # noqa: E402
+    check_record,
+    checkable,
+    vocabulary_of,
+)
+
+TOPICS = [
+    "the sea", "a cat", "rain", "Paris", "music", "bread", "a river", "winter", "the moon",
+    "trees", "coffee", "a bicycle", "chess", "the sun", "a library", "snow", "friendship",
+    "a mountain", "tea", "the wind",
+]  # fmt: skip
+ASKS = [
+    "Describe {} in one short sentence.",
+    "Write two short lines about {}, one per line.",
+    "Give me one word that goes with {}.",
+    "Name two things about {}, each on its own line.",
+    "Say something short about {}.",
+    "Write a title about {}, then one sentence on the next line.",
+]
+
+
+def sample_answers(
+    hf: Any, prompts: list[list[int]], args: argparse.Namespace, end_id: int
+) -> list[list[int]]:
+    """Ground-truth output ids (up to and including the end id) per prompt, batched."""
+    out: list[list[int]] = []
+    torch.manual_seed(args.seed)
+    for start in range(0, len(prompts), args.batch):
+        chunk = prompts[start : start + args.batch]
+        longest = max(map(len, chunk))
+        ids = torch.full((len(chunk), longest), end_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, p in enumerate(chunk):  # left padding: every row ends where generation starts
+            ids[row, longest - len(p) :] = torch.tensor(p)
+            mask[row, longest - len(p) :] = 1
+        with torch.inference_mode():
+            seqs = hf.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=True,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                top_k=0,
+                max_new_tokens=args.max_new_tokens,
+                eos_token_id=end_id,
+                pad_token_id=end_id,
+            )
+        for row in seqs[:, longest:].tolist():
+            cut = row.index(end_id) + 1 if end_id in row else len(row)
+            out.append(row[:cut])
+        print(f"[calibrate] sampled {len(out)}/{len(prompts)}", file=sys.stderr, flush=True)
+    return out
+
+
+def whitespace_ids(tok: Any) -> list[int]:
+    """Every vocabulary id that decodes to whole whitespace text."""
+    found = []
+    for i in range(len(tok)):
+        text = tok.decode([i])
+        if text and not text.strip() and "\ufffd" not in text:
+            found.append(i)
+    return found
+
+
+def split_point(tok: Any, body: list[int]) -> int | None:
+    """First id boundary after a sentence end whose next text starts with whitespace (and
+    has more than whitespace after it): where the stack puts its reasoning/content split."""
+    for i in range(1, len(body)):
+        before, after = tok.decode(body[:i]), tok.decode(body[i:])
+        head = before.rstrip()
+        if head[-1:] in (".", "!", "?", ":") and after[:1].isspace() and after.strip():
+            return i
+    return None
+
+
+def near_gap(gap: str) -> bool:
+    """The readings a record keeps beside its options come, as in core/candidates.py, from
+    newline runs (and here at most one space, SmolLM2's tokens joining one), not from every
+    whitespace token of the vocabulary: each costs a rebuild there. The options are all."""
+    return set(gap) <= {"\n", " "} and gap.count(" ") <= 1
+
+
+def gap_options(
+    model: Any, reasoning: str, content: str, end: list[int], billed: int, gaps: list[str]
+) -> tuple[list[tuple[list[int], str]], ...]:
+    """Every (ids, W) with W in `gaps` whose canonical ids have the billed length (the
+    options), and the near ones (`near_gap`) whose canonical ids miss it by at most
+    READING_DISTANCE, shorter or longer (a non-canonical split of one may fit the bill)."""
+    seen: dict[tuple[int, ...], str] = {}
+    short: dict[tuple[int, ...], str] = {}
+    long: dict[tuple[int, ...], str] = {}
+    for gap in gaps:
+        ids = model.encode([reasoning + gap + content]) + end
+        off = len(ids) - billed
+        if off == 0:
+            seen.setdefault(tuple(ids), gap)
+        elif abs(off) <= READING_DISTANCE and near_gap(gap):
+            (short if off < 0 else long).setdefault(tuple(ids), gap)
+    return (
+        [(list(ids), gap) for ids, gap in seen.items()],
+        [(list(ids), gap) for ids, gap in short.items()],
+        [(list(ids), gap) for ids, gap in long.items()],
+    )
+
+
+def readings(options: list[tuple[list[int], str]]) -> list[dict[str, Any]]:
+    return [
+        {"output_ids": ids, "loss_mask": [1] * len(ids), "label": f"hidden {gap!r}"}
+        for ids, gap in options
+    ]
+
+
+def diverge_of(options: list[list[int]]) -> int:
+    shortest = min(map(len, options))
+    for j in range(shortest):
+        if len({o[j] for o in options}) > 1:
+            return j
+    return shortest
+
+
+def base_record(
+    sid: str, prompt: list[int], ids: list[int], sampling: dict[str, float]
+) -> dict[str, Any]:
+    return {
+        "id": sid, "ok": True, "evidence": "text_proven", "issues": [], "notes": [],
+        "prompt_ids": prompt, "output_ids": ids,
+        "loss_mask": [0] * len(prompt) + [1] * len(ids), "sampling": sampling,
+        "completion_tokens_reported": len(ids),
+    }  # fmt: skip
+
+
+def gap_record(
+    sid: str, prompt: list[int], options: list[tuple[list[int], str]], sampling: dict[str, float]
+) -> dict[str, Any]:
+    """An unresolved record whose closed set holds every option of the hidden whitespace."""
+    first = options[0][0]
+    rec = base_record(sid, prompt, first, sampling)
+    rec.update(ok=False, evidence="unresolved", issues=["reasoning_tail_unverifiable"])
+    rec["candidates"] = {
+        "closed": True,
+        "why_open": None,
+        "classes": ["reasoning_tail"],
+        "diverge_at": diverge_of([ids for ids, _ in options]),
+        "options": readings(options),
+    }
+    return rec
+
+
+def no_option_record(
+    sid: str,
+    prompt: list[int],
+    text: str,
+    readings_: list[tuple[list[int], str]],
+    billed: int,
+    sampling: dict[str, float],
+) -> dict[str, Any]:
+    """A record no option of which fits the bill: its own ids are the returned text's
+    (no hidden whitespace), flagged, with an open set of no option (core/candidates.py)."""
+    own = next((ids for ids, gap in readings_ if gap == ""), readings_[0][0])
+    rec = base_record(sid, prompt, own, sampling)
+    rec.update(ok=False, evidence="unresolved")
+    rec["issues"] = ["reasoning_tail_unverifiable", "billing_mismatch"]
+    rec["completion_tokens_reported"] = billed
+    rec["candidates"] = {
+        "closed": False,
+        "why_open": NO_OPTION_FITS,
+        "classes": ["reasoning_tail"],
+        "diverge_at": None,
+        "options": [],
+    }
+    return rec
+
+
+def posterior_bins(posteriors: list[tuple[float, bool]]) -> dict[str, dict[str, float]]:
+    """Resolved records per posterior bin: how many, how many wrong, how many predicted."""
+    edges = [(0.999, 0.9999), (0.9999, 0.999999), (0.999999, 1.0), (1.0, 1.0)]
+    out = {}
+    for low, high in edges:
+        inside = [(p, w) for p, w in posteriors if (p == 1.0 if low == high else low <= p < high)]
+        name = "1.0 (others impossible or beyond float)" if low == high else f"[{low}, {high})"
+        out[name] = {
+            "records": len(inside),
+            "wrong": sum(w for _, w in inside),
+            "predicted_wrong": sum(1 - p for p, _ in inside),
+        }
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--answers", type=int, default=500)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--top-p", type=float, default=0.9)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=50)
+    ap.add_argument("--min-posterior", type=float, default=0.999)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--score-dtype",
+        default="float32",
+        help="dtype the target scores in (sampling is float32): bfloat16 stands for a provider "
+        "whose numerics differ from the target's",
+    )
+    ap.add_argument("--extract-sample", type=int, default=64, help="answers timed for extraction")
+    ap.add_argument("--truths", type=Path, default=None, help="cache of the sampled ids (JSON)")
+    ap.add_argument("--json", type=Path, default=None, help="write the figures here too")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    cfg = compose(["model=smollm2"])
+    model = load_model(cfg.model)
+    path = resolve_model_path(cfg)
+    backend = HFBackend(path, model_name="smollm2")  # the extraction backend's own weights
+    hf = backend.model
+    # The target that resolves: the same weights, in the scoring dtype.
+    judge = (
+        hf
+        if args.score_dtype == "float32"
+        else HFBackend(path, model_name="smollm2", dtype=args.score_dtype).model
+    )
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path))  # the same tokenizer.json the model uses
+    end = model.encode(model.format.output.end.render())
+    end_id = end[-1]
+
+    questions = [ASKS[i % len(ASKS)].format(TOPICS[(i // len(ASKS)) % len(TOPICS)])
+                 for i in range(args.answers)]  # fmt: skip
+    messages = [[{"role": "user", "content": q}] for q in questions]
+    prompts = [prompt_ids(model, m, None) for m in messages]
+    key = {k: getattr(args, k) for k in ("answers", "temperature", "top_p", "max_new_tokens",
+                                         "batch", "seed")}  # fmt: skip
+    cached = json.loads(args.truths.read_text()) if args.truths and args.truths.exists() else None
+    t0 = time.monotonic()
+    if cached and cached.get("key") == key:
+        truths = cached["truths"]
+        sample_s = float(cached["seconds"])
+        print(f"[calibrate] {len(truths)} sampled answers from {args.truths}", file=sys.stderr)
+    else:
+        truths = sample_answers(hf, prompts, args, end_id)
+        sample_s = time.monotonic() - t0
+        if args.truths:
+            args.truths.write_text(json.dumps({"key": key, "seconds": sample_s, "truths": truths}))
+
+    spaces = [tok.decode([t]) for t in whitespace_ids(tok)]
+    gaps = ["", " "] + [g for t in spaces for g in (t, t + " ")]
+    # This stack only hides whitespace: a bill no reading fits is a split (billing_splits).
+    settings = ResolveSettings(
+        min_posterior=args.min_posterior, max_options=len(gaps), billing_splits=True
+    )
+    scorer = HFSuffixScorer(judge, "smollm2")
+    vocab = vocabulary_of(model.tokenizer)
+    sampling = {"temperature": args.temperature, "top_p": args.top_p}
+
+    counts: dict[str, int] = {}
+    predicted_wrong = 0.0
+    posteriors: list[tuple[float, bool]] = []
+    set_sizes: list[int] = []
+    wrong_examples: list[dict[str, Any]] = []
+    resolve_s = split_s = 0.0
+    split_tokens = 0
+
+    def count(key: str) -> None:
+        counts[key] = counts.get(key, 0) + 1
+
+    print(f"[calibrate] {len(spaces)} whitespace ids, {len(gaps)} gaps; reconstructing",
+          file=sys.stderr)  # fmt: skip
+    for i, (prompt, truth) in enumerate(zip(prompts, truths, strict=True)):
+        if i and i % 50 == 0:
+            print(f"[calibrate] {i}/{len(truths)} {dict(sorted(counts.items()))}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+        ended = truth[-1:] == [end_id]
+        body = truth[:-1] if ended else truth
+        tail = end if ended else []
+        text = tok.decode(body, skip_special_tokens=True)
+        if model.encode([text]) + tail != truth:
+            count("noncanonical_truth")
+        if not ended:
+            count("cut_by_max_tokens")
+        at = split_point(tok, body)
+        if at is None:
+            count("shape_whole")
+            reasoning, content = text.rstrip(), ""
+        else:
+            count("shape_reasoning_content")
+            reasoning, content = tok.decode(body[:at]).rstrip(), tok.decode(body[at:]).lstrip()
+        if reasoning + content != text:
+            count("stack_hid_whitespace")
+        options, short, long = gap_options(model, reasoning, content, tail, len(truth), gaps)
+        posterior = 1.0
+        if not options:
+            # As core/candidates.py keeps it: no option, the readings, for the split check.
+            rec = no_option_record(
+                f"a{i}", prompt, reasoning + content, short + long, len(truth), sampling
+            ) if short or long else {}  # fmt: skip
+            short = [r for r in short if r[0] != rec.get("output_ids")]
+            long = [r for r in long if r[0] != rec.get("output_ids")]
+            if not (short or long):
+                count("unresolved_no_option_fits_billing")
+                continue
+            count("no_option_fits_billing")
+        elif len(options) == 1:
+            rec = base_record(f"a{i}", prompt, options[0][0], sampling)
+            rec["notes"] = ["single_candidate"]
+        else:
+            set_sizes.append(len(options))
+            t1 = time.monotonic()
+            scored = score_record(gap_record(f"a{i}", prompt, options, sampling), scorer, settings)
+            resolve_s += time.monotonic() - t1
+            assert scored is not None
+            if not scored["ok"]:
+                count("target_unresolved")
+                continue
+            posterior = scored["resolution"]["posterior"]
+            rec = dict(scored)
+        rec["short_readings"] = readings(short)
+        rec["long_readings"] = readings(long)
+        t2 = time.monotonic()
+        checked, cost = check_record(rec, judge, vocab, settings, "smollm2")
+        split_s += time.monotonic() - t2
+        split_tokens += cost
+        assert checked is not None and checkable(rec, settings.billing_splits) is None
+        outcome = (checked.get("split_check") or {}).get("chosen")
+        count(f"split_{outcome or 'unresolved'}")
+        if not checked["ok"]:
+            count("unresolved_by_split_check")
+            if not options:
+                count("no_option_unresolved")
+            continue
+        # The split check weighs the set's other options with every split: its posterior
+        # is the record's whole posterior.
+        posterior = checked["split_check"].get("posterior", posterior)
+        rec = checked
+        wrong = rec["output_ids"] != truth
+        rung = rec["evidence"]
+        count(rung)
+        if not options:
+            count(f"no_option_{rung}" + ("_wrong" if wrong else ""))
+        if wrong:
+            count(f"{rung}_WRONG")  # silent: a usable record with ids the model did not sample
+            wrong_examples.append(
+                {
+                    "answer": i,
+                    "rung": rung,
+                    "posterior": posterior,
+                    "truth_text": text,
+                    "truth_ids": len(truth),
+                    "truth_canonical_ids": len(model.encode([text])) + len(tail),
+                    "record_text": tok.decode(rec["output_ids"], skip_special_tokens=True),
+                    "options": len(options),
+                    "option_gaps": [g for _, g in options][:8],
+                    "split_check": rec.get("split_check"),
+                }
+            )
+        if rung == "target_resolved":
+            predicted_wrong += 1.0 - posterior
+            posteriors.append((posterior, wrong))
+
+    # What extraction costs anyway: a plain forward over the answers, batched like extract
+    # (on the first --extract-sample of them, scaled by tokens to all).
+    seqs = [p + t for p, t in zip(prompts, truths, strict=True)]
+    timed = seqs[: args.extract_sample]
+    t3 = time.monotonic()
+    for start in range(0, len(timed), 16):
+        backend.forward(timed[start : start + 16])
+    extract_s = (time.monotonic() - t3) * sum(map(len, seqs)) / max(1, sum(map(len, timed)))
+
+    n = len(truths)
+    proven = counts.get("text_proven", 0)
+    resolved = counts.get("target_resolved", 0)
+    silent = sum(v for k, v in counts.items() if k.endswith("_WRONG"))
+    figures = {
+        "answers": n,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "max_new_tokens": args.max_new_tokens,
+        "min_posterior": args.min_posterior,
+        "score_dtype": args.score_dtype,
+        "counts": dict(sorted(counts.items())),
+        "share_text_proven": proven / n,
+        "share_target_resolved": resolved / n,
+        "share_proven_or_resolved": (proven + resolved) / n,
+        "share_unresolved": 1 - (proven + resolved) / n,
+        # resolve.billing_splits off (the default): the no-option records stay flagged.
+        "share_proven_or_resolved_billing_splits_off": (
+            proven
+            + resolved
+            - counts.get("no_option_target_resolved", 0)
+            - counts.get("no_option_text_proven", 0)
+        )
+        / n,
+        "silent": silent,
+        "resolved_wrong": counts.get("target_resolved_WRONG", 0),
+        "resolved_wrong_predicted": predicted_wrong,
+        "whitespace_ids": len(spaces),
+        "seconds_sampling": round(sample_s, 1),
+        "seconds_resolution": round(resolve_s, 2),
+        "seconds_split_check": round(split_s, 2),
+        "seconds_extraction_forward": round(extract_s, 2),  # scaled from --extract-sample
+        "resolution_share_of_extraction": resolve_s / extract_s if extract_s else None,
+        "split_check_share_of_extraction": split_s / extract_s if extract_s else None,
+        "resolution_tokens": {"prefix": scorer.prefix_tokens, "suffix": scorer.suffix_tokens},
+        "options_pruned_unrun": scorer.pruned,
+        "split_check_tokens": split_tokens,
+        "extraction_tokens": sum(map(len, seqs)),
+        "candidate_sets": {
+            "scored": len(set_sizes),
+            "options_min": min(set_sizes, default=0),
+            "options_max": max(set_sizes, default=0),
+            "options_mean": sum(set_sizes) / len(set_sizes) if set_sizes else 0,
+        },
+        "resolved_posterior_bins": posterior_bins(posteriors),
+        "wrong_examples": wrong_examples,
+    }
+    print(json.dumps(figures, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=2) + "\n")
+    if posteriors:
+        low = min(p for p, _ in posteriors)
+        print(f"lowest resolved posterior {low:.6f}; wrong at posteriors "
+              f"{[round(p, 6) for p, w in posteriors if w]}")  # fmt: skip
+    return 0 if silent == 0 and math.isfinite(predicted_wrong) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Conformance: probe batteries, answer checks, profile fitting and serving=auto."""

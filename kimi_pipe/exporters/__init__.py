@@ -1,0 +1,592 @@
+"""The export engine: hidden-state stores -> one EAGLE-3 trainer's files and a dataset card.
+It plans and shuffles the samples, converts conventions (or refuses before writing), resumes,
+and writes the index, the summary and the card; each format is one file of this package
+(`base.py` holds the protocol). The command: kimi_pipe/stages/export.py; docs/export.md."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from kimi_pipe.errors import ConfigError, MissingFile
+from kimi_pipe.exporters.base import (
+    ExportContext,
+    Exporter,
+    ExportFormatError,
+    export_formats,
+    load_exporter,
+    write_atomic,
+)
+from kimi_pipe.exporters.card import dataset_card
+from kimi_pipe.exporters.modelopt import modelopt_path
+from kimi_pipe.exporters.specforge import (
+    ROWS_PER_DIR,
+    SPECFORGE_CONFIG,
+    SPECFORGE_DEFAULT_MAX_LENGTH,
+    checkpoint_weight_names,
+    specforge_config,
+    specforge_path,
+    specforge_weight_keys,
+)
+from kimi_pipe.exporters.speculators import SPECULATORS_STATES, speculators_path
+from kimi_pipe.exporters.tokens import TOKENS_FILE
+from kimi_pipe.extraction.layers import drafter_config_ids, manifest_output_ids
+from kimi_pipe.store.conventions import final_state_as, final_state_conversion
+from kimi_pipe.store.hidden_store import HiddenStore, state_dtypes
+from kimi_pipe.store.layout import AUDIT_JSON, RECORDS, SUMMARY
+from kimi_pipe.store.records import iter_records
+from kimi_pipe.store.unit_reader import UnitHiddenStore, is_unit_store
+
+__all__ = [
+    "CARD_FILE",
+    "FORMATS",
+    "INDEX_FILE",
+    "ROWS_PER_DIR",
+    "SPECFORGE_CONFIG",
+    "SPECFORGE_DEFAULT_MAX_LENGTH",
+    "SPECULATORS_STATES",
+    "SUMMARY_FILE",
+    "TOKENS_FILE",
+    "ExportFormatError",
+    "Exporter",
+    "checkpoint_weight_names",
+    "export",
+    "export_specforge",
+    "main",
+    "modelopt_path",
+    "run_export",
+    "select_samples",
+    "specforge_config",
+    "specforge_path",
+    "specforge_weight_keys",
+    "speculators_path",
+]
+
+PLAN_FILE = "export_plan.json"
+INDEX_FILE = "export_index.jsonl"
+SUMMARY_FILE = "export_summary.json"
+CARD_FILE = "README.md"
+FORMATS = export_formats()  # the configs in conf/export/
+
+_COMPATIBLE_KEYS = (
+    "model",
+    "num_layers",
+    "layer_ids",
+    "layer_convention",
+    "final_state",
+    "final_norm",
+    "hidden_size",
+    "dtype",
+    "store_dtype",
+    "final_rounding",
+    "loss_mask",
+)
+
+
+@dataclass(frozen=True)
+class PlannedSample:
+    index: int  # position after the shuffle: data_{index}.ckpt, hs_{index}, row index
+    store: int  # position in the sorted store list
+    id: str
+
+
+def open_stores(paths: Sequence[str | os.PathLike[str]]) -> list[HiddenStore]:
+    """Open the stores sorted by resolved path; refuse stores that cannot be mixed."""
+    if not paths:
+        raise ConfigError(
+            "no stores to export: pass stores=[STORE_DIR,...] (made by python -m kimi_pipe.extract)"
+        )
+    resolved = sorted({Path(p).resolve() for p in paths})
+    for path in resolved:
+        if not path.is_dir():
+            raise MissingFile(
+                f"store {path} does not exist: make one with `python -m kimi_pipe.extract` "
+                "(or the extract stage of a pipeline) and pass its directory in stores=[...]"
+            )
+    # A unit store (extract.executor=...) is read through its committed indexes only.
+    stores = [UnitHiddenStore(p) if is_unit_store(p) else HiddenStore(p) for p in resolved]
+    first = stores[0].manifest
+    for s in stores[1:]:
+        diff = [k for k in _COMPATIBLE_KEYS if s.manifest.get(k) != first.get(k)]
+        if diff:
+            detail = ", ".join(
+                f"{k}: {_short(first.get(k))} vs {_short(s.manifest.get(k))}" for k in diff
+            )
+            raise ConfigError(f"stores {stores[0].path} and {s.path} cannot be mixed ({detail})")
+    return stores
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) < 80 else text[:77] + "..."
+
+
+def select_samples(
+    stores: Sequence[HiddenStore], keep: Callable[[int, str], bool] | None = None
+) -> list[tuple[int, str]]:
+    """The samples that reach the training files, as (store position, id), in (store, id)
+    order: those the export policy `keep`s (`export.accept`, by their evidence rung)."""
+    return [
+        (si, sid)
+        for si, s in enumerate(stores)
+        for sid in sorted(s.ids)
+        if keep is None or keep(si, sid)
+    ]
+
+
+def plan(
+    stores: Sequence[HiddenStore], seed: int, keep: Callable[[int, str], bool] | None = None
+) -> list[PlannedSample]:
+    """Deterministic merge + shuffle of the selected samples of every store."""
+    items = select_samples(stores, keep)
+    random.Random(seed).shuffle(items)
+    return [PlannedSample(i, si, sid) for i, (si, sid) in enumerate(items)]
+
+
+def _plan_digest(stores: Sequence[HiddenStore], planned: Sequence[PlannedSample]) -> str:
+    h = hashlib.sha256()
+    for p in planned:
+        h.update(f"{stores[p.store].path}\0{p.id}\n".encode())
+    return h.hexdigest()
+
+
+def _check_or_write_plan(output: Path, info: dict[str, Any]) -> None:
+    """A rerun into the same directory must be the same export (then it resumes)."""
+    path = output / PLAN_FILE
+    if path.exists():
+        old = json.loads(path.read_text())
+        same = (
+            old.get("digest") == info["digest"]
+            and old.get("format", "specforge") == info["format"]
+            and old.get("files", info["files"]) == info["files"]
+        )
+        if not same:
+            raise ConfigError(
+                f"{output} holds another export (other stores, seed, format or file layout); "
+                "pick a new output directory or delete it"
+            )
+    write_atomic(path, json.dumps(info, indent=2) + "\n")
+
+
+# --------------------------------------------------------------------------- conventions
+
+
+def conventions(manifest: dict[str, Any], want: str | None) -> dict[str, Any]:
+    """What files with final state `want` (None: no states) will hold, derived from the
+    manifest; raises before any write when the store cannot be exported that way."""
+    output_ids = manifest_output_ids(manifest)
+    out: dict[str, Any] = {
+        "layer_ids_stored": list(manifest["layer_ids"]),
+        "layer_convention_stored": manifest.get("layer_convention"),
+        "output_layer_ids": output_ids,
+        "capture_layer_ids": [i + 1 for i in output_ids],
+        "drafter_config_ids": {
+            engine: _engine_ids(output_ids, engine) for engine in ("sglang", "vllm")
+        },
+        "final_state_stored": manifest.get("final_state"),
+        "final_state_written": want,
+        "final_state_conversion": final_state_conversion(manifest, want) if want else None,
+    }
+    return out
+
+
+def _engine_ids(output_ids: list[int], engine: str) -> list[int] | str:
+    try:
+        return drafter_config_ids(output_ids, engine)
+    except ValueError as exc:
+        return f"not expressible: {exc}"
+
+
+# --------------------------------------------------------------------------- the export
+
+
+def export(
+    store_paths: Sequence[str | os.PathLike[str]],
+    output: str | os.PathLike[str],
+    fmt: str = "specforge",
+    seed: int = 0,
+    *,
+    target_model_path: str | os.PathLike[str] | None = None,
+    max_length: int | None = None,
+    settings: Mapping[str, Any] | None = None,
+    accept: Sequence[str] | None = None,
+) -> dict[str, Any]:
+    """Write `fmt`'s layout and the dataset card; return the export summary. `accept`: the
+    evidence rungs whose samples reach the files (default engine_ids, text_proven,
+    target_resolved; a record whose last id is unrecoverable never does).
+
+    `settings` override the format's config (conf/export/<fmt>.yaml); `max_length` is
+    SpecForge's `export.max_length`, kept as an argument for callers of the first exporter.
+    """
+    overrides = dict(settings or {})
+    if max_length is not None:
+        overrides["max_length"] = max_length
+    exporter = load_exporter(fmt, overrides)
+    stores = open_stores(store_paths)
+    manifest = stores[0].manifest
+    want = exporter.final_state
+    conv = conventions(manifest, want)  # refuses before the output directory is touched
+    model_path = str(target_model_path or manifest.get("model_path") or "") or None
+    out = Path(output)
+    ctx = ExportContext(out, manifest, conv, model_path, list(stores))
+    extras = exporter.check(ctx)  # refusals of the format, still before any write
+    out.mkdir(parents=True, exist_ok=True)
+    policy = accepted_samples(stores, accept)
+    planned = plan(stores, seed, policy.keep)
+    digest = _plan_digest(stores, planned)
+    _check_or_write_plan(
+        out,
+        {
+            "format": fmt,
+            "seed": seed,
+            "stores": [str(s.path) for s in stores],
+            "samples": len(planned),
+            "digest": digest,
+            # What the files hold (dtype, compression): a resume must not mix two layouts.
+            "files": exporter.files(ctx),
+        },
+    )
+    started = time.monotonic()
+    counts = {"written": 0, "already_written": 0, "skipped_non_finite": 0}
+    tokens = {"total": 0, "loss": 0, "max_len": 0}
+    per_store = [{"store": str(s.path), "samples": 0, "tokens": 0} for s in stores]
+    index_lines: list[str] = []
+    last_report = started
+    for n, p in enumerate(planned, 1):
+        store = stores[p.store]
+        t = store.tokens(p.id)
+        path = exporter.sample_path(out, p.index)
+        if path is None:
+            counts["written"] += 1
+        elif path.exists():
+            counts["already_written"] += 1
+        else:
+            sample = store[p.id]
+            if not (
+                torch.isfinite(sample["aux_hidden_state"]).all()
+                and torch.isfinite(sample["hidden_state"]).all()
+            ):
+                counts["skipped_non_finite"] += 1
+                print(f"export: {store.path} {p.id}: NaN/inf state, skipped", file=sys.stderr)
+                continue
+            if want is not None:
+                sample["hidden_state"] = final_state_as(manifest, sample["hidden_state"], want)
+            exporter.write_sample(out, p.index, sample)
+            counts["written"] += 1
+        length = int(t["input_ids"].numel())
+        ids, mask = t["input_ids"].tolist(), t["loss_mask"].tolist()
+        exporter.add_row(p.index, p.id, ids, mask)
+        tokens["total"] += length
+        tokens["loss"] += int(sum(mask))
+        policy.count_tokens(p.store, p.id, length, int(sum(mask)))
+        tokens["max_len"] = max(tokens["max_len"], length)
+        per_store[p.store]["samples"] += 1  # type: ignore[operator]
+        per_store[p.store]["tokens"] += length  # type: ignore[operator]
+        entry = {"index": p.index, "store": str(store.path), "id": p.id, "length": length}
+        if path is not None:
+            entry["file"] = str(path.relative_to(out))
+        index_lines.append(json.dumps(entry) + "\n")
+        now = time.monotonic()
+        if now - last_report >= 30 or n == len(planned):
+            print(f"export: {n}/{len(planned)} samples -> {out}", file=sys.stderr, flush=True)
+            last_report = now
+    extras.update(exporter.finish(ctx, counts, tokens))
+    write_atomic(out / INDEX_FILE, "".join(index_lines))
+    summary: dict[str, Any] = {
+        "format": fmt,
+        "output": str(out),
+        "seed": seed,
+        "samples": len(index_lines),
+        "counts": counts,
+        "tokens": tokens,
+        "per_store": per_store,
+        # What the files written here hold; the store's own description apart from it.
+        "files": exporter.files(ctx),
+        "source_manifest": _card_manifest(manifest),
+        "converted": converted(manifest, conv, exporter.files(ctx)),
+        "conventions": conv,
+        "target_model_path": model_path,
+        "sources": [source_figures(s, policy.accept) for s in stores],
+        "policy": policy.summary(),
+        "wall_s": round(time.monotonic() - started, 3),
+        **extras,
+    }
+    write_atomic(out / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
+    write_atomic(out / CARD_FILE, dataset_card(summary, exporter))
+    return summary
+
+
+def converted(
+    manifest: Mapping[str, Any], conv: Mapping[str, Any], files: Mapping[str, Any]
+) -> dict[str, Any]:
+    """What the export changed on the way from the store to the files, one entry per change
+    (empty: the files hold the store's tensors as stored)."""
+    out: dict[str, Any] = {}
+    if files.get("final_state") is None:
+        return out
+    if conv.get("final_state_conversion") == "apply_norm":
+        norm = manifest.get("final_norm") or {}
+        out["final_state"] = {
+            "from": manifest.get("final_state"),
+            "to": files["final_state"],
+            "how": f"{norm.get('type')} with the manifest's final_norm weight, eps "
+            f"{norm.get('eps')} (module {norm.get('module')}), in float32, then cast to "
+            f"{files.get('dtype')}",
+        }
+    stored_ids = list(manifest.get("layer_ids", []))
+    if (files.get("layer_convention"), files.get("layer_ids")) != (
+        manifest.get("layer_convention"),
+        stored_ids,
+    ):
+        out["layer_ids"] = {
+            "from": {"convention": manifest.get("layer_convention"), "ids": stored_ids},
+            "to": {"convention": files.get("layer_convention"), "ids": files.get("layer_ids")},
+            "how": "renamed only (the same tensors): input of layer i = output of layer i - 1",
+        }
+    stored = state_dtypes(dict(manifest))
+    stored_scales = manifest.get("scale_layout")
+    if set(stored.values()) != {files.get("dtype")} or stored_scales != files.get("scale_layout"):
+        if files.get("scale_layout") is None:
+            how = "dequantized at export: fp8 value x its row's scale, in float32, then cast"
+        elif stored_scales is None:
+            how = "quantized at export into the trainer's fp8 layout"
+        else:
+            how = "dequantized, then quantized again in the trainer's fp8 layout (its scales)"
+        out["dtype"] = {
+            "from": {"dtype": stored, "scale_layout": stored_scales},
+            "to": {"dtype": files.get("dtype"), "scale_layout": files.get("scale_layout")},
+            "how": how,
+        }
+    return out
+
+
+def export_specforge(
+    store_paths: Sequence[str | os.PathLike[str]], output: str | os.PathLike[str], seed: int = 0
+) -> dict[str, Any]:
+    """`format=specforge` (kept for callers of the first exporter)."""
+    return export(store_paths, output, "specforge", seed)
+
+
+# --------------------------------------------------------------------------- card inputs
+
+
+def _card_manifest(m: dict[str, Any]) -> dict[str, Any]:
+    keys = (
+        "model",
+        "num_layers",
+        "layer_ids",
+        "layer_convention",
+        "layer_convention_doc",
+        "final_state",
+        "final_state_doc",
+        "hidden_size",
+        "aux_hidden_size",
+        "dtype",
+        "store_dtype",
+        "scale_layout",
+        "final_rounding",
+        "loss_mask",
+        "backend",
+    )
+    out = {k: m.get(k) for k in keys}
+    norm = m.get("final_norm")
+    out["final_norm"] = (
+        {"type": norm.get("type"), "eps": norm.get("eps"), "module": norm.get("module")}
+        if isinstance(norm, dict)
+        else None
+    )
+    return out
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _records_drift(records: Path, ids: set[str]) -> dict[str, Any] | None:
+    """Billing drift of the exported samples: reconstructed vs provider-reported tokens."""
+    if not records.exists():
+        return None
+    reported = rebuilt = differing = counted = 0
+    seen: dict[str, tuple[int, int]] = {}
+    for rec in iter_records(records):
+        if str(rec.get("id")) not in ids:
+            continue
+        rep = rec.get("completion_tokens_reported")
+        rec_n = rec.get("completion_tokens_reconstructed")
+        if isinstance(rep, int) and isinstance(rec_n, int):
+            seen[str(rec["id"])] = (rep, rec_n)  # last record of an id wins, as in extract
+    for rep, rec_n in seen.values():
+        counted += 1
+        reported += rep
+        rebuilt += rec_n
+        differing += int(rep != rec_n)
+    if not counted:
+        return None
+    return {
+        "samples_with_usage": counted,
+        "completion_tokens_reported": reported,
+        "completion_tokens_reconstructed": rebuilt,
+        "reconstructed_minus_reported": rebuilt - reported,
+        "samples_differing": differing,
+    }
+
+
+def _record_file(store: HiddenStore, run: Path) -> Path:
+    """The token records a store was extracted from, within source run `run`."""
+    extract_summary = _read_json(store.path / "extract_summary.json") or {}
+    records = Path(extract_summary["records"]) if extract_summary.get("records") else None
+    if records is not None and records.parent.resolve() == run.resolve():
+        return records  # the extract input was another file of this run
+    return run / RECORDS
+
+
+@dataclass
+class ExportPolicy:
+    """Which stored samples reach training files: by the evidence rung of their record."""
+
+    accept: tuple[str, ...]
+    rung_of: dict[tuple[int, str], str]
+    exported: Counter[str] = field(default_factory=Counter)
+    excluded: Counter[str] = field(default_factory=Counter)
+    tokens: Counter[str] = field(default_factory=Counter)  # exported tokens per rung
+    loss_tokens: Counter[str] = field(default_factory=Counter)  # ... with loss_mask 1
+
+    def count_tokens(self, store: int, sample_id: str, total: int, loss: int) -> None:
+        rung = self.rung_of.get((store, sample_id), "no_record")
+        self.tokens[rung] += total
+        self.loss_tokens[rung] += loss
+
+    def keep(self, store: int, sample_id: str) -> bool:
+        rung = self.rung_of.get((store, sample_id), "no_record")
+        ok = rung in self.accept or rung == "no_record"  # a store without records: as stored
+        (self.exported if ok else self.excluded)[rung] += 1
+        return ok
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "accept": list(self.accept),
+            "exported_by_evidence": dict(sorted(self.exported.items())),
+            "excluded_by_evidence": dict(sorted(self.excluded.items())),
+            "exported_tokens_by_evidence": dict(sorted(self.tokens.items())),
+            "exported_loss_tokens_by_evidence": dict(sorted(self.loss_tokens.items())),
+        }
+
+
+def accepted_samples(stores: Sequence[HiddenStore], accept: Sequence[str] | None) -> ExportPolicy:
+    """The export policy over the stores' source records (last record of an id wins)."""
+    from kimi_pipe.core.evidence import NEVER_USABLE, PREFIX_PROVEN, evidence_of, parse_accept
+    from kimi_pipe.exporters.prefix import cut_to_prefix
+
+    rung_of: dict[tuple[int, str], str] = {}
+    for si, store in enumerate(stores):
+        ids = set(store.ids)
+        for run in (Path(r) for r in store.manifest.get("source_runs", [])):
+            rec_file = _record_file(store, run)
+            if not rec_file.exists():
+                continue
+            for rec in iter_records(rec_file):
+                sid = str(rec.get("id"))
+                if sid in ids:
+                    never = NEVER_USABLE & set(rec.get("issues") or ())
+                    rung = "never_usable" if never else evidence_of(rec)
+                    if rung == PREFIX_PROVEN and not cut_to_prefix(store, sid, rec):
+                        rung = "prefix_not_cut"  # stored whole: never past the prefix
+                    rung_of[(si, sid)] = rung
+    return ExportPolicy(parse_accept(accept), rung_of)
+
+
+def source_figures(store: HiddenStore, accept: Sequence[str] | None = None) -> dict[str, Any]:
+    """Fidelity (audit.json), billing drift (summary.json, records) and yield in tokens and
+    dollars under `accept` (core/token_yield.py) of a store's sources."""
+    from kimi_pipe.exporters.prefix import run_yield
+
+    runs = [Path(r) for r in store.manifest.get("source_runs", [])]
+    out: dict[str, Any] = {"store": str(store.path), "runs": []}
+    for run in runs:
+        rec_file = _record_file(store, run)
+        summary = _read_json(run / SUMMARY) or {}
+        out["runs"].append(
+            {
+                "run": str(run),
+                "audit": _read_json(run / AUDIT_JSON),
+                "billing_drift_run": summary.get("billing_drift"),
+                "tokens_run": summary.get("tokens"),
+                "billing_drift_exported": _records_drift(rec_file, set(store.ids)),
+                "yield": run_yield(rec_file, summary, accept),
+            }
+        )
+    return out
+
+
+# --------------------------------------------------------------------------- Hydra app
+
+
+def export_choice(cfg: DictConfig) -> tuple[str, dict[str, Any]]:
+    """The format and its settings from a composed config.
+
+    `format=NAME` (root key; by default `${export.name}`, the group choice) names the format.
+    The `export` group's settings apply when they are that format's (`export=NAME`, with
+    `export.KEY=...` overrides); `format=NAME` alone takes conf/export/NAME.yaml as it is.
+    The root `max_length` is kept as an alias of `export.max_length` (SpecForge).
+    """
+    group = OmegaConf.select(cfg, "export", default=None)
+    group_settings: dict[str, Any] = {}
+    if isinstance(group, DictConfig):
+        group_settings = dict(OmegaConf.to_container(group, resolve=True))  # type: ignore[arg-type]
+    fmt = OmegaConf.select(cfg, "format", default=None) or group_settings.get("name") or "specforge"
+    fmt = str(fmt)
+    settings = dict(group_settings) if group_settings.get("name") == fmt else {}
+    settings.pop("name", None)
+    settings.pop("accept", None)  # the export policy, not a format setting (run_export)
+    from kimi_pipe.config import whole_number
+
+    if "max_length" in settings:
+        settings["max_length"] = whole_number(settings["max_length"], "export.max_length")
+    max_length = whole_number(OmegaConf.select(cfg, "max_length", default=None), "max_length")
+    if max_length is not None:
+        settings["max_length"] = max_length
+    return fmt, settings
+
+
+def run_export(cfg: DictConfig) -> dict[str, Any]:
+    fmt, settings = export_choice(cfg)
+    if fmt not in FORMATS:
+        raise ExportFormatError(f"format={fmt!r} is not supported; choose one of {list(FORMATS)}")
+    stores = OmegaConf.select(cfg, "stores", default=None) or []
+    if isinstance(stores, str):
+        stores = [stores]
+    output = OmegaConf.select(cfg, "output", default=None)
+    if output is None:
+        raise ExportFormatError("no output directory: pass output=DIR")
+    seed = int(OmegaConf.select(cfg, "seed", default=0) or 0)
+    summary = export(
+        list(stores),
+        output,
+        fmt,
+        seed,
+        target_model_path=OmegaConf.select(cfg, "target_model_path", default=None),
+        settings=settings,
+        accept=OmegaConf.select(cfg, "export.accept", default=None),
+    )
+    print(
+        f"export: {summary['samples']} samples, {summary['tokens']['total']} tokens -> "
+        f"{summary['output']} (card: {Path(summary['output']) / CARD_FILE})",
+        file=sys.stderr,
+    )
+    return summary

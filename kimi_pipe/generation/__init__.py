@@ -1,0 +1,1 @@
+"""Generation: buying answers under a budget, and the probes bought the same way."""

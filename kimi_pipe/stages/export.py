@@ -1,0 +1,72 @@
+"""Stage: export hidden-state stores for an EAGLE-3 trainer, with a dataset card.
+
+    python -m kimi_pipe.export format=specforge stores=[runs/B5/x/hidden_hf,runs/B6/x/hidden_hf] \
+        seed=0 output=exports/b5-b6 [target_model_path=/models/Kimi-K2.5]
+
+Formats are plug-ins (docs/export.md): one file in kimi_pipe/exporters/ and one config
+`conf/export/<name>.yaml` each (`specforge`, `speculators`, `modelopt`, `tokens`); `format=NAME`
+picks one (an alias of the group choice `export=NAME`). The exporter protocol is in `base.py`.
+
+Every export reads the store's manifest and converts (post-norm from a pre-norm store that
+recorded its final norm; layer ids renamed to the trainer's convention; fp8 states
+dequantized) or refuses with a message before writing anything: it never writes a convention
+it was not asked for. Its summary and card describe the files as written (`files`), with the
+store's own description (`source_manifest`) and what was converted (`converted`) apart.
+
+Merge and shuffle are deterministic: samples of all stores are ordered by (store path, sample
+id) and shuffled with `random.Random(seed)`, so the same stores and seed always give the same
+files, whatever order the stores are listed in. `export_index.jsonl` maps each file back to its
+store and sample id. A killed export resumes: files are written tmp + rename and existing ones
+are kept (the plan is checked to be the same). Samples with NaN/inf states are skipped, counted.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from kimi_pipe.errors import ConfigError
+from kimi_pipe.exporters import CARD_FILE, run_export
+from kimi_pipe.stages.command import hydra_command
+
+
+def output_dir(cfg: DictConfig, run_dir: Path) -> Path:
+    out = OmegaConf.select(cfg, "output", default=None)
+    fmt = OmegaConf.select(cfg, "format", default="specforge")
+    return Path(str(out)) if out else run_dir / f"export_{fmt}"
+
+
+def inputs(cfg: DictConfig, run_dir: Path) -> list[Path]:
+    stores = OmegaConf.select(cfg, "stores", default=None) or []
+    return [Path(str(s)) for s in ([stores] if isinstance(stores, str) else stores)]
+
+
+def outputs(cfg: DictConfig, run_dir: Path) -> list[Path]:
+    return [output_dir(cfg, run_dir) / CARD_FILE]
+
+
+def run_stage(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:
+    """The stage entry: training files from `stores` (default output: <run_dir>/export_<fmt>)."""
+    if not inputs(cfg, run_dir or Path(".")):
+        raise ConfigError("no store to export: run an extract stage first or pass stores=[...]")
+    cfg = cfg.copy()
+    with open_dict(cfg):
+        OmegaConf.update(cfg, "stores", [str(p) for p in inputs(cfg, Path("."))], force_add=True)
+        OmegaConf.update(cfg, "seed", int(OmegaConf.select(cfg, "seed", default=0) or 0))
+        if run_dir is not None:
+            OmegaConf.update(cfg, "output", str(output_dir(cfg, run_dir)), force_add=True)
+    return run_export(cfg)
+
+
+def main(argv: list[str] | None = None) -> int:
+    def export_stage(cfg: DictConfig) -> None:
+        run_export(cfg)
+
+    return hydra_command(export_stage, argv, name="export")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
