@@ -842,10 +842,16 @@ def test_extract_sglang_resolves_candidates_like_hf(
         assert (got["ok"], got["output_ids"]) == (want["ok"], want["output_ids"])
     resolved = [r for r in after.values() if r["ok"]]
     assert resolved and sum(summary["resolve"]["counts"].values()) == len(recs)
+    # A set left unresolved keeps the ids its options share (prefix_proven, issue 33).
+    cut = [r for r in after.values() if r["evidence"] == "prefix_proven"]
     store = HiddenStore(out)
-    assert sorted(store.ids) == sorted(r["id"] for r in resolved)
+    assert sorted(store.ids) == sorted(r["id"] for r in [*resolved, *cut])
     for rec in resolved:
         assert store.tokens(rec["id"])["input_ids"].tolist() == _ids(rec)
+    for rec in cut:
+        k = rec["candidates"]["diverge_at"]
+        shared = rec["prompt_ids"] + rec["candidates"]["options"][0]["output_ids"][:k]
+        assert store.tokens(rec["id"])["input_ids"].tolist() == shared
 
 
 def test_hydra_multirun_over_shards_cli(tmp_path: Path, tiny_model: Path) -> None:
