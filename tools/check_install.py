@@ -118,9 +118,10 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in handle if line.strip()]
 
 
-# The suite's expectations are for a stack that keeps the reasoning's tail (the default
-# `unknown` profile adds reasoning_tail_unverifiable to most of them): both sides use this.
-SERVING = "serving.reasoning_tail=kept"
+# The suite's expectations are for a stack that keeps the reasoning's tail and the tool-call
+# arguments' edges (the default `unknown` profile flags most of them: tests/conftest.py's
+# TAIL_KEPT): both sides use these.
+SERVING = ("serving.reasoning_tail=kept", "serving.argument_edges=kept")
 
 
 def checkout_records(cases: list[dict[str, Any]], model_name: str, tokenizer_dir: Path) -> Any:
@@ -130,7 +131,7 @@ def checkout_records(cases: list[dict[str, Any]], model_name: str, tokenizer_dir
     from kimi_pipe.core.serving import serving_profile
     from kimi_pipe.stages.reconstruct import reconstruct_line
 
-    cfg = compose([f"model={model_name}", f"model.tokenizer.path={tokenizer_dir}", SERVING])
+    cfg = compose([f"model={model_name}", f"model.tokenizer.path={tokenizer_dir}", *SERVING])
     serving = serving_profile(cfg)
     model = load_model(cfg.model)
     tolerance = int(cfg.validation.billing_tolerance)
@@ -261,7 +262,7 @@ def check(args: argparse.Namespace, wheel: Path, cases: list[dict[str, Any]], wo
         f"model={args.model}",
         f"model.tokenizer.path={args.tokenizer_dir}",
         "input=in.jsonl",
-        SERVING,
+        *SERVING,
     ]
     outputs = {
         "kimi-pipe reconstruct": [str(bin_dir / "kimi-pipe"), "reconstruct"],
