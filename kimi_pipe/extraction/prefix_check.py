@@ -24,7 +24,7 @@ from kimi_pipe.core.evidence import PREFIX_PROVEN, UNRESOLVED, evidence_of
 from kimi_pipe.core.splits import Vocabulary, search_splits
 from kimi_pipe.core.token_record import TokenRecord
 from kimi_pipe.extraction.resolve import ResolveSettings
-from kimi_pipe.extraction.split_check import HFNextTokenScorer, neighbour_readings
+from kimi_pipe.extraction.split_check import neighbour_readings, next_token_scorer
 
 PREFIX_SPLIT_CHECKED = "prefix_split_checked"  # note: the target confirmed the prefix
 PREFIX_SPLIT_AMBIGUOUS = "prefix_split_ambiguous"  # issue: another split may leave it early
@@ -60,8 +60,7 @@ def check_prefix(
     sampling = settings.sampling_of(record)
     if sampling is None:
         return None, 0
-    own_scorer = getattr(model, "next_token_scorer", None)
-    scorer = own_scorer(sampling) if own_scorer is not None else HFNextTokenScorer(model, sampling)
+    scorer = next_token_scorer(model, sampling)
     options = record["candidates"]["options"]
     k = int(record["prefix"]["prefix_tokens"])
     prefix = tuple(options[0]["output_ids"][:k])

@@ -184,6 +184,13 @@ def checkable(record: Mapping[str, Any], billing_splits: bool = False) -> str | 
     return "rung" if record.get("ok") else "other_issues"
 
 
+def next_token_scorer(model: Any, sampling: Any) -> Any:
+    """The target's next-token scorer under `sampling`: a serving engine's target
+    (sglang_backend.SGLangTarget) brings its own, else transformers' forward."""
+    own_scorer = getattr(model, "next_token_scorer", None)
+    return own_scorer(sampling) if own_scorer is not None else HFNextTokenScorer(model, sampling)
+
+
 def check_record(
     record: Mapping[str, Any],
     model: Any,
@@ -196,9 +203,7 @@ def check_record(
     sampling = settings.sampling_of(record)
     if sampling is None:
         return None, 0
-    # A serving engine's target (sglang_backend.SGLangTarget) brings its own scorer.
-    own_scorer = getattr(model, "next_token_scorer", None)
-    scorer = own_scorer(sampling) if own_scorer is not None else HFNextTokenScorer(model, sampling)
+    scorer = next_token_scorer(model, sampling)
     output = list(record["output_ids"])
     billed = record.get("completion_tokens_reported")
     if not isinstance(billed, int) or billed < 0:
