@@ -29,6 +29,7 @@ from kimi_pipe.core.formats import Marker, Piece
 from kimi_pipe.core.models import Model
 from kimi_pipe.core.record_builder import RecordBuilder
 from kimi_pipe.core.serving import UNKNOWN_PROFILE, ServingProfile
+from tests.support.cases import tool_history
 
 SHAPES = Path(__file__).resolve().parent / "fixtures" / "server_shapes"
 THINK_END, END = "</think>", "<|im_end|>"
@@ -167,19 +168,7 @@ def answers(draw: st.DrawFn) -> tuple[Answer, int]:
 
 
 def _history(calls: int) -> list[dict[str, Any]]:
-    messages: list[dict[str, Any]] = [{"role": "user", "content": "Weather?"}]
-    for n in range(calls):
-        call_id = f"functions.get_weather:{n}"
-        function = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
-        messages.append(
-            {
-                "role": "assistant",
-                "content": "",
-                "tool_calls": [{"id": call_id, "function": function}],
-            }
-        )
-        messages.append({"role": "tool", "tool_call_id": call_id, "content": "sunny"})
-    return messages
+    return tool_history(calls, "Weather?")
 
 
 @pytest.mark.kimi

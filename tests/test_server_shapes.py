@@ -25,6 +25,7 @@ from kimi_pipe.core.formats import Marker
 from kimi_pipe.core.models import Model
 from kimi_pipe.core.reconstruction import ERRORS, NOTES, reconstruct
 from kimi_pipe.core.serving import CHOICES, ServingProfile
+from tests.support.cases import tool_history
 
 SHAPES = Path(__file__).resolve().parent / "fixtures" / "server_shapes"
 PROFILE_OF_VERSION = {
@@ -177,19 +178,7 @@ def test_class1_marker_spaces_flagged_or_removed(kimi: Model) -> None:
 
 
 def _history(calls: int) -> list[dict[str, Any]]:
-    messages: list[dict[str, Any]] = [{"role": "user", "content": "go"}]
-    for index in range(calls):
-        call_id = f"functions.get_weather:{index}"
-        function = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
-        messages.append(
-            {
-                "role": "assistant",
-                "content": "",
-                "tool_calls": [{"id": call_id, "function": function}],
-            }
-        )
-        messages.append({"role": "tool", "tool_call_id": call_id, "content": "sunny"})
-    return messages
+    return tool_history(calls, "go")
 
 
 @pytest.mark.kimi

@@ -57,3 +57,21 @@ def expected_output_ids(model: Model, case: dict[str, Any]) -> list[int]:
         return list(expect["output_ids"])
     text = expect["output_text"]
     return [] if text is None else model.tokenizer.encode_with_markers(text)
+
+
+def tool_history(calls: int, user: str) -> list[dict[str, Any]]:
+    """A conversation of `calls` earlier get_weather calls, each answered: what a second turn
+    whose model may restart the call index follows."""
+    messages: list[dict[str, Any]] = [{"role": "user", "content": user}]
+    for n in range(calls):
+        call_id = f"functions.get_weather:{n}"
+        function = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+        messages.append(
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{"id": call_id, "function": function}],
+            }
+        )
+        messages.append({"role": "tool", "tool_call_id": call_id, "content": "sunny"})
+    return messages
