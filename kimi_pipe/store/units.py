@@ -38,6 +38,9 @@ Reader API::
 
     for sid, tensors in store.iter_samples():   # committed units in plan order, verified
         ...
+
+The plan lives in `store/unit_plan.py`, the writer of one unit in `store/unit_writer.py`;
+this module holds the store (claims, commits, reading) and the lease, which share its state.
 """
 
 from __future__ import annotations
@@ -49,12 +52,10 @@ import logging
 import os
 import re
 import socket
-import struct
-import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,45 +65,36 @@ from fsspec import AbstractFileSystem
 from kimi_pipe.errors import ConfigError, MissingFile, StoreError
 from kimi_pipe.store import objects
 from kimi_pipe.store.hidden_store import (
-    FP8,
-    IDENTITY_KEYS,
     SCALE_SUFFIX,
     STATE_KEYS,
     dequantize_rows,
-    quantize_rows,
-    state_dtypes,
     torch_dtype,
 )
-from kimi_pipe.store.teacher_rounding import (
-    RoundingCounts,
-    TeacherHead,
-    quantize_keeping_argmax,
-    teacher_rows,
+from kimi_pipe.store.unit_plan import (  # noqa: F401  (FORMAT, Unit, plan_units: re-exported)
+    FORMAT,
+    VERSION,
+    Plan,
+    Unit,
+    plan_diff,
+    plan_units,
+)
+from kimi_pipe.store.unit_writer import (  # noqa: F401  (DATA_DIR, CommitResult: re-exported)
+    DATA_DIR,
+    DEFAULT_PART_BYTES,
+    PART_SUFFIX,
+    CommitResult,
+    UnitWriter,
 )
 
 log = logging.getLogger(__name__)
 
-FORMAT = "kimi_pipe.unit_store"
-VERSION = 1
 PLAN = "plan"
 INDEX_DIR = "index"
 LEASE_DIR = "leases"
-DATA_DIR = "data"
-PART_SUFFIX = ".safetensors"
 DEFAULT_LEASE_S = 600.0
-DEFAULT_PART_BYTES = 256 << 20  # a writer holds at most about this much of a unit in memory
 OWNER_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _LEASE_RE = re.compile(r"^(?P<unit>u-\d+)\.g(?P<gen>\d+)\.json$")
 _INDEX_RE = re.compile(r"^(?P<unit>u-\d+)\.c\d+\.json$")
-
-# safetensors dtype names of what a unit holds (little-endian, like the safetensors library).
-_ST_DTYPES: dict[torch.dtype, str] = {
-    torch.int64: "I64",
-    torch.float32: "F32",
-    torch.bfloat16: "BF16",
-    torch.float16: "F16",
-    torch.float8_e4m3fn: "F8_E4M3",
-}
 
 
 class CorruptUnit(StoreError):
@@ -119,98 +111,6 @@ def check_owner(owner: str) -> str:
     if not OWNER_RE.match(owner):
         raise ConfigError(f"worker name {owner!r}: use letters, digits, '.', '_' or '-'")
     return owner
-
-
-# --- the plan ---------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Unit:
-    """One unit of work: a fixed list of sample ids, committed at once."""
-
-    name: str
-    ids: tuple[str, ...]
-    tokens: int | None = None
-
-
-def unit_name(number: int) -> str:
-    return f"u-{number:06d}"
-
-
-def plan_units(
-    ids: Iterable[str | int],
-    unit_size: int,
-    lengths: Mapping[str, int] | None = None,
-    unit_tokens: int | None = None,
-) -> list[Unit]:
-    """Cut the sorted ids into units of `unit_size` samples (and at most `unit_tokens` tokens,
-    a longer sample alone). Sorting makes the plan a function of the id set, not of the
-    order the records came in or of how many workers will run it."""
-    if unit_size < 1:
-        raise ConfigError(f"unit_size must be >= 1, got {unit_size}")
-    if unit_tokens is not None and (unit_tokens < 1 or lengths is None):
-        raise ConfigError("unit_tokens needs lengths and must be >= 1")
-    keys = [str(i) for i in ids]
-    if len(set(keys)) != len(keys):
-        dup = sorted({k for k in keys if keys.count(k) > 1})[:5]
-        raise ConfigError(f"sample ids appear twice: {dup}")
-    units: list[Unit] = []
-    current: list[str] = []
-    tokens = 0
-
-    def cut() -> None:
-        nonlocal current, tokens
-        if current:
-            units.append(Unit(unit_name(len(units)), tuple(current), tokens if lengths else None))
-        current, tokens = [], 0
-
-    for sid in sorted(keys):
-        n = int(lengths[sid]) if lengths is not None else 0
-        over = unit_tokens is not None and current and tokens + n > unit_tokens
-        if len(current) >= unit_size or over:
-            cut()
-        current.append(sid)
-        tokens += n
-    cut()
-    return units
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What the store holds once every unit is committed (the plan record's content)."""
-
-    unit_size: int
-    unit_tokens: int | None
-    manifest: dict[str, Any]
-    units: tuple[Unit, ...]
-    sha256: str = ""  # of the plan record as stored: every index names it
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "format": FORMAT,
-            "version": VERSION,
-            "kind": "plan",
-            "unit_size": self.unit_size,
-            "unit_tokens": self.unit_tokens,
-            "manifest": self.manifest,
-            "units": [{"unit": u.name, "ids": list(u.ids), "tokens": u.tokens} for u in self.units],
-        }
-
-    @classmethod
-    def from_body(cls, body: dict[str, Any]) -> Plan:
-        if body.get("format") != FORMAT or body.get("kind") != "plan":
-            raise StoreError(f"not a unit store plan: format {body.get('format')!r}")
-        if int(body.get("version", 0)) > VERSION:
-            raise StoreError(f"unit store version {body['version']} is newer than {VERSION}")
-        units = tuple(Unit(u["unit"], tuple(u["ids"]), u.get("tokens")) for u in body["units"])
-        digest = hashlib.sha256(objects.encode_record(body)).hexdigest()
-        return cls(
-            int(body["unit_size"]), body.get("unit_tokens"), dict(body["manifest"]), units, digest
-        )
-
-    def unit(self, name: str) -> Unit:
-        for u in self.units:
-            if u.name == name:
-                return u
-        raise KeyError(f"no unit {name!r} in the plan")
 
 
 # --- the store --------------------------------------------------------------------------------
@@ -276,7 +176,7 @@ class UnitStore:
         wanted = Plan(unit_size, unit_tokens, manifest, tuple(units))
         body, _ = objects.create_once(self.fs, self.path(PLAN), wanted.body(), self.grace_s)
         plan = Plan.from_body(body)
-        diff = _plan_diff(plan, wanted)
+        diff = plan_diff(plan, wanted)
         if diff:
             raise StoreError(
                 f"unit store {self.root} was planned for other work ({diff}); use another "
@@ -297,6 +197,14 @@ class UnitStore:
     # --- commits ----------------------------------------------------------------------------
     def _index_base(self, unit: str) -> str:
         return self.path(INDEX_DIR, unit)
+
+    def publish_index(self, unit: str, body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        """Create `unit`'s index unless one stands (the commit point): the standing index,
+        and whether it is `body`'s."""
+        standing, ours = objects.create_once(self.fs, self._index_base(unit), body, self.grace_s)
+        if ours:
+            self._committed[unit] = standing
+        return standing, ours
 
     def _checked_index(self, body: dict[str, Any] | None) -> dict[str, Any] | None:
         if body is None:
@@ -493,22 +401,6 @@ class UnitStore:
         }
 
 
-def _plan_diff(have: Plan, want: Plan) -> str:
-    diffs = []
-    if have.unit_size != want.unit_size:
-        diffs.append(f"unit_size {have.unit_size} != {want.unit_size}")
-    if have.unit_tokens != want.unit_tokens:
-        diffs.append(f"unit_tokens {have.unit_tokens} != {want.unit_tokens}")
-    for key in IDENTITY_KEYS:
-        if have.manifest.get(key) != want.manifest.get(key):
-            diffs.append(f"{key} {have.manifest.get(key)!r} != {want.manifest.get(key)!r}")
-    if [u.ids for u in have.units] != [u.ids for u in want.units]:
-        a = {i for u in have.units for i in u.ids}
-        b = {i for u in want.units for i in u.ids}
-        diffs.append(f"sample ids differ ({len(a - b)} only planned, {len(b - a)} only asked)")
-    return "; ".join(diffs)
-
-
 # --- leases -----------------------------------------------------------------------------------
 @dataclass
 class Lease:
@@ -592,258 +484,6 @@ class Lease:
         finally:
             stop.set()
             thread.join()
-
-
-# --- writing a unit ---------------------------------------------------------------------------
-def _tensor_bytes(t: torch.Tensor) -> bytes:
-    """A CPU tensor's bytes as safetensors stores them (C order, little-endian)."""
-    t = t.detach().to("cpu").contiguous()
-    return t.reshape(-1).view(torch.uint8).numpy().tobytes()
-
-
-def safetensors_header(
-    specs: Mapping[str, tuple[torch.dtype, Sequence[int], int]], metadata: Mapping[str, str]
-) -> bytes:
-    """The header of a safetensors file whose tensors follow in sorted key order, so that the
-    data can be streamed after it instead of built in memory first."""
-    header: dict[str, Any] = {"__metadata__": dict(metadata)}
-    offset = 0
-    for key in sorted(specs):
-        dtype, shape, nbytes = specs[key]
-        header[key] = {
-            "dtype": _ST_DTYPES[dtype],
-            "shape": list(shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
-        offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
-    return struct.pack("<Q", len(raw)) + raw
-
-
-@dataclass
-class _Column:
-    dtype: torch.dtype
-    width: tuple[int, ...]
-    chunks: list[bytes] = field(default_factory=list)
-    rows: int = 0
-    nbytes: int = 0
-
-
-@dataclass(frozen=True)
-class CommitResult:
-    unit: str
-    ours: bool  # False: an earlier commit of this unit stands, this attempt is discarded
-    attempt: str
-    samples: int
-    skipped: int
-    tokens: int
-
-
-class UnitWriter:
-    """Fill one claimed unit and commit it. Rows are kept as their stored bytes and written
-    out as a data object every `part_bytes` (and at commit), so a writer holds at most about
-    min(unit, part_bytes) of state in memory, however long the run."""
-
-    def __init__(
-        self,
-        store: UnitStore,
-        lease: Lease,
-        *,
-        part_bytes: int = DEFAULT_PART_BYTES,
-        head_weight: torch.Tensor | None = None,
-    ) -> None:
-        if sys.byteorder != "little":
-            raise StoreError("the unit store writes safetensors bytes as they are in memory")
-        if part_bytes < 1:
-            raise ConfigError(f"part_bytes must be >= 1, got {part_bytes}")
-        self.store = store
-        self.lease = lease
-        self.unit = lease.unit
-        self.part_bytes = part_bytes
-        manifest = store.plan.manifest
-        self.state_dtypes = state_dtypes(manifest)
-        self.hidden_size = int(manifest["hidden_size"])
-        self.n_aux = len(manifest["layer_ids"])
-        # What the capture loop casts states to before its NaN/inf check (as StoreWriter).
-        self.dtype = torch_dtype(manifest["dtype"])
-        if FP8 in self.state_dtypes.values() and self.dtype == torch.bfloat16:
-            self.dtype = torch.float32
-        self.teacher: TeacherHead | None = None
-        self.rounding = RoundingCounts()
-        if head_weight is not None and self.state_dtypes["hidden_state"] == FP8:
-            if "final_rounding" not in manifest:
-                raise ConfigError("a teacher-keeping fp8 store needs final_rounding in its plan")
-            norm = manifest.get("final_norm") if manifest.get("final_state") == "pre_norm" else None
-            self.teacher = TeacherHead(head_weight, norm, torch_dtype(manifest["dtype"]))
-        self._wanted = set(self.unit.ids)
-        self.done_ids: set[str] = set()  # written or skipped (the capture loop's Sink API)
-        self._issues: list[list[str]] = []
-        self._samples: list[list[Any]] = []  # [id, part number, offset, length]
-        self._objects: list[dict[str, Any]] = []
-        self._columns: dict[str, _Column] = {}
-        self._part_rows: list[tuple[str, int, int]] = []
-        self._buffered = 0
-        self.peak_buffered = 0  # most bytes of rows held at once (the memory bound)
-        self.tokens = 0
-        self._result: CommitResult | None = None
-
-    def _accept(self, sample_id: str) -> None:
-        if self._result is not None:
-            raise StoreError(f"unit {self.unit.name} is already committed")
-        if sample_id not in self._wanted:
-            raise ValueError(f"sample {sample_id!r} is not in unit {self.unit.name}")
-        if sample_id in self.done_ids:
-            raise ValueError(f"sample {sample_id!r} was already added to unit {self.unit.name}")
-
-    def add(
-        self,
-        sample_id: str | int,
-        input_ids: Sequence[int] | torch.Tensor,
-        loss_mask: Sequence[int] | torch.Tensor,
-        aux: torch.Tensor,
-        final: torch.Tensor,
-    ) -> None:
-        """One sample of this unit: aux [L, k*H] (or [1, L, k*H]), final [L, H]."""
-        sid = str(sample_id)
-        self._accept(sid)
-        ids = torch.as_tensor(input_ids, dtype=torch.int64).reshape(-1)
-        mask = torch.as_tensor(loss_mask, dtype=torch.int64).reshape(-1)
-        aux = aux.detach().squeeze(0) if aux.dim() == 3 else aux.detach()
-        final = final.detach().squeeze(0) if final.dim() == 3 else final.detach()
-        n = ids.numel()
-        expected = {
-            "loss_mask": (tuple(mask.shape), (n,)),
-            "aux": (tuple(aux.shape), (n, self.n_aux * self.hidden_size)),
-            "final": (tuple(final.shape), (n, self.hidden_size)),
-        }
-        for name, (got, want) in expected.items():
-            if got != want:
-                raise ValueError(f"sample {sid!r}: {name} has shape {got}, expected {want}")
-        if n == 0:
-            raise ValueError(f"sample {sid!r} has no tokens")
-        tensors = {"input_ids": ids, "loss_mask": mask, **self._stored(aux, final, mask)}
-        offset = self._part_rows[-1][1] + self._part_rows[-1][2] if self._part_rows else 0
-        for key, t in tensors.items():
-            col = self._columns.get(key)
-            if col is None:
-                col = self._columns[key] = _Column(t.dtype, tuple(t.shape[1:]))
-            data = _tensor_bytes(t)
-            col.chunks.append(data)
-            col.rows += n
-            col.nbytes += len(data)
-            self._buffered += len(data)
-        self.peak_buffered = max(self.peak_buffered, self._buffered)
-        self._part_rows.append((sid, offset, n))
-        self.done_ids.add(sid)
-        self.tokens += n
-        if self._buffered >= self.part_bytes:
-            self._flush_part()
-
-    def _stored(
-        self, aux: torch.Tensor, final: torch.Tensor, loss_mask: torch.Tensor
-    ) -> dict[str, torch.Tensor]:
-        """Each state in its stored dtype (+ fp8 scales): hidden_store's per-row format."""
-        out: dict[str, torch.Tensor] = {}
-        for key, value, rows in (("aux_hidden_state", aux, self.n_aux), ("hidden_state", final, 1)):
-            if key == "hidden_state" and self.teacher is not None:
-                q, scale, counts = quantize_keeping_argmax(
-                    value.to("cpu"), self.teacher, rows_read=teacher_rows(loss_mask)
-                )
-                out[key], out[key + SCALE_SUFFIX] = q, scale
-                self.rounding.add(counts)
-            elif self.state_dtypes[key] == FP8:
-                out[key], out[key + SCALE_SUFFIX] = quantize_rows(value.to("cpu"), rows)
-            else:
-                out[key] = value.to("cpu", torch_dtype(self.state_dtypes[key]))
-        return out
-
-    def skip(self, sample_id: str | int, code: str, detail: str = "") -> None:
-        """Record that a sample of this unit is not stored (NaN/inf, OOM, bad capture): the
-        unit can still commit, and its index says why the sample is missing."""
-        sid = str(sample_id)
-        self._accept(sid)
-        self._issues.append([sid, code, detail])
-        self.done_ids.add(sid)
-
-    def _flush_part(self) -> None:
-        """Stream the buffered rows into this attempt's next data object (hidden_store's
-        shard format: tensors concatenated on the token axis, sample offsets in metadata)."""
-        if not self._part_rows:
-            return
-        number = len(self._objects)
-        rel = objects.join(
-            DATA_DIR, self.unit.name, self.lease.attempt, f"part-{number:05d}{PART_SUFFIX}"
-        )
-        specs = {k: (c.dtype, (c.rows, *c.width), c.nbytes) for k, c in self._columns.items()}
-        meta = {"samples": json.dumps([list(r) for r in self._part_rows])}
-        with objects.hashing_writer(self.store.fs, self.store.path(rel)) as w:
-            w.write(safetensors_header(specs, meta))
-            for key in sorted(self._columns):
-                chunks = self._columns[key].chunks
-                while chunks:  # free each row's bytes as soon as they are written
-                    w.write(chunks.pop(0))
-        self._objects.append({"path": rel, "size": w.size, "sha256": w.sha256})
-        self._samples.extend([sid, number, off, n] for sid, off, n in self._part_rows)
-        self._columns.clear()
-        self._part_rows = []
-        self._buffered = 0
-
-    def index_body(self) -> dict[str, Any]:
-        return {
-            "format": FORMAT,
-            "version": VERSION,
-            "kind": "unit_index",
-            "unit": self.unit.name,
-            "plan_sha256": self.store.plan.sha256,
-            "attempt": self.lease.attempt,
-            "owner": self.lease.owner,
-            "generation": self.lease.generation,
-            "objects": self._objects,
-            "samples": self._samples,
-            "issues": self._issues,
-            "tokens": self.tokens,
-        }
-
-    def _publish(self, body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
-        """Create the unit's index unless one stands: the commit point."""
-        return objects.create_once(
-            self.store.fs, self.store._index_base(self.unit.name), body, self.store.grace_s
-        )
-
-    def commit(self) -> CommitResult:
-        """Write the last data object, then the index (the commit), then end the lease.
-        Every sample of the unit must have been added or skipped."""
-        if self._result is not None:
-            return self._result
-        missing = self._wanted - self.done_ids
-        if missing:
-            raise StoreError(
-                f"unit {self.unit.name}: {len(missing)} samples neither added nor skipped "
-                f"(e.g. {sorted(missing)[:3]})"
-            )
-        self._flush_part()
-        if self.lease.superseded():
-            log.warning("unit %s: committing after losing the lease", self.unit.name)
-        standing, ours = self._publish(self.index_body())
-        if ours:
-            self.store._committed[self.unit.name] = standing
-        else:
-            log.warning(
-                "unit %s: already committed by %s; this attempt's objects are orphans",
-                self.unit.name,
-                standing.get("attempt"),
-            )
-        self.lease.release()
-        self._result = CommitResult(
-            self.unit.name,
-            ours,
-            str(standing["attempt"]),
-            len(standing["samples"]),
-            len(standing["issues"]),
-            int(standing["tokens"]),
-        )
-        return self._result
 
 
 def run_units(
