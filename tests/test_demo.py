@@ -38,7 +38,8 @@ def run_demo(run_dir: Path) -> subprocess.CompletedProcess[str]:
         [
             sys.executable,
             "-m",
-            "kimi_pipe", "demo",
+            "kimi_pipe",
+            "demo",
             f"dataset.limit={N}",
             "provider.params.max_tokens=12",
             f"output_dir={run_dir}",

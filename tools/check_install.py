@@ -266,7 +266,12 @@ def check(args: argparse.Namespace, wheel: Path, cases: list[dict[str, Any]], wo
     ]
     outputs = {
         "kimi-pipe reconstruct": [str(bin_dir / "kimi-pipe"), "reconstruct"],
-        "python -m kimi_pipe reconstruct": [str(bin_dir / "python"), "-m", "kimi_pipe", "reconstruct"],
+        "python -m kimi_pipe reconstruct": [
+            str(bin_dir / "python"),
+            "-m",
+            "kimi_pipe",
+            "reconstruct",
+        ],
     }
     model, reference = checkout_records(cases, args.model, args.tokenizer_dir)
     for label, command in outputs.items():

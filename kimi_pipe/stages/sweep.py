@@ -129,7 +129,8 @@ def build_command(
     return [
         sys.executable,
         "-m",
-        "kimi_pipe", "generate",
+        "kimi_pipe",
+        "generate",
         "--multirun",
         *given,
         *settings.overrides,
