@@ -61,37 +61,37 @@ yield: setup
 	$(PYTHON) -m benchmarks.yield_table
 
 reconstruct-sample: setup
-	$(PYTHON) -m kimi_pipe.reconstruct model=kimi_k25 \
+	$(PYTHON) -m kimi_pipe reconstruct model=kimi_k25 \
 	  input=tests/fixtures/kimi_k25_responses.jsonl output=runs/sample/reconstructed.jsonl
 
 # The whole pipeline offline on SmolLM2 (docs/demo.md); config overrides in ARGS.
 demo: setup
-	$(PYTHON) -m kimi_pipe.demo $(ARGS)
+	$(PYTHON) -m kimi_pipe demo $(ARGS)
 
 # A whole job from conf/pipeline/NAME.yaml (demo, openrouter_sglang, sweep); a second run skips
 # finished stages and resumes a half-done one.
 run: setup
-	$(PYTHON) -m kimi_pipe.run pipeline=$(pipeline) $(ARGS)
+	$(PYTHON) -m kimi_pipe run pipeline=$(pipeline) $(ARGS)
 
 generate: setup
-	$(PYTHON) -m kimi_pipe.generate $(if $(dataset),dataset=$(dataset)) $(ARGS)
+	$(PYTHON) -m kimi_pipe generate $(if $(dataset),dataset=$(dataset)) $(ARGS)
 
 # Provider sweep (docs/sweep.md): one generate job per OpenRouter provider on the same n
 # prompts, sharing one budget, then runs/sweep/<dataset>/report.md with charts.
 #   make sweep dataset=B5 providers=moonshotai,fireworks,novita n=50 usd=6
 # The short names are the sweep group's settings (conf/sweep/default.yaml): sweep.providers=[...].
 sweep: setup
-	$(PYTHON) -m kimi_pipe.sweep $(if $(dataset),dataset=$(dataset)) $(if $(providers),'sweep.providers=[$(providers)]') \
+	$(PYTHON) -m kimi_pipe sweep $(if $(dataset),dataset=$(dataset)) $(if $(providers),'sweep.providers=[$(providers)]') \
 	  $(if $(n),sweep.n=$(n)) $(if $(usd),sweep.usd=$(usd)) $(ARGS)
 
 # Conformance probes (docs/provider-truth.md): conf/probes/<model>.yaml pinned to each provider,
 # then runs/probe/conformance.md.   make probe providers=moonshotai,fireworks [usd=0.3]
 probe: setup
-	$(PYTHON) -m kimi_pipe.probe $(if $(providers),'probe.providers=[$(providers)]') $(if $(usd),probe.usd=$(usd)) $(ARGS)
+	$(PYTHON) -m kimi_pipe probe $(if $(providers),'probe.providers=[$(providers)]') $(if $(usd),probe.usd=$(usd)) $(ARGS)
 
 # Report over finished runs: make report sweep_dir=runs/sweep/B5 (a single run dir works too)
 report: setup
-	$(PYTHON) -m kimi_pipe.report $(if $(sweep_dir),report.sweep_dir=$(sweep_dir)) $(ARGS)
+	$(PYTHON) -m kimi_pipe report $(if $(sweep_dir),report.sweep_dir=$(sweep_dir)) $(ARGS)
 
 bench: setup
 	$(PYTHON) -m benchmarks.bench_reconstruct
@@ -115,7 +115,7 @@ sglang-cpu:
 SGLANG_DEMO_ARGS ?=
 test-sglang-cpu: setup
 	@test -x .venv-sglang/bin/python || { echo "error: .venv-sglang missing: run make sglang-cpu first"; exit 2; }
-	test -f runs/demo/records.jsonl || $(PYTHON) -m kimi_pipe.demo $(SGLANG_DEMO_ARGS)
+	test -f runs/demo/records.jsonl || $(PYTHON) -m kimi_pipe demo $(SGLANG_DEMO_ARGS)
 	INTEROP_VENV_ONLY=1 bash tools/interop.sh
 	KIMI_PIPE_SGLANG_CPU=1 .venv-sglang/bin/python -m pytest -q -s -p no:cacheprovider -m sglang_cpu tests/test_sglang_cpu.py
 

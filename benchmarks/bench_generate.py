@@ -2,7 +2,7 @@
 
 Both send the same N chat requests at the same concurrency to one local fake OpenRouter
 server (tests/support/fake_openrouter.py) that answers instantly. The stage arm is everything
-`python -m kimi_pipe.generate` does per sample (render + budget reservation + LiteLLM +
+`python -m kimi_pipe generate` does per sample (render + budget reservation + LiteLLM +
 retry bookkeeping + reconstruction with the real tokenizer + flushed JSONL record); the
 bare arm only sends the request and parses the JSON answer. Prints samples/s of each
 and the ratio stage / bare (no timing thresholds: a ratio measured in one run).

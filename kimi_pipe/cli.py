@@ -1,6 +1,6 @@
 """The `kimi-pipe` console command: `kimi-pipe <stage> [hydra overrides | stage options]`.
 
-Each stage is its module's `main()`, run exactly as `python -m kimi_pipe.<stage>` runs it
+Each stage is its module's `main()`, run exactly as `python -m kimi_pipe <stage>` runs it
 (the stage reads its arguments from sys.argv). Stage modules are imported only when asked
 for, so a light install (`pip install kimi_pipe`) runs `reconstruct` without torch or
 LiteLLM, and a stage whose dependencies are missing says which extra brings them.
@@ -32,7 +32,7 @@ def usage() -> str:
     lines = [
         "usage: kimi-pipe <stage> [overrides ...]",
         "",
-        "stages (each as `python -m kimi_pipe.<stage>`; its own --help or Hydra overrides):",
+        "stages (each also as `python -m kimi_pipe <stage>`; its own --help or Hydra overrides):",
     ]
     lines += [f"  {name:<{width}}  {stage.summary}" for name, stage in STAGES.items()]
     lines += ["", "example: kimi-pipe reconstruct model=kimi_k25 input=IN.jsonl output=OUT.jsonl"]

@@ -1,7 +1,7 @@
 """A fork server for kill loops: pays the seconds of imports (LiteLLM, tokenizers) once,
 then forks one real `generate` process per command, which a test can `kill -9`.
 
-Each child runs the same code path as `python -m kimi_pipe.generate` after Hydra has
+Each child runs the same code path as `python -m kimi_pipe generate` after Hydra has
 composed the config (`generate(compose(overrides), out)`), in its own process: a kill is a
 real kill (open files, sockets and requests in flight die with it).
 

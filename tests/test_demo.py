@@ -1,4 +1,4 @@
-"""`python -m kimi_pipe.demo` end to end on a handful of bundled prompts: a real server on
+"""`python -m kimi_pipe demo` end to end on a handful of bundled prompts: a real server on
 127.0.0.1, real SmolLM2 weights, real greedy ground truth, a loadable SpecForge export.
 Then the same command again: every stage resumes and nothing is duplicated."""
 
@@ -38,7 +38,8 @@ def run_demo(run_dir: Path) -> subprocess.CompletedProcess[str]:
         [
             sys.executable,
             "-m",
-            "kimi_pipe.demo",
+            "kimi_pipe",
+            "demo",
             f"dataset.limit={N}",
             "provider.params.max_tokens=12",
             f"output_dir={run_dir}",

@@ -459,7 +459,8 @@ def test_hydra_submitit_launcher_runs_local_workers_as_a_job_array(
         [
             sys.executable,
             "-m",
-            "kimi_pipe.extract",
+            "kimi_pipe",
+            "extract",
             "-m",
             "hydra/launcher=submitit_local",
             "extract.executor=local",
@@ -567,7 +568,8 @@ def test_a_bad_executor_on_the_command_line_is_one_line_and_exit_2(tmp_path: Pat
         [
             sys.executable,
             "-m",
-            "kimi_pipe.extract",
+            "kimi_pipe",
+            "extract",
             f"extract.run_dir={tmp_path}",
             "extract.executor=spark",
             f"hydra.run.dir={tmp_path}/h",

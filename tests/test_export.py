@@ -240,7 +240,8 @@ def test_cli_export(tmp_path: Path) -> None:
     cmd = [
         sys.executable,
         "-m",
-        "kimi_pipe.export",
+        "kimi_pipe",
+        "export",
         "++format=specforge",
         f"++stores=[{store}]",
         "++seed=3",

@@ -855,12 +855,12 @@ def test_extract_sglang_resolves_candidates_like_hf(
 
 
 def test_hydra_multirun_over_shards_cli(tmp_path: Path, tiny_model: Path) -> None:
-    """`python -m kimi_pipe.extract -m extract=sglang extract.shard=0,1`: real CLI, one store."""
+    """`python -m kimi_pipe extract -m extract=sglang extract.shard=0,1`: real CLI, one store."""
     recs = _records(tmp_path / "records.jsonl", n=6)
     out = tmp_path / "store"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
     cmd = [
-        sys.executable, "-m", "kimi_pipe.extract", "-m",
+        sys.executable, "-m", "kimi_pipe", "extract", "-m",
         "extract=sglang", f"extract.records={tmp_path / 'records.jsonl'}",
         f"extract.model_path={tiny_model}", f"extract.output_dir={out}",
         "extract.dtype=float32", "extract.rank_factory=test_extract_sglang:StandInRank",
@@ -882,7 +882,7 @@ def test_parallel_shards_with_submitit_local(tmp_path: Path, tiny_model: Path) -
     out = tmp_path / "store"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
     cmd = [
-        sys.executable, "-m", "kimi_pipe.extract", "-m", "hydra/launcher=submitit_local",
+        sys.executable, "-m", "kimi_pipe", "extract", "-m", "hydra/launcher=submitit_local",
         "extract=sglang", f"extract.records={tmp_path / 'records.jsonl'}",
         f"extract.model_path={tiny_model}", f"extract.output_dir={out}",
         "extract.dtype=float32", "extract.rank_factory=test_extract_sglang:StandInRank",

@@ -1,4 +1,4 @@
-"""`python -m kimi_pipe.generate` as a real process: kill -9 and resume, multirun, secrets."""
+"""`python -m kimi_pipe generate` as a real process: kill -9 and resume, multirun, secrets."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Issue 20, host and config: a hostile host (full disk, read-only or dangling run
 directories, symlinked outputs) and configs that would mix jobs or write a secret. Each ends
 with one clear error and exit 2, nothing torn or lost, or runs as one job per directory.
-The stage runs as the user runs it (`python -m kimi_pipe.generate`, Hydra and all) against
+The stage runs as the user runs it (`python -m kimi_pipe generate`, Hydra and all) against
 the fake OpenRouter on 127.0.0.1."""
 
 from __future__ import annotations

@@ -2,8 +2,7 @@
 
 Layers, lowest first: errors, config, progress -> core -> store -> providers / extraction ->
 reporting / conformance -> generation -> stages -> pipeline -> cli. A module may import its
-own layer or lower ones (imports inside functions included), never a higher one; the alias modules
-(`kimi_pipe.generate` ...) may import anything.
+own layer or lower ones (imports inside functions included), never a higher one.
 """
 
 from __future__ import annotations
@@ -63,7 +62,9 @@ def test_every_module_sits_in_a_layer_or_is_an_alias() -> None:
     for name, path in modules().items():
         if name == "kimi_pipe" or layer(name) is not None:
             continue
-        # An alias module: `python -m kimi_pipe.<stage>` -> kimi_pipe.stages/pipeline main().
+        # The one alias: `python -m kimi_pipe <stage>` -> kimi_pipe.cli main() (issue 32: no
+        # `kimi_pipe.<stage>` alias modules beside it).
+        assert name == "kimi_pipe.__main__", f"{name} sits in no layer"
         body = path.read_text(encoding="utf-8")
         assert len(body.splitlines()) <= 10 and "import main" in body, f"{name} is not thin"
 

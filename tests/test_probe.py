@@ -240,7 +240,7 @@ def stacks_names() -> list[str]:
 def test_probe_stage_of_the_sweep_pipeline(
     stack_server: Any, kimi_dir: Path, tmp_path: Path, api_key_env: str
 ) -> None:
-    """The runner's probe stage and `kimi_pipe.sweep`'s own probe step write the same
+    """The runner's probe stage and `kimi-pipe sweep`'s own probe step write the same
     table into <sweep_dir>/probes; dataset and budget settings stay with the sweep."""
     from kimi_pipe.config import compose
     from kimi_pipe.pipeline.registry import ProbeStage

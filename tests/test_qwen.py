@@ -307,7 +307,7 @@ def test_provider_splits_reconstruct_the_raw_text(
 
 
 def test_reconstruct_stage_runs_with_model_qwen3_5(qwen: Model, tmp_path: Path) -> None:
-    """`python -m kimi_pipe.reconstruct model=qwen3_5 ...`: the family is picked by config only."""
+    """`python -m kimi_pipe reconstruct model=qwen3_5 ...`: the family is picked by config only."""
     from kimi_pipe.stages.reconstruct import main
 
     target = tmp_path / "out.jsonl"

@@ -1,4 +1,4 @@
-"""The public contract: `python -m kimi_pipe.reconstruct ... input=IN output=OUT`."""
+"""The public contract: `python -m kimi_pipe reconstruct ... input=IN output=OUT`."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "kimi_pipe.reconstruct", *args],
+        [sys.executable, "-m", "kimi_pipe", "reconstruct", *args],
         cwd=REPO,
         capture_output=True,
         text=True,

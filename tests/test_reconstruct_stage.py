@@ -62,7 +62,7 @@ def test_hostile_lines_are_malformed_records_and_the_batch_goes_on(
     source, target = tmp_path / "in.jsonl", tmp_path / "out" / "out.jsonl"
     expected_ids = _hostile_file(source)
     done = subprocess.run(
-        [sys.executable, "-m", "kimi_pipe.reconstruct", "model=kimi_k25"]
+        [sys.executable, "-m", "kimi_pipe", "reconstruct", "model=kimi_k25"]
         + [f"model.tokenizer.path={kimi_dir}", f"input={source}", f"output={target}"]
         + [*TAIL_KEPT_OVERRIDES],
         cwd=REPO,

@@ -310,7 +310,7 @@ def test_cli_end_to_end_and_errors(
 ) -> None:
     out = tmp_path / "cli"
     done = subprocess.run(
-        [sys.executable, "-m", "kimi_pipe.report", f"report.sweep_dir={sweep}",
+        [sys.executable, "-m", "kimi_pipe", "report", f"report.sweep_dir={sweep}",
          f"report.out_dir={out}", "report.max_error_rate=0.01"],
         capture_output=True, text=True, check=False,
     )  # fmt: skip
@@ -320,7 +320,7 @@ def test_cli_end_to_end_and_errors(
 
     missing = tmp_path / "nowhere"
     done = subprocess.run(
-        [sys.executable, "-m", "kimi_pipe.report", f"report.sweep_dir={missing}"],
+        [sys.executable, "-m", "kimi_pipe", "report", f"report.sweep_dir={missing}"],
         capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert done.returncode == 2 and str(missing) in done.stderr and "make sweep" in done.stderr

@@ -1,4 +1,4 @@
-"""The generic runner (`python -m kimi_pipe.run`): order, skipping finished stages, resuming a
+"""The generic runner (`python -m kimi_pipe run`): order, skipping finished stages, resuming a
 stage killed in the middle, one runner per run directory, clear errors; and the shipped
 pipelines compose and resolve to real stages."""
 
@@ -35,7 +35,7 @@ def toy(run_dir: Path, *extra: str, n: int = 5) -> list[str]:
 def run_cli(args: list[str]) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(REPO)])}
     return subprocess.run(
-        [sys.executable, "-m", "kimi_pipe.run", *args],
+        [sys.executable, "-m", "kimi_pipe", "run", *args],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
 
@@ -83,7 +83,7 @@ def test_kill_in_the_middle_of_a_stage_then_resume(tmp_path: Path) -> None:
     n = 40
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(REPO)])}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kimi_pipe.run", *toy(tmp_path, "+toy.delay_s=0.05", n=n)],
+        [sys.executable, "-m", "kimi_pipe", "run", *toy(tmp_path, "+toy.delay_s=0.05", n=n)],
         cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     lines = tmp_path / "lines.txt"

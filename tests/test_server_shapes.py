@@ -360,7 +360,7 @@ def test_new_codes_are_documented_in_readme() -> None:
 
 @pytest.mark.kimi
 def test_reconstruct_stage_reads_the_serving_group(tmp_path: Path) -> None:
-    """`python -m kimi_pipe.reconstruct serving=...` applies the profile; a bad value exits 2."""
+    """`python -m kimi_pipe reconstruct serving=...` applies the profile; a bad value exits 2."""
     from kimi_pipe.stages.reconstruct import main
 
     # a002: a spaced answer that stays ambiguous under `unknown` (a001 is now proven there:

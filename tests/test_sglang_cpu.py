@@ -56,7 +56,8 @@ def _extract(
     cmd = [
         sys.executable,
         "-m",
-        "kimi_pipe.extract",
+        "kimi_pipe",
+        "extract",
         f"extract={backend}",
         "model=smollm2",
         f"extract.records={records}",

@@ -1,4 +1,4 @@
-"""A real provider sweep: `python -m kimi_pipe.sweep` runs the generate stage as a Hydra
+"""A real provider sweep: `python -m kimi_pipe sweep` runs the generate stage as a Hydra
 multirun against a local OpenRouter-compatible server that plays five providers, then
 `kimi_pipe.stages.report` must rank them as their behaviours imply.
 
@@ -149,7 +149,7 @@ def swept(tmp_path_factory: pytest.TempPathFactory, kimi: Model, kimi_dir: Path)
         }
         done = subprocess.run(
             [
-                sys.executable, "-m", "kimi_pipe.sweep", "dataset=jsonl",
+                sys.executable, "-m", "kimi_pipe", "sweep", "dataset=jsonl",
                 f"sweep.providers=[{','.join(PROVIDERS)}]", f"sweep.n={N}", "sweep.usd=1",
                 "sweep.sweep_dir=sweep",
                 "dataset.path=prompts.jsonl", f"model.tokenizer.path={kimi_dir}",
@@ -263,7 +263,8 @@ def test_sweep_arguments() -> None:
     command = sweep.build_command(
         args, "num_samples", Path("runs/sweep/B5"), given, sweep.measures_as_is(cfg)
     )
-    assert command[3:] == [
+    assert command[1:4] == ["-m", "kimi_pipe", "generate"]  # was `-m kimi_pipe.generate`
+    assert command[4:] == [
         "--multirun", "dataset=B5", "provider.params.max_tokens=4096",
         "provider.name=moonshotai,deepinfra/fp8",
         "provider.routing.order=[${provider.name}]", "provider.routing.allow_fallbacks=false",
@@ -307,7 +308,7 @@ def test_sweep_arguments() -> None:
 
 def run_sweep_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OPENROUTER_API_KEY": "sk" + "-test-x"}
-    return subprocess.run([sys.executable, "-m", "kimi_pipe.sweep", *args], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", "kimi_pipe", "sweep", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
 
 
@@ -318,7 +319,7 @@ def test_sweep_command_line_dry_run(tmp_path: Path) -> None:
                          "sweep.usd=2", "sweep.dry_run=true", cwd=tmp_path)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "2 providers x 7 prompts of" in done.stderr and "$1.0 each (of $2)" in done.stderr
-    assert "kimi_pipe.generate --multirun dataset=B5 provider.name=moonshotai,novita" in (
+    assert "kimi_pipe generate --multirun dataset=B5 provider.name=moonshotai,novita" in (
         done.stderr
     )
     assert not (tmp_path / "runs").exists()  # a dry run writes nothing
@@ -339,6 +340,6 @@ def test_make_sweep_translates_the_short_names(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     commands = done.stdout.replace("\\\n", " ").splitlines()  # recipe lines joined
-    line = next(x for x in commands if "kimi_pipe.sweep" in x)
+    line = next(x for x in commands if "kimi_pipe sweep" in x)
     assert "'sweep.providers=[moonshotai,deepinfra/fp8]'" in line
     assert "dataset=B5" in line and "sweep.n=50" in line and "sweep.usd=6" in line

@@ -8,7 +8,7 @@
    light install: no extras). pip resolves the dependencies from its configured indexes;
    their versions are held to requirements.lock by a constraints file made from it;
 2. from another empty folder, with no PYTHONPATH, runs `kimi-pipe reconstruct` (and
-   `python -m kimi_pipe.reconstruct`) on the cases and checks that the installed package,
+   `python -m kimi_pipe reconstruct`) on the cases and checks that the installed package,
    not the checkout, ran, with the configs from inside the wheel;
 3. compares every record with the checkout's own reconstruction of the same line, and the
    output ids and issue codes with the suite's expectations (`expect` in the cases,
@@ -266,7 +266,12 @@ def check(args: argparse.Namespace, wheel: Path, cases: list[dict[str, Any]], wo
     ]
     outputs = {
         "kimi-pipe reconstruct": [str(bin_dir / "kimi-pipe"), "reconstruct"],
-        "python -m kimi_pipe.reconstruct": [str(bin_dir / "python"), "-m", "kimi_pipe.reconstruct"],
+        "python -m kimi_pipe reconstruct": [
+            str(bin_dir / "python"),
+            "-m",
+            "kimi_pipe",
+            "reconstruct",
+        ],
     }
     model, reference = checkout_records(cases, args.model, args.tokenizer_dir)
     for label, command in outputs.items():

@@ -132,19 +132,19 @@ COMMON=(extract.records="$RECORDS" extract.model_path="$MODEL_DIR" extract.max_l
 say "hf backend (transformers, cuda, bf16)"
 rm -rf "$WORK/hidden_hf"
 S=$(date +%s%N)
-"$PY" -m kimi_pipe.extract extract=hf extract.device=$DEVICE extract.output_dir="$WORK/hidden_hf" \
+"$PY" -m kimi_pipe extract extract=hf extract.device=$DEVICE extract.output_dir="$WORK/hidden_hf" \
     "${COMMON[@]}" "${SGL_EXTRA[@]:1}"
 E2E_HF=$(( ($(date +%s%N) - S) / 1000000 ))
 
 say "hf backend in float32 (the parity reference; the bf16 run above is its measured tolerance)"
 rm -rf "$WORK/hidden_hf_fp32"
-"$PY" -m kimi_pipe.extract extract=hf extract.device=$DEVICE extract.output_dir="$WORK/hidden_hf_fp32" \
+"$PY" -m kimi_pipe extract extract=hf extract.device=$DEVICE extract.output_dir="$WORK/hidden_hf_fp32" \
     "${COMMON[@]}" "${SGL_EXTRA[@]:1}" extract.dtype=float32
 
 say "sglang backend ($SGLANG_PIN, tp 1, bf16)"
 rm -rf "$WORK/hidden_sglang"
 S=$(date +%s%N)
-"$PY" -m kimi_pipe.extract extract=sglang extract.mem_fraction_static=0.6 \
+"$PY" -m kimi_pipe extract extract=sglang extract.mem_fraction_static=0.6 \
     extract.output_dir="$WORK/hidden_sglang" "${COMMON[@]}" "${SGL_EXTRA[@]}"
 E2E_SGL=$(( ($(date +%s%N) - S) / 1000000 ))
 

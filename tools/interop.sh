@@ -36,12 +36,12 @@ fi
 # nearest gave 94.6 % = next token here against 99.66 %; docs/export.md, "Compact storage").
 # Stores and exports are made afresh: a store made under other settings would be refused.
 rm -rf "$RUN/hidden_hf" "$RUN/hidden_post" "$RUN/hidden_fp8" "$RUN/interop"
-"$PY" -m kimi_pipe.demo dataset.limit=8 provider.params.max_tokens=64 "output_dir=$RUN" \
+"$PY" -m kimi_pipe demo dataset.limit=8 provider.params.max_tokens=64 "output_dir=$RUN" \
   extract.store_dtype=bfloat16
-"$PY" -m kimi_pipe.extract model=smollm2 "extract.run_dir=$RUN" extract.only_ok=false \
+"$PY" -m kimi_pipe extract model=smollm2 "extract.run_dir=$RUN" extract.only_ok=false \
   extract.store_dtype=bfloat16 \
   extract.final_state=post_norm "extract.output_dir=$RUN/hidden_post" "hydra.run.dir=$RUN"
-"$PY" -m kimi_pipe.extract model=smollm2 "extract.run_dir=$RUN" extract.only_ok=false \
+"$PY" -m kimi_pipe extract model=smollm2 "extract.run_dir=$RUN" extract.only_ok=false \
   extract.store_dtype=fp8_e4m3 \
   "extract.output_dir=$RUN/hidden_fp8" "hydra.run.dir=$RUN"
 MODEL=$("$PY" -c "from kimi_pipe.config import compose; print(compose(['model=smollm2']).model.hf_weights)")

@@ -106,13 +106,13 @@ def open_stores(paths: Sequence[str | os.PathLike[str]]) -> list[HiddenStore]:
     """Open the stores sorted by resolved path; refuse stores that cannot be mixed."""
     if not paths:
         raise ConfigError(
-            "no stores to export: pass stores=[STORE_DIR,...] (made by python -m kimi_pipe.extract)"
+            "no stores to export: pass stores=[STORE_DIR,...] (made by python -m kimi_pipe extract)"
         )
     resolved = sorted({Path(p).resolve() for p in paths})
     for path in resolved:
         if not path.is_dir():
             raise MissingFile(
-                f"store {path} does not exist: make one with `python -m kimi_pipe.extract` "
+                f"store {path} does not exist: make one with `python -m kimi_pipe extract` "
                 "(or the extract stage of a pipeline) and pass its directory in stores=[...]"
             )
     # A unit store (extract.executor=...) is read through its committed indexes only.

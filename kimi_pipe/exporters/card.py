@@ -125,7 +125,7 @@ def dataset_card(summary: dict[str, Any], exporter: Exporter) -> str:
     lines = [
         f"# EAGLE-3 training data ({exporter.title})",
         "",
-        f"Made by `python -m kimi_pipe.export format={fmt}` (kimi_pipe).",
+        f"Made by `python -m kimi_pipe export format={fmt}` (kimi_pipe).",
         *exporter.card_layout(summary),
         "`export_index.jsonl` maps every sample to its source store and sample id.",
         "",

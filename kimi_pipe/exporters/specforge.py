@@ -110,7 +110,7 @@ def specforge_config(
         "output_dir": str(output.resolve() / "specforge_out"),
     }
     header = (
-        "# Made by python -m kimi_pipe.export format=specforge. Train with:\n"
+        "# Made by python -m kimi_pipe export format=specforge. Train with:\n"
         f"#   specforge train --config {output.resolve() / SPECFORGE_CONFIG}\n"
         "# aux_hidden_state_layer_ids: 'output of layer' ids (SpecForge's convention).\n"
         "# max_length >= the longest sample: SpecForge cuts longer samples without a word.\n"

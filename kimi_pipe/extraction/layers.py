@@ -139,5 +139,5 @@ def manifest_output_ids(manifest: Mapping[str, Any]) -> list[int]:
         return out
     raise ConfigError(
         f"unknown layer_convention {convention!r} in the store manifest; expected "
-        "'output_of_layer' or 'input_of_layer' (re-extract with python -m kimi_pipe.extract)"
+        "'output_of_layer' or 'input_of_layer' (re-extract with python -m kimi_pipe extract)"
     )

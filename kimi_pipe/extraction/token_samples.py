@@ -64,8 +64,8 @@ def read_token_records(
     path = Path(path)
     if not path.exists():
         raise MissingFile(
-            f"token records {path} not found: run `python -m kimi_pipe.generate` (records.jsonl "
-            "in its run dir) or `python -m kimi_pipe.reconstruct` first"
+            f"token records {path} not found: run `python -m kimi_pipe generate` (records.jsonl "
+            "in its run dir) or `python -m kimi_pipe reconstruct` first"
         )
     counts: Counter[str] = Counter()
     by_id: dict[str, TokenSample] = {}

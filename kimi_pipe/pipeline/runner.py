@@ -1,4 +1,4 @@
-"""The generic runner: `python -m kimi_pipe.run pipeline=NAME [overrides ...]`.
+"""The generic runner: `python -m kimi_pipe run pipeline=NAME [overrides ...]`.
 
 A pipeline is `conf/pipeline/NAME.yaml`: group choices for the whole job (model, provider,
 dataset, ...) and `pipeline.stages`, an ordered list of `{stage: NAME, overrides: {key: value}}`.
@@ -329,7 +329,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     overrides = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in overrides):
-        print("usage: python -m kimi_pipe.run pipeline=NAME [group=option ...] [key=value ...]\n"
+        print("usage: python -m kimi_pipe run pipeline=NAME [group=option ...] [key=value ...]\n"
               "pipelines: " + ", ".join(available_pipelines()))  # fmt: skip
         return 0
     _refuse_keys_on_the_command_line(overrides)

@@ -68,7 +68,7 @@ def find_run_dirs(root: Path) -> list[Path]:
     if not root.exists():
         raise MissingFile(
             f"{root} does not exist; pass report.sweep_dir= a generate run directory or a "
-            "sweep directory (made by `make sweep` or `python -m kimi_pipe.generate`)"
+            "sweep directory (made by `make sweep` or `python -m kimi_pipe generate`)"
         )
     # The probe stage's runs (<sweep_dir>/probes/<slug>/) and serving=auto's
     # (<run>/serving_auto/<slug>/) are probes, not provider runs.

@@ -1,1 +1,1 @@
-"""Pipeline stages: each reads and writes files and runs alone (`python -m kimi_pipe.<stage>`)."""
+"""Pipeline stages: each reads and writes files and runs alone (`kimi-pipe <stage>`)."""

@@ -1,7 +1,7 @@
 r"""Stage `audit`: measured reconstruction fidelity against ids an engine really produced.
 
-    python -m kimi_pipe.audit model=smollm2 audit.run_dir=runs/demo/local
-    python -m kimi_pipe.audit model=M audit.records=R.jsonl audit.truth=replies \
+    python -m kimi_pipe audit model=smollm2 audit.run_dir=runs/demo/local
+    python -m kimi_pipe audit model=M audit.records=R.jsonl audit.truth=replies \
         audit.replies=engine_replies.jsonl
 
 For every token record, the ids the engine produced ("truth") are set beside the

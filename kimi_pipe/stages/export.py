@@ -1,6 +1,6 @@
 """Stage: export hidden-state stores for an EAGLE-3 trainer, with a dataset card.
 
-    python -m kimi_pipe.export format=specforge stores=[runs/B5/x/hidden_hf,runs/B6/x/hidden_hf] \
+    python -m kimi_pipe export format=specforge stores=[runs/B5/x/hidden_hf,runs/B6/x/hidden_hf] \
         seed=0 output=exports/b5-b6 [target_model_path=/models/Kimi-K2.5]
 
 Formats are plug-ins (docs/export.md): one file in kimi_pipe/exporters/ and one config

@@ -1,8 +1,8 @@
 """Stage: EAGLE-3 hidden states for the token records of a run.
 
-    python -m kimi_pipe.extract extract.run_dir=runs/B5/openrouter          # reads records.jsonl
-    python -m kimi_pipe.extract extract.records=out/reconstructed.jsonl extract.max_len=4096
-    python -m kimi_pipe.extract extract=sglang extract.run_dir=...           # another backend
+    python -m kimi_pipe extract extract.run_dir=runs/B5/openrouter          # reads records.jsonl
+    python -m kimi_pipe extract extract.records=out/reconstructed.jsonl extract.max_len=4096
+    python -m kimi_pipe extract extract=sglang extract.run_dir=...           # another backend
 
 (`records=` / `run_dir=` at the top level work too once conf/config.yaml declares them.)
 
@@ -55,8 +55,8 @@ def run_extract(cfg: DictConfig, backend: Backend | None = None) -> dict[str, An
     records = records_path(cfg)
     if not records.is_file():  # before a model is loaded: the user's first mistake first
         raise MissingFile(
-            f"token records {records} not found: run `python -m kimi_pipe.generate` "
-            "(records.jsonl in its run dir) or `python -m kimi_pipe.reconstruct` first"
+            f"token records {records} not found: run `python -m kimi_pipe generate` "
+            "(records.jsonl in its run dir) or `python -m kimi_pipe reconstruct` first"
         )
     if executor_of(cfg) is not None:  # the unit protocol: docs/distributed.md
         summary = run_executor(cfg, backend)

@@ -1,7 +1,7 @@
 """Stage `generate`: buy model answers through LiteLLM and store them with exact token ids.
 
-    python -m kimi_pipe.generate dataset=B5 provider=openrouter budget.usd=20
-    python -m kimi_pipe.generate dataset=jsonl dataset.path=P.jsonl model=kimi_k25 \
+    python -m kimi_pipe generate dataset=B5 provider=openrouter budget.usd=20
+    python -m kimi_pipe generate dataset=jsonl dataset.path=P.jsonl model=kimi_k25 \
         model.tokenizer.path=DIR provider=openrouter provider.api_base=URL budget.usd=X \
         output_dir=DIR
 

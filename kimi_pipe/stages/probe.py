@@ -1,6 +1,6 @@
 r"""Stage `probe`: conformance probes, pinned to each provider, and a conformance table.
 
-    python -m kimi_pipe.probe probe.providers=[moonshotai,fireworks] [probe.usd=0.3] \
+    python -m kimi_pipe probe probe.providers=[moonshotai,fireworks] [probe.usd=0.3] \
         [probe.output_dir=runs/probe] [probe.battery=PATH.yaml] [group.key=value ...]
     make probe providers=moonshotai,fireworks [usd=0.3]          # the same
 

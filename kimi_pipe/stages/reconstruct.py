@@ -1,6 +1,6 @@
 r"""Stage `reconstruct`: provider answers in, exact token records out.
 
-    python -m kimi_pipe.reconstruct model=kimi_k25 model.tokenizer.path=DIR \
+    python -m kimi_pipe reconstruct model=kimi_k25 model.tokenizer.path=DIR \
         input=IN.jsonl output=OUT.jsonl
 
 Input lines: {"id", "messages", "tools"?, "response"}. Output lines, same order:

@@ -1,6 +1,6 @@
 r"""Provider report: per-run fidelity, cost and speed from finished generate runs.
 
-    python -m kimi_pipe.report report.sweep_dir=runs/sweep/B5 [report.out_dir=DIR] \
+    python -m kimi_pipe report report.sweep_dir=runs/sweep/B5 [report.out_dir=DIR] \
         [report.min_ok_rate=0.95] [report.max_error_rate=0.10] [report.min_tool_valid_rate=0.95] \
         [report.ignore_quantizations=[fp4,nvfp4,mxfp4,fp6]] [report.rank_step=0.02]
     make report sweep_dir=runs/sweep/B5                          # the same

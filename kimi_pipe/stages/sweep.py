@@ -1,6 +1,6 @@
 r"""Provider sweep: one pinned generate job per OpenRouter provider, then the report.
 
-    python -m kimi_pipe.sweep dataset=B5 sweep.providers=[moonshotai,fireworks,novita] \
+    python -m kimi_pipe sweep dataset=B5 sweep.providers=[moonshotai,fireworks,novita] \
         sweep.n=50 sweep.usd=6 [sweep.sweep_dir=runs/sweep/B5] [sweep.report=true] \
         [sweep.dry_run=false] [sweep.probes=true] [sweep.probe_usd=X] [group.key=value ...]
     make sweep dataset=B5 providers=moonshotai,fireworks,novita n=50 usd=6     # the same
@@ -129,7 +129,8 @@ def build_command(
     return [
         sys.executable,
         "-m",
-        "kimi_pipe.generate",
+        "kimi_pipe",
+        "generate",
         "--multirun",
         *given,
         *settings.overrides,

@@ -96,7 +96,7 @@ def final_state_conversion(manifest: Mapping[str, Any], want: str) -> str:
         raise ConventionError(
             "the store holds the post-norm final state and this trainer needs the pre-norm one "
             "(it applies the norm itself); post-norm cannot be undone. Re-extract with "
-            "extract.final_state=pre_norm (python -m kimi_pipe.extract)."
+            "extract.final_state=pre_norm (python -m kimi_pipe extract)."
         )
     raise ConventionError(
         f"unknown final_state {have!r} in the store manifest; expected 'pre_norm' or 'post_norm'"

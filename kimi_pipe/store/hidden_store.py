@@ -499,7 +499,7 @@ class HiddenStore:
         if not manifest_path.exists():
             raise MissingFile(
                 f"{manifest_path} not found: not a hidden-state store "
-                "(make one with `python -m kimi_pipe.extract`)"
+                "(make one with `python -m kimi_pipe extract`)"
             )
         self.manifest: dict[str, Any] = json.loads(manifest_path.read_text())
         shard_dir = self.path / SHARDS

@@ -157,7 +157,7 @@ def run_prompts(
 
 
 def generate_cmd(overrides: Sequence[str]) -> list[str]:
-    return [sys.executable, "-m", "kimi_pipe.generate", *overrides]
+    return [sys.executable, "-m", "kimi_pipe", "generate", *overrides]
 
 
 def subprocess_env(key: str | None = FAKE_KEY) -> dict[str, str]:
