@@ -56,7 +56,7 @@ def test_every_key_reconstruct_writes_is_declared(kimi: Any, tmp_path: Path) -> 
 
 
 def test_generate_error_records_are_declared() -> None:
-    from kimi_pipe.generation.job import _error_record
+    from kimi_pipe.generation.outcomes import _error_record
     from kimi_pipe.providers.errors import ErrorInfo
     from kimi_pipe.store.prompt_datasets import Prompt
 

@@ -318,7 +318,7 @@ def _summary_hook(cfg: DictConfig) -> Any:
 
 
 def _refuse_keys_on_the_command_line(argv: Sequence[str]) -> None:
-    from kimi_pipe.generation.job import _refuse_keys_on_the_command_line as refuse
+    from kimi_pipe.generation.launch import _refuse_keys_on_the_command_line as refuse
 
     refuse(list(argv))
 

@@ -28,16 +28,13 @@ from typing import Any
 from omegaconf import DictConfig
 
 from kimi_pipe.errors import KimiPipeError
-from kimi_pipe.generation.job import (
-    GenerateError,
-    _refuse_keys_on_the_command_line,
-    check_before_launch,
-    finish_status,
-    load_resume_index,
-)
+from kimi_pipe.generation.errors import GenerateError
+from kimi_pipe.generation.job import finish_status
+from kimi_pipe.generation.launch import _refuse_keys_on_the_command_line, check_before_launch
 from kimi_pipe.generation.probes import generate, run_generate
 from kimi_pipe.stages.command import hydra_command, report
 from kimi_pipe.store.layout import RECORDS, SUMMARY
+from kimi_pipe.store.records_index import load_resume_index
 
 
 def outputs(cfg: DictConfig, run_dir: Path) -> list[Path]:

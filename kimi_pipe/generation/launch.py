@@ -1,0 +1,157 @@
+"""Before anything is written: the run directory a job writes to and the checks run before
+Hydra launches it (every job of a multirun first; Hydra's sweeper parses the command line
+through `hydra._internal`, used here only)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+from pathlib import Path
+
+from omegaconf import DictConfig, open_dict
+
+from kimi_pipe.config import CONF_DIR
+from kimi_pipe.errors import EXIT_USER_ERROR
+from kimi_pipe.generation.errors import GenerateError
+from kimi_pipe.providers.budget import budget_settings
+from kimi_pipe.providers.credentials import key_in_overrides, refuse_secrets
+from kimi_pipe.providers.settings import ProviderSettings
+from kimi_pipe.store.layout import ATTEMPT_ERRORS, RECORDS, SUMMARY
+from kimi_pipe.store.run_dir import check_run_dir, same_dir
+from kimi_pipe.store.run_lock import LOCK
+from kimi_pipe.store.spend_journal import JOURNAL
+
+# Every file a run writes in its directory: none may be a symlink.
+RUN_FILES = (
+    RECORDS,
+    ATTEMPT_ERRORS,
+    JOURNAL,
+    SUMMARY,
+    LOCK,
+    RECORDS + ".torn",
+    ATTEMPT_ERRORS + ".torn",
+    JOURNAL + ".torn",
+    SUMMARY + ".partial",
+)
+
+
+def run_dir_of(cfg: DictConfig) -> Path:
+    """The run directory: `output_dir`, which a single Hydra run's `hydra.run.dir` must
+    agree with; in a multirun, the job's directory (hydra.sweep.dir/subdir, one per job)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        hydra_cfg = HydraConfig.get()
+    except (ImportError, ValueError):
+        return Path(str(cfg.output_dir))
+    job_dir = Path(hydra_cfg.runtime.output_dir)
+    if str(hydra_cfg.mode) == "RunMode.MULTIRUN":
+        if any(o.lstrip("+~").startswith("output_dir=") for o in hydra_cfg.overrides.task):
+            raise GenerateError(
+                "output_dir with --multirun: every job writes to its own "
+                f"hydra.sweep.dir/hydra.sweep.subdir ({job_dir}); drop output_dir"
+            )
+        return job_dir
+    if not same_dir(job_dir, str(cfg.output_dir)):
+        raise GenerateError(
+            f"hydra.run.dir ({job_dir}) differs from output_dir ({cfg.output_dir}): records "
+            "would go to one and the logs to the other; set output_dir only"
+        )
+    return Path(str(cfg.output_dir))
+
+
+def check_settings(cfg: DictConfig) -> None:
+    """The budget and provider settings as the run reads them: a value that cannot buy
+    (budget.usd=0, provider.concurrency=0) is a ConfigError naming it, raised before Hydra
+    writes the run directory and before serving=auto's probes."""
+    budget_settings(cfg)
+    ProviderSettings.from_config(cfg.provider)
+
+
+def _refuse_keys_on_the_command_line(argv: list[str]) -> None:
+    """Hydra saves every override in .hydra/ (and the log) before the task runs: refuse a
+    key there, whatever the key it is given under."""
+    why = key_in_overrides(argv)
+    if why:
+        print(
+            f"error: {why} (Hydra would save it in .hydra/ and the log); export the "
+            "provider's key variable (e.g. OPENROUTER_API_KEY) instead",
+            file=sys.stderr,
+        )
+        raise SystemExit(EXIT_USER_ERROR)
+
+
+def job_overrides(argv: list[str]) -> list[list[str]]:
+    """The overrides of every job the command line starts (one, or a multirun's each)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    overrides = [a for a in argv if not a.startswith("-")]
+    if not any(a in ("-m", "--multirun") for a in argv):
+        return [overrides]
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+
+
+def writable(run_dir: Path) -> None:
+    """Create the run directory, or raise the OSError (naming it) that says why not."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not os.access(run_dir, os.W_OK | os.X_OK):
+        err = errno.EROFS if os.statvfs(run_dir).f_flag & os.ST_RDONLY else errno.EACCES
+        raise OSError(err, os.strerror(err), str(run_dir))
+
+
+def check_before_launch(argv: list[str], environ: dict[str, str] | None = None) -> None:
+    """What Hydra would write before the stage runs (`.hydra/`, the log, the run directory
+    itself), checked for every job first: no secret in any resolved value or directory
+    name, a run directory that may be one, one directory per job. Raises a KimiPipeError;
+    a config Hydra cannot compose is left for Hydra to report."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+    from yaml import YAMLError
+
+    # A config that does not compose is reported by the command (one line), before Hydra
+    # writes anything.
+    not_composed = (HydraException, OmegaConfBaseException, YAMLError, UnicodeDecodeError)
+    multirun = any(a in ("-m", "--multirun") for a in argv)
+    try:
+        jobs = job_overrides(argv)
+    except not_composed:
+        return
+    seen: dict[str, list[str]] = {}
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        for job in jobs:
+            try:
+                cfg = hydra_compose(config_name="config", overrides=job, return_hydra_config=True)
+                hydra_node = cfg.hydra
+                if multirun:
+                    where = "hydra.sweep.dir/subdir"
+                    run_dir = os.path.join(str(hydra_node.sweep.dir), str(hydra_node.sweep.subdir))
+                else:
+                    where, run_dir = "hydra.run.dir", str(hydra_node.run.dir)
+                output_dir = str(cfg.output_dir)
+                with open_dict(cfg):
+                    del cfg["hydra"]
+            except not_composed:
+                return
+            refuse_secrets(cfg, environ, {where: run_dir})
+            check_settings(cfg)
+            check_run_dir(run_dir)
+            if not multirun and not same_dir(run_dir, output_dir):
+                raise GenerateError(
+                    f"hydra.run.dir ({run_dir}) differs from output_dir ({output_dir}): records "
+                    "would go to one and the logs to the other; set output_dir only"
+                )
+            writable(Path(run_dir))  # Hydra creates it and writes its log there first
+            seen.setdefault(os.path.realpath(run_dir), []).append(" ".join(job))
+    shared = {d: js for d, js in seen.items() if len(js) > 1}
+    if shared:
+        run_dir, js = next(iter(shared.items()))
+        raise GenerateError(
+            f"{len(js)} jobs of this multirun would share the run directory {run_dir} "
+            f"({' | '.join(js)}): each would resume the other's records. Give each its own "
+            "hydra.sweep.subdir (the default one is derived from what a job buys)"
+        )

@@ -1,0 +1,245 @@
+"""What one prompt becomes: the token core that rebuilds an answer's ids, the record of an
+answer that failed, the flags a record carries."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from omegaconf import DictConfig
+
+from kimi_pipe.conformance import auto as serving_auto
+from kimi_pipe.core.answer_checks import TextRepair, answer_issues, clean_text
+from kimi_pipe.core.token_record import TokenRecord
+from kimi_pipe.generation.spending import Spending
+from kimi_pipe.providers.budget import BudgetGate
+from kimi_pipe.providers.calls import CallResult
+from kimi_pipe.providers.credentials import scrub
+from kimi_pipe.providers.errors import NO_BUDGET, STOPPED, ErrorInfo
+from kimi_pipe.store.layout import RECORDS
+from kimi_pipe.store.records import RecordWriter
+
+if TYPE_CHECKING:
+    from kimi_pipe.providers.settings import ProviderSettings
+
+log = logging.getLogger("kimi_pipe.generate")
+
+_STOP_MESSAGES = {
+    "payment_required": "the provider answered 402 (out of credits or the key's limit); "
+    "add credits or raise the key limit, then run the same command again "
+    "to resume: ",
+    "auth": "the provider answered 401 (bad API key); check the key in the environment: ",
+}
+
+# ---------------------------------------------------------------------------------------
+# The token core (models + render + reconstruction), wired in one place.
+
+
+@dataclass
+class TokenCore:
+    prompt_len: Callable[[list[dict], list[dict] | None], int]
+    reconstruct: Callable[..., TokenRecord]
+
+    @classmethod
+    def load(cls, cfg: DictConfig, asked_model: str = "", route: Any = None) -> TokenCore:
+        from kimi_pipe.core.models import load_model
+        from kimi_pipe.core.prompt_render import prompt_ids
+        from kimi_pipe.core.record_builder import RecordBuilder
+
+        model = load_model(cfg.model)
+        builder = RecordBuilder.from_config(cfg, model)
+        # Which serving profile each answer is undone with: the one fitted (serving=auto)
+        # or declared for the provider that answered (conformance/auto.py).
+        route = route or serving_auto.named(cfg)
+
+        def prompt_len(messages: list[dict], tools: list[dict] | None) -> int:
+            return len(prompt_ids(model, messages, tools))
+
+        def rebuild(
+            messages: list[dict], tools: list[dict] | None, resp: dict, request: dict | None = None
+        ) -> TokenRecord:
+            serving, spec, probe = route.profile_for(resp.get("provider"))
+            record = replace(builder, serving=serving).build(messages, tools, resp, request)
+            record |= {"serving_profile": spec, "serving_probe": probe}
+            return _with_issues(record, answer_issues(resp, asked_model))
+
+        return cls(prompt_len, rebuild)
+
+
+# Codes about what an answer cost, not about its ids: the record stays as proven as it is.
+MONEY_NOTES = frozenset({"cost_below_listed_price"})
+
+
+def _with_issues(record: TokenRecord, issues: list[str]) -> TokenRecord:
+    """Add error codes to a reconstructed record: it is no longer `ok` (rung unresolved)."""
+    from kimi_pipe.core.record_builder import mark_flagged
+
+    return mark_flagged(record, issues)
+
+
+def _repaired(prompt: Any, repair: TextRepair) -> Any:
+    """The prompt with lone surrogates (a `\\ud800` escape, invalid UTF-8) replaced: what
+    is sent, rendered and written is valid text; the record is flagged."""
+    messages = clean_text(prompt.messages, None, repair)
+    tools = clean_text(prompt.tools, None, repair)
+    return replace(prompt, messages=messages, tools=tools) if repair.surrogates else prompt
+
+
+def _error_record(prompt: Any, request: dict, err: ErrorInfo, attempts: int) -> TokenRecord:
+    return {
+        "id": prompt.id,
+        "ok": False,
+        "issues": [],
+        "prompt_ids": [],
+        "output_ids": [],
+        "loss_mask": [],
+        "completion_tokens_reported": None,
+        "completion_tokens_reconstructed": 0,
+        "messages": prompt.messages,
+        "tools": prompt.tools,
+        "request": request,
+        "response": None,
+        "usage": None,
+        "cost": 0.0,
+        "provider": None,
+        "latency_s": None,
+        "attempts": attempts,
+        "error": err.to_record(),
+    }
+
+
+class Outcomes(Spending):
+    """What each purchase becomes, and stopping the run: a part of `Generator`
+    (generation/buying.py), which sets these."""
+
+    request: dict[str, Any]
+    route: Any  # conformance/auto.py's Route, or None
+    stop_event: asyncio.Event
+    settings: ProviderSettings
+
+    def _finish(
+        self,
+        prompt: Any,
+        result: CallResult,
+        core: TokenCore,
+        writer: RecordWriter,
+        gate: BudgetGate,
+        flags: list[str],
+    ) -> None:
+        """Append the record of one prompt's purchase (an answer with its ids, or why it failed)
+        and count it; stop the run where the outcome says to."""
+        err = result.error
+        if err is None:
+            repair = TextRepair()
+            try:
+                resp = clean_text(result.response, self.key, repair)
+            except RecursionError:  # nested too deeply to walk: unusable, cost already booked
+                err = ErrorInfo(
+                    "malformed_response", 200, "the answer is nested too deeply", "fail"
+                )
+                writer.append(_error_record(prompt, self.request, err, result.attempts))
+                self.stats.failed[err.cls] += 1
+                return
+            assert resp is not None
+            if (
+                self.route is not None
+                and not self.route.covers(resp.get("provider"))
+                and not self.stop_event.is_set()
+            ):
+                # The route changed: stop buying until the new provider is probed (generate()
+                # probes it and resumes); this answer is kept, reconstructed as unknown.
+                self._stop(
+                    gate,
+                    "route_changed",
+                    f"{resp.get('provider')} answered but was "
+                    "not probed (serving=auto): probing it, then resuming",
+                )
+            try:
+                rec = core.reconstruct(prompt.messages, prompt.tools, resp, self.request)
+            except Exception as exc:  # noqa: BLE001 - keep the paid answer whatever happens
+                log.exception("reconstruction of %s failed", prompt.id)
+                rec = {
+                    "ok": False,
+                    "issues": ["reconstruction_crashed"],
+                    "prompt_ids": [],
+                    "output_ids": [],
+                    "loss_mask": [],
+                    "completion_tokens_reported": None,
+                    "completion_tokens_reconstructed": 0,
+                    "reconstruction_error": str(exc),
+                    "evidence": "unresolved",
+                    "sampling": None,
+                }
+            extra = [*flags, *result.billing_flags, *result.wire_flags]
+            extra += ["answer_text_replaced"] if repair.surrogates else []
+            extra += ["api_key_echoed"] if repair.key_echoed else []
+            # A cost below the listed price is about money, not ids: a note, the floor booked.
+            notes = [c for c in extra if c in MONEY_NOTES]
+            flagged = _with_issues(rec, [c for c in extra if c not in MONEY_NOTES])
+            flagged["issues"] = list(dict.fromkeys([*flagged.get("issues", []), *notes]))
+            record = {
+                "id": prompt.id,
+                **flagged,
+                "messages": prompt.messages,
+                "tools": prompt.tools,
+                "request": self.request,
+                "response": resp,
+                "usage": resp.get("usage"),
+                "cost": result.cost,
+                "provider": resp.get("provider"),
+                "latency_s": round(result.latency_s, 4),
+                "attempts": result.attempts,
+                "error": None,
+            }
+            writer.append(record)
+            self.stats.answered += 1
+            self.stats.consecutive_failures = 0
+        elif err.action == "fail":
+            writer.append(_error_record(prompt, self.request, err, result.attempts))
+            self.stats.failed[err.cls] += 1
+            self.stats.consecutive_failures += 1
+            limit = self.settings.retry.max_consecutive_failures
+            if self.stats.consecutive_failures >= limit and not self.stop_event.is_set():
+                self._stop(
+                    gate,
+                    "too_many_failures",
+                    (
+                        f"{limit} samples in a row failed without retry (last: {err.message}); "
+                        "check provider.model and provider.params. Their records are in "
+                        f"{RECORDS} (error set); delete those lines, or use a fresh output_dir, "
+                        "to try them again"
+                    ),
+                )
+        elif err is NO_BUDGET:
+            if not self.stop_event.is_set():
+                self._stop_for_budget(0.0)
+        elif err is STOPPED:
+            pass  # not answered: tried again on the next run
+        elif err.action == "stop":
+            self.stats.failed[err.cls] += 1
+            if not self.stop_event.is_set():
+                self._stop(
+                    gate,
+                    err.cls,
+                    _STOP_MESSAGES.get(err.cls, "the provider refused: ") + err.message,
+                )
+        else:
+            self.stats.failed[err.cls] += 1
+            self.stats.given_up += 1
+            log.warning(
+                "%s: gave up after %d attempts (%s); it will be tried again on the next run",
+                prompt.id,
+                result.attempts,
+                err.cls,
+            )
+
+    def _stop(self, gate: BudgetGate, reason: str, message: str) -> None:
+        """Stop dispatching: requests in flight finish, nothing new is sent."""
+        self.stop_event.set()
+        gate.close()
+        self.stats.stop_reason = reason
+        self.stats.stop_message = scrub(message, self.key)
+        log.error("stopping: %s", self.stats.stop_message)
