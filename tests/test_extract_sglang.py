@@ -25,7 +25,7 @@ from kimi_pipe.extraction.layers import (
     resolve_output_ids,
     validate_output_ids,
 )
-from kimi_pipe.extraction.sglang_backend import EngineSettings, run_extract
+from kimi_pipe.extraction.sglang import EngineSettings, run_extract
 from kimi_pipe.store.hidden_store import HiddenStore
 
 REPO = Path(__file__).resolve().parent.parent
@@ -284,7 +284,7 @@ def test_heads_held_by_the_model_itself_are_replaced() -> None:
     """SGLang's LlamaForCausalLM holds its LogitsProcessor as `model.logits_processor` (found
     when the backend first ran, on SGLang's CPU engine): top-level and nested heads are both
     replaced; a model that is itself a head is refused."""
-    from kimi_pipe.extraction.sglang_backend import _replace_heads, _StatesOnlyHead
+    from kimi_pipe.extraction.sglang.runner import _replace_heads, _StatesOnlyHead
 
     class Head(torch.nn.Module):
         pass
@@ -315,7 +315,7 @@ def test_cpu_engine_switch_is_checked_against_the_device(
 ) -> None:
     """SGLang picks CPU or CUDA once, at import, from SGLANG_USE_CPU_ENGINE: a device that
     disagrees with it is an error, never a silent run on the other device."""
-    from kimi_pipe.extraction.sglang_backend import CPU_ENGINE_ENV, _import_sglang
+    from kimi_pipe.extraction.sglang.runner import CPU_ENGINE_ENV, _import_sglang
 
     monkeypatch.setenv(CPU_ENGINE_ENV, "1")
     with pytest.raises(RuntimeError, match="extract.device=cuda"):
@@ -327,7 +327,8 @@ def test_cpu_engine_switch_is_checked_against_the_device(
 
 
 def test_missing_engine_and_model_give_clear_errors(tmp_path: Path) -> None:
-    from kimi_pipe.extraction.sglang_backend import _RankRunner, open_backend
+    from kimi_pipe.extraction.sglang import open_backend
+    from kimi_pipe.extraction.sglang.runner import _RankRunner
 
     try:
         import sglang  # noqa: F401
@@ -343,7 +344,7 @@ def test_missing_engine_and_model_give_clear_errors(tmp_path: Path) -> None:
 def _bare_runner(tp_rank: int = 0, group: object | None = None) -> Any:
     from types import SimpleNamespace
 
-    from kimi_pipe.extraction.sglang_backend import _RankRunner
+    from kimi_pipe.extraction.sglang.runner import _RankRunner
 
     pools = SimpleNamespace(clear=lambda: None)
     runner = object.__new__(_RankRunner)  # skip __init__: it needs SGLang and a GPU
@@ -363,7 +364,7 @@ def test_rank_override_of_sglang_capture_ids_is_loud_and_recorded(
 
     runner = _bare_runner()
     runner.runner = SimpleNamespace(model=Model())
-    with caplog.at_level("WARNING", logger="kimi_pipe.extraction.sglang_backend"):
+    with caplog.at_level("WARNING", logger="kimi_pipe.extraction.sglang.runner"):
         assert runner.set_layers([2, 30, 56]) == [3, 31, 57]
     assert runner.overridden_capture_ids == [2, 30, 56]
     (rec,) = [r for r in caplog.records if "capture ids" in r.getMessage()]
@@ -385,7 +386,7 @@ def test_rank_forward_always_reaches_the_all_reduce(
 ) -> None:
     import torch.distributed as dist
 
-    from kimi_pipe.extraction.sglang_backend import _Captured
+    from kimi_pipe.extraction.sglang.runner import _Captured
 
     sent: list[int] = []
 
@@ -714,7 +715,7 @@ def test_tensor_parallel_ranks_agree_on_oom(tmp_path: Path, tiny_model: Path) ->
 
 # --- target resolution through the engine ---------------------------------------------------
 def _scoring_backend(model: Path, tp_size: int = 1, pool: int = 10_000) -> Any:
-    from kimi_pipe.extraction.sglang_backend import SGLangBackend
+    from kimi_pipe.extraction.sglang import SGLangBackend
 
     settings = EngineSettings(
         model_path=str(model),

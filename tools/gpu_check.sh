@@ -39,7 +39,7 @@ if [ "$REHEARSAL" = 1 ]; then
                extract.store_dtype=float32)
     export PYTHONPATH="$(pwd)/tests${PYTHONPATH:+:$PYTHONPATH}"
 fi
-SGLANG_PIN="sglang==0.5.14" # keep equal to kimi_pipe/extraction/sglang_backend.py SGLANG_VERSION
+SGLANG_PIN="sglang==0.5.14" # keep equal to kimi_pipe/extraction/sglang/settings.py SGLANG_VERSION
 mkdir -p "$WORK"
 LOG="$WORK/gpu_check.txt"
 exec > >(tee "$LOG") 2>&1

@@ -186,7 +186,7 @@ def checkable(record: Mapping[str, Any], billing_splits: bool = False) -> str | 
 
 def next_token_scorer(model: Any, sampling: Any) -> Any:
     """The target's next-token scorer under `sampling`: a serving engine's target
-    (sglang_backend.SGLangTarget) brings its own, else transformers' forward."""
+    (sglang.scoring.SGLangTarget) brings its own, else transformers' forward."""
     own_scorer = getattr(model, "next_token_scorer", None)
     return own_scorer(sampling) if own_scorer is not None else HFNextTokenScorer(model, sampling)
 

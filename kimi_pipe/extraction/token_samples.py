@@ -1,8 +1,8 @@
 """What extraction reads: token records -> samples, length limits, paths and the backend.
 
 Shared by the extract stage and the engine-agnostic capture loop (`sharding`). A backend is
-the module `kimi_pipe.extraction.<backend>_backend` (chosen by `extract.backend`) with
-`open_backend(cfg) -> Backend`.
+the module `kimi_pipe.extraction.<backend>_backend` (chosen by `extract.backend`; the package
+`kimi_pipe.extraction.sglang` for `sglang`) with `open_backend(cfg) -> Backend`.
 """
 
 from __future__ import annotations
@@ -176,14 +176,17 @@ def loss_mask_convention(cfg: DictConfig) -> str:
     return f"from token records ({name} model.loss_mask: {parts}; 1 = trained on)"
 
 
+# Backends that are a package rather than a `<name>_backend` module.
+BACKEND_PACKAGES = {"sglang": "kimi_pipe.extraction.sglang"}
+
+
 def load_backend(cfg: DictConfig) -> Backend:
     name = str(cfg.extract.backend)
+    path = BACKEND_PACKAGES.get(name, f"kimi_pipe.extraction.{name}_backend")
     try:
-        module = importlib.import_module(f"kimi_pipe.extraction.{name}_backend")
+        module = importlib.import_module(path)
     except ModuleNotFoundError as exc:
-        if exc.name != f"kimi_pipe.extraction.{name}_backend":
+        if exc.name != path:
             raise
-        raise ConfigError(
-            f"unknown extract.backend {name!r} (no module kimi_pipe.extraction.{name}_backend)"
-        ) from None
+        raise ConfigError(f"unknown extract.backend {name!r} (no module {path})") from None
     return module.open_backend(cfg)

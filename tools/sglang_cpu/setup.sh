@@ -24,7 +24,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
-SGLANG_VERSION=0.5.14           # = kimi_pipe/extraction/sglang_backend.py SGLANG_VERSION
+SGLANG_VERSION=0.5.14           # = kimi_pipe/extraction/sglang/settings.py SGLANG_VERSION
 TORCH_VERSION=2.11.0            # what sglang 0.5.14 pins; the kernel is built against it
 # Kernel sources: SGLang's python/sglang/kernels/aot/{csrc/cpu,include,python/sgl_kernel} at
 # this commit (sgl-project/sglang main of 2026-08-20, as mirrored by the ZailiWang/sglang fork),
@@ -151,7 +151,7 @@ import os
 import sgl_kernel, torch
 import sglang
 from sglang.srt.utils import cpu_has_amx_support, is_cpu
-import kimi_pipe.extraction.sglang_backend as b
+import kimi_pipe.extraction.sglang.settings as b
 
 assert is_cpu(), "sglang did not select its CPU engine"
 assert sglang.__version__ == b.SGLANG_VERSION, (sglang.__version__, b.SGLANG_VERSION)
