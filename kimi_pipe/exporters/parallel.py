@@ -42,9 +42,14 @@ MAX_OPEN_FRAGMENTS = 128  # merged in rounds above this (open files, one row buf
 
 
 class Planned(Protocol):
-    index: int
-    store: int
-    id: str
+    """One planned sample (the engine's `PlannedSample`)."""
+
+    @property
+    def index(self) -> int: ...
+    @property
+    def store(self) -> int: ...
+    @property
+    def id(self) -> str: ...
 
 
 @dataclass
@@ -88,8 +93,8 @@ def tasks_of(stores: Sequence[HiddenStore], planned: Sequence[Planned]) -> list[
         groups.setdefault((p.store, stores[p.store].entry(p.id).shard), []).append(p)
     out = []
     for key in sorted(groups):
-        store = stores[key[0]]
-        out.append(sorted(groups[key], key=lambda p, s=store: s.entry(p.id).offset))
+        entry = stores[key[0]].entry
+        out.append(sorted(groups[key], key=lambda p: entry(p.id).offset))  # noqa: B023
     return out
 
 

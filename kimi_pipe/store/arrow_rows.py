@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-DEFAULT_BATCH_ROWS = 1000
+DEFAULT_BATCH_ROWS = 256  # rows buffered in Python before an Arrow batch is written
 
 
 def save_rows(
@@ -23,7 +23,7 @@ def save_rows(
     columns: Mapping[str, list[Any]],
     *,
     torch_format: bool = False,
-    batch_rows: int = DEFAULT_BATCH_ROWS,
+    batch_rows: int | None = None,
 ) -> int:
     """Write `rows` as a dataset directory at `target` (made new; replaced by the caller).
     `columns`: the empty columns of a dataset without rows (their names, in order).
@@ -35,7 +35,7 @@ def save_rows(
     if scratch.exists():
         scratch.unlink()
     n = 0
-    writer = ArrowWriter(path=str(scratch), writer_batch_size=batch_rows)
+    writer = ArrowWriter(path=str(scratch), writer_batch_size=batch_rows or DEFAULT_BATCH_ROWS)
     try:
         for row in rows:
             writer.write(dict(row))
