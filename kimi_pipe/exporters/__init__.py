@@ -21,7 +21,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from kimi_pipe.errors import ConfigError, MissingFile
-from kimi_pipe.exporters import parallel
+from kimi_pipe.exporters import hub, parallel
 from kimi_pipe.exporters.base import (
     ExportContext,
     Exporter,
@@ -261,6 +261,8 @@ def export(
     accept: Sequence[str] | None = None,
     workers: int = 1,
     storage_options: Mapping[str, Any] | None = None,
+    push_to_hub: Mapping[str, Any] | None = None,
+    hub_api: Any = None,
 ) -> dict[str, Any]:
     """Write `fmt`'s layout and the dataset card; return the export summary. `accept`: the
     evidence rungs whose samples reach the files (default engine_ids, text_proven,
@@ -282,9 +284,21 @@ def export(
     out = Path(output)
     ctx = ExportContext(out, manifest, conv, model_path, list(stores))
     extras = exporter.check(ctx)  # refusals of the format, still before any write
-    out.mkdir(parents=True, exist_ok=True)
+    hub_settings = hub.HubSettings.from_mapping(push_to_hub)
     policy = accepted_samples(stores, accept)
     planned = plan(stores, seed, policy.keep)
+    hub_plan = None
+    if hub_settings.repo_id:  # the Hub's limits, checked from counts before any write
+        hub_plan = hub.plan_layout(hub_shape(exporter, ctx, stores, planned), hub_settings)
+        if hub_api is None and not os.environ.get("HF_TOKEN"):
+            raise hub.HubLayoutError(
+                "export.push_to_hub needs a Hugging Face write token in the environment: "
+                "export HF_TOKEN (never put it in a config)"
+            )
+        extras["push_to_hub"] = {"repo_id": hub_settings.repo_id, "plan": hub_plan.figures()}
+        for warning in hub_plan.warnings:
+            print(f"export: push_to_hub: {warning}", file=sys.stderr)
+    out.mkdir(parents=True, exist_ok=True)
     digest = _plan_digest(stores, planned)
     _check_or_write_plan(
         out,
@@ -357,7 +371,31 @@ def export(
     }
     write_atomic(out / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
     write_atomic(out / CARD_FILE, dataset_card(summary, exporter))
+    if hub_plan is not None:
+        folder = hub.stage(out, hub_plan, line_files=tuple(exporter.row_bytes(0, 0)))
+        pushed = hub.push(folder, hub_settings, hub_api)
+        print(f"export: pushed {folder} to the Hub dataset {pushed['repo_id']}", file=sys.stderr)
     return summary
+
+
+def hub_shape(
+    exporter: Exporter,
+    ctx: ExportContext,
+    stores: Sequence[HiddenStore],
+    planned: Sequence[PlannedSample],
+) -> hub.ExportShape:
+    """The export's shape from the stores' indexes (lengths), before anything is written."""
+    lengths = [stores[p.store].entry(p.id).length for p in planned]
+    n, total = len(lengths), sum(lengths)
+    return hub.estimate_shape(
+        exporter.files(ctx),
+        exporter.row_bytes(n, total),
+        exporter.dataset_bytes(n, total),
+        samples=n,
+        tokens=total,
+        longest=max(lengths, default=0),
+        per_sample_files=exporter.sample_path(ctx.output, 0) is not None,
+    )
 
 
 def converted(
@@ -622,6 +660,7 @@ def run_export(cfg: DictConfig) -> dict[str, Any]:
         accept=OmegaConf.select(cfg, "export.accept", default=None),
         workers=OmegaConf.select(cfg, "export.workers", default=1),
         storage_options=_plain(OmegaConf.select(cfg, "export.storage_options", default=None)),
+        push_to_hub=_plain(OmegaConf.select(cfg, "export.push_to_hub", default=None)),
     )
     print(
         f"export: {summary['samples']} samples, {summary['tokens']['total']} tokens -> "

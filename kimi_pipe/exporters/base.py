@@ -89,6 +89,15 @@ class Exporter:
         """Called for every exported sample in file order (after a skipped one: not called).
         Write it out (or buffer a bounded batch): holding every row would grow with the run."""
 
+    def row_bytes(self, samples: int, tokens: int) -> dict[str, int]:
+        """The JSON-lines files this format writes, with an upper bound of their bytes for
+        `samples` rows of `tokens` in all (the Hub planner cuts them at line ends)."""
+        return {}
+
+    def dataset_bytes(self, samples: int, tokens: int) -> int:
+        """An upper bound of the Arrow bytes of the `datasets` rows this format writes."""
+        return 0
+
     # --- at the end ---------------------------------------------------------------------
     def finish(self, ctx: ExportContext, counts: dict[str, int], tokens: dict[str, int]) -> dict:
         """Write the files made once (row tables, trainer configs); return summary extras."""

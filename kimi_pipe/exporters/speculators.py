@@ -144,6 +144,10 @@ class SpeculatorsExporter(Exporter):
             self._scratch.unlink(missing_ok=True)
         return {}
 
+    def dataset_bytes(self, samples: int, tokens: int) -> int:
+        # input_ids and loss_mask int64 a token, offsets and seq_len a row.
+        return 16 * tokens + 32 * samples
+
     def files(self, ctx: ExportContext) -> dict[str, Any]:
         h = ctx.manifest["hidden_size"]
         k = len(ctx.conventions["output_layer_ids"])

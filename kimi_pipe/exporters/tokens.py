@@ -42,6 +42,10 @@ class TokensExporter(Exporter):
         atomic.replace(self._tmp, ctx.output / TOKENS_FILE)
         return {}
 
+    def row_bytes(self, samples: int, tokens: int) -> dict[str, int]:
+        # An id of up to 7 digits and ", " (9 bytes), a mask "1, " (3); keys and id per row.
+        return {TOKENS_FILE: 12 * tokens + 256 * samples}
+
     def files(self, ctx: ExportContext) -> dict[str, Any]:
         return {
             "files": TOKENS_FILE,
