@@ -193,8 +193,13 @@ def test_export_memory_does_not_grow_with_the_run(
     tmp_path: Path, fmt: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     peak_of_export(tmp_path, 4, fmt, monkeypatch)  # imports (datasets, ...) happen here
-    small, n_small = peak_of_export(tmp_path, 24, fmt, monkeypatch)
-    large, n_large = peak_of_export(tmp_path, 96, fmt, monkeypatch)
+    # Each size twice, the lower peak kept: one-time costs (a lazy import, a cache's first
+    # growth) land in whichever export meets them first, whatever its size.
+    runs = [
+        peak_of_export(tmp_path / f"r{k}", n, fmt, monkeypatch) for k in (0, 1) for n in (24, 96)
+    ]
+    small, n_small = min(runs[0], runs[2])
+    large, n_large = min(runs[1], runs[3])
     assert (n_small, n_large) == (24, 96)
     # What may grow: the plan, the stores' indexes (units of 4 here: the index JSON of a
     # unit read whole is a few kB), 1.5-4.1 kB an id measured here. What may

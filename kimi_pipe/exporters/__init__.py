@@ -20,7 +20,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from kimi_pipe.errors import ConfigError, MissingFile
+from kimi_pipe.errors import ConfigError
 from kimi_pipe.exporters import hub, parallel
 from kimi_pipe.exporters.base import (
     ExportContext,
@@ -42,6 +42,7 @@ from kimi_pipe.exporters.specforge import (
     specforge_weight_keys,
 )
 from kimi_pipe.exporters.speculators import SPECULATORS_STATES, speculators_path
+from kimi_pipe.exporters.stores import open_stores, store_name, store_refs
 from kimi_pipe.exporters.tokens import TOKENS_FILE
 from kimi_pipe.extraction.layers import drafter_config_ids, manifest_output_ids
 from kimi_pipe.store import atomic
@@ -49,7 +50,6 @@ from kimi_pipe.store.conventions import final_state_conversion
 from kimi_pipe.store.hidden_store import HiddenStore, state_dtypes
 from kimi_pipe.store.layout import AUDIT_JSON, RECORDS, SUMMARY
 from kimi_pipe.store.records import iter_records
-from kimi_pipe.store.unit_reader import UnitHiddenStore, is_unit_store
 
 __all__ = [
     "CARD_FILE",
@@ -82,92 +82,12 @@ SUMMARY_FILE = "export_summary.json"
 CARD_FILE = "README.md"
 FORMATS = export_formats()  # the configs in conf/export/
 
-_COMPATIBLE_KEYS = (
-    "model",
-    "num_layers",
-    "layer_ids",
-    "layer_convention",
-    "final_state",
-    "final_norm",
-    "hidden_size",
-    "dtype",
-    "store_dtype",
-    "final_rounding",
-    "loss_mask",
-)
-
 
 @dataclass(frozen=True)
 class PlannedSample:
     index: int  # position after the shuffle: data_{index}.ckpt, hs_{index}, row index
     store: int  # position in the sorted store list
     id: str
-
-
-def is_url(ref: str | os.PathLike[str]) -> bool:
-    """A store given as an fsspec URL (`s3://bucket/prefix`, `gs://...`), not a local path."""
-    return "://" in str(ref) and not str(ref).startswith("file://")
-
-
-def store_refs(paths: Sequence[str | os.PathLike[str]]) -> list[str]:
-    """The stores' references, sorted and deduplicated: local paths resolved, URLs as given
-    (without a trailing slash). The plan's store positions point into this list."""
-    refs = {str(p).rstrip("/") if is_url(p) else str(Path(p).resolve()) for p in paths}
-    return sorted(refs)
-
-
-def open_stores(
-    paths: Sequence[str | os.PathLike[str]], storage_options: Mapping[str, Any] | None = None
-) -> list[HiddenStore]:
-    """Open the stores sorted by reference; refuse stores that cannot be mixed. A local
-    directory holding a unit plan, or a URL (`s3://...`: a unit store on an object store,
-    `storage_options` for fsspec), is read through its committed indexes only."""
-    if not paths:
-        raise ConfigError(
-            "no stores to export: pass stores=[STORE_DIR,...] (made by python -m kimi_pipe.extract)"
-        )
-    stores: list[HiddenStore] = []
-    for ref in store_refs(paths):
-        if is_url(ref):
-            from kimi_pipe.store.units import UnitStore
-
-            try:
-                stores.append(
-                    UnitHiddenStore(UnitStore.open(ref, **dict(storage_options or {})), url=ref)
-                )
-            except MissingFile:
-                raise MissingFile(
-                    f"store {ref} holds no unit plan: only a unit store (extract.executor="
-                    "local|ray|submitit, extract.units.url) is exported from an object store"
-                ) from None
-            continue
-        path = Path(ref)
-        if not path.is_dir():
-            raise MissingFile(
-                f"store {path} does not exist: make one with `python -m kimi_pipe.extract` "
-                "(or the extract stage of a pipeline) and pass its directory in stores=[...]"
-            )
-        # A unit store (extract.executor=...) is read through its committed indexes only.
-        stores.append(UnitHiddenStore(path) if is_unit_store(path) else HiddenStore(path))
-    first = stores[0].manifest
-    for s in stores[1:]:
-        diff = [k for k in _COMPATIBLE_KEYS if s.manifest.get(k) != first.get(k)]
-        if diff:
-            detail = ", ".join(
-                f"{k}: {_short(first.get(k))} vs {_short(s.manifest.get(k))}" for k in diff
-            )
-            raise ConfigError(f"stores {stores[0].path} and {s.path} cannot be mixed ({detail})")
-    return stores
-
-
-def store_name(store: HiddenStore) -> str:
-    """How an export names a store: its URL (an object store) or its local path."""
-    return str(getattr(store, "url", None) or store.path)
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) < 80 else text[:77] + "..."
 
 
 def select_samples(

@@ -34,6 +34,7 @@ import torch
 
 from kimi_pipe.errors import ConfigError
 from kimi_pipe.exporters.base import Exporter, load_exporter
+from kimi_pipe.exporters.stores import open_stores
 from kimi_pipe.store.conventions import final_state_as
 from kimi_pipe.store.hidden_store import HiddenStore
 
@@ -104,8 +105,6 @@ _WORKER: dict[str, Any] = {}  # per process: the job, its stores and exporter
 
 
 def _setup(job: Job) -> None:
-    from kimi_pipe.exporters import open_stores
-
     _WORKER["job"] = job
     _WORKER["stores"] = open_stores(job.stores, storage_options=job.storage_options)
     _WORKER["exporter"] = load_exporter(job.fmt, job.settings)
