@@ -227,3 +227,37 @@ def test_row_file_helpers_give_the_same_digest(tmp_path: Path) -> None:
     for name in ("data-00000-of-00001.arrow", "dataset_info.json"):
         digest = [hashlib.sha256((tmp_path / d / name).read_bytes()).hexdigest() for d in "ab"]
         assert digest[0] == digest[1], name
+
+
+def test_workers_from_the_command_line(tmp_path: Path) -> None:
+    """`export.workers=2` on the command line gives the same rows; a bad count is one line
+    on stderr and exit 2, before anything is written."""
+    import subprocess
+    import sys
+
+    store = local_units(tmp_path / "units", 9)
+    export([store], tmp_path / "ref", "tokens", seed=0)
+    repo = Path(__file__).resolve().parent.parent
+
+    def cli(out: Path, workers: str) -> subprocess.CompletedProcess[str]:
+        cmd = [
+            sys.executable,
+            "-m",
+            "kimi_pipe.export",
+            "format=tokens",
+            f"++stores=[{store}]",
+            f"output={out}",
+            f"export.workers={workers}",
+            f"hydra.run.dir={tmp_path / 'hydra'}",
+        ]
+        return subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=300)
+
+    done = cli(tmp_path / "two", "2")
+    assert done.returncode == 0, done.stderr
+    ref = tmp_path / "ref"
+    for name in (TOKENS_FILE, INDEX_FILE):
+        assert (tmp_path / "two" / name).read_bytes() == (ref / name).read_bytes()
+    bad = cli(tmp_path / "bad", "0")
+    assert bad.returncode == 2, bad.stderr
+    assert "export.workers" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "bad").exists()
