@@ -97,6 +97,15 @@ def test_push_packs_within_limits_and_restores_the_export(
     real = hub.check_folder(folder, HubLimits())
     assert real["files"] <= plan["files"], (real, plan)
     assert real["max_file_bytes"] <= plan["max_file_bytes"], (real, plan)
+    # A second push packs the same bytes again and keeps huggingface_hub's resume cache.
+    (folder / ".cache" / "huggingface").mkdir(parents=True)
+    (folder / ".cache" / "huggingface" / "marker").write_text("sent")
+    # wall time, resumed counts; datasets' own state.json fingerprint (random, as from_dict's)
+    volatile = {"export_summary.json", "README.md", "state.json"}
+    before = {k: v for k, v in tree(folder).items() if k not in volatile}
+    export([store], out, fmt, seed=1, push_to_hub=settings, hub_api=api)
+    after = {k: v for k, v in tree(folder).items() if k not in volatile}
+    assert after == before and len(api.calls) == 2
     for name, parts in plan["line_parts"].items():
         stem = name.rsplit(".", 1)[0]
         assert len(list((folder / "rows").glob(f"{stem}-*.jsonl"))) <= parts

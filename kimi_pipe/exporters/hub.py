@@ -343,8 +343,12 @@ def stage(
     if folder.resolve() == output.resolve() or output.resolve() in folder.resolve().parents:
         raise HubLayoutError(f"export.push_to_hub.folder={folder} must be outside {output}")
     if folder.exists():
-        shutil.rmtree(folder)  # a packed copy is made again from the export (deterministic)
-    folder.mkdir(parents=True)
+        # The packed copy is made again from the export (the same bytes); huggingface_hub's
+        # own `.cache` (what an interrupted upload_large_folder already sent) is kept.
+        for child in folder.iterdir():
+            if child.name != ".cache":
+                shutil.rmtree(child) if child.is_dir() else child.unlink()
+    folder.mkdir(parents=True, exist_ok=True)
     packed: set[str] = set()
     shard = int(settings.shard_bytes)
     number, size = 0, 0
