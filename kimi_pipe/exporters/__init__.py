@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import sys
 import time
 from collections import Counter
@@ -17,10 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 
-from kimi_pipe.errors import ConfigError, MissingFile
+from kimi_pipe.errors import ConfigError
+from kimi_pipe.exporters import hub, parallel
 from kimi_pipe.exporters.base import (
     ExportContext,
     Exporter,
@@ -41,13 +42,14 @@ from kimi_pipe.exporters.specforge import (
     specforge_weight_keys,
 )
 from kimi_pipe.exporters.speculators import SPECULATORS_STATES, speculators_path
+from kimi_pipe.exporters.stores import open_stores, store_name, store_refs
 from kimi_pipe.exporters.tokens import TOKENS_FILE
 from kimi_pipe.extraction.layers import drafter_config_ids, manifest_output_ids
-from kimi_pipe.store.conventions import final_state_as, final_state_conversion
+from kimi_pipe.store import atomic
+from kimi_pipe.store.conventions import final_state_conversion
 from kimi_pipe.store.hidden_store import HiddenStore, state_dtypes
 from kimi_pipe.store.layout import AUDIT_JSON, RECORDS, SUMMARY
 from kimi_pipe.store.records import iter_records
-from kimi_pipe.store.unit_reader import UnitHiddenStore, is_unit_store
 
 __all__ = [
     "CARD_FILE",
@@ -80,57 +82,12 @@ SUMMARY_FILE = "export_summary.json"
 CARD_FILE = "README.md"
 FORMATS = export_formats()  # the configs in conf/export/
 
-_COMPATIBLE_KEYS = (
-    "model",
-    "num_layers",
-    "layer_ids",
-    "layer_convention",
-    "final_state",
-    "final_norm",
-    "hidden_size",
-    "dtype",
-    "store_dtype",
-    "final_rounding",
-    "loss_mask",
-)
-
 
 @dataclass(frozen=True)
 class PlannedSample:
     index: int  # position after the shuffle: data_{index}.ckpt, hs_{index}, row index
     store: int  # position in the sorted store list
     id: str
-
-
-def open_stores(paths: Sequence[str | os.PathLike[str]]) -> list[HiddenStore]:
-    """Open the stores sorted by resolved path; refuse stores that cannot be mixed."""
-    if not paths:
-        raise ConfigError(
-            "no stores to export: pass stores=[STORE_DIR,...] (made by python -m kimi_pipe extract)"
-        )
-    resolved = sorted({Path(p).resolve() for p in paths})
-    for path in resolved:
-        if not path.is_dir():
-            raise MissingFile(
-                f"store {path} does not exist: make one with `python -m kimi_pipe extract` "
-                "(or the extract stage of a pipeline) and pass its directory in stores=[...]"
-            )
-    # A unit store (extract.executor=...) is read through its committed indexes only.
-    stores = [UnitHiddenStore(p) if is_unit_store(p) else HiddenStore(p) for p in resolved]
-    first = stores[0].manifest
-    for s in stores[1:]:
-        diff = [k for k in _COMPATIBLE_KEYS if s.manifest.get(k) != first.get(k)]
-        if diff:
-            detail = ", ".join(
-                f"{k}: {_short(first.get(k))} vs {_short(s.manifest.get(k))}" for k in diff
-            )
-            raise ConfigError(f"stores {stores[0].path} and {s.path} cannot be mixed ({detail})")
-    return stores
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) < 80 else text[:77] + "..."
 
 
 def select_samples(
@@ -158,7 +115,7 @@ def plan(
 def _plan_digest(stores: Sequence[HiddenStore], planned: Sequence[PlannedSample]) -> str:
     h = hashlib.sha256()
     for p in planned:
-        h.update(f"{stores[p.store].path}\0{p.id}\n".encode())
+        h.update(f"{store_name(stores[p.store])}\0{p.id}\n".encode())
     return h.hexdigest()
 
 
@@ -222,6 +179,10 @@ def export(
     max_length: int | None = None,
     settings: Mapping[str, Any] | None = None,
     accept: Sequence[str] | None = None,
+    workers: int = 1,
+    storage_options: Mapping[str, Any] | None = None,
+    push_to_hub: Mapping[str, Any] | None = None,
+    hub_api: Any = None,
 ) -> dict[str, Any]:
     """Write `fmt`'s layout and the dataset card; return the export summary. `accept`: the
     evidence rungs whose samples reach the files (default engine_ids, text_proven,
@@ -234,7 +195,8 @@ def export(
     if max_length is not None:
         overrides["max_length"] = max_length
     exporter = load_exporter(fmt, overrides)
-    stores = open_stores(store_paths)
+    workers = parallel.check_workers(workers)
+    stores = open_stores(store_paths, storage_options)
     manifest = stores[0].manifest
     want = exporter.final_state
     conv = conventions(manifest, want)  # refuses before the output directory is touched
@@ -242,16 +204,28 @@ def export(
     out = Path(output)
     ctx = ExportContext(out, manifest, conv, model_path, list(stores))
     extras = exporter.check(ctx)  # refusals of the format, still before any write
-    out.mkdir(parents=True, exist_ok=True)
+    hub_settings = hub.HubSettings.from_mapping(push_to_hub)
     policy = accepted_samples(stores, accept)
     planned = plan(stores, seed, policy.keep)
+    hub_plan = None
+    if hub_settings.repo_id:  # the Hub's limits, checked from counts before any write
+        hub_plan = hub.plan_layout(hub_shape(exporter, ctx, stores, planned), hub_settings)
+        if hub_api is None and not os.environ.get("HF_TOKEN"):
+            raise hub.HubLayoutError(
+                "export.push_to_hub needs a Hugging Face write token in the environment: "
+                "export HF_TOKEN (never put it in a config)"
+            )
+        extras["push_to_hub"] = {"repo_id": hub_settings.repo_id, "plan": hub_plan.figures()}
+        for warning in hub_plan.warnings:
+            print(f"export: push_to_hub: {warning}", file=sys.stderr)
+    out.mkdir(parents=True, exist_ok=True)
     digest = _plan_digest(stores, planned)
     _check_or_write_plan(
         out,
         {
             "format": fmt,
             "seed": seed,
-            "stores": [str(s.path) for s in stores],
+            "stores": [store_name(s) for s in stores],
             "samples": len(planned),
             "digest": digest,
             # What the files hold (dtype, compression): a resume must not mix two layouts.
@@ -259,56 +233,48 @@ def export(
         },
     )
     started = time.monotonic()
-    counts = {"written": 0, "already_written": 0, "skipped_non_finite": 0}
     tokens = {"total": 0, "loss": 0, "max_len": 0}
-    per_store = [{"store": str(s.path), "samples": 0, "tokens": 0} for s in stores]
-    index_lines: list[str] = []
-    last_report = started
-    for n, p in enumerate(planned, 1):
-        store = stores[p.store]
-        t = store.tokens(p.id)
-        path = exporter.sample_path(out, p.index)
-        if path is None:
-            counts["written"] += 1
-        elif path.exists():
-            counts["already_written"] += 1
-        else:
-            sample = store[p.id]
-            if not (
-                torch.isfinite(sample["aux_hidden_state"]).all()
-                and torch.isfinite(sample["hidden_state"]).all()
-            ):
-                counts["skipped_non_finite"] += 1
-                print(f"export: {store.path} {p.id}: NaN/inf state, skipped", file=sys.stderr)
-                continue
-            if want is not None:
-                sample["hidden_state"] = final_state_as(manifest, sample["hidden_state"], want)
-            exporter.write_sample(out, p.index, sample)
-            counts["written"] += 1
-        length = int(t["input_ids"].numel())
-        ids, mask = t["input_ids"].tolist(), t["loss_mask"].tolist()
-        exporter.add_row(p.index, p.id, ids, mask)
-        tokens["total"] += length
-        tokens["loss"] += int(sum(mask))
-        policy.count_tokens(p.store, p.id, length, int(sum(mask)))
-        tokens["max_len"] = max(tokens["max_len"], length)
-        per_store[p.store]["samples"] += 1  # type: ignore[operator]
-        per_store[p.store]["tokens"] += length  # type: ignore[operator]
-        entry = {"index": p.index, "store": str(store.path), "id": p.id, "length": length}
-        if path is not None:
-            entry["file"] = str(path.relative_to(out))
-        index_lines.append(json.dumps(entry) + "\n")
-        now = time.monotonic()
-        if now - last_report >= 30 or n == len(planned):
-            print(f"export: {n}/{len(planned)} samples -> {out}", file=sys.stderr, flush=True)
-            last_report = now
+    per_store = [{"store": store_name(s), "samples": 0, "tokens": 0} for s in stores]
+    job = parallel.Job(
+        stores=store_refs(store_paths),
+        storage_options=dict(storage_options or {}),
+        fmt=fmt,
+        settings=overrides,
+        output=str(out),
+        want=want,
+        rows=exporter.needs_rows,
+    )
+    tasks = parallel.tasks_of(stores, planned)
+    del planned  # the tasks hold the plan now
+    counts, fragments = parallel.run_tasks(job, stores, exporter, tasks, workers)
+    del tasks
+    exporter.start(ctx)
+    samples = 0
+    with atomic.atomic_path(out / INDEX_FILE) as tmp_index, open(tmp_index, "w") as index_file:
+        for row in parallel.merged_rows(fragments):
+            si, sid = int(row["s"]), str(row["id"])
+            length, loss = parallel.row_summary(row)
+            if exporter.needs_rows:
+                exporter.add_row(int(row["i"]), sid, row["ids"], row["mask"])
+            tokens["total"] += length
+            tokens["loss"] += loss
+            policy.count_tokens(si, sid, length, loss)
+            tokens["max_len"] = max(tokens["max_len"], length)
+            per_store[si]["samples"] += 1  # type: ignore[operator]
+            per_store[si]["tokens"] += length  # type: ignore[operator]
+            entry = {"index": row["i"], "store": store_name(stores[si]), "id": sid}
+            entry["length"] = length
+            if "file" in row:
+                entry["file"] = row["file"]
+            index_file.write(json.dumps(entry) + "\n")
+            samples += 1
+    shutil.rmtree(out / parallel.PARTS_DIR, ignore_errors=True)
     extras.update(exporter.finish(ctx, counts, tokens))
-    write_atomic(out / INDEX_FILE, "".join(index_lines))
     summary: dict[str, Any] = {
         "format": fmt,
         "output": str(out),
         "seed": seed,
-        "samples": len(index_lines),
+        "samples": samples,
         "counts": counts,
         "tokens": tokens,
         "per_store": per_store,
@@ -325,7 +291,31 @@ def export(
     }
     write_atomic(out / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
     write_atomic(out / CARD_FILE, dataset_card(summary, exporter))
+    if hub_plan is not None:
+        folder = hub.stage(out, hub_plan, line_files=tuple(exporter.row_bytes(0, 0)))
+        pushed = hub.push(folder, hub_settings, hub_api)
+        print(f"export: pushed {folder} to the Hub dataset {pushed['repo_id']}", file=sys.stderr)
     return summary
+
+
+def hub_shape(
+    exporter: Exporter,
+    ctx: ExportContext,
+    stores: Sequence[HiddenStore],
+    planned: Sequence[PlannedSample],
+) -> hub.ExportShape:
+    """The export's shape from the stores' indexes (lengths), before anything is written."""
+    lengths = [stores[p.store].entry(p.id).length for p in planned]
+    n, total = len(lengths), sum(lengths)
+    return hub.estimate_shape(
+        exporter.files(ctx),
+        exporter.row_bytes(n, total),
+        exporter.dataset_bytes(n, total),
+        samples=n,
+        tokens=total,
+        longest=max(lengths, default=0),
+        per_sample_files=exporter.sample_path(ctx.output, 0) is not None,
+    )
 
 
 def converted(
@@ -517,7 +507,7 @@ def source_figures(store: HiddenStore, accept: Sequence[str] | None = None) -> d
     from kimi_pipe.exporters.prefix import run_yield
 
     runs = [Path(r) for r in store.manifest.get("source_runs", [])]
-    out: dict[str, Any] = {"store": str(store.path), "runs": []}
+    out: dict[str, Any] = {"store": store_name(store), "runs": []}
     for run in runs:
         rec_file = _record_file(store, run)
         summary = _read_json(run / SUMMARY) or {}
@@ -553,7 +543,8 @@ def export_choice(cfg: DictConfig) -> tuple[str, dict[str, Any]]:
     fmt = str(fmt)
     settings = dict(group_settings) if group_settings.get("name") == fmt else {}
     settings.pop("name", None)
-    settings.pop("accept", None)  # the export policy, not a format setting (run_export)
+    for key in ENGINE_KEYS:  # the engine's settings, not the format's (run_export)
+        settings.pop(key, None)
     from kimi_pipe.config import whole_number
 
     if "max_length" in settings:
@@ -562,6 +553,10 @@ def export_choice(cfg: DictConfig) -> tuple[str, dict[str, Any]]:
     if max_length is not None:
         settings["max_length"] = max_length
     return fmt, settings
+
+
+# export.* keys the engine reads itself (conf/config.yaml), never passed to an exporter.
+ENGINE_KEYS = ("accept", "workers", "storage_options", "push_to_hub")
 
 
 def run_export(cfg: DictConfig) -> dict[str, Any]:
@@ -583,6 +578,9 @@ def run_export(cfg: DictConfig) -> dict[str, Any]:
         target_model_path=OmegaConf.select(cfg, "target_model_path", default=None),
         settings=settings,
         accept=OmegaConf.select(cfg, "export.accept", default=None),
+        workers=OmegaConf.select(cfg, "export.workers", default=1),
+        storage_options=_plain(OmegaConf.select(cfg, "export.storage_options", default=None)),
+        push_to_hub=_plain(OmegaConf.select(cfg, "export.push_to_hub", default=None)),
     )
     print(
         f"export: {summary['samples']} samples, {summary['tokens']['total']} tokens -> "
@@ -590,3 +588,13 @@ def run_export(cfg: DictConfig) -> dict[str, Any]:
         file=sys.stderr,
     )
     return summary
+
+
+def _plain(value: Any) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if isinstance(value, DictConfig):
+        return dict(OmegaConf.to_container(value, resolve=True))  # type: ignore[arg-type]
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"expected a mapping, got {value!r}")
+    return dict(value)

@@ -11,7 +11,8 @@ writes the index, the summary and the card. The exporter supplies:
   for a format without hidden states);
 * `check(ctx)`: refusals and facts known before anything is written;
 * `sample_path` / `write_sample`: one file per sample (None / not called for row-only formats);
-* `add_row`: every exported sample's ids and mask, in file order (for row tables);
+* `start(ctx)` / `add_row`: every exported sample's ids and mask, streamed in file order
+  (for row tables; only when `needs_rows`), after every per-sample file is written;
 * `finish(ctx, tokens)`: the files written once at the end, plus summary extras;
 * `files(ctx)`: what its files hold (names, shapes, dtype, conventions), the export's own
   description;
@@ -60,6 +61,8 @@ class Exporter:
     name: ClassVar[str] = ""
     title: ClassVar[str] = ""
     final_state: ClassVar[str | None] = None
+    # True: the engine streams every row to `add_row` (ids and mask carried from the workers).
+    needs_rows: ClassVar[bool] = False
 
     def __init__(self, settings: Mapping[str, Any] | None = None) -> None:
         self.settings: dict[str, Any] = dict(settings or {})
@@ -78,8 +81,22 @@ class Exporter:
         """Write one sample (final state already in `final_state`) to `sample_path`."""
         raise NotImplementedError
 
+    def start(self, ctx: ExportContext) -> None:
+        """Called once after the per-sample files, before the first `add_row` (in the
+        exporting process; the per-sample files may have been written by other processes)."""
+
     def add_row(self, index: int, sample_id: str, input_ids: list[int], mask: list[int]) -> None:
-        """Called for every exported sample in file order (after a skipped one: not called)."""
+        """Called for every exported sample in file order (after a skipped one: not called).
+        Write it out (or buffer a bounded batch): holding every row would grow with the run."""
+
+    def row_bytes(self, samples: int, tokens: int) -> dict[str, int]:
+        """The JSON-lines files this format writes, with an upper bound of their bytes for
+        `samples` rows of `tokens` in all (the Hub planner cuts them at line ends)."""
+        return {}
+
+    def dataset_bytes(self, samples: int, tokens: int) -> int:
+        """An upper bound of the Arrow bytes of the `datasets` rows this format writes."""
+        return 0
 
     # --- at the end ---------------------------------------------------------------------
     def finish(self, ctx: ExportContext, counts: dict[str, int], tokens: dict[str, int]) -> dict:

@@ -8,9 +8,10 @@ and `token_ids` [L], which its `ArrowDataset` checks against row i's `input_ids`
 
 from __future__ import annotations
 
-import shutil
+import json
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
@@ -35,18 +36,20 @@ def speculators_path(output: Path, index: int) -> Path:
     return output / SPECULATORS_STATES / f"hs_{index}.safetensors"
 
 
-def _write_rows(out: Path, rows: dict[str, list[Any]]) -> None:
-    """The Arrow rows speculators' ArrowDataset reads with load_from_disk(data_path)."""
-    from datasets import Dataset, load_from_disk
+ROW_COLUMNS = ("input_ids", "loss_mask", "seq_len")
 
-    ds = Dataset.from_dict(rows)
+
+def _write_rows(out: Path, rows: Iterable[dict[str, Any]]) -> None:
+    """The Arrow rows speculators' ArrowDataset reads with load_from_disk(data_path),
+    streamed (kimi_pipe/store/arrow_rows.py): memory follows a batch of rows."""
+    from datasets import load_from_disk
+
+    from kimi_pipe.store.arrow_rows import save_rows
+
+    staging = out / ".rows.tmp"
     # Its loader compares token_ids with the row's input_ids as tensors: store torch format,
     # as its own prepare_data does.
-    ds.set_format(type="torch")
-    staging = out / ".rows.tmp"
-    if staging.exists():
-        shutil.rmtree(staging)
-    ds.save_to_disk(str(staging))
+    save_rows(rows, staging, {k: [] for k in ROW_COLUMNS}, torch_format=True)
     for old in out.glob("data-*.arrow"):
         old.unlink()
     for item in staging.iterdir():
@@ -64,11 +67,15 @@ class SpeculatorsExporter(Exporter):
     title = "speculators (vLLM) offline layout"
     final_state = PRE_NORM  # the trainer applies verifier_norm itself
 
+    needs_rows = True
+
     def __init__(self, settings: dict[str, Any] | None = None) -> None:
         super().__init__(settings)
         # Row i must be hs_i: a skipped sample leaves no row, and later rows keep their
-        # file index, so rows are written by index (gaps are refused in finish).
-        self.rows: dict[str, list[Any]] = {"input_ids": [], "loss_mask": [], "seq_len": []}
+        # file index, so rows are written by index (gaps are refused in finish). They are
+        # streamed to disk as they come; nothing is written in finish if a sample was skipped.
+        self._file: IO[str] | None = None
+        self._scratch = Path(".rows.jsonl.tmp")
 
     @property
     def fp8(self) -> bool:
@@ -101,20 +108,45 @@ class SpeculatorsExporter(Exporter):
         with atomic.atomic_path(path) as tmp:
             save_file(tensors, str(tmp))
 
+    def start(self, ctx: ExportContext) -> None:
+        self._scratch = ctx.output / ".rows.jsonl.tmp"
+        self._file = open(self._scratch, "w")  # noqa: SIM115  (closed in finish)
+
     def add_row(self, index: int, sample_id: str, input_ids: list[int], mask: list[int]) -> None:
-        self.rows["input_ids"].append(input_ids)
-        self.rows["loss_mask"].append(mask)
-        self.rows["seq_len"].append(len(input_ids))
+        # A scratch JSON line per row, turned into Arrow batches in finish (after the
+        # skipped-sample check): memory follows a row here, a batch there.
+        assert self._file is not None, "start() first"
+        self._file.write(json.dumps([input_ids, mask]) + "\n")
+
+    def _scratch_rows(self) -> Iterator[dict[str, Any]]:
+        with open(self._scratch) as f:
+            for line in f:
+                ids, mask = json.loads(line)
+                yield {"input_ids": ids, "loss_mask": mask, "seq_len": len(ids)}
 
     def finish(self, ctx: ExportContext, counts: dict[str, int], tokens: dict[str, int]) -> dict:
         if counts["skipped_non_finite"]:
+            if self._file is not None:
+                self._file.close()
+                self._scratch.unlink(missing_ok=True)
             # speculators maps row i to hs_i: a hole would pair rows with the wrong states.
             raise StoreError(
                 f"{counts['skipped_non_finite']} samples have NaN/inf states; speculators pairs "
                 "row i with hs_i, so remove them from the store (or re-extract) and export again"
             )
-        _write_rows(ctx.output, self.rows)
+        if self._file is None:
+            self.start(ctx)
+        assert self._file is not None
+        self._file.close()
+        try:
+            _write_rows(ctx.output, self._scratch_rows())
+        finally:
+            self._scratch.unlink(missing_ok=True)
         return {}
+
+    def dataset_bytes(self, samples: int, tokens: int) -> int:
+        # input_ids and loss_mask int64 a token, offsets and seq_len a row.
+        return 16 * tokens + 32 * samples
 
     def files(self, ctx: ExportContext) -> dict[str, Any]:
         h = ctx.manifest["hidden_size"]

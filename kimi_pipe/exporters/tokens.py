@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from pathlib import Path
+from typing import IO, Any
 
-from kimi_pipe.exporters.base import ExportContext, Exporter, write_atomic
+from kimi_pipe.exporters.base import ExportContext, Exporter
+from kimi_pipe.store import atomic
 
 TOKENS_FILE = "tokens.jsonl"
 
@@ -15,16 +17,34 @@ class TokensExporter(Exporter):
     title = "pre-tokenized rows for online training"
     final_state = None  # no hidden states: the trainer's online path computes them
 
+    needs_rows = True
+
     def __init__(self, settings: dict[str, Any] | None = None) -> None:
         super().__init__(settings)
-        self.rows: list[dict[str, Any]] = []
+        self._file: IO[str] | None = None
+        self._tmp: Path | None = None
+
+    def start(self, ctx: ExportContext) -> None:
+        # One line per row as it comes (in file order): memory follows a row, not the run.
+        self._tmp = ctx.output / f".{TOKENS_FILE}.tmp"
+        self._file = open(self._tmp, "w")  # noqa: SIM115  (closed in finish)
 
     def add_row(self, index: int, sample_id: str, input_ids: list[int], mask: list[int]) -> None:
-        self.rows.append({"input_ids": input_ids, "loss_mask": mask, "id": sample_id})
+        assert self._file is not None, "start() first"
+        self._file.write(json.dumps({"input_ids": input_ids, "loss_mask": mask, "id": sample_id}))
+        self._file.write("\n")
 
     def finish(self, ctx: ExportContext, counts: dict[str, int], tokens: dict[str, int]) -> dict:
-        write_atomic(ctx.output / TOKENS_FILE, "".join(json.dumps(r) + "\n" for r in self.rows))
+        if self._file is None:
+            self.start(ctx)
+        assert self._file is not None and self._tmp is not None
+        self._file.close()
+        atomic.replace(self._tmp, ctx.output / TOKENS_FILE)
         return {}
+
+    def row_bytes(self, samples: int, tokens: int) -> dict[str, int]:
+        # An id of up to 7 digits and ", " (9 bytes), a mask "1, " (3); keys and id per row.
+        return {TOKENS_FILE: 12 * tokens + 256 * samples}
 
     def files(self, ctx: ExportContext) -> dict[str, Any]:
         return {

@@ -471,19 +471,24 @@ class StoreWriter:
 
 
 def write_tokens_dataset(path: str | os.PathLike[str]) -> None:
-    """(Re)write tokens/ from the committed shards: id, input_ids, loss_mask per sample."""
-    from datasets import Dataset  # heavy import, only needed here
+    """(Re)write tokens/ from the committed shards: id, input_ids, loss_mask per sample,
+    streamed (store/arrow_rows.py): memory follows a batch of rows, not the store."""
+    from kimi_pipe.store.arrow_rows import save_rows
 
     store = HiddenStore(path)
-    rows: dict[str, list[Any]] = {"id": [], "input_ids": [], "loss_mask": []}
-    for sid in store.ids:
-        t = store.tokens(sid)
-        rows["id"].append(sid)
-        rows["input_ids"].append(t["input_ids"].tolist())
-        rows["loss_mask"].append(t["loss_mask"].tolist())
+
+    def rows() -> Iterator[dict[str, Any]]:
+        for sid in store.ids:
+            t = store.tokens(sid)
+            yield {
+                "id": sid,
+                "input_ids": t["input_ids"].tolist(),
+                "loss_mask": t["loss_mask"].tolist(),
+            }
+
     out = Path(path) / TOKENS
     with atomic.atomic_path(out) as tmp:
-        Dataset.from_dict(rows).save_to_disk(str(tmp))
+        save_rows(rows(), Path(tmp), {"id": [], "input_ids": [], "loss_mask": []})
         if out.exists():
             import shutil
 

@@ -36,10 +36,19 @@ def is_unit_store(path: str | os.PathLike[str]) -> bool:
 class UnitHiddenStore(HiddenStore):
     """Read-only view of a unit store's committed samples, as `HiddenStore` gives them."""
 
-    def __init__(self, store: UnitStore | str | os.PathLike[str], cache_objects: int = 2) -> None:
+    def __init__(
+        self,
+        store: UnitStore | str | os.PathLike[str],
+        cache_objects: int = 2,
+        *,
+        url: str | None = None,
+    ) -> None:
+        """`url`: how the store is named in an export (default: its local path, or its
+        bucket path on an object store)."""
         self.units = store if isinstance(store, UnitStore) else UnitStore.open(str(store))
         self.local = objects.is_local(self.units.fs)
         self.path = Path(self.units.root) if self.local else Path(self.units.root.lstrip("/"))
+        self.url = url or str(self.path)
         self.manifest: dict[str, Any] = dict(self.units.plan.manifest)
         self._index: dict[str, IndexEntry] = {}
         self._refs: dict[str, dict[str, Any]] = {}  # object path -> its index's reference

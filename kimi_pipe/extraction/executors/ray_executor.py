@@ -6,7 +6,7 @@ a TP group of 8 GPUs), restarts one whose process died and retries its call
 nothing else: which unit a worker does next is decided by the leases in the store, so a
 dead actor's unit is taken over by whoever claims it after its lease ends, restarted or not.
 
-    python -m kimi_pipe.extract extract.executor=ray extract.units.workers=4 \
+    python -m kimi_pipe extract extract.executor=ray extract.units.workers=4 \
         extract.ray.gpus_per_worker=8 extract.run_dir=runs/B5/x        # address: auto, or local
 """
 

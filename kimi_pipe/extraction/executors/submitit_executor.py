@@ -9,7 +9,7 @@ finishes it. Units already committed are never redone, whatever the number of jo
 
 The same worker runs under Hydra's submitit launcher as a job array (no driver process):
 
-    python -m kimi_pipe.extract -m hydra/launcher=submitit_slurm_extract \
+    python -m kimi_pipe extract -m hydra/launcher=submitit_slurm_extract \
         extract.executor=local extract.worker=0,1,2,3 extract.run_dir=runs/B5/x ...
 """
 

@@ -289,7 +289,7 @@ def open_backend(cfg: DictConfig, rank_factory: RankFactory | None = None) -> SG
 
 
 def run_extract(cfg: DictConfig, rank_factory: RankFactory | None = None) -> dict[str, Any]:
-    """The extract stage with this backend (`python -m kimi_pipe.extract extract=sglang`);
+    """The extract stage with this backend (`python -m kimi_pipe extract extract=sglang`);
     `rank_factory` swaps the engine rank (tests)."""
     backend = open_backend(cfg, rank_factory)
     try:
