@@ -255,3 +255,79 @@ def test_follower_node_alone_gives_up_with_a_clear_error(tmp_path: Path, tiny_mo
         from kimi_pipe.extraction.sglang import SGLangBackend
 
         SGLangBackend(settings, layer_ids=[1, 3, 4], rank_factory=StandInRank)
+
+
+# --- the executors: one engine over two nodes as a Ray placement group, as a submitit job -----
+def _unit_cfg(tmp: Path, model: Path, out: Path, executor: str, *extra: str) -> Any:
+    return _cfg(
+        tmp / "records.jsonl",
+        model,
+        out,
+        f"extract.executor={executor}",
+        "extract.units.unit_samples=3",
+        "extract.units.workers=1",
+        "extract.units.poll_s=0.5",
+        "extract.rank_factory=test_extract_sglang:StandInRank",
+        *extra,
+    )
+
+
+def _unit_rows(store: Path) -> dict[str, dict[str, torch.Tensor]]:
+    from kimi_pipe.store.unit_reader import UnitHiddenStore
+
+    hs = UnitHiddenStore(str(store))
+    return {i: hs[i] for i in hs.ids}
+
+
+@pytest.fixture
+def child_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray workers and submitit jobs import this checkout and the stand-in rank."""
+    paths = [str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in paths if p))
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # a throwaway cluster on this machine
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("executor", ["ray", "submitit"])
+def test_executor_runs_a_two_node_engine_like_one_node(
+    executor: str,
+    child_env: None,
+    tmp_path: Path,
+    tiny_model: Path,  # noqa: F811
+) -> None:
+    """extract.nnodes=2, tp_size=2 through the executor: Ray places the engine as one
+    placement group of two bundles (PACK here: one machine), submitit runs one job of two
+    tasks (LocalExecutor); rank 0's node claims every unit, the other serves its rank.
+    The unit store holds the same states as a one-node engine's, to float32 rounding: rank 0
+    computes in another process (Ray gives an actor one torch thread), which sums in another
+    order than this one."""
+    _records(tmp_path / "records.jsonl", n=8)
+    one = tmp_path / "one"
+    run_extract_stage = _stage()
+    run_extract_stage(_unit_cfg(tmp_path, tiny_model, one, "local"))
+    two = tmp_path / "two"
+    extra = ["extract.nnodes=2", "extract.tp_size=2"]
+    if executor == "ray":
+        extra += ["extract.ray.node_strategy=PACK", "extract.ray.num_cpus=2"]
+    else:
+        extra += ["extract.submitit.timeout_min=10"]
+    summary = run_extract_stage(_unit_cfg(tmp_path, tiny_model, two, executor, *extra))
+    assert summary["complete"] and not summary["worker_errors"]
+    (worker,) = summary["workers"]  # one engine: one worker claimed, the other node served
+    assert sorted(worker["units_committed"]) == [f"u-{i:06d}" for i in range(3)]
+    a, b = _unit_rows(one), _unit_rows(two)
+    assert a.keys() == b.keys() and len(a) == 8
+    for sid in a:
+        assert a[sid].keys() == b[sid].keys()
+        for key in a[sid]:
+            x, y = a[sid][key], b[sid][key]
+            if x.is_floating_point():
+                assert x.shape == y.shape and (x - y).abs().max() < 1e-5, (sid, key)
+            else:
+                assert torch.equal(x, y), (sid, key)
+
+
+def _stage() -> Any:
+    from kimi_pipe.stages.extract import run_extract as stage
+
+    return stage

@@ -152,7 +152,8 @@ def wait(jobs: list[Any]) -> tuple[list[dict[str, Any]], list[str]]:
     errors: list[str] = []
     for job in jobs:
         try:
-            done.append(job.result())
+            # Task 0 is the worker; a multi-node engine's other tasks served their ranks.
+            done.append(job.results()[0])
         except Exception as exc:  # noqa: BLE001 - a failed job is reported, its units taken over
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             log.warning("submitit job %s ended without finishing: %s", job.job_id, first)
