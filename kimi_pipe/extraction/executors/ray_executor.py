@@ -46,8 +46,7 @@ PG_READY_S = 600.0  # an engine's nodes must all be placed within this
 
 def with_node(cfg: dict[str, Any], node_rank: int, addr: str) -> dict[str, Any]:
     """The config of one node of a multi-node engine."""
-    out = {**cfg, "extract": {**cfg["extract"], "node_rank": node_rank, "dist_init_addr": addr}}
-    return out
+    return {**cfg, "extract": {**cfg["extract"], "node_rank": node_rank, "dist_init_addr": addr}}
 
 
 def node_address() -> tuple[str, int]:
@@ -225,24 +224,22 @@ class RayPool:
         where = ray.remote(num_cpus=0)(node_address).options(scheduling_strategy=on(0))
         host, port = ray.get(where.remote())
         addr = f"{host}:{port}"
-        container = self._container
-        assert isinstance(container, dict)
+        container: dict[str, Any] = {str(k): v for k, v in dict(self._container).items()}  # type: ignore[arg-type]
         options = {
             "num_cpus": self.settings.cpus_per_worker,
             "num_gpus": self.settings.gpus_per_worker,
             "max_restarts": 0,  # a restarted node could not rejoin its engine
             "max_task_retries": 0,
         }
+        node_actor: Any = ray.remote(NodeActor)
         head = (
             ray.remote(UnitActor)
             .options(scheduling_strategy=on(0), **options)
             .remote(with_node(container, 0, addr), index)
         )
         for k in range(1, self.nnodes):
-            node = (
-                ray.remote(NodeActor)
-                .options(scheduling_strategy=on(k), **options)
-                .remote(with_node(container, k, addr))
+            node = node_actor.options(scheduling_strategy=on(k), **options).remote(
+                with_node(container, k, addr)
             )
             self.nodes.append(node)
             self.node_calls.append(node.serve.remote())
