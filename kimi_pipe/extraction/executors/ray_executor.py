@@ -269,7 +269,7 @@ class RayPool:
         for actor in self.actors + self.nodes:
             ray.kill(actor, no_restart=True)
         if self.groups:
-            from ray.util.placement_group import remove_placement_group
+            from ray.util.placement_group import remove_placement_group  # optional: ray
 
             for group in self.groups:
                 remove_placement_group(group)
