@@ -8,17 +8,29 @@
 * `submitit`: `extract.units.workers` submitit jobs, on SLURM or this machine
   (`submitit_executor`).
 
+A multi-node engine (`extract.nnodes` > 1) is one worker: only the node of rank 0 claims
+units; the other nodes serve their tensor-parallel ranks (`worker.serve_follower`).
+
 All of them write the same unit store (`kimi_pipe.store.units`); `extract.executor=null`
 keeps the work shards and merge of `extraction/sharding.py`.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from omegaconf import DictConfig
 
-from kimi_pipe.extraction.executors.worker import EXECUTORS, executor_of, run_summary, run_worker
+from kimi_pipe.extraction.executors.nodes import engine_node, node_rank_of
+from kimi_pipe.extraction.executors.worker import (
+    EXECUTORS,
+    executor_of,
+    open_worker_backend,
+    run_summary,
+    run_worker,
+    serve_follower,
+)
 from kimi_pipe.extraction.token_samples import Backend
 
 __all__ = ["EXECUTORS", "executor_of", "run_executor"]
@@ -36,8 +48,10 @@ def run_executor(cfg: DictConfig, backend: Backend | None = None) -> dict[str, A
         from kimi_pipe.extraction.executors.submitit_executor import run_submitit
 
         return run_submitit(cfg)
-    from kimi_pipe.extraction.executors.worker import open_worker_backend
-
+    # A multi-node engine (extract.nnodes > 1) under SLURM: which node this job task is.
+    cfg = engine_node(cfg, os.environ)
+    if node_rank_of(cfg) > 0:
+        return serve_follower(cfg)
     own = backend is None
     engine = backend or open_worker_backend(cfg)
     try:

@@ -8,6 +8,13 @@ dead actor's unit is taken over by whoever claims it after its lease ends, resta
 
     python -m kimi_pipe extract extract.executor=ray extract.units.workers=4 \
         extract.ray.gpus_per_worker=8 extract.run_dir=runs/B5/x        # address: auto, or local
+
+A multi-node engine (`extract.nnodes` > 1) is one placement group of `nnodes` bundles (one
+per node: `cpus_per_worker` CPUs and `gpus_per_worker` GPUs, `node_strategy` STRICT_SPREAD):
+the actor on bundle 0 is rank 0's node and the unit worker; the actors on the other bundles
+serve their ranks (`worker.serve_follower`) and claim nothing. rank 0's address is its
+node's IP and a free port there. Such an engine is not restarted: a node lost ends it, and
+its unit is taken over by another engine after its lease.
 """
 
 from __future__ import annotations
@@ -25,10 +32,28 @@ from kimi_pipe.extraction.executors.worker import (
     open_worker_backend,
     run_summary,
     run_worker,
+    serve_follower,
 )
+from kimi_pipe.extraction.sglang.ranks import free_port
 from kimi_pipe.store.units import default_owner
 
 log = logging.getLogger("kimi_pipe.extract")
+
+# Ray's placement strategies; STRICT_SPREAD puts every node of an engine on its own machine.
+STRATEGIES = ("STRICT_SPREAD", "SPREAD", "PACK", "STRICT_PACK")
+PG_READY_S = 600.0  # an engine's nodes must all be placed within this
+
+
+def with_node(cfg: dict[str, Any], node_rank: int, addr: str) -> dict[str, Any]:
+    """The config of one node of a multi-node engine."""
+    return {**cfg, "extract": {**cfg["extract"], "node_rank": node_rank, "dist_init_addr": addr}}
+
+
+def node_address() -> tuple[str, int]:
+    """This node's IP and a free port on it: rank 0's dist_init_addr (run on bundle 0)."""
+    import ray  # optional dependency: the ray executor's
+
+    return ray.util.get_node_ip_address(), free_port()
 
 
 @dataclass(frozen=True)
@@ -40,6 +65,7 @@ class RaySettings:
     cpus_per_worker: float = 1.0
     gpus_per_worker: float = 0.0
     max_restarts: int = 3  # a dead actor's process is restarted this often, its call retried
+    node_strategy: str = "STRICT_SPREAD"  # a multi-node engine's bundles: one per node
 
     @classmethod
     def from_cfg(cls, cfg: DictConfig) -> RaySettings:
@@ -57,12 +83,23 @@ class RaySettings:
                 cpus_per_worker=float(raw.get("cpus_per_worker", 1.0)),
                 gpus_per_worker=float(raw.get("gpus_per_worker", 0.0)),
                 max_restarts=int(raw.get("max_restarts", 3)),
+                node_strategy=str(raw.get("node_strategy") or "STRICT_SPREAD"),
             )
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"extract.ray: {exc}") from None
         if out.cpus_per_worker < 0 or out.gpus_per_worker < 0 or out.max_restarts < 0:
             raise ConfigError("extract.ray: cpus_per_worker, gpus_per_worker, max_restarts >= 0")
+        if out.node_strategy not in STRATEGIES:
+            raise ConfigError(f"extract.ray.node_strategy must be one of {STRATEGIES}")
         return out
+
+    def engine_bundles(self, nnodes: int) -> list[dict[str, float]]:
+        """A multi-node engine's placement group: one bundle per node, each one node's share
+        of the engine (its tensor-parallel ranks' GPUs)."""
+        bundle = {"CPU": self.cpus_per_worker}
+        if self.gpus_per_worker:
+            bundle["GPU"] = self.gpus_per_worker
+        return [dict(bundle) for _ in range(nnodes)]
 
 
 class UnitActor:
@@ -85,6 +122,16 @@ class UnitActor:
             wait_for_held=wait_for_held,
             max_units=max_units,
         )
+
+
+class NodeActor:
+    """A Ray actor on one of the other nodes of a multi-node engine: serves its ranks."""
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        self.cfg = OmegaConf.create(cfg)
+
+    def serve(self) -> dict[str, Any]:
+        return serve_follower(self.cfg)  # type: ignore[arg-type]
 
 
 def _remote_actor(settings: RaySettings) -> Any:
@@ -119,8 +166,12 @@ class RayPool:
             self._owns_cluster = True
         self._container = OmegaConf.to_container(cfg, resolve=True)
         self._actor = _remote_actor(self.settings)
+        self.nnodes = int(OmegaConf.select(cfg, "extract.nnodes", default=1) or 1)
         self.actors: list[Any] = []
         self.calls: list[Any] = []
+        self.nodes: list[Any] = []  # actors of the other nodes of multi-node engines
+        self.node_calls: list[Any] = []
+        self.groups: list[Any] = []  # their placement groups
 
     def add(
         self,
@@ -135,13 +186,65 @@ class RayPool:
         claims a unit (a benchmark measures the extraction alone)."""
         import ray
 
-        new = [self._actor.remote(self._container, len(self.actors) + i) for i in range(n)]
+        if self.nnodes > 1:
+            new = [self._engine_over_nodes(len(self.actors) + i) for i in range(n)]
+        else:
+            new = [self._actor.remote(self._container, len(self.actors) + i) for i in range(n)]
         if ready_first:
             ray.get([actor.name.remote() for actor in new])
         for actor in new:
             self.actors.append(actor)
             self.calls.append(actor.run.remote(wait_for_held, max_units))
         return new
+
+    def _engine_over_nodes(self, index: int) -> Any:
+        """One engine over `nnodes` Ray nodes: its placement group, rank 0's address on
+        bundle 0, the unit worker there and the other nodes' actors. Returns the worker."""
+        import ray  # optional dependency: the ray executor's
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        group = placement_group(
+            self.settings.engine_bundles(self.nnodes), strategy=self.settings.node_strategy
+        )
+        self.groups.append(group)
+        ready, _ = ray.wait([group.ready()], timeout=PG_READY_S)
+        if not ready:
+            raise StoreError(
+                f"Ray could not place a {self.nnodes}-node engine in {PG_READY_S:.0f}s "
+                f"({self.settings.node_strategy}: {self.nnodes} nodes with "
+                f"{self.settings.engine_bundles(1)[0]} each)"
+            )
+
+        def on(bundle: int) -> Any:
+            return PlacementGroupSchedulingStrategy(
+                placement_group=group, placement_group_bundle_index=bundle
+            )
+
+        where = ray.remote(num_cpus=0)(node_address).options(scheduling_strategy=on(0))
+        host, port = ray.get(where.remote())
+        addr = f"{host}:{port}"
+        container: dict[str, Any] = {str(k): v for k, v in dict(self._container).items()}  # type: ignore[arg-type]
+        options = {
+            "num_cpus": self.settings.cpus_per_worker,
+            "num_gpus": self.settings.gpus_per_worker,
+            "max_restarts": 0,  # a restarted node could not rejoin its engine
+            "max_task_retries": 0,
+        }
+        node_actor: Any = ray.remote(NodeActor)
+        head = (
+            ray.remote(UnitActor)
+            .options(scheduling_strategy=on(0), **options)
+            .remote(with_node(container, 0, addr), index)
+        )
+        for k in range(1, self.nnodes):
+            node = node_actor.options(scheduling_strategy=on(k), **options).remote(
+                with_node(container, k, addr)
+            )
+            self.nodes.append(node)
+            self.node_calls.append(node.serve.remote())
+        log.info("engine %d over %d nodes, rank 0 at %s", index, self.nnodes, addr)
+        return head
 
     def wait(self) -> tuple[list[dict[str, Any]], list[str]]:
         """Every actor's summary, and the errors of those that died for good (their units
@@ -163,8 +266,13 @@ class RayPool:
     def close(self) -> None:
         import ray
 
-        for actor in self.actors:
+        for actor in self.actors + self.nodes:
             ray.kill(actor, no_restart=True)
+        if self.groups:
+            from ray.util.placement_group import remove_placement_group  # optional: ray
+
+            for group in self.groups:
+                remove_placement_group(group)
         if self._owns_cluster:
             ray.shutdown()
 

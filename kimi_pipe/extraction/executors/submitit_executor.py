@@ -7,6 +7,11 @@ job code. A job that dies (preempted, killed, out of time) loses its unit's leas
 job takes the unit over after `extract.units.lease_s`, or a later run of the same command
 finishes it. Units already committed are never redone, whatever the number of jobs.
 
+A multi-node engine (`extract.nnodes` > 1) is one job of `nnodes` nodes, one task each
+(`nodes=nnodes`, `tasks_per_node=1`; locally `tasks_per_node=nnodes` on this host):
+each task finds its node (`executors.nodes`), rank 0's node runs the unit loop, the others
+serve their ranks.
+
 The same worker runs under Hydra's submitit launcher as a job array (no driver process):
 
     python -m kimi_pipe extract -m hydra/launcher=submitit_slurm_extract \
@@ -16,7 +21,9 @@ The same worker runs under Hydra's submitit launcher as a job array (no driver p
 from __future__ import annotations
 
 import logging
+import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,11 +31,13 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from kimi_pipe.errors import ConfigError, StoreError
+from kimi_pipe.extraction.executors.nodes import engine_node, node_rank_of
 from kimi_pipe.extraction.executors.worker import (
     UnitSettings,
     open_worker_backend,
     run_summary,
     run_worker,
+    serve_follower,
 )
 from kimi_pipe.store.units import default_owner
 
@@ -70,10 +79,30 @@ class SubmititSettings:
         return cls(cluster, raw.get("folder"), timeout, dict(params))
 
 
+def task_env() -> Mapping[str, str]:
+    """Where this task sits in its job, as SLURM says it (`executors.nodes`). Under
+    `submitit.LocalExecutor` every task runs on this host: its submitit rank is the node."""
+    if "SLURM_JOB_NODELIST" in os.environ or "SLURM_NODELIST" in os.environ:
+        return os.environ
+    import submitit  # optional dependency: the submitit executor's
+
+    job = submitit.JobEnvironment()
+    return {
+        "SLURM_JOB_NODELIST": "127.0.0.1",
+        "SLURM_NODEID": str(job.global_rank),
+        "SLURM_JOB_ID": str(job.job_id).split("_")[0] if str(job.job_id)[:1].isdigit() else "0",
+    }
+
+
 def submitit_job(cfg: dict[str, Any], index: int) -> dict[str, Any]:
-    """What one job runs (pickled by submitit): open the engine, run the unit loop."""
+    """What one job runs (pickled by submitit): open the engine, run the unit loop. A job of
+    a multi-node engine runs this on each of its nodes; only rank 0's node is a worker."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     conf = OmegaConf.create(cfg)
+    if int(conf.extract.get("nnodes") or 1) > 1:
+        conf = engine_node(conf, task_env())  # type: ignore[arg-type]
+        if node_rank_of(conf) > 0:  # type: ignore[arg-type]
+            return serve_follower(conf)  # type: ignore[arg-type]
     backend = open_worker_backend(conf)  # type: ignore[arg-type]
     try:
         return run_worker(conf, backend, owner=f"job{index}-{default_owner()}")  # type: ignore[arg-type]
@@ -95,12 +124,18 @@ def executor_for(cfg: DictConfig) -> Any:
         folder = str(root / "submitit")
     Path(folder).mkdir(parents=True, exist_ok=True)
     executor: Any
+    params = dict(settings.parameters)
+    nnodes = int(cfg.extract.get("nnodes") or 1)
     if settings.cluster == "local":
         executor = submitit.LocalExecutor(folder=folder)
-        executor.update_parameters(timeout_min=settings.timeout_min, **settings.parameters)
+        if nnodes > 1:  # one task per "node", all of them on this machine
+            params["tasks_per_node"] = nnodes
+        executor.update_parameters(timeout_min=settings.timeout_min, **params)
     else:
         executor = submitit.AutoExecutor(folder=folder, cluster="slurm")
-        executor.update_parameters(timeout_min=settings.timeout_min, **settings.parameters)
+        if nnodes > 1:  # one job = one engine over nnodes nodes, one task on each
+            params.update(nodes=nnodes, tasks_per_node=1)
+        executor.update_parameters(timeout_min=settings.timeout_min, **params)
     return executor
 
 
@@ -117,7 +152,8 @@ def wait(jobs: list[Any]) -> tuple[list[dict[str, Any]], list[str]]:
     errors: list[str] = []
     for job in jobs:
         try:
-            done.append(job.result())
+            # Task 0 is the worker; a multi-node engine's other tasks served their ranks.
+            done.append(job.results()[0])
         except Exception as exc:  # noqa: BLE001 - a failed job is reported, its units taken over
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             log.warning("submitit job %s ended without finishing: %s", job.job_id, first)

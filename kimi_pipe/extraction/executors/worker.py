@@ -5,7 +5,8 @@ has its plan (the first worker writes it, the others check they were asked for t
 work), then claims, extracts and commits units through `store.units.run_units` until none
 is left. Nothing here knows how many workers there are or who started them: a Ray actor,
 a submitit job (a SLURM array task or `submitit.LocalExecutor`), or a plain process started
-by hand all run `run_worker`.
+by hand all run `run_worker`. In a multi-node engine only the node of rank 0 is a worker;
+the others run `serve_follower` (executors/nodes.py says which node a process is).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from kimi_pipe.errors import ConfigError
+from kimi_pipe.extraction.sglang.backend import serve_follower_node
 from kimi_pipe.extraction.sharding import (
     CaptureStats,
     IssueLog,
@@ -269,6 +271,19 @@ def run_worker(
         "resolve": work.resolution,
         "wall_s": round(time.monotonic() - started, 3),
         "cpu_s": round(time.process_time() - cpu_started, 3),
+    }
+
+
+def serve_follower(cfg: DictConfig) -> dict[str, Any]:
+    """A node of a multi-node engine other than rank 0's: it serves its tensor-parallel ranks
+    until rank 0's node closes the engine, claims no unit and writes nothing. Its summary
+    says so, with the store's status as it found it at the end."""
+    node = serve_follower_node(cfg)
+    settings = UnitSettings.from_cfg(cfg)
+    return {
+        "store": settings.url,
+        "status": settings.open().status(),
+        "follower_node": node,
     }
 
 

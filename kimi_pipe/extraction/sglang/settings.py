@@ -144,12 +144,7 @@ class EngineSettings:
         if max_total is None and device == "cpu":
             # One batch at a time lives in the pool: size it to the batch, not to host memory.
             max_total = ecfg.get("batch_tokens")
-        try:
-            nnodes = int(ecfg.get("nnodes") or 1)
-            node_rank = int(ecfg.get("node_rank") or 0)
-        except (TypeError, ValueError):
-            raise ConfigError("extract.nnodes and extract.node_rank must be integers") from None
-        addr = ecfg.get("dist_init_addr")
+        nnodes, node_rank, addr = _nodes_of(ecfg)
         return cls(
             model_path=str(Path(str(path)).expanduser()),
             device=device,
@@ -167,7 +162,7 @@ class EngineSettings:
             max_total_tokens=int(max_total) if max_total is not None else None,
             nnodes=nnodes,
             node_rank=node_rank,
-            dist_init_addr=str(addr) if addr else None,
+            dist_init_addr=addr,
             server_args=dict(OmegaConf.to_container(extra, resolve=True)) if extra else {},  # type: ignore[arg-type]
         )
 
@@ -203,6 +198,30 @@ class EngineSettings:
         # Free-form extras last: the user's word wins (e.g. attention_backend, quantization).
         kwargs.update(self.server_args)
         return kwargs
+
+
+def _nodes_of(ecfg: Any) -> tuple[int, int, str | None]:
+    """(nnodes, node_rank, dist_init_addr) from `extract.*`; `auto` is for the executors to
+    fill in (executors/nodes.py) and means nothing to a one-node engine."""
+    try:
+        nnodes = int(ecfg.get("nnodes") or 1)
+    except (TypeError, ValueError):
+        raise ConfigError("extract.nnodes must be an integer") from None
+    rank, addr = ecfg.get("node_rank"), ecfg.get("dist_init_addr")
+    if nnodes <= 1:
+        rank = 0 if rank in (None, "auto") else rank
+        addr = None if addr in (None, "auto") else addr
+    elif "auto" in (rank, addr) or rank is None:
+        raise ConfigError(
+            f"extract.nnodes={nnodes}: extract.node_rank and dist_init_addr are auto (or unset): "
+            "the executors fill them in (extract.executor=local or submitit under SLURM, or "
+            "ray); set both by hand otherwise (docs/distributed.md)"
+        )
+    try:
+        node_rank = int(rank)
+    except (TypeError, ValueError):
+        raise ConfigError(f"extract.node_rank must be an integer, not {rank!r}") from None
+    return nnodes, node_rank, str(addr) if addr else None
 
 
 def _base_gpu_id(cfg: DictConfig) -> int:
