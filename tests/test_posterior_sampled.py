@@ -187,6 +187,9 @@ def test_the_pass_changes_no_exact_record_and_no_default_training_row(tmp_path: 
     before_lines = {json.loads(line)["id"]: line for line in path.read_text().splitlines()}
     before_rows, _ = read_token_records(path)
     before_yield = token_yield(records)
+    untouched = path.read_bytes()
+    off = resolve_records(path, _NeverScores(), ResolveSettings(split_check=False))
+    assert POSTERIOR_SAMPLED not in off["counts"] and path.read_bytes() == untouched  # default
     summary = _pass(path)
     assert summary["counts"][POSTERIOR_SAMPLED] == 2
     after = _read(path)
@@ -294,3 +297,12 @@ def test_every_export_leaves_drawn_rows_out_unless_named(tmp_path: Path, fmt: st
     assert taken["policy"]["exported_by_evidence"][POSTERIOR_SAMPLED] == 2
     card = (tmp_path / "named" / "README.md").read_text()
     assert "**2 samples" in card and "DRAWN, not bought" in card
+
+
+def test_the_rung_is_off_unless_asked_for() -> None:
+    from kimi_pipe.config import compose
+
+    assert ResolveSettings.from_cfg(compose([])).posterior_sampled is False
+    on = ResolveSettings.from_cfg(compose(["resolve.posterior_sampled=true"]))
+    assert on.posterior_sampled is True and on.posterior_seed == 0
+    assert parse_accept(None) == DEFAULT_ACCEPT and POSTERIOR_SAMPLED not in parse_accept(None)
