@@ -7,11 +7,18 @@ Every record carries `evidence`, one rung of:
   prefix_proven    flagged, but every reading of its closed candidate set shares the ids up
                    to a first differing position: that prefix is proven and only it is used
                    (`prefix` says where and why it was cut; core/prefix.py)
+  posterior_sampled  NOT exact, opt-in (`resolve.posterior_sampled`): the target left the
+                   closed set unresolved and one option was DRAWN from its posterior under
+                   the request's sampling (`posterior_sample` says which, at what posterior,
+                   with which seed; core/posterior.py). Its ids are a sample of what the
+                   target would answer, not the ones bought; it keeps its issues.
   unresolved       flagged; `issues` says why
 `ok` keeps its meaning: `ok` is true exactly when the rung is engine_ids or text_proven (or
-target_resolved after extraction rewrote the record). Which rungs reach training files is a
-policy (`export.accept`, `extract.accept`), by default the three proven ones and the proven
-prefixes (a cut answer, as a `truncated` one is).
+target_resolved after extraction rewrote the record); never for posterior_sampled. Which
+rungs reach training files is a policy (`export.accept`, `extract.accept`), by default the
+three proven ones and the proven prefixes (a cut answer, as a `truncated` one is); a
+posterior_sampled record is taken whole only where the policy names it, and otherwise
+counts as its proven prefix where it has one (that part is exact) and is left out where not.
 Schema: LADDER section of docs/design.md.
 """
 
@@ -24,9 +31,19 @@ ENGINE_IDS = "engine_ids"
 TEXT_PROVEN = "text_proven"
 TARGET_RESOLVED = "target_resolved"
 PREFIX_PROVEN = "prefix_proven"
+POSTERIOR_SAMPLED = "posterior_sampled"
 UNRESOLVED = "unresolved"
-LADDER = (ENGINE_IDS, TEXT_PROVEN, TARGET_RESOLVED, PREFIX_PROVEN, UNRESOLVED)  # strongest first
-DEFAULT_ACCEPT: tuple[str, ...] = (ENGINE_IDS, TEXT_PROVEN, TARGET_RESOLVED, PREFIX_PROVEN)
+LADDER = (  # strongest first
+    ENGINE_IDS,
+    TEXT_PROVEN,
+    TARGET_RESOLVED,
+    PREFIX_PROVEN,
+    POSTERIOR_SAMPLED,
+    UNRESOLVED,
+)
+# The rungs whose ids are the ones bought (all or a proven prefix); never posterior_sampled.
+EXACT_RUNGS: tuple[str, ...] = (ENGINE_IDS, TEXT_PROVEN, TARGET_RESOLVED, PREFIX_PROVEN)
+DEFAULT_ACCEPT: tuple[str, ...] = EXACT_RUNGS
 
 # A note (not an error) that a rung keeps: the answer was cut by max_tokens, its ids proven.
 CUT_NOTE = "truncated"
@@ -80,7 +97,23 @@ def usable(record: Mapping[str, Any], accept: Iterable[str] = DEFAULT_ACCEPT) ->
         return False
     if NEVER_USABLE & set(record.get("issues") or ()):
         return False
-    return evidence_of(record) in set(accept)
+    rung = evidence_of(record)
+    if rung in set(accept):
+        return True
+    # A drawn record the policy does not take whole: its proven prefix, if any, is exact.
+    return rung == POSTERIOR_SAMPLED and PREFIX_PROVEN in set(accept) and has_prefix(record)
+
+
+def has_prefix(record: Mapping[str, Any]) -> bool:
+    """The record carries a proven prefix (core/prefix.py checks it against its readings)."""
+    prefix = record.get("prefix")
+    return isinstance(prefix, Mapping) and isinstance(prefix.get("prefix_tokens"), int)
+
+
+def taken_whole(record: Mapping[str, Any], accept: Iterable[str]) -> bool:
+    """Whether a usable record reaches training whole under `accept` (else: its prefix)."""
+    rung = evidence_of(record)
+    return rung != PREFIX_PROVEN and (rung != POSTERIOR_SAMPLED or rung in set(accept))
 
 
 def sampling_of(request: Any) -> dict[str, Any]:

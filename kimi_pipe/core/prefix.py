@@ -24,7 +24,16 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kimi_pipe.core.candidates import CLASS_OF_CODE
-from kimi_pipe.core.evidence import NEVER_USABLE, PREFIX_PROVEN, UNRESOLVED, evidence_of
+from kimi_pipe.core.evidence import (
+    DEFAULT_ACCEPT,
+    NEVER_USABLE,
+    POSTERIOR_SAMPLED,
+    PREFIX_PROVEN,
+    UNRESOLVED,
+    evidence_of,
+    has_prefix,
+    taken_whole,
+)
 from kimi_pipe.core.logprobs import LOGPROB_NOTES
 from kimi_pipe.core.reconstruction import NOTES
 from kimi_pipe.core.token_record import TokenRecord
@@ -142,7 +151,9 @@ def proven_prefix(record: Mapping[str, Any]) -> dict[str, Any] | None:
 def with_prefix(record: TokenRecord) -> TokenRecord:
     """The record with its rung between `prefix_proven` and `unresolved` decided again: a
     `prefix` where one is proven, none (and `unresolved`) where not. Records of other rungs
-    are returned as they are."""
+    are returned as they are (a posterior_sampled one keeps the prefix it was drawn with)."""
+    if record.get("evidence") == POSTERIOR_SAMPLED:
+        return record
     if record.get("ok") or record.get("evidence") not in (PREFIX_PROVEN, UNRESOLVED, None):
         record.pop("prefix", None)
         return record
@@ -156,12 +167,15 @@ def with_prefix(record: TokenRecord) -> TokenRecord:
     return record
 
 
-def training_ids(record: Mapping[str, Any]) -> tuple[list[int], list[int]]:
+def training_ids(
+    record: Mapping[str, Any], accept: Sequence[str] = DEFAULT_ACCEPT
+) -> tuple[list[int], list[int]]:
     """What reaches training from a record: (prompt + output ids, loss mask), cut at its
-    proven prefix when it is `prefix_proven` (checked again against its readings: a prefix
-    the readings do not share raises ValueError rather than reach a file)."""
+    proven prefix when it is `prefix_proven`, or `posterior_sampled` under a policy that does
+    not name that rung (checked again against its readings: a prefix the readings do not
+    share raises ValueError rather than reach a file)."""
     prompt = list(record.get("prompt_ids") or [])
-    if record.get("evidence") != PREFIX_PROVEN:
+    if taken_whole(record, accept):
         return prompt + list(record.get("output_ids") or []), list(record.get("loss_mask") or [])
     prefix = record.get("prefix") or {}
     k = prefix.get("prefix_tokens")
@@ -177,11 +191,14 @@ def training_ids(record: Mapping[str, Any]) -> tuple[list[int], list[int]]:
 
 def exact_output_tokens(record: Mapping[str, Any]) -> int:
     """Output ids of the record that are exact on its rung (the prefix of a prefix_proven
-    record, every output id of a proven one, none of an unresolved one)."""
+    record and of a posterior_sampled one that has one, every output id of a proven one,
+    none of an unresolved one: drawn ids are never exact)."""
     rung = evidence_of(record)
     if rung == UNRESOLVED or record.get("error") or NEVER_USABLE & set(record.get("issues") or ()):
         return 0
-    if rung == PREFIX_PROVEN:
+    if rung == POSTERIOR_SAMPLED and not has_prefix(record):
+        return 0
+    if rung in (PREFIX_PROVEN, POSTERIOR_SAMPLED):
         prefix = record.get("prefix") or {}
         k = prefix.get("prefix_tokens")
         return k if isinstance(k, int) else 0

@@ -57,9 +57,13 @@ class TokenRecord(TokenIds, total=False):
 
     id: Any  # the sample id (a string); null for a line that could not be read
     # The evidence ladder (core/evidence.py, core/candidates.py).
-    evidence: str  # engine_ids | text_proven | target_resolved | prefix_proven | unresolved
+    # engine_ids | text_proven | target_resolved | prefix_proven | posterior_sampled | unresolved
+    evidence: str
     # prefix_proven: {"prefix_tokens", "cut_by", "codes", "of_tokens", "rule"} (core/prefix.py)
     prefix: dict[str, Any]
+    # posterior_sampled (drawn, not bought): {"option", "posterior", "posteriors", "options",
+    # "seed", "rng_seed", "model", "rule"} (core/posterior.py)
+    posterior_sample: dict[str, Any]
     sampling: dict[str, Any] | None
     candidates: CandidateSet
     proven_against: ProvenAgainst  # a one-member closed set: what it was proven against

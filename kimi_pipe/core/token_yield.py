@@ -8,6 +8,9 @@ tokens; a proven prefix keeps most of them. Counted over answered records:
   exact        output ids exact on the record's rung (core/prefix.exact_output_tokens: a
                prefix_proven record counts its prefix only); `exact_by_rung` per rung
   accepted     exact tokens of records the accept policy lets reach training files
+  drawn        output ids that reach training files but were DRAWN, not bought (records
+               `posterior_sampled` under a policy that names that rung; their proven
+               prefix, if any, is counted as exact): never counted as exact
 Cost per exact token: the listed output price times the tokens bought, over the accepted
 exact tokens (what the listed price becomes per token that trains), and the whole spend
 (prompts and failed attempts too) over the same, where the spend is known.
@@ -18,7 +21,15 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from kimi_pipe.core.evidence import DEFAULT_ACCEPT, LADDER, UNRESOLVED, evidence_of, usable
+from kimi_pipe.core.evidence import (
+    DEFAULT_ACCEPT,
+    LADDER,
+    POSTERIOR_SAMPLED,
+    UNRESOLVED,
+    evidence_of,
+    taken_whole,
+    usable,
+)
 from kimi_pipe.core.prefix import exact_output_tokens
 
 
@@ -56,6 +67,7 @@ def token_yield(
     by_rung = dict.fromkeys(LADDER, 0)
     bought_by_rung = dict.fromkeys(LADDER, 0)
     accepted = 0
+    drawn = 0
     for record in [*latest.values(), *anonymous]:
         rung = evidence_of(record)
         paid = _bought(record)
@@ -66,6 +78,8 @@ def token_yield(
             by_rung[rung] += exact
         if usable(record, accept):
             accepted += exact
+            if rung == POSTERIOR_SAMPLED and taken_whole(record, accept):
+                drawn += len(record.get("output_ids") or []) - exact
     listed = price_out_per_token * bought if price_out_per_token is not None else None
     per_exact = listed / accepted if listed is not None and accepted else None
     return {
@@ -75,6 +89,7 @@ def token_yield(
         "exact_by_rung": by_rung,
         "exact_accepted": accepted,
         "exact_share": accepted / bought if bought else None,
+        "drawn_accepted": drawn,
         "listed_usd_per_output_token": price_out_per_token,
         "listed_usd_per_exact_token": per_exact,
         "spend_usd_per_exact_token": spend_usd / accepted if spend_usd and accepted else None,
@@ -91,6 +106,11 @@ def yield_line(block: Mapping[str, Any]) -> str:
         f"exact for training {block['exact_accepted']}"
         + (f" ({100 * share:.1f} %)" if share is not None else ""),
     ]
+    if block.get("drawn_accepted"):
+        parts.append(
+            f"DRAWN from the target's posterior, not bought ({POSTERIOR_SAMPLED}) "
+            f"{block['drawn_accepted']}"
+        )
     if listed is not None:
         parts.append(f"${listed * 1e6:.4g} per million exact tokens at the listed price")
     if spent is not None:

@@ -264,6 +264,7 @@ def export(
             per_store[si]["tokens"] += length  # type: ignore[operator]
             entry = {"index": row["i"], "store": store_name(stores[si]), "id": sid}
             entry["length"] = length
+            entry.update(policy.row_labels(si, sid))  # evidence; drawn rows say so
             if "file" in row:
                 entry["file"] = row["file"]
             index_file.write(json.dumps(entry) + "\n")
@@ -462,6 +463,14 @@ class ExportPolicy:
         self.tokens[rung] += total
         self.loss_tokens[rung] += loss
 
+    def row_labels(self, store: int, sample_id: str) -> dict[str, Any]:
+        """What an index row says of its sample: its rung, and `drawn` for ids drawn from
+        the target's posterior (posterior_sampled: not the ids bought, core/posterior.py)."""
+        from kimi_pipe.core.evidence import POSTERIOR_SAMPLED
+
+        rung = self.rung_of.get((store, sample_id), "no_record")
+        return {"evidence": rung, **({"drawn": True} if rung == POSTERIOR_SAMPLED else {})}
+
     def keep(self, store: int, sample_id: str) -> bool:
         rung = self.rung_of.get((store, sample_id), "no_record")
         ok = rung in self.accept or rung == "no_record"  # a store without records: as stored
@@ -480,7 +489,14 @@ class ExportPolicy:
 
 def accepted_samples(stores: Sequence[HiddenStore], accept: Sequence[str] | None) -> ExportPolicy:
     """The export policy over the stores' source records (last record of an id wins)."""
-    from kimi_pipe.core.evidence import NEVER_USABLE, PREFIX_PROVEN, evidence_of, parse_accept
+    from kimi_pipe.core.evidence import (
+        NEVER_USABLE,
+        POSTERIOR_SAMPLED,
+        PREFIX_PROVEN,
+        evidence_of,
+        has_prefix,
+        parse_accept,
+    )
     from kimi_pipe.exporters.prefix import cut_to_prefix
 
     rung_of: dict[tuple[int, str], str] = {}
@@ -497,6 +513,12 @@ def accepted_samples(stores: Sequence[HiddenStore], accept: Sequence[str] | None
                     rung = "never_usable" if never else evidence_of(rec)
                     if rung == PREFIX_PROVEN and not cut_to_prefix(store, sid, rec):
                         rung = "prefix_not_cut"  # stored whole: never past the prefix
+                    elif (
+                        rung == POSTERIOR_SAMPLED
+                        and has_prefix(rec)
+                        and cut_to_prefix(store, sid, rec)
+                    ):
+                        rung = PREFIX_PROVEN  # stored as its proven prefix only: exact
                     rung_of[(si, sid)] = rung
     return ExportPolicy(parse_accept(accept), rung_of)
 

@@ -102,6 +102,26 @@ def _policy_rows(policy: dict[str, Any] | None) -> list[str]:
     return rows
 
 
+def _drawn_lines(policy: dict[str, Any] | None) -> list[str]:
+    """A warning at the top of the card when some samples hold ids DRAWN from the target's
+    posterior (`posterior_sampled`, opt-in: resolve.posterior_sampled and export.accept)."""
+    from kimi_pipe.core.evidence import POSTERIOR_SAMPLED
+
+    n = (policy or {}).get("exported_by_evidence", {}).get(POSTERIOR_SAMPLED, 0)
+    if not n:
+        return []
+    tokens = (policy or {}).get("exported_tokens_by_evidence", {}).get(POSTERIOR_SAMPLED, 0)
+    return [
+        "",
+        f"**{n} samples ({tokens} tokens) hold ids DRAWN, not bought** (evidence "
+        f"`{POSTERIOR_SAMPLED}`, accepted because `export.accept` names it): the target left "
+        "their closed candidate set unresolved and one option was drawn from its posterior "
+        "under the request's sampling (seeded; the record's `posterior_sample` says which, at "
+        "what posterior). They are distributed as the target's answers, but none is the answer "
+        'that was bought. Their rows in `export_index.jsonl` carry `"drawn": true`.',
+    ]
+
+
 def _yield_lines(block: dict[str, Any] | None) -> list[str]:
     """A source run's yield in tokens and dollars (core/token_yield.py)."""
     if not block:
@@ -111,7 +131,8 @@ def _yield_lines(block: dict[str, Any] | None) -> list[str]:
     rungs = ", ".join(f"{r} {n}" for r, n in block["exact_by_rung"].items() if n)
     return [
         f"Yield under `{', '.join(block['accept'])}`: {yield_line(block)}. Exact output tokens "
-        f"per rung: {rungs or 'none'} (a `prefix_proven` answer counts its proven prefix only).",
+        f"per rung: {rungs or 'none'} (a `prefix_proven` answer counts its proven prefix only; "
+        "drawn ids are never exact).",
         "",
     ]
 
@@ -126,6 +147,7 @@ def dataset_card(summary: dict[str, Any], exporter: Exporter) -> str:
         f"# EAGLE-3 training data ({exporter.title})",
         "",
         f"Made by `python -m kimi_pipe export format={fmt}` (kimi_pipe).",
+        *_drawn_lines(summary.get("policy")),
         *exporter.card_layout(summary),
         "`export_index.jsonl` maps every sample to its source store and sample id.",
         "",

@@ -1,5 +1,7 @@
 """The records pass of target resolution: score every resolvable record of a run's
-records file, run the split check on the text-proven ones, and rewrite the file once.
+records file, run the split check on the text-proven ones, draw the opt-in posterior rung
+(`resolve.posterior_sampled`, core/posterior.py) last, and rewrite the file once, under
+the run directory's lock, through store/atomic.py (extraction/resolve.rewrite_records).
 
 It sits above both checks (extraction/resolve.py scores candidate sets,
 extraction/split_check.py searches other splits of the same text), so neither imports the
@@ -15,6 +17,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from kimi_pipe.core.evidence import POSTERIOR_SAMPLED
+from kimi_pipe.core.posterior import sample_posterior
 from kimi_pipe.core.token_record import TokenRecord
 from kimi_pipe.extraction.prefix_check import check_prefix, checkable_prefix
 from kimi_pipe.extraction.resolve import (
@@ -23,6 +27,8 @@ from kimi_pipe.extraction.resolve import (
     SuffixScorer,
     _digest,
     _line_id,
+    blocking_issues,
+    covered_issues,
     records_lock,
     resolvable,
     rewrite_records,
@@ -81,6 +87,8 @@ def resolve_records(
         counts[key] = counts.get(key, 0) + 1
         updates[sid] = (_digest(raw), new)
     split = _split_check_pass(latest, updates, scorer, settings, mine, vocab, counts)
+    if settings.posterior_sampled:
+        _posterior_pass(latest, updates, settings, mine, counts)
     scored_s = time.monotonic() - start
     written = 0
     if updates:
@@ -153,6 +161,30 @@ def _split_check_pass(
         "split_check_seconds": time.monotonic() - started,
         "split_check_tokens": tokens,
     }
+
+
+def _posterior_pass(
+    latest: Mapping[str, tuple[bytes, dict[str, Any]]],
+    updates: dict[str, tuple[str, TokenRecord]],
+    settings: ResolveSettings,
+    mine: Any,
+    counts: dict[str, int],
+) -> None:
+    """Draw one option for each record target resolution left unresolved, after the prefix
+    check: a record whose prefix the target withdrew (`prefix_split_ambiguous`) is not drawn
+    and keeps its issue; a drawn record keeps the prefix as it stood (checked or not)."""
+    for sid, (raw, rec) in latest.items():
+        if mine is not None and not mine(sid):
+            continue
+        current = updates[sid][1] if sid in updates else rec
+        cands = current.get("candidates")
+        covered = covered_issues(cands) if isinstance(cands, Mapping) else frozenset()
+        blocking = blocking_issues(current.get("issues") or [])
+        drawn = sample_posterior(current, settings.posterior_seed, blocking, covered)
+        if drawn is None:
+            continue
+        counts[POSTERIOR_SAMPLED] = counts.get(POSTERIOR_SAMPLED, 0) + 1
+        updates[sid] = (_digest(raw), drawn)
 
 
 def _split_outcome(record: Mapping[str, Any]) -> str:

@@ -25,13 +25,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import fcntl
 import hashlib
 import json
 import logging
 import math
 import os
-import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +41,7 @@ from kimi_pipe.core.evidence import TARGET_RESOLVED as TARGET_RESOLVED  # one ho
 from kimi_pipe.core.evidence import UNRESOLVED as UNRESOLVED
 from kimi_pipe.core.prefix import with_prefix
 from kimi_pipe.core.token_record import TokenRecord
-from kimi_pipe.errors import ConfigError, StoreError
+from kimi_pipe.errors import ConfigError
 from kimi_pipe.extraction.sampler import (  # noqa: F401  (re-exported: resolve's public names)
     GREEDY_SLACK,
     LOW_PRECISION_GREEDY_SLACK,
@@ -53,7 +51,9 @@ from kimi_pipe.extraction.sampler import (  # noqa: F401  (re-exported: resolve'
     sampled_logprobs,
     sampler_log_table,
 )
+from kimi_pipe.store.atomic import write_bytes
 from kimi_pipe.store.layout import LOCK
+from kimi_pipe.store.run_lock import run_dir_lock
 
 log = logging.getLogger("kimi_pipe.resolve")
 
@@ -209,6 +209,10 @@ class ResolveSettings:
     # are not the judge's); None: by the judge's compute dtype (`judge_dtype`, set by extract).
     nucleus_slack: float | None = None
     greedy_slack: float | None = None
+    # Opt-in: a record the target leaves unresolved gets one option DRAWN from its posterior
+    # (evidence posterior_sampled, never exact; core/posterior.py), seeded by this and its id.
+    posterior_sampled: bool = False
+    posterior_seed: int = 0
     judge_dtype: str = "float32"
 
     def __post_init__(self) -> None:
@@ -422,32 +426,16 @@ def _digest(raw: bytes) -> str:
 
 @contextlib.contextmanager
 def records_lock(records: Path, timeout_s: float) -> Iterator[None]:
-    """The run directory's lock (the one generate holds while it appends): a rewrite must not
-    race an appender, whose writes would go to the replaced file. Waits for other extract
-    shards (seconds); a generate still running makes it fail after `timeout_s`."""
-    path = records.parent / LOCK_FILE
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except OSError:
-                if time.monotonic() >= deadline:
-                    holder = os.pread(fd, 4096, 0).decode(errors="replace").strip()
-                    raise StoreError(
-                        f"{records}: its run directory is locked by another process "
-                        f"({holder or 'unknown'}) for over {timeout_s:.0f}s; target resolution "
-                        "rewrites the records and must wait for it (rerun extract after it ends)"
-                    ) from None
-                time.sleep(0.2)
-        try:
-            yield
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-    finally:
-        os.close(fd)
+    """The run directory's lock (store/run_lock.py; the one generate holds while it appends):
+    a rewrite must not race an appender, whose writes would go to the replaced file. Waits
+    for other extract shards (seconds); a generate still running makes it fail after
+    `timeout_s`."""
+    why = (
+        f"target resolution rewrites {records.name} and must wait for it (rerun extract "
+        "after it ends)"
+    )
+    with run_dir_lock(records.parent, timeout_s, why):
+        yield
 
 
 def rewrite_records(
@@ -455,8 +443,9 @@ def rewrite_records(
     updates: Mapping[str, tuple[str, TokenRecord]],
 ) -> int:
     """Replace the last line of each id in `updates` ({id: (digest of the line that was
-    scored, new record)}) and write the file anew: tmp + fsync + rename + fsync of the
-    directory. Every other byte is kept as it was (bad lines, a torn tail). A line that
+    scored, new record)}) and write the file anew through store/atomic.py (tmp + fsync +
+    rename + fsync of the directory; a link planted at the temporary name is refused).
+    Every other byte is kept as it was (bad lines, a torn tail). A line that
     changed since it was scored is left alone. Returns the number of lines replaced.
     Call under `records_lock`."""
     path = Path(records)
@@ -477,19 +466,11 @@ def rewrite_records(
         replaced += 1
     if not replaced:
         return 0
-    tmp = path.with_name(f".{path.name}.resolve-{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as fh:
-            fh.writelines(lines)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, path.stat().st_mode & 0o777)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # the rename itself survives a power cut
-    finally:
-        os.close(dir_fd)
+    # Whole, or not at all: tmp + fsync + rename + fsync of the directory (store/atomic.py).
+    write_bytes(
+        path,
+        b"".join(lines),
+        suffix=f".resolve-{os.getpid()}.tmp",
+        mode=path.stat().st_mode & 0o777,
+    )
     return replaced

@@ -54,10 +54,19 @@ def read_token_records(
 
     `accept`: the evidence rungs kept (core/evidence.py); None derives it from `only_ok`
     (true: the proven rungs and proven prefixes; false: every rung). A partial_character
-    record is never kept; a prefix_proven one is cut to its proven prefix (core/prefix.py).
+    record is never kept; a prefix_proven one is cut to its proven prefix (core/prefix.py); a
+    posterior_sampled one (drawn, not bought) is kept whole only where `accept` names it,
+    else cut to its proven prefix where it has one (counted: `drawn_posterior_sampled`).
     A later record with the same id replaces an earlier one (a retried sample).
     """
-    from kimi_pipe.core.evidence import DEFAULT_ACCEPT, LADDER, evidence_of, usable
+    from kimi_pipe.core.evidence import (
+        DEFAULT_ACCEPT,
+        LADDER,
+        POSTERIOR_SAMPLED,
+        evidence_of,
+        taken_whole,
+        usable,
+    )
     from kimi_pipe.core.prefix import training_ids
 
     rungs = tuple(accept) if accept else (DEFAULT_ACCEPT if only_ok else LADDER)
@@ -84,7 +93,8 @@ def read_token_records(
             log.warning("%s: record %r unusable (%s), skipped", path, rec.get("id"), problem)
             continue
         try:
-            ids, mask = training_ids(rec)  # a prefix_proven record: its proven prefix only
+            # a prefix_proven record: its proven prefix only; a drawn one as the policy says
+            ids, mask = training_ids(rec, rungs)
         except ValueError as exc:
             counts["skipped_prefix_not_proven"] += 1
             log.warning("%s: %s, skipped", path, exc)
@@ -94,6 +104,8 @@ def read_token_records(
             counts["tokens_dropped_by_prefix"] += (
                 len(rec["prompt_ids"]) + len(rec["output_ids"]) - len(ids)
             )
+        if evidence_of(rec) == POSTERIOR_SAMPLED and taken_whole(rec, rungs):
+            counts["drawn_posterior_sampled"] += 1  # ids drawn from the target, not bought
         sid = str(rec["id"])
         if sid in by_id:
             counts["replaced_duplicate_id"] += 1

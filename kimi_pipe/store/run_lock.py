@@ -7,9 +7,12 @@ dies (kill -9 included), so a crashed run never leaves a stale lock behind.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import socket
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from kimi_pipe.errors import StoreError
@@ -56,3 +59,33 @@ class RunLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+@contextlib.contextmanager
+def run_dir_lock(run_dir: str | Path, timeout_s: float, why: str) -> Iterator[None]:
+    """Hold the run directory's lock (the one `RunLock` takes and `generate` holds while it
+    appends), waiting up to `timeout_s` for another holder (another extract shard, seconds);
+    a holder that outlasts it (a generate still running) raises StoreError naming `why`, the
+    work that waits. Nothing is written into the lock file: its holder's line stays."""
+    path = Path(run_dir) / LOCK
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError:
+                if time.monotonic() >= deadline:
+                    holder = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+                    raise StoreError(
+                        f"{path.parent}: locked by another process ({holder or 'unknown'}) "
+                        f"for over {timeout_s:.0f}s; {why}"
+                    ) from None
+                time.sleep(0.2)
+        try:
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
