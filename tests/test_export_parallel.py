@@ -243,7 +243,8 @@ def test_workers_from_the_command_line(tmp_path: Path) -> None:
         cmd = [
             sys.executable,
             "-m",
-            "kimi_pipe.export",
+            "kimi_pipe",
+            "export",
             "format=tokens",
             f"++stores=[{store}]",
             f"output={out}",
