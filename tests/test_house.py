@@ -73,3 +73,103 @@ def test_no_import_circle_counting_imports_inside_functions() -> None:
         if name not in state:
             visit(name, [name])
     assert not circles, "import circles: " + " | ".join(circles)
+
+
+# --- one home per fact: issue codes and exit statuses -------------------------------------
+
+# Literals equal to a code, left where they are, with why (files other work restructures).
+CODE_SPELLINGS_ELSEWHERE = {
+    # error kinds of a failed attempt (providers/errors.py), spelled like the record code
+    ("kimi_pipe.providers.calls", "malformed_response"),
+    ("kimi_pipe.providers.calls", "no_usage"),  # a billing flag of the attempt
+    # generation/job.py and extraction/resolve.py are being split (issue 32's other parts)
+    ("kimi_pipe.generation.job", "cost_below_listed_price"),
+    ("kimi_pipe.extraction.resolve", "reasoning_tail_unverifiable"),
+    ("kimi_pipe.extraction.resolve", "leading_space_after_marker"),
+    ("kimi_pipe.extraction.resolve", "space_before_tool_section"),
+    ("kimi_pipe.extraction.resolve", "tool_arguments_edges_unverifiable"),
+}
+
+
+def all_codes() -> set[str]:
+    from kimi_pipe.core import issue_codes
+
+    codes: set[str] = set()
+    for name, value in vars(issue_codes).items():
+        if not name.isupper():
+            continue
+        if isinstance(value, str):
+            codes.add(value)
+        elif isinstance(value, frozenset | dict):
+            codes.update(value)
+    return codes
+
+
+def test_every_issue_code_is_spelled_only_in_issue_codes() -> None:
+    """A module-level constant, set or table holding a code's spelling outside
+    core/issue_codes.py is a second home for it (TARGET_UNRESOLVED was defined twice)."""
+    import ast
+
+    codes = all_codes()
+    assert {"target_resolved", "target_unresolved", "billing_mismatch", "split_ambiguous"} <= codes
+    found = []
+    for name, path in modules().items():
+        if name == "kimi_pipe.core.issue_codes":
+            continue
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if not isinstance(node, ast.Assign | ast.AnnAssign):
+                continue
+            for leaf in ast.walk(node):
+                if (
+                    isinstance(leaf, ast.Constant)
+                    and leaf.value in codes
+                    and (name, leaf.value) not in CODE_SPELLINGS_ELSEWHERE
+                ):
+                    found.append(f"{name}:{node.lineno} {leaf.value!r}")
+    assert not found, "codes defined outside core/issue_codes.py: " + "; ".join(found)
+
+
+def test_each_code_has_one_definition() -> None:
+    """The old names (`resolve.TARGET_UNRESOLVED`, `reconstruction.ERRORS`, ...) are the same
+    objects as issue_codes' (one definition, imported), not copies."""
+    from kimi_pipe.core import candidates, evidence, issue_codes, prefix, reconstruction
+    from kimi_pipe.extraction import split_check
+
+    assert evidence.TARGET_RESOLVED is issue_codes.TARGET_RESOLVED
+    assert prefix.TARGET_UNRESOLVED is issue_codes.TARGET_UNRESOLVED
+    assert reconstruction.ERRORS is issue_codes.RECONSTRUCTION_ERRORS
+    assert reconstruction.NOTES is issue_codes.RECONSTRUCTION_NOTES
+    assert candidates.CLASS_OF_CODE is issue_codes.CLASS_OF_CODE
+    assert split_check.SPLIT_AMBIGUOUS is issue_codes.SPLIT_AMBIGUOUS
+    # Errors and notes never share a code: a code either makes `ok` false or it does not.
+    errors = issue_codes.RECONSTRUCTION_ERRORS | issue_codes.LOGPROB_ERRORS
+    notes = issue_codes.RECONSTRUCTION_NOTES | issue_codes.LOGPROB_NOTES
+    assert not errors & notes
+
+
+def test_exit_statuses_live_in_errors() -> None:
+    """Every exit status is a name in kimi_pipe/errors.py, once: no other module defines an
+    EXIT_ constant or returns / exits with a bare number other than 0."""
+    import ast
+
+    from kimi_pipe import errors
+
+    statuses = {v for k, v in vars(errors).items() if k.startswith("EXIT_")}
+    assert len(statuses) == len([k for k in vars(errors) if k.startswith("EXIT_")])  # one name each
+    found = []
+    for name, path in modules().items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if name != "kimi_pipe.errors" and isinstance(node, ast.Assign):
+                for target in node.targets:
+                    if isinstance(target, ast.Name) and target.id.startswith("EXIT_"):
+                        found.append(f"{name}:{node.lineno} defines {target.id}")
+            if name.endswith((".main", "__main__")) or not isinstance(node, ast.FunctionDef):
+                continue
+            if node.name != "main" and not node.name.endswith("_task"):
+                continue
+            for leaf in ast.walk(node):
+                value = getattr(leaf, "value", None) if isinstance(leaf, ast.Return) else None
+                if isinstance(value, ast.Constant) and type(value.value) is int and value.value:
+                    found.append(f"{name}:{leaf.lineno} returns {value.value}")
+    assert not found, "exit statuses outside errors.py: " + "; ".join(found)

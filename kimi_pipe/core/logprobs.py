@@ -31,26 +31,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from kimi_pipe.core.issue_codes import LOGPROB_ERRORS
+from kimi_pipe.core.issue_codes import (
+    LOGPROB_NOTES as LOGPROB_NOTES,  # extraction/resolve.py's name
+)
 from kimi_pipe.core.models import Model
 from kimi_pipe.core.reconstruction import ERRORS, Reconstruction
 
-LOGPROB_ERRORS = frozenset(
-    {
-        "logprob_mismatch",  # covered text differs from the answer text
-        # Entries that are not tokens or do not fit the output: the answer was changed
-        # somewhere between the engine and us, so re-encoding its text proves nothing.
-        "logprobs_invalid",
-    }
-)
-LOGPROB_NOTES = frozenset(
-    {
-        "noncanonical_split",  # same text, other ids than re-encoding: the engine's kept
-        "logprobs_missing",  # logprobs were asked for and none came back
-        # The text differs from the engine's tokens only where stacks change it (whitespace
-        # beside markers, argument values coerced to schema types): the engine's ids kept.
-        "stack_changed_text",
-    }
-)
 RECORD_IDS = ("engine", "reencoded")
 CONTEXT_TOKENS = 3  # tokens of context either side of a reported difference
 

@@ -13,12 +13,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
-from kimi_pipe.core.candidates import SINGLE_CANDIDATE, Candidates, enumerate_candidates
+from kimi_pipe.core.candidates import Candidates, enumerate_candidates
 from kimi_pipe.core.evidence import UNRESOLVED, evidence_of, sampling_of
+from kimi_pipe.core.issue_codes import RECONSTRUCTION_ERRORS as ERRORS
+from kimi_pipe.core.issue_codes import SINGLE_CANDIDATE
 from kimi_pipe.core.logprobs import LogprobPolicy, apply_logprobs, record_fields
 from kimi_pipe.core.models import Model
 from kimi_pipe.core.prefix import with_prefix
-from kimi_pipe.core.reconstruction import ERRORS, Reconstruction, reconstruct
+from kimi_pipe.core.reconstruction import Reconstruction, reconstruct
 from kimi_pipe.core.serving import UNKNOWN_PROFILE, ServingProfile, admitted_stacks
 from kimi_pipe.core.token_record import TokenRecord
 

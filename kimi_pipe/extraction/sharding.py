@@ -43,7 +43,8 @@ from typing import Any, Protocol, TypeVar
 import torch
 from safetensors import safe_open
 
-from kimi_pipe.errors import ConfigError
+from kimi_pipe.core.issue_codes import BAD_CAPTURE, CAPTURE_OOM, NONFINITE_HIDDEN_STATE
+from kimi_pipe.errors import EXIT_FAILED, EXIT_USER_ERROR, ConfigError
 from kimi_pipe.extraction.token_samples import (
     apply_max_len,
     loss_mask_convention,
@@ -66,9 +67,7 @@ from kimi_pipe.store.hidden_store import (
 
 log = logging.getLogger(__name__)
 
-NONFINITE = "nonfinite_hidden_state"  # a captured state has NaN or inf: sample not written
-CAPTURE_OOM = "capture_oom"  # out of memory even alone in a batch: sample not written
-BAD_CAPTURE = "bad_capture"  # the engine returned states of the wrong shape for this sample
+NONFINITE = NONFINITE_HIDDEN_STATE  # skip reasons: core/issue_codes.py says what each means
 
 PARTS = "parts"
 PART_DONE = "part_done.json"
@@ -686,12 +685,12 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2:
         print("usage: python -m kimi_pipe.extraction.sharding STORE NUM_SHARDS", file=sys.stderr)
-        return 2
+        return EXIT_USER_ERROR
     store, n = args[0], int(args[1])
     _, missing = parts_status(store, n)
     if missing:
         print(f"shards {missing} of {n} have not finished; rerun them first", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
     with merge_lock(store):
         print(json.dumps(merge_parts(store, n)))
     return 0

@@ -34,7 +34,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from kimi_pipe.config import DATA_DIR
-from kimi_pipe.errors import KimiPipeError
+from kimi_pipe.errors import EXIT_FAILED, KimiPipeError
 from kimi_pipe.pipeline.runner import PipelineRun, print_run, raise_user_error, run_pipeline
 from kimi_pipe.store.layout import RECONSTRUCTED, RECORDS
 
@@ -178,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             run = run_demo_config(cfg)
         except DemoFailed as exc:  # not the user's mistake: the step's own failure
             print(f"\ndemo failed: {exc}", file=sys.stderr)
-            return 1
+            return EXIT_FAILED
         print_run(run, print_summary)  # what `python -m kimi_pipe run pipeline=demo` prints
         return 0
 

@@ -31,7 +31,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from kimi_pipe.errors import KimiPipeError, one_line
+from kimi_pipe.errors import EXIT_FAILED, KimiPipeError, one_line
 from kimi_pipe.pipeline.registry import resolve_stage
 from kimi_pipe.pipeline.stage import Stage, StageContext
 from kimi_pipe.store import atomic
@@ -339,7 +339,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         run = run_pipeline(cfg)
         print_run(run, hook)
         raise_user_error(run)
-        return 0 if run.ok else 1
+        return 0 if run.ok else EXIT_FAILED
 
     return compose_command(pipeline_task, overrides)
 

@@ -19,6 +19,12 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kimi_pipe.core.issue_codes import (
+    BILLED_ABOVE_RESERVATION,
+    BILLED_ERROR_BODY,
+    COST_BELOW_LISTED_PRICE,
+    TOOL_ARGUMENTS_NOT_STRING,
+)
 from kimi_pipe.core.reconstruction import LENGTH_REASONS
 from kimi_pipe.providers.costs import _count, _usage, response_cost
 from kimi_pipe.providers.credentials import scrub
@@ -318,10 +324,6 @@ def tool_arguments_not_strings(raw: Mapping[str, Any] | None) -> bool:
     return False
 
 
-TOOL_ARGUMENTS_NOT_STRING = "tool_arguments_not_string"
-BILLED_ERROR_BODY = "billed_error_body"
-
-
 async def attempt_once(
     settings: ProviderSettings,
     key: str,
@@ -438,9 +440,9 @@ BILLED_UNSEEN = frozenset(
 )
 # Billing flags after which the answer's own cost cannot be trusted.
 UNTRUSTED_COST = frozenset({"cost_invalid", "no_usage", "usage_invalid"})
-OVERBILLED = "billed_above_reservation"
+OVERBILLED = BILLED_ABOVE_RESERVATION
 # A stated cost below tokens x listed price: the floor is booked instead.
-BELOW_LISTED = "cost_below_listed_price"
+BELOW_LISTED = COST_BELOW_LISTED_PRICE
 # Relative slack before a stated cost counts as below the floor (float rounding of prices).
 FLOOR_SLACK = 1e-6
 

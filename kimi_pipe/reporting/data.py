@@ -19,6 +19,7 @@ import yaml
 from omegaconf import DictConfig
 
 from kimi_pipe.core.evidence import LADDER, evidence_of
+from kimi_pipe.core.issue_codes import COST_BELOW_LISTED_PRICE, NONCANONICAL_SPLIT
 from kimi_pipe.errors import MissingFile
 from kimi_pipe.store.layout import ATTEMPT_ERRORS as ATTEMPT_ERRORS_FILE
 from kimi_pipe.store.layout import PROBES_DIR, SERVING_AUTO_DIR, SUMMARY
@@ -26,7 +27,7 @@ from kimi_pipe.store.layout import RECORDS as RECORDS_FILE
 
 # Notes that prove a record exact rather than doubt it (core/logprobs.py).
 # Codes that are no fidelity fault: evidence of exact ids, or notes about money only.
-EXACTNESS_EVIDENCE = frozenset({"noncanonical_split", "cost_below_listed_price"})
+EXACTNESS_EVIDENCE = frozenset({NONCANONICAL_SPLIT, COST_BELOW_LISTED_PRICE})
 UNKNOWN = "unknown"
 
 

@@ -29,9 +29,10 @@ from omegaconf import DictConfig
 
 from kimi_pipe.conformance.auto import is_plain_auto, recorded_profile
 from kimi_pipe.core.evidence import LADDER, evidence_of
-from kimi_pipe.core.logprobs import LOGPROB_ERRORS, LogprobPolicy
+from kimi_pipe.core.issue_codes import BAD_SERVING_PROFILE, LOGPROB_ERRORS, MALFORMED_RECORD
+from kimi_pipe.core.issue_codes import RECONSTRUCTION_ERRORS as ERRORS
+from kimi_pipe.core.logprobs import LogprobPolicy
 from kimi_pipe.core.models import Model, load_model
-from kimi_pipe.core.reconstruction import ERRORS
 from kimi_pipe.core.record_builder import RecordBuilder
 from kimi_pipe.core.serving import UNKNOWN_PROFILE, ServingProfile, serving_profile
 from kimi_pipe.core.token_record import TokenRecord
@@ -39,10 +40,9 @@ from kimi_pipe.errors import ConfigError, InputError, MissingFile
 from kimi_pipe.store import atomic
 from kimi_pipe.store.layout import RECONSTRUCTED, RECORDS
 
-MALFORMED = "malformed_record"
-# Codes that make a record flagged: the reconstruction errors and the stage's own.
-# A stored record whose `serving_profile` names no conf/serving profile (serving=auto).
-BAD_SERVING_PROFILE = "bad_serving_profile"
+MALFORMED = MALFORMED_RECORD
+# Codes that make a record flagged: the reconstruction errors and the stage's own
+# (BAD_SERVING_PROFILE: a stored `serving_profile` naming no conf/serving profile).
 FLAG_CODES = ERRORS | LOGPROB_ERRORS | {MALFORMED, BAD_SERVING_PROFILE}
 UTF8_BOM = b"\xef\xbb\xbf"
 # A \uD800-\uDFFF escape: the only way a JSON line can carry a lone surrogate. Pairs (emoji
