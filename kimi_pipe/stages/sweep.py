@@ -35,9 +35,8 @@ from kimi_pipe.conformance.probe import battery_of, check_providers, with_overri
 from kimi_pipe.errors import EXIT_INTERRUPTED, ConfigError
 from kimi_pipe.generation.job import finish_status
 from kimi_pipe.generation.probes import probe_providers, run_generate
-from kimi_pipe.reporting.data import PROBES_DIR
 from kimi_pipe.reporting.report import build_report, policy_of
-from kimi_pipe.store.layout import RECORDS
+from kimi_pipe.store.layout import PROBES_DIR, RECORDS
 
 # Where the provider group keeps the pinned order and the fallback switch.
 ORDER_KEY = "provider.routing.order"
