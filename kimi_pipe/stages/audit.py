@@ -170,7 +170,7 @@ class HFGreedyTruth:
         if not (model_dir / "config.json").is_file():
             raise AuditError(
                 f"{model_dir} is not a model directory; set audit.model_path (for the demo "
-                "model run `python -m kimi_pipe.providers.local_model`)"
+                "model run `python -m kimi_pipe.store.local_model`)"
             )
         self.model_dir = model_dir
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))

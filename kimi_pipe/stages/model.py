@@ -13,27 +13,27 @@ from kimi_pipe.errors import ConfigError
 
 
 def _spec(cfg: DictConfig) -> Any:
-    from kimi_pipe.providers.local_model import LocalModelSpec
+    from kimi_pipe.store.local_model import LocalModelSpec
 
     node = OmegaConf.select(cfg, "model.local_model", default=None)
     return None if node is None else LocalModelSpec.from_cfg(node)
 
 
 def outputs(cfg: DictConfig, run_dir: Path) -> list[Path]:
-    from kimi_pipe.providers.local_model import converted_dir
+    from kimi_pipe.store.local_model import converted_dir
 
     spec = _spec(cfg)
     return [] if spec is None else [converted_dir(spec)]
 
 
 def is_complete(cfg: DictConfig, run_dir: Path) -> bool:
-    from kimi_pipe.providers.local_model import is_complete as converted
+    from kimi_pipe.store.local_model import is_complete as converted
 
     return all(converted(p) for p in outputs(cfg, run_dir))
 
 
 def run_stage(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:
-    from kimi_pipe.providers.local_model import ensure_local_model
+    from kimi_pipe.store.local_model import ensure_local_model
 
     spec = _spec(cfg)
     if spec is None:

@@ -171,7 +171,7 @@ def _say(log: Any, message: str) -> None:
 
 
 def main() -> None:
-    """`python -m kimi_pipe.providers.local_model`: convert the demo's local model."""
+    """`python -m kimi_pipe.store.local_model`: convert the demo's local model."""
     from omegaconf import OmegaConf
 
     conf = CONF_DIR / "model" / "smollm2.yaml"
