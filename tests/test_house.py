@@ -8,6 +8,9 @@ command-line helper, never another stage: what two stages share lives in an engi
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 from test_layout import imports_of, modules
 
 from kimi_pipe.pipeline.registry import STAGE_TABLE
@@ -173,3 +176,70 @@ def test_exit_statuses_live_in_errors() -> None:
                 if isinstance(value, ast.Constant) and type(value.value) is int and value.value:
                     found.append(f"{name}:{leaf.lineno} returns {value.value}")
     assert not found, "exit statuses outside errors.py: " + "; ".join(found)
+
+
+# --- one plug-in mechanism ------------------------------------------------------------------
+
+
+def test_every_plugin_entry_resolves() -> None:
+    """Every registered stage, exporter, backend and account resolves through the one
+    resolver (kimi_pipe/plugins.py) to code of the right shape."""
+    import inspect
+
+    from omegaconf import OmegaConf
+
+    from kimi_pipe.config import CONF_DIR
+    from kimi_pipe.exporters.base import Exporter
+    from kimi_pipe.plugins import ACCOUNTS, BACKENDS, load_target
+
+    for entry in STAGE_TABLE:
+        module = load_target(entry.module, kind="stage")
+        assert callable(module.main), entry.name
+        if entry.in_pipelines:
+            assert callable(module.run_stage), entry.name
+    formats = sorted((CONF_DIR / "export").glob("*.yaml"))
+    assert len(formats) >= 4
+    for path in formats:
+        target = OmegaConf.load(path).exporter
+        cls = load_target(target, kind="exporter", within="kimi_pipe.exporters")
+        assert inspect.isclass(cls) and issubclass(cls, Exporter), path.name
+    for name, target in BACKENDS.items():
+        open_backend = load_target(target, kind="backend")
+        assert callable(open_backend) and "cfg" in inspect.signature(open_backend).parameters, name
+    for path in sorted((CONF_DIR / "extract").glob("*.yaml")):
+        backend = OmegaConf.load(path).get("backend")
+        assert backend is None or backend in BACKENDS, path.name
+    for name, target in ACCOUNTS.items():
+        cls = load_target(target, kind="account")
+        assert inspect.isclass(cls) and callable(cls.listed_prices), name
+    for path in sorted((CONF_DIR / "provider").glob("*.yaml")):
+        account = OmegaConf.load(path).get("account")
+        assert account is None or account in ACCOUNTS, path.name
+
+
+def test_the_resolver_reads_both_spellings_and_names_what_is_wrong(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kimi_pipe.errors import ConfigError
+    from kimi_pipe.plugins import BACKENDS, load_target, resolve_plugin
+    from kimi_pipe.stages import command
+
+    assert load_target("kimi_pipe.stages.command:report") is command.report
+    assert load_target("kimi_pipe.stages.command.report") is command.report  # Hydra's _target_
+    assert load_target("kimi_pipe.stages.command") is command
+    with pytest.raises(ConfigError, match="backend 'kimi_pipe.nowhere:x': no module"):
+        load_target("kimi_pipe.nowhere:x", kind="backend")
+    with pytest.raises(ConfigError, match="has no 'nothing'"):
+        load_target("kimi_pipe.stages.command:nothing")
+    with pytest.raises(ConfigError, match="is not in kimi_pipe.exporters"):
+        load_target("os:system", kind="exporter", within="kimi_pipe.exporters")
+    with pytest.raises(
+        ConfigError, match=r"unknown extract.backend 'vllm': one of \['hf', 'sglang'\]"
+    ):
+        resolve_plugin("extract.backend", "vllm", BACKENDS)
+    # A dependency the named module lacks is not the entry's fault: it propagates as itself
+    # (the `kimi-pipe` command turns it into "install the extra").
+    (tmp_path / "plugin_with_missing_dep.py").write_text("import no_such_dependency_xyz\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ModuleNotFoundError, match="no_such_dependency_xyz"):
+        load_target("plugin_with_missing_dep:open_backend", kind="backend")

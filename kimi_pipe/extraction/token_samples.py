@@ -7,7 +7,6 @@ the module `kimi_pipe.extraction.<backend>_backend` (chosen by `extract.backend`
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 from collections import Counter
@@ -21,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from kimi_pipe.core.token_record import record_problem
 from kimi_pipe.errors import ConfigError, MissingFile
+from kimi_pipe.plugins import BACKENDS, resolve_plugin
 from kimi_pipe.store.layout import RECORDS as RECORDS_FILE
 from kimi_pipe.store.records import ReadStats, iter_records
 
@@ -177,13 +177,7 @@ def loss_mask_convention(cfg: DictConfig) -> str:
 
 
 def load_backend(cfg: DictConfig) -> Backend:
-    name = str(cfg.extract.backend)
-    try:
-        module = importlib.import_module(f"kimi_pipe.extraction.{name}_backend")
-    except ModuleNotFoundError as exc:
-        if exc.name != f"kimi_pipe.extraction.{name}_backend":
-            raise
-        raise ConfigError(
-            f"unknown extract.backend {name!r} (no module kimi_pipe.extraction.{name}_backend)"
-        ) from None
-    return module.open_backend(cfg)
+    """`extract.backend`: a name in kimi_pipe/plugins.py's BACKENDS, or `package.module:attr`
+    of a function open_backend(cfg) of your own."""
+    open_backend = resolve_plugin("extract.backend", str(cfg.extract.backend), BACKENDS)
+    return open_backend(cfg)  # type: ignore[no-any-return]
