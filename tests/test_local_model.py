@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from kimi_pipe.providers import local_model
+from kimi_pipe.store import local_model
 from kimi_pipe.store.local_model import LocalModelSpec, ensure_local_model, find_gguf
 from kimi_pipe.providers.local_server import ServerError, ServerSettings, serve_local
 
