@@ -27,9 +27,12 @@ only the content after the think-end marker), and compares texts there:
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
+
+from omegaconf import OmegaConf
 
 from kimi_pipe.core.issue_codes import LOGPROB_ERRORS
 from kimi_pipe.core.issue_codes import (
@@ -439,7 +442,6 @@ def _stack_trims(
 def _coerced_json(engine_text: bytes, output_text: bytes) -> bool:
     """Both pieces are JSON objects and the output's values are the engine's as a stack that
     coerces to schema types leaves them: a string became the number or boolean it spells."""
-    import json
 
     try:
         engine_value = json.loads(engine_text)
@@ -532,7 +534,6 @@ def record_fields(rec: Reconstruction) -> dict[str, Any]:
 
 def policy_from_config(cfg: Any) -> LogprobPolicy:
     """From the composed config: `provider.logprobs` (asked for) and `validation`."""
-    from omegaconf import OmegaConf
 
     return LogprobPolicy(
         record_ids=str(OmegaConf.select(cfg, "validation.record_ids", default="engine")),

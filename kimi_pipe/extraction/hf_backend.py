@@ -27,6 +27,7 @@ from kimi_pipe.extraction.layers import resolve_output_ids
 from kimi_pipe.extraction.resolve import HFSuffixScorer
 from kimi_pipe.store.conventions import POST_NORM, PRE_NORM, final_norm_spec, rms_norm
 from kimi_pipe.store.hidden_store import torch_dtype
+from kimi_pipe.store.local_model import LocalModelSpec, ensure_local_model
 
 
 def resolve_model_path(cfg: DictConfig) -> Path:
@@ -37,8 +38,6 @@ def resolve_model_path(cfg: DictConfig) -> Path:
         path = OmegaConf.select(cfg, "model.hf_weights", default=None)
         local = OmegaConf.select(cfg, "model.local_model", default=None)
         if local is not None and (path is None or not (Path(path) / "config.json").exists()):
-            from kimi_pipe.store.local_model import LocalModelSpec, ensure_local_model
-
             spec = LocalModelSpec.from_cfg(OmegaConf.to_container(local, resolve=True))  # type: ignore[arg-type]
             path = ensure_local_model(spec)  # converts once, then cached
     if path is None:

@@ -41,10 +41,15 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import torch
+from omegaconf import OmegaConf
 from safetensors import safe_open
 
 from kimi_pipe.core.issue_codes import BAD_CAPTURE, CAPTURE_OOM, NONFINITE_HIDDEN_STATE
+from kimi_pipe.core.models import load_model
 from kimi_pipe.errors import EXIT_FAILED, EXIT_USER_ERROR, ConfigError
+from kimi_pipe.extraction.records_pass import resolve_records
+from kimi_pipe.extraction.resolve import ResolveSettings
+from kimi_pipe.extraction.split_check import LazyVocabulary
 from kimi_pipe.extraction.token_samples import (
     apply_max_len,
     loss_mask_convention,
@@ -540,8 +545,6 @@ def resolve_for_shard(
 ) -> dict[str, Any]:
     """Target resolution (`extraction.resolve`) of this work shard's records, when the config
     enables it and the backend can score (`backend.suffix_scorer()`)."""
-    from kimi_pipe.extraction.records_pass import resolve_records
-    from kimi_pipe.extraction.resolve import ResolveSettings
 
     settings = ResolveSettings.from_cfg(cfg)
     if not settings.enabled:
@@ -562,10 +565,6 @@ def resolve_for_shard(
 def _split_vocabulary(cfg: Any) -> Any:
     """The records' tokenizer as the split check sees it (None: no model config here),
     loaded only when a record is checked (benchmarks/bench_extract.py: seconds per stage run)."""
-    from omegaconf import OmegaConf
-
-    from kimi_pipe.core.models import load_model
-    from kimi_pipe.extraction.split_check import LazyVocabulary
 
     node = OmegaConf.select(cfg, "model", default=None)
     if node is None:
@@ -581,7 +580,6 @@ def run_sharded(cfg: Any, backend: Any) -> dict[str, Any]:
     attributes: `packed` (True: a batch costs the sum of its lengths, no padding),
     `max_batch_tokens` / `max_batch_samples` (engine limits that cap the budget).
     """
-    from omegaconf import OmegaConf
 
     ecfg = cfg.extract
     shard = int(OmegaConf.select(cfg, "extract.shard", default=0) or 0)

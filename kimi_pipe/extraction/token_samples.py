@@ -18,6 +18,8 @@ from typing import Any, Protocol
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from kimi_pipe.core.evidence import DEFAULT_ACCEPT, LADDER, evidence_of, usable
+from kimi_pipe.core.prefix import training_ids
 from kimi_pipe.core.token_record import record_problem
 from kimi_pipe.errors import ConfigError, MissingFile
 from kimi_pipe.plugins import BACKENDS, resolve_plugin
@@ -57,8 +59,6 @@ def read_token_records(
     record is never kept; a prefix_proven one is cut to its proven prefix (core/prefix.py).
     A later record with the same id replaces an earlier one (a retried sample).
     """
-    from kimi_pipe.core.evidence import DEFAULT_ACCEPT, LADDER, evidence_of, usable
-    from kimi_pipe.core.prefix import training_ids
 
     rungs = tuple(accept) if accept else (DEFAULT_ACCEPT if only_ok else LADDER)
     path = Path(path)

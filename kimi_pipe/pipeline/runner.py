@@ -31,9 +31,12 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from kimi_pipe.config import CONF_DIR
 from kimi_pipe.errors import EXIT_FAILED, KimiPipeError, one_line
+from kimi_pipe.generation.job import _refuse_keys_on_the_command_line as refuse
 from kimi_pipe.pipeline.registry import resolve_stage
 from kimi_pipe.pipeline.stage import Stage, StageContext
+from kimi_pipe.stages.command import compose_command
 from kimi_pipe.store import atomic
 from kimi_pipe.store.run_lock import RunDirLocked, RunLock
 
@@ -318,13 +321,11 @@ def _summary_hook(cfg: DictConfig) -> Any:
 
 
 def _refuse_keys_on_the_command_line(argv: Sequence[str]) -> None:
-    from kimi_pipe.generation.job import _refuse_keys_on_the_command_line as refuse
 
     refuse(list(argv))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from kimi_pipe.stages.command import compose_command
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     overrides = list(sys.argv[1:] if argv is None else argv)
@@ -365,6 +366,5 @@ def print_run(run: PipelineRun, hook: Any = None) -> None:
 
 
 def available_pipelines() -> list[str]:
-    from kimi_pipe.config import CONF_DIR
 
     return sorted(p.stem for p in (CONF_DIR / "pipeline").glob("*.yaml"))

@@ -41,7 +41,7 @@ def get_litellm() -> Any:
     global _litellm
     if _litellm is None:
         os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-        import litellm
+        import litellm  # optional dep
 
         litellm.suppress_debug_info = True  # no "Give Feedback" banners on every error
         litellm.telemetry = False
@@ -229,8 +229,8 @@ def http_client_for(settings: ProviderSettings) -> Any:
     if not settings.model.startswith("openrouter/"):
         return None
     get_litellm()  # first: its import settings (no price-map download)
-    import httpx
-    from litellm.llms.custom_httpx.http_handler import AsyncHTTPHandler
+    import httpx  # optional dep
+    from litellm.llms.custom_httpx.http_handler import AsyncHTTPHandler  # optional dep
 
     limit = None if settings.max_response_mb is None else int(settings.max_response_mb * (1 << 20))
 
@@ -239,7 +239,7 @@ def http_client_for(settings: ProviderSettings) -> Any:
         to httpx.ConnectError too; only a failure to connect is one."""
         cause = exc.__cause__ or exc.__context__
         try:
-            import aiohttp
+            import aiohttp  # optional dep
         except ImportError:
             return False
         if cause is None or isinstance(cause, aiohttp.ClientConnectorError):

@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 
 from kimi_pipe.errors import ConfigError, ProviderError
+from kimi_pipe.store.local_model import LocalModelSpec, ensure_local_model
 
 # The child must never reach the network: no Hub look-ups, no PyPI update check.
 OFFLINE_ENV = {
@@ -201,7 +202,6 @@ def provider_endpoint(cfg: Any, run_dir: Path) -> Iterator[dict[str, Any]]:
     if not server_cfg:
         yield {"model": provider.get("model"), "api_base": provider.get("api_base")}
         return
-    from kimi_pipe.store.local_model import LocalModelSpec, ensure_local_model
 
     local = cfg.model.get("local_model")
     if not local:

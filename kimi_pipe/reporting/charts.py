@@ -17,10 +17,10 @@ from kimi_pipe.reporting.stats import RunStats
 def write_charts(stats: list[RunStats], out_dir: Path, ignored: Iterable[str] = ()) -> list[Path]:
     """One PNG per measure; each has a title, axis units and labelled bars. Providers the
     recommendation ignores are marked in every chart's axis labels."""
-    import matplotlib
+    import matplotlib  # optional dep
 
     matplotlib.use("Agg")  # files only; never needs a display
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional dep
 
     skip = set(ignored)
     names = [s.provider + ("\n(ignored)" if s.provider in skip else "") for s in stats]

@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from kimi_pipe.config import comma_lists, node_settings
 from kimi_pipe.core.evidence import LADDER
 from kimi_pipe.core.token_yield import yield_line
 from kimi_pipe.reporting.charts import write_charts
@@ -42,7 +43,6 @@ class ReportSettings(Policy):
 
 
 def settings_of(cfg: Any) -> ReportSettings:
-    from kimi_pipe.config import comma_lists, node_settings
 
     return node_settings(cfg, "report", ReportSettings, fix=comma_lists("ignore_quantizations"))
 

@@ -38,6 +38,7 @@ from kimi_pipe.generation.job import (
 from kimi_pipe.generation.probes import generate, run_generate
 from kimi_pipe.stages.command import hydra_command, report
 from kimi_pipe.store.layout import RECORDS, SUMMARY
+from kimi_pipe.store.prompt_datasets import load_prompts
 
 
 def outputs(cfg: DictConfig, run_dir: Path) -> list[Path]:
@@ -46,7 +47,6 @@ def outputs(cfg: DictConfig, run_dir: Path) -> list[Path]:
 
 def is_complete(cfg: DictConfig, run_dir: Path) -> bool:
     """Every prompt of the dataset has a record (a run stopped by its budget is not)."""
-    from kimi_pipe.store.prompt_datasets import load_prompts
 
     if not all(p.exists() for p in outputs(cfg, run_dir)):
         return False

@@ -37,8 +37,10 @@ from kimi_pipe.core.record_builder import RecordBuilder
 from kimi_pipe.core.serving import UNKNOWN_PROFILE, ServingProfile, serving_profile
 from kimi_pipe.core.token_record import TokenRecord
 from kimi_pipe.errors import ConfigError, InputError, MissingFile
+from kimi_pipe.stages.command import compose_command
 from kimi_pipe.store import atomic
 from kimi_pipe.store.layout import RECONSTRUCTED, RECORDS
+from kimi_pipe.store.records import iter_records
 
 MALFORMED = MALFORMED_RECORD
 # Codes that make a record flagged: the reconstruction errors and the stage's own
@@ -297,7 +299,6 @@ def run_stage(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:
 
 def compare_with_generate(source: Path, target: Path) -> dict[str, int]:
     """How many reconstructed records carry the very ids generate wrote inline."""
-    from kimi_pipe.store.records import iter_records
 
     inline = {r["id"]: r for r in iter_records(source) if not r.get("error")}
     keys = ("prompt_ids", "output_ids", "loss_mask")
@@ -314,7 +315,6 @@ def compare_with_generate(source: Path, target: Path) -> dict[str, int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from kimi_pipe.stages.command import compose_command
 
     return compose_command(run_stage, argv, usage=__doc__)
 
