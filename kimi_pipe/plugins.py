@@ -59,6 +59,9 @@ def load_target(target: str, *, kind: str = "plug-in", within: str | None = None
     if not isinstance(target, str) or not target.strip():
         raise ConfigError(f"{kind}: expected a target `package.module:attr`, got {target!r}")
     module_name, attr = split_target(target.strip())
+    if within is not None and not (module_name + ".").startswith(within.rstrip(".") + "."):
+        # Checked before anything is imported: importing a module runs its code.
+        raise ConfigError(f"{kind} {target!r} is not in {within} (only its own code is loaded)")
     if attr is None:
         loaded = _import(module_name, kind, target, quiet=True)
         if loaded is not None:
@@ -66,8 +69,6 @@ def load_target(target: str, *, kind: str = "plug-in", within: str | None = None
         module_name, _, attr = module_name.rpartition(".")  # Hydra's `_target_` spelling
         if not module_name:
             raise ConfigError(f"{kind} {target!r}: no module {target!r}")
-    if within is not None and not (module_name + ".").startswith(within.rstrip(".") + "."):
-        raise ConfigError(f"{kind} {target!r} is not in {within} (only its own code is loaded)")
     module = _import(module_name, kind, target, quiet=False)
     assert module is not None
     try:

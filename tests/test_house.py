@@ -233,6 +233,8 @@ def test_the_resolver_reads_both_spellings_and_names_what_is_wrong(
         load_target("kimi_pipe.stages.command:nothing")
     with pytest.raises(ConfigError, match="is not in kimi_pipe.exporters"):
         load_target("os:system", kind="exporter", within="kimi_pipe.exporters")
+    with pytest.raises(ConfigError, match="is not in kimi_pipe.exporters"):
+        load_target("os.path", kind="exporter", within="kimi_pipe.exporters")  # not imported
     with pytest.raises(
         ConfigError, match=r"unknown extract.backend 'vllm': one of \['hf', 'sglang'\]"
     ):
