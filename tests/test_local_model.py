@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
+from kimi_pipe.providers.local_server import ServerError, ServerSettings, serve_local
 from kimi_pipe.store import local_model
 from kimi_pipe.store.local_model import LocalModelSpec, ensure_local_model, find_gguf
-from kimi_pipe.providers.local_server import ServerError, ServerSettings, serve_local
 
 REPO = Path(__file__).resolve().parent.parent
 SMOLLM2_CONF = REPO / "conf" / "model" / "smollm2.yaml"
