@@ -173,7 +173,7 @@ def main() -> int:
     import ray
     from omegaconf import OmegaConf
 
-    from kimi_pipe.providers.local_model import LocalModelSpec, ensure_local_model
+    from kimi_pipe.store.local_model import LocalModelSpec, ensure_local_model
 
     os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")

@@ -13,8 +13,9 @@ import importlib.util
 import sys
 from collections.abc import Sequence
 
-from kimi_pipe.errors import EXIT_USER_ERROR, one_line
+from kimi_pipe.errors import EXIT_USER_ERROR, ConfigError, one_line
 from kimi_pipe.pipeline.registry import ENTRIES, StageEntry
+from kimi_pipe.plugins import load_target
 
 # The stage table is the registry's (kimi_pipe/pipeline/registry.py): one place for both.
 
@@ -75,9 +76,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if absent:
         return _missing_dependency(name, stage, absent[0])
     try:
-        module = importlib.import_module(stage.module)
+        module = load_target(stage.module, kind="stage")  # the one plug-in resolver
     except ModuleNotFoundError as exc:
         return _missing_dependency(name, stage, exc.name or str(exc))
+    except ConfigError as exc:  # the entry names no module of this install
+        print(f"error: stage {name!r} is not in this kimi_pipe version ({exc})", file=sys.stderr)
+        return EXIT_USER_ERROR
     # Stages read sys.argv themselves (Hydra's @hydra.main does), as under `python -m`.
     saved_argv, sys.argv = sys.argv, [f"kimi-pipe {name}", *rest]
     try:

@@ -15,7 +15,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from kimi_pipe.errors import ConfigError
 
@@ -69,8 +72,6 @@ OmegaConf.register_new_resolver("kimi_pipe_digest", purchase_digest, replace=Tru
 
 
 def compose(overrides: Sequence[str]) -> DictConfig:
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
 
     with initialize_config_dir(config_dir=str(require_conf_dir()), version_base="1.3"):
         return hydra_compose(config_name="config", overrides=list(overrides))
@@ -89,7 +90,6 @@ def typed_settings(
     checked the way Hydra's structured configs check a node: a value of the wrong type, an
     unknown key or a missing mandatory value is a ConfigError naming `key.field`. `fix` may
     rewrite the values first (a comma-separated string into a list, say)."""
-    from omegaconf.errors import OmegaConfBaseException
 
     if values is not None and not isinstance(values, dict):
         raise ConfigError(f"{key} must be a mapping of settings, not {values!r}")
@@ -107,7 +107,6 @@ def node_settings(
     cfg: Any, key: str, schema: type[Settings], fix: Callable[[dict[str, Any]], None] | None = None
 ) -> Settings:
     """The composed config's node `key` (interpolations resolved) as `typed_settings`."""
-    from omegaconf.errors import OmegaConfBaseException
 
     try:
         node = OmegaConf.select(cfg, key, default=None, throw_on_missing=True)

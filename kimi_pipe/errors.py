@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from typing import ParamSpec, TypeVar
 
 # Every exit status the package's commands return, in one place (0: done).
+EXIT_FAILED = 1  # the work itself failed (a pipeline stage, unfinished shards): not the user's
 EXIT_USER_ERROR = 2  # a mistake in the config, the input or the command line
 EXIT_STOPPED = 3  # generate: the provider or the budget stopped the run (resume to go on)
 EXIT_ALL_FAILED = 4  # generate: every request failed
@@ -24,6 +25,7 @@ EXIT_INTERRUPTED = 130  # Ctrl-C: finished work is on disk
 
 __all__ = [
     "EXIT_ALL_FAILED",
+    "EXIT_FAILED",
     "EXIT_INTERRUPTED",
     "EXIT_STOPPED",
     "EXIT_USER_ERROR",

@@ -63,8 +63,8 @@ class Progress:
         self._redirect: Any = None
 
     def _draw(self, snap: Snapshot, elapsed_s: float) -> None:
-        from tqdm import tqdm
-        from tqdm.contrib.logging import logging_redirect_tqdm
+        from tqdm import tqdm  # optional dep
+        from tqdm.contrib.logging import logging_redirect_tqdm  # optional dep
 
         if self._bar is None:  # made at the first update: it draws once, with its fields
             self._bar = tqdm(

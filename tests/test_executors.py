@@ -166,7 +166,7 @@ def check_in_flight(
 def smollm2_dir() -> Path:
     from omegaconf import OmegaConf
 
-    from kimi_pipe.providers.local_model import LocalModelSpec, ensure_local_model
+    from kimi_pipe.store.local_model import LocalModelSpec, ensure_local_model
 
     spec = LocalModelSpec.from_cfg(OmegaConf.load(REPO / "conf/model/smollm2.yaml").local_model)
     return ensure_local_model(spec)

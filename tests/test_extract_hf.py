@@ -342,7 +342,7 @@ def smollm2_dir() -> Path:
     """The converted SmolLM2-135M-Instruct directory (converted once, cached)."""
     from omegaconf import OmegaConf
 
-    from kimi_pipe.providers.local_model import LocalModelSpec, ensure_local_model
+    from kimi_pipe.store.local_model import LocalModelSpec, ensure_local_model
 
     conf = REPO / "conf" / "model" / "smollm2.yaml"
     if not conf.exists():

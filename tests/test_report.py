@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 import yaml
 
-from kimi_pipe.reporting import data as run_data
+from kimi_pipe.reporting.recommend import Policy, exclusion_reasons, recommend, routing_overrides
+from kimi_pipe.reporting.runs import find_run_dirs, load_run
+from kimi_pipe.reporting.stats import percentile, quantization_of, summarize
 from kimi_pipe.stages import report
 
 WEATHER_TOOL = {
@@ -204,8 +206,8 @@ def test_sweep_report_ranks_and_ignores(sweep: Path, tmp_path: Path) -> None:
 
 
 def test_figures_per_provider(sweep: Path) -> None:
-    stats = {s.provider: s for s in (run_data.summarize(run_data.load_run(d, sweep))
-                                     for d in run_data.find_run_dirs(sweep))}  # fmt: skip
+    stats = {s.provider: s for s in (summarize(load_run(d, sweep))
+                                     for d in find_run_dirs(sweep))}  # fmt: skip
     strip = stats["strip"]
     assert strip.ok_rate == 0.5
     assert strip.drift_tokens == -30  # 10 samples lost 3 tokens each
@@ -247,14 +249,14 @@ def test_tool_call_validity(tmp_path: Path) -> None:
         ],
     )
     run = write_run(tmp_path / "r", [rec], pinned="p")
-    s = run_data.summarize(run_data.load_run(run, tmp_path))
+    s = summarize(load_run(run, tmp_path))
     assert (s.tool_calls, s.tool_calls_valid) == (6, 1)
     assert s.tool_problems == {
         "arguments_not_json": 1, "schema_mismatch": 2, "arguments_not_object": 1,
         "unknown_function": 1,
     }  # fmt: skip
     # Low validity keeps the provider out of the routing.
-    rec_ = run_data.recommend([s], run_data.Policy())
+    rec_ = recommend([s], Policy())
     assert rec_.ignore == ["p"] and "tool-call validity 17%" in rec_.reasons["p"]
 
 
@@ -263,9 +265,9 @@ def test_torn_lines_and_resumed_duplicates(tmp_path: Path) -> None:
     retry = make_record(0)  # the resumed run answered it later
     run = write_run(tmp_path / "r", [first, retry, make_record(1)],
                     extra_lines=['{"id": "s2", "ok": tr'])  # fmt: skip
-    loaded = run_data.load_run(run, tmp_path)
+    loaded = load_run(run, tmp_path)
     assert loaded.bad_lines == 1
-    s = run_data.summarize(loaded)
+    s = summarize(loaded)
     assert (s.requests, s.errors, s.ok) == (2, 0, 2)
     md = report.build_report(run, tmp_path / "out").read_text()
     assert "1 unreadable line(s)" in md
@@ -275,12 +277,12 @@ def test_quantization_sources_and_policy(tmp_path: Path) -> None:
     from_response = write_run(tmp_path / "a", [make_record(0, quantization="FP8")], pinned="a")
     from_config = write_run(tmp_path / "b", [make_record(0)], pinned="b", quantization="fp4")
     absent = write_run(tmp_path / "c", [make_record(0)], pinned="c")
-    q = {p.name: run_data.quantization_of(run_data.load_run(p, tmp_path))
+    q = {p.name: quantization_of(load_run(p, tmp_path))
          for p in (from_response, from_config, absent)}  # fmt: skip
     assert q == {"a": "fp8", "b": "fp4", "c": "unknown"}
-    rec = run_data.recommend(
-        [run_data.summarize(run_data.load_run(p, tmp_path)) for p in (from_response, from_config)],
-        run_data.Policy(),
+    rec = recommend(
+        [summarize(load_run(p, tmp_path)) for p in (from_response, from_config)],
+        Policy(),
     )
     assert rec.order == ["a"] and rec.ignore == ["b"]
     assert "quantisation fp4" in rec.reasons["b"]
@@ -291,18 +293,18 @@ def test_rank_step_lets_price_beat_one_noisy_sample(tmp_path: Path) -> None:
     cheap = [make_record(i, cost=0.0005) for i in range(50)]
     cheap[0] = make_record(0, cost=0.0005, rebuilt=101)
     dear = [make_record(i, cost=0.001) for i in range(50)]
-    stats = [run_data.summarize(run_data.load_run(write_run(tmp_path / n, r, pinned=n), tmp_path))
+    stats = [summarize(load_run(write_run(tmp_path / n, r, pinned=n), tmp_path))
              for n, r in (("dear", dear), ("cheap", cheap))]  # fmt: skip
-    assert run_data.recommend(stats, run_data.Policy()).order == ["cheap", "dear"]
-    strict = run_data.Policy(rank_step=0.0)
-    assert run_data.recommend(stats, strict).order == ["dear", "cheap"]
+    assert recommend(stats, Policy()).order == ["cheap", "dear"]
+    strict = Policy(rank_step=0.0)
+    assert recommend(stats, strict).order == ["dear", "cheap"]
 
 
 def test_percentile_matches_numpy() -> None:
     values = [0.3, 5.0, 1.2, 9.9, 2.2, 2.2, 7.1]
     for q in (0, 50, 95, 100):
-        assert run_data.percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
-    assert run_data.percentile([], 50) is None
+        assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+    assert percentile([], 50) is None
 
 
 def test_cli_end_to_end_and_errors(
@@ -341,7 +343,7 @@ def test_report_group_defaults_are_the_policy_defaults() -> None:
     from kimi_pipe.config import compose
 
     settings = report.settings_of(compose([]))
-    assert settings.policy() == run_data.Policy()
+    assert settings.policy() == Policy()
     assert (settings.sweep_dir, settings.out_dir) == (None, None)
     short = report.settings_of(compose(["report.ignore_quantizations=fp4"]))  # one, no list
     assert short.policy().ignore_quantizations == ("fp4",)
@@ -356,7 +358,7 @@ def test_given_up_samples_and_failed_attempt_cost(tmp_path: Path) -> None:
         {"id": "s1", "attempt": 2, "error": {"class": "timeout", "status": 408}, "cost": 0.001},
     ]
     (run / "attempt_errors.jsonl").write_text("".join(json.dumps(a) + "\n" for a in attempts))
-    s = run_data.summarize(run_data.load_run(run, tmp_path))
+    s = summarize(load_run(run, tmp_path))
     assert (s.requests, s.answered, s.errors, s.retried) == (2, 1, 1, 2)
     assert s.error_classes == {"timeout (408), given up": 1}
     assert s.cost_usd == pytest.approx(0.004)  # failed attempts were billed too
@@ -374,10 +376,10 @@ def test_sweep_job_config_is_resolved(tmp_path: Path) -> None:
         "    quantizations: [int4, fp8]\n    allow_fallbacks: false\n"
         "output_dir: ${hydra:runtime.output_dir}\n"
     )
-    loaded = run_data.load_run(run, tmp_path)
+    loaded = load_run(run, tmp_path)
     assert loaded.name == "deepinfra/fp8"
     assert loaded.config["output_dir"] == "${hydra:runtime.output_dir}"  # kept as written
-    s = run_data.summarize(loaded)
+    s = summarize(loaded)
     assert s.provider == "deepinfra/fp8" and s.allowed_quantizations == ("int4", "fp8")
 
 
@@ -389,14 +391,14 @@ def test_slug_from_request_and_allow_list(tmp_path: Path) -> None:
     (run / ".hydra" / "config.yaml").write_text(
         yaml.safe_dump({"provider": {"routing": {"order": None, "quantizations": ["int4"]}}})
     )
-    s = run_data.summarize(run_data.load_run(run, tmp_path))
+    s = summarize(load_run(run, tmp_path))
     assert s.provider == "vendor"
-    why = run_data.recommend([s], run_data.Policy()).reasons["vendor"]
+    why = recommend([s], Policy()).reasons["vendor"]
     assert "not in the run's allow-list ['int4']" in why
     # int4 is not ignored by default: it is Kimi K2.5's native quantisation.
-    assert run_data.exclusion_reasons(s, run_data.Policy(ignore_quantizations=())) != []
+    assert exclusion_reasons(s, Policy(ignore_quantizations=())) != []
     s.quantization = "int4"
-    assert run_data.exclusion_reasons(s, run_data.Policy()) == []
+    assert exclusion_reasons(s, Policy()) == []
 
 
 def test_run_with_no_answers_still_reports(tmp_path: Path) -> None:
@@ -417,7 +419,7 @@ def test_routing_overrides_compose_into_the_generate_config() -> None:
     from kimi_pipe.config import compose
 
     rec = report.Recommendation(order=["moonshotai", "deepinfra/fp8"], ignore=[], reasons={})
-    cfg = compose(shlex.split(run_data.routing_overrides(rec)))
+    cfg = compose(shlex.split(routing_overrides(rec)))
     assert list(cfg.provider.routing.order) == ["moonshotai", "deepinfra/fp8"]
     assert list(cfg.provider.routing.ignore) == []
     assert cfg.provider.routing.allow_fallbacks is False

@@ -40,7 +40,7 @@ ANSWER = "The capital of France is Paris."
 
 @pytest.fixture(scope="module")
 def smollm2_dir() -> Path:
-    from kimi_pipe.providers.local_model import LocalModelSpec, ensure_local_model
+    from kimi_pipe.store.local_model import LocalModelSpec, ensure_local_model
 
     spec = LocalModelSpec.from_cfg(OmegaConf.load(REPO / "conf/model/smollm2.yaml").local_model)
     return ensure_local_model(spec)

@@ -29,7 +29,8 @@ from omegaconf import open_dict
 from kimi_pipe.core.models import Model
 from kimi_pipe.core.prompt_render import prompt_ids
 from kimi_pipe.core.reconstruction import reconstruct
-from kimi_pipe.reporting import data as run_data
+from kimi_pipe.reporting.runs import find_run_dirs, load_run
+from kimi_pipe.reporting.stats import summarize
 from kimi_pipe.stages import sweep
 from tests.support.fake_openrouter import Behaviour, FakeOpenRouter, _make_handler
 
@@ -206,8 +207,8 @@ def test_report_ranks_the_behaviours(swept: Any) -> None:
     }
     stats = {
         s.provider: s
-        for s in (run_data.summarize(run_data.load_run(d, work / "sweep"))
-                  for d in run_data.find_run_dirs(work / "sweep"))
+        for s in (summarize(load_run(d, work / "sweep"))
+                  for d in find_run_dirs(work / "sweep"))
     }  # fmt: skip
     slow, exact, strip, renumber, flaky = (stats[p] for p in PROVIDERS)
     assert exact.ok_rate == 1.0 and exact.drift_tokens == 0 and not exact.issues

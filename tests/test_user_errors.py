@@ -219,7 +219,7 @@ def test_help_is_the_stage_usage(stage: str, capsys: pytest.CaptureFixture[str])
     module = importlib.import_module(f"kimi_pipe.stages.{stage}")
     assert module.main(["--help"]) == 0
     out = capsys.readouterr().out
-    assert f"python -m kimi_pipe.{stage}" in out
+    assert f"python -m kimi_pipe {stage}" in out  # was the alias spelling `kimi_pipe.{stage}`
 
 
 # ---------------------------------------------------------------------------------------

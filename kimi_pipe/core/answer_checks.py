@@ -16,6 +16,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from kimi_pipe.core.issue_codes import CONTENT_FILTER
+
 # finish_reason values a provider really sends for a completed answer (OpenAI's and the
 # native ones OpenRouter passes on in `native_finish_reason`), lower-cased.
 KNOWN_FINISH_REASONS = frozenset(
@@ -31,23 +33,6 @@ KNOWN_FINISH_REASONS = frozenset(
         "max_output_tokens",
         "tool_use",
         "model_length",
-    }
-)
-CONTENT_FILTER = "content_filter"
-
-ANSWER_CODES = frozenset(
-    {
-        "other_model",  # the answer names another model than the one requested
-        "finish_reason_null",  # the provider said nothing about why the answer ended
-        "finish_reason_unknown",  # a finish reason no provider documents
-        CONTENT_FILTER,  # the provider's filter cut or replaced the answer
-    }
-)
-TEXT_CODES = frozenset(
-    {
-        "prompt_text_replaced",  # the prompt held lone surrogates / invalid UTF-8 (now U+FFFD)
-        "answer_text_replaced",  # the answer did
-        "api_key_echoed",  # the answer contained the API key (redacted before writing)
     }
 )
 

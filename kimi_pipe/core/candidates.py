@@ -22,6 +22,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kimi_pipe.core.issue_codes import CLASS_OF_CODE
+from kimi_pipe.core.issue_codes import SINGLE_CANDIDATE as SINGLE_CANDIDATE  # tests' name
 from kimi_pipe.core.models import Model
 from kimi_pipe.core.reconstruction import (
     ERRORS,
@@ -36,16 +38,10 @@ from kimi_pipe.core.reconstruction import (
 from kimi_pipe.core.serving import UNKNOWN, ServingProfile
 from kimi_pipe.core.token_record import CandidateOption, CandidateSet
 
-# Flag code -> ambiguity class this module enumerates.
-CLASS_OF_CODE = {
-    "reasoning_tail_unverifiable": "reasoning_tail",
-    "leading_space_after_marker": "marker_space",
-    "space_before_tool_section": "tool_section_space",
-    "tool_arguments_edges_unverifiable": "argument_edges",
-}
+# Flag code -> ambiguity class this module enumerates (CLASS_OF_CODE, core/issue_codes.py).
 ENUMERABLE = frozenset(CLASS_OF_CODE)
-# The note a record proven by a one-member closed set carries instead of its flag.
-SINGLE_CANDIDATE = "single_candidate"
+# The note a record proven by a one-member closed set carries instead of its flag:
+# SINGLE_CANDIDATE (core/issue_codes.py).
 # A stripped tail: whitespace after the reasoning's last character. At the same token count
 # only carriage returns and newlines can hide (they join a final punctuation's BPE chunk,
 # `[^\s\p{L}\p{N}]+[\r\n]*`); any other whitespace starts a chunk of its own (one id more).

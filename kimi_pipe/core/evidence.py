@@ -27,12 +27,17 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-ENGINE_IDS = "engine_ids"
-TEXT_PROVEN = "text_proven"
-TARGET_RESOLVED = "target_resolved"
-PREFIX_PROVEN = "prefix_proven"
-POSTERIOR_SAMPLED = "posterior_sampled"
-UNRESOLVED = "unresolved"
+from kimi_pipe.core.issue_codes import (  # the rungs' names: one home for every code
+    ENGINE_IDS,
+    NEVER_USABLE,
+    POSTERIOR_SAMPLED,
+    PREFIX_PROVEN,
+    TARGET_RESOLVED,
+    TEXT_PROVEN,
+    TRUNCATED,
+    UNRESOLVED,
+)
+
 LADDER = (  # strongest first
     ENGINE_IDS,
     TEXT_PROVEN,
@@ -46,9 +51,8 @@ EXACT_RUNGS: tuple[str, ...] = (ENGINE_IDS, TEXT_PROVEN, TARGET_RESOLVED, PREFIX
 DEFAULT_ACCEPT: tuple[str, ...] = EXACT_RUNGS
 
 # A note (not an error) that a rung keeps: the answer was cut by max_tokens, its ids proven.
-CUT_NOTE = "truncated"
-# Codes that keep a record out of training files whatever the policy: the last id is unknown.
-NEVER_USABLE = frozenset({"partial_character"})
+CUT_NOTE = TRUNCATED
+# Codes that keep a record out of training files whatever the policy (NEVER_USABLE, above).
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p")
 
 

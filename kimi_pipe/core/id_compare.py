@@ -11,6 +11,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kimi_pipe.core.issue_codes import BILLING_MISMATCH
+
 MISMATCH_CLASSES = (
     "non_canonical_split",  # same text, other token split (the engine sampled a non-BPE split)
     "lost_whitespace",  # texts differ only in whitespace (a parser stripped or added it)
@@ -21,7 +23,7 @@ MISMATCH_CLASSES = (
     "partial_utf8",
     "other",
 )
-BILLING_ISSUE = "billing_mismatch"  # the reconstruction's length check against usage
+BILLING_ISSUE = BILLING_MISMATCH  # the reconstruction's length check against usage
 
 
 @dataclass

@@ -27,30 +27,20 @@ only the content after the think-end marker), and compares texts there:
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from omegaconf import OmegaConf
+
+from kimi_pipe.core.issue_codes import LOGPROB_ERRORS
+from kimi_pipe.core.issue_codes import (
+    LOGPROB_NOTES as LOGPROB_NOTES,  # extraction/resolve.py's name
+)
 from kimi_pipe.core.models import Model
 from kimi_pipe.core.reconstruction import ERRORS, Reconstruction
 
-LOGPROB_ERRORS = frozenset(
-    {
-        "logprob_mismatch",  # covered text differs from the answer text
-        # Entries that are not tokens or do not fit the output: the answer was changed
-        # somewhere between the engine and us, so re-encoding its text proves nothing.
-        "logprobs_invalid",
-    }
-)
-LOGPROB_NOTES = frozenset(
-    {
-        "noncanonical_split",  # same text, other ids than re-encoding: the engine's kept
-        "logprobs_missing",  # logprobs were asked for and none came back
-        # The text differs from the engine's tokens only where stacks change it (whitespace
-        # beside markers, argument values coerced to schema types): the engine's ids kept.
-        "stack_changed_text",
-    }
-)
 RECORD_IDS = ("engine", "reencoded")
 CONTEXT_TOKENS = 3  # tokens of context either side of a reported difference
 
@@ -452,7 +442,6 @@ def _stack_trims(
 def _coerced_json(engine_text: bytes, output_text: bytes) -> bool:
     """Both pieces are JSON objects and the output's values are the engine's as a stack that
     coerces to schema types leaves them: a string became the number or boolean it spells."""
-    import json
 
     try:
         engine_value = json.loads(engine_text)
@@ -545,7 +534,6 @@ def record_fields(rec: Reconstruction) -> dict[str, Any]:
 
 def policy_from_config(cfg: Any) -> LogprobPolicy:
     """From the composed config: `provider.logprobs` (asked for) and `validation`."""
-    from omegaconf import OmegaConf
 
     return LogprobPolicy(
         record_ids=str(OmegaConf.select(cfg, "validation.record_ids", default="engine")),

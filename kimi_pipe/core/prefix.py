@@ -23,7 +23,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kimi_pipe.core.candidates import CLASS_OF_CODE
 from kimi_pipe.core.evidence import (
     DEFAULT_ACCEPT,
     NEVER_USABLE,
@@ -34,12 +33,12 @@ from kimi_pipe.core.evidence import (
     has_prefix,
     taken_whole,
 )
-from kimi_pipe.core.logprobs import LOGPROB_NOTES
-from kimi_pipe.core.reconstruction import NOTES
+from kimi_pipe.core.issue_codes import CLASS_OF_CODE, LOGPROB_NOTES, TARGET_UNRESOLVED
+from kimi_pipe.core.issue_codes import RECONSTRUCTION_NOTES as NOTES
 from kimi_pipe.core.token_record import TokenRecord
 
-# The target's scoring left the set unresolved: a verdict on the set, not another ambiguity.
-TARGET_UNRESOLVED = "target_unresolved"
+# TARGET_UNRESOLVED: the target's scoring left the set unresolved, a verdict on the set, not
+# another ambiguity.
 # A stripped tail that billing saw shows as billing_mismatch, which the tail's options cover.
 _TAIL_CLASSES = frozenset({"reasoning_tail"})
 RULE = "closed set: ids every listed reading shares"

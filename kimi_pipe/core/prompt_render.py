@@ -12,6 +12,7 @@ from typing import Any
 
 from kimi_pipe.core.formats import Marker, ModelFormat, OutputFormat, Piece, PromptFormat
 from kimi_pipe.core.models import Model
+from kimi_pipe.core.tool_declarations import render_tools
 from kimi_pipe.errors import InputError
 
 
@@ -133,8 +134,6 @@ def render_prompt(
     ):
         raise PromptError("tools must be a list of objects")
     if tools and p.tools is not None:
-        from kimi_pipe.core.tool_declarations import render_tools
-
         declared = render_tools(list(tools), p.tools_style)
         if "system" in p.tools.fields:
             # The template declares tools inside the system turn (Qwen3.5): a leading system

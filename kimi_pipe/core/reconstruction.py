@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kimi_pipe.core.formats import Marker, Piece, split_markers
+from kimi_pipe.core.issue_codes import RECONSTRUCTION_ERRORS, RECONSTRUCTION_NOTES
 from kimi_pipe.core.models import Model
 from kimi_pipe.core.prompt_render import (
     PromptError,
@@ -25,52 +26,9 @@ from kimi_pipe.core.prompt_render import (
 from kimi_pipe.core.serving import UNKNOWN, UNKNOWN_PROFILE, ServingProfile
 from kimi_pipe.core.token_record import TokenIds
 
-# Issue codes. Errors make `ok` false; notes are listed but leave `ok` as it is.
-ERRORS = frozenset(
-    {
-        "billing_mismatch",  # reconstructed length != usage.completion_tokens (+- tolerance)
-        "malformed_response",  # no choices / no message / not an object
-        "provider_error",  # an error body or finish_reason "error"
-        "empty_response",  # nothing at all came back
-        "bad_prompt",  # the prompt messages cannot be rendered
-        "partial_character",  # cut inside a UTF-8 character: the text holds U+FFFD, not the byte
-        # What a serving stack may change without changing the length (docs/serving_profiles.md):
-        "leading_space_after_marker",  # a space right after a marker: the model's or the stack's?
-        "marker_spacing_mismatch",  # the profile declares marker spaces, the answer lacks them
-        "tool_index_untrusted",  # a tool-call id whose index is not the model's counter
-        "tool_name_not_declared",  # an id rebuilt from a name the request does not declare
-        "reasoning_without_think_end",  # reasoning only, no think-end: dropped or never written?
-        "reasoning_tail_unverifiable",  # a stripped reasoning tail the billed length cannot prove
-        "tool_arguments_maybe_coerced",  # typed values a stack may have re-serialised ("30" -> 30)
-        "space_before_tool_section",  # content ends with whitespace: an argument's, moved?
-        # A stack that strips the arguments' edges (`\s*` in the parser) leaves no trace of
-        # whitespace there that costs no id (' {"' and '{"' are one token each):
-        "tool_arguments_edges_unverifiable",
-        # A conversation with earlier calls and an index a stack rebuilt or may have rebuilt:
-        # the model's own index (its counter, or 0 again) is not in the text.
-        "tool_index_unverifiable",
-    }
-)
-NOTES = frozenset(
-    {
-        # finish_reason == "length": cut by max_tokens. Its ids are proven like any other
-        # (no end-of-turn appended); a cut inside a character is `partial_character`.
-        "truncated",
-        "single_candidate",  # one id sequence fits text, every serving reading and billing
-        "tool_call_ids_rebuilt",  # ids not in the model's pattern were rebuilt
-        "no_usage",  # no usage.completion_tokens to check against
-        "reasoning_from_content",  # no reasoning field: split content at the think-end marker
-        "reasoning_from_details",  # reasoning taken from reasoning_details blocks
-        "raw_markers_in_content",  # marker text inside content became marker ids
-        "tool_arguments_not_json",  # kept verbatim where the format wanted parsed arguments
-        "prompt_tokens_mismatch",  # rendered prompt length != usage.prompt_tokens
-        # A declared serving profile undid a change (docs/serving_profiles.md):
-        "marker_spaces_removed",  # the space beside each marker removed (spaces_between_...)
-        "tool_index_repaired",  # index mapped back to the model's conversation counter
-        "tool_name_repaired",  # truncated dotted name matched to the one declared tool
-        "no_think_end",  # the model ended its turn inside the reasoning (billed length proves it)
-    }
-)
+# Issue codes (core/issue_codes.py). Errors make `ok` false; notes are listed, `ok` kept.
+ERRORS = RECONSTRUCTION_ERRORS
+NOTES = RECONSTRUCTION_NOTES
 LENGTH_REASONS = frozenset({"length", "max_tokens", "max_output_tokens"})
 
 

@@ -13,19 +13,22 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
-from kimi_pipe.core.candidates import SINGLE_CANDIDATE, Candidates, enumerate_candidates
+from omegaconf import OmegaConf
+
+from kimi_pipe.core.candidates import Candidates, enumerate_candidates
 from kimi_pipe.core.evidence import UNRESOLVED, evidence_of, sampling_of
-from kimi_pipe.core.logprobs import LogprobPolicy, apply_logprobs, record_fields
+from kimi_pipe.core.issue_codes import RECONSTRUCTION_ERRORS as ERRORS
+from kimi_pipe.core.issue_codes import SINGLE_CANDIDATE
+from kimi_pipe.core.logprobs import LogprobPolicy, apply_logprobs, policy_from_config, record_fields
 from kimi_pipe.core.models import Model
 from kimi_pipe.core.prefix import with_prefix
-from kimi_pipe.core.reconstruction import ERRORS, Reconstruction, reconstruct
-from kimi_pipe.core.serving import UNKNOWN_PROFILE, ServingProfile, admitted_stacks
+from kimi_pipe.core.reconstruction import Reconstruction, reconstruct
+from kimi_pipe.core.serving import UNKNOWN_PROFILE, ServingProfile, admitted_stacks, serving_profile
 from kimi_pipe.core.token_record import TokenRecord
 
 
 def billing_tolerance(cfg: Any) -> int:
     """`validation.billing_tolerance` of a composed config (absent or null: 0)."""
-    from omegaconf import OmegaConf
 
     value = OmegaConf.select(cfg, "validation.billing_tolerance", default=0)
     return int(value or 0)
@@ -43,8 +46,6 @@ class RecordBuilder:
         cls, cfg: Any, model: Model, serving: ServingProfile | None = None
     ) -> RecordBuilder:
         """Profile (`serving`, unless given), tolerance and logprob policy from the config."""
-        from kimi_pipe.core.logprobs import policy_from_config
-        from kimi_pipe.core.serving import serving_profile
 
         tolerance = billing_tolerance(cfg)
         policy = replace(policy_from_config(cfg), billing_tolerance=tolerance)

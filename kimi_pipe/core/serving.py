@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from omegaconf import DictConfig, OmegaConf
+
 UNKNOWN = "unknown"
 
 # field -> the values it may take ("unknown" is allowed everywhere)
@@ -93,7 +95,6 @@ def admitted_stacks(profile: ServingProfile) -> dict[str, list[str]]:
 
 def serving_profile(cfg: Any) -> ServingProfile:
     """The `serving` group of a composed config (absent: unknown)."""
-    from omegaconf import DictConfig, OmegaConf
 
     section = cfg.get("serving") if hasattr(cfg, "get") else None
     if isinstance(section, DictConfig):

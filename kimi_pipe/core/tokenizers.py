@@ -18,6 +18,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Protocol
 
+import tiktoken
+
 from kimi_pipe.errors import ConfigError
 
 STRICT_ENV = "KIMI_PIPE_STRICT"
@@ -219,7 +221,7 @@ def _has_files(folder: Path, spec: TokenizerSpec) -> bool:
 def _hub_download(spec: TokenizerSpec) -> Path | None:
     """Data files only (never code) from the Hub; None when offline or not installed."""
     try:
-        from huggingface_hub import hf_hub_download
+        from huggingface_hub import hf_hub_download  # optional dep
     except ImportError:
         return None
     folder: Path | None = None
@@ -244,7 +246,6 @@ class TiktokenTokenizer:
     """BPE ranks file + special ids placed after the ranks (Kimi/Qwen layout)."""
 
     def __init__(self, folder: Path, spec: TokenizerSpec) -> None:
-        import tiktoken
 
         if not spec.pat_str:
             raise ValueError("model.tokenizer.pat_str is required for the tiktoken backend")
@@ -336,7 +337,7 @@ class HFTokenizer:
     """A Hugging Face tokenizer; ordinary text bypasses added-token matching."""
 
     def __init__(self, folder: Path, trust_remote_code: bool = False) -> None:
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # optional dep
 
         self._tok = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
         self.name = folder.name

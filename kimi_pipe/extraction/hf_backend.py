@@ -27,18 +27,17 @@ from kimi_pipe.extraction.layers import resolve_output_ids
 from kimi_pipe.extraction.resolve import HFSuffixScorer
 from kimi_pipe.store.conventions import POST_NORM, PRE_NORM, final_norm_spec, rms_norm
 from kimi_pipe.store.hidden_store import torch_dtype
+from kimi_pipe.store.local_model import LocalModelSpec, ensure_local_model
 
 
 def resolve_model_path(cfg: DictConfig) -> Path:
     """Weights directory: `extract.model_path`, else the model config's `hf_weights`, else its
-    `local_model` (a GGUF in a pip package, converted once by `kimi_pipe.providers.local_model`)."""
+    `local_model` (a GGUF in a pip package, converted once by `kimi_pipe.store.local_model`)."""
     path = OmegaConf.select(cfg, "extract.model_path", default=None)
     if path is None:
         path = OmegaConf.select(cfg, "model.hf_weights", default=None)
         local = OmegaConf.select(cfg, "model.local_model", default=None)
         if local is not None and (path is None or not (Path(path) / "config.json").exists()):
-            from kimi_pipe.providers.local_model import LocalModelSpec, ensure_local_model
-
             spec = LocalModelSpec.from_cfg(OmegaConf.to_container(local, resolve=True))  # type: ignore[arg-type]
             path = ensure_local_model(spec)  # converts once, then cached
     if path is None:
@@ -52,7 +51,7 @@ def resolve_model_path(cfg: DictConfig) -> Path:
         raise MissingFile(
             f"{path / 'config.json'} not found: extract.model_path must be a transformers model "
             "directory (download the model's weights there, or for the demo model run "
-            "`python -m kimi_pipe.providers.local_model`)"
+            "`python -m kimi_pipe.store.local_model`)"
         )
     return path
 

@@ -21,13 +21,11 @@ from collections.abc import Mapping
 from typing import Any, cast
 
 from kimi_pipe.core.evidence import PREFIX_PROVEN, UNRESOLVED, evidence_of
+from kimi_pipe.core.issue_codes import PREFIX_SPLIT_AMBIGUOUS, PREFIX_SPLIT_CHECKED
 from kimi_pipe.core.splits import Vocabulary, search_splits
 from kimi_pipe.core.token_record import TokenRecord
 from kimi_pipe.extraction.resolve import ResolveSettings
 from kimi_pipe.extraction.split_check import neighbour_readings, next_token_scorer
-
-PREFIX_SPLIT_CHECKED = "prefix_split_checked"  # note: the target confirmed the prefix
-PREFIX_SPLIT_AMBIGUOUS = "prefix_split_ambiguous"  # issue: another split may leave it early
 
 
 def checkable_prefix(record: Mapping[str, Any]) -> bool:

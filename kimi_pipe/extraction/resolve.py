@@ -37,8 +37,9 @@ from typing import Any, Protocol, cast
 
 import torch
 
-from kimi_pipe.core.evidence import TARGET_RESOLVED as TARGET_RESOLVED  # one home: the ladder
 from kimi_pipe.core.evidence import UNRESOLVED as UNRESOLVED
+from kimi_pipe.core.issue_codes import RESOLVED_BY_TARGET, TARGET_UNRESOLVED
+from kimi_pipe.core.issue_codes import TARGET_RESOLVED as TARGET_RESOLVED  # one home
 from kimi_pipe.core.prefix import with_prefix
 from kimi_pipe.core.token_record import TokenRecord
 from kimi_pipe.errors import ConfigError
@@ -57,8 +58,8 @@ from kimi_pipe.store.run_lock import run_dir_lock
 
 log = logging.getLogger("kimi_pipe.resolve")
 
-TARGET_UNRESOLVED = "target_unresolved"  # scored, but no option reached resolve.min_posterior
-RESOLVED_NOTE = "resolved_by_target"
+# TARGET_UNRESOLVED: scored, but no option reached resolve.min_posterior (core/issue_codes.py)
+RESOLVED_NOTE = RESOLVED_BY_TARGET
 # The run directory's lock (store/run_lock.py): generate holds it.
 LOCK_FILE = LOCK
 

@@ -41,9 +41,15 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import torch
+from omegaconf import OmegaConf
 from safetensors import safe_open
 
-from kimi_pipe.errors import ConfigError
+from kimi_pipe.core.issue_codes import BAD_CAPTURE, CAPTURE_OOM, NONFINITE_HIDDEN_STATE
+from kimi_pipe.core.models import load_model
+from kimi_pipe.errors import EXIT_FAILED, EXIT_USER_ERROR, ConfigError
+from kimi_pipe.extraction.records_pass import resolve_records
+from kimi_pipe.extraction.resolve import ResolveSettings
+from kimi_pipe.extraction.split_check import LazyVocabulary
 from kimi_pipe.extraction.token_samples import (
     apply_max_len,
     loss_mask_convention,
@@ -66,9 +72,7 @@ from kimi_pipe.store.hidden_store import (
 
 log = logging.getLogger(__name__)
 
-NONFINITE = "nonfinite_hidden_state"  # a captured state has NaN or inf: sample not written
-CAPTURE_OOM = "capture_oom"  # out of memory even alone in a batch: sample not written
-BAD_CAPTURE = "bad_capture"  # the engine returned states of the wrong shape for this sample
+NONFINITE = NONFINITE_HIDDEN_STATE  # skip reasons: core/issue_codes.py says what each means
 
 PARTS = "parts"
 PART_DONE = "part_done.json"
@@ -541,8 +545,6 @@ def resolve_for_shard(
 ) -> dict[str, Any]:
     """Target resolution (`extraction.resolve`) of this work shard's records, when the config
     enables it and the backend can score (`backend.suffix_scorer()`)."""
-    from kimi_pipe.extraction.records_pass import resolve_records
-    from kimi_pipe.extraction.resolve import ResolveSettings
 
     settings = ResolveSettings.from_cfg(cfg)
     if not settings.enabled:
@@ -563,10 +565,6 @@ def resolve_for_shard(
 def _split_vocabulary(cfg: Any) -> Any:
     """The records' tokenizer as the split check sees it (None: no model config here),
     loaded only when a record is checked (benchmarks/bench_extract.py: seconds per stage run)."""
-    from omegaconf import OmegaConf
-
-    from kimi_pipe.core.models import load_model
-    from kimi_pipe.extraction.split_check import LazyVocabulary
 
     node = OmegaConf.select(cfg, "model", default=None)
     if node is None:
@@ -582,7 +580,6 @@ def run_sharded(cfg: Any, backend: Any) -> dict[str, Any]:
     attributes: `packed` (True: a batch costs the sum of its lengths, no padding),
     `max_batch_tokens` / `max_batch_samples` (engine limits that cap the budget).
     """
-    from omegaconf import OmegaConf
 
     ecfg = cfg.extract
     shard = int(OmegaConf.select(cfg, "extract.shard", default=0) or 0)
@@ -686,12 +683,12 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2:
         print("usage: python -m kimi_pipe.extraction.sharding STORE NUM_SHARDS", file=sys.stderr)
-        return 2
+        return EXIT_USER_ERROR
     store, n = args[0], int(args[1])
     _, missing = parts_status(store, n)
     if missing:
         print(f"shards {missing} of {n} have not finished; rerun them first", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
     with merge_lock(store):
         print(json.dumps(merge_parts(store, n)))
     return 0

@@ -32,6 +32,12 @@ from typing import Any, cast
 import torch
 
 from kimi_pipe.core.evidence import TARGET_RESOLVED, TEXT_PROVEN, UNRESOLVED, evidence_of
+from kimi_pipe.core.issue_codes import (  # what each means: there
+    SPLIT_AMBIGUOUS,
+    SPLIT_CHECKED,
+    SPLIT_RESOLVED,
+    TARGET_DISAGREES,
+)
 from kimi_pipe.core.splits import (
     NextTokenScorer,
     SplitPath,
@@ -50,10 +56,6 @@ from kimi_pipe.extraction.resolve import (
 )
 from kimi_pipe.extraction.sampler import Sampling, sampler_log_table
 
-SPLIT_CHECKED = "split_checked"  # note: no other split was possible under the sampling
-SPLIT_RESOLVED = "split_resolved"  # note: the target chose among splits (posterior stated)
-SPLIT_AMBIGUOUS = "split_ambiguous"  # issue: another split is too likely, or not enumerable
-TARGET_DISAGREES = "target_disagrees"  # issue: the ids are impossible under the sampling
 ISSUES = (SPLIT_AMBIGUOUS, TARGET_DISAGREES)
 
 

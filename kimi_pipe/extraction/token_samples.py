@@ -7,7 +7,6 @@ the module `kimi_pipe.extraction.<backend>_backend` (chosen by `extract.backend`
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 from collections import Counter
@@ -19,8 +18,18 @@ from typing import Any, Protocol
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from kimi_pipe.core.evidence import (
+    DEFAULT_ACCEPT,
+    LADDER,
+    POSTERIOR_SAMPLED,
+    evidence_of,
+    taken_whole,
+    usable,
+)
+from kimi_pipe.core.prefix import training_ids
 from kimi_pipe.core.token_record import record_problem
 from kimi_pipe.errors import ConfigError, MissingFile
+from kimi_pipe.plugins import BACKENDS, resolve_plugin
 from kimi_pipe.store.layout import RECORDS as RECORDS_FILE
 from kimi_pipe.store.records import ReadStats, iter_records
 
@@ -59,15 +68,6 @@ def read_token_records(
     else cut to its proven prefix where it has one (counted: `drawn_posterior_sampled`).
     A later record with the same id replaces an earlier one (a retried sample).
     """
-    from kimi_pipe.core.evidence import (
-        DEFAULT_ACCEPT,
-        LADDER,
-        POSTERIOR_SAMPLED,
-        evidence_of,
-        taken_whole,
-        usable,
-    )
-    from kimi_pipe.core.prefix import training_ids
 
     rungs = tuple(accept) if accept else (DEFAULT_ACCEPT if only_ok else LADDER)
     path = Path(path)
@@ -188,17 +188,8 @@ def loss_mask_convention(cfg: DictConfig) -> str:
     return f"from token records ({name} model.loss_mask: {parts}; 1 = trained on)"
 
 
-# Backends that are a package rather than a `<name>_backend` module.
-BACKEND_PACKAGES = {"sglang": "kimi_pipe.extraction.sglang"}
-
-
 def load_backend(cfg: DictConfig) -> Backend:
-    name = str(cfg.extract.backend)
-    path = BACKEND_PACKAGES.get(name, f"kimi_pipe.extraction.{name}_backend")
-    try:
-        module = importlib.import_module(path)
-    except ModuleNotFoundError as exc:
-        if exc.name != path:
-            raise
-        raise ConfigError(f"unknown extract.backend {name!r} (no module {path})") from None
-    return module.open_backend(cfg)
+    """`extract.backend`: a name in kimi_pipe/plugins.py's BACKENDS, or `package.module:attr`
+    of a function open_backend(cfg) of your own."""
+    open_backend = resolve_plugin("extract.backend", str(cfg.extract.backend), BACKENDS)
+    return open_backend(cfg)  # type: ignore[no-any-return]

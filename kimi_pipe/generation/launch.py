@@ -69,7 +69,7 @@ def check_settings(cfg: DictConfig) -> None:
     ProviderSettings.from_config(cfg.provider)
 
 
-def _refuse_keys_on_the_command_line(argv: list[str]) -> None:
+def refuse_keys_on_the_command_line(argv: list[str]) -> None:
     """Hydra saves every override in .hydra/ (and the log) before the task runs: refuse a
     key there, whatever the key it is given under."""
     why = key_in_overrides(argv)

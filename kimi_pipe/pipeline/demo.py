@@ -33,9 +33,11 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from kimi_pipe.config import DATA_DIR
-from kimi_pipe.errors import KimiPipeError
+from kimi_pipe.config import DATA_DIR, compose
+from kimi_pipe.core.token_yield import yield_line
+from kimi_pipe.errors import EXIT_FAILED, KimiPipeError
 from kimi_pipe.pipeline.runner import PipelineRun, print_run, raise_user_error, run_pipeline
+from kimi_pipe.stages.command import compose_command
 from kimi_pipe.store.layout import RECONSTRUCTED, RECORDS
 
 DEMO_PROMPTS = DATA_DIR / "demo_prompts.jsonl"
@@ -54,7 +56,6 @@ class DemoFailed(RuntimeError):
 def compose_demo(overrides: Sequence[str]) -> DictConfig:
     """The demo's config: `conf/pipeline/demo.yaml` (model=smollm2, provider=local, the
     bundled prompts) plus the caller's overrides."""
-    from kimi_pipe.config import compose
 
     return compose(["pipeline=demo", *overrides])
 
@@ -105,7 +106,6 @@ def summary_table(run: PipelineRun) -> str:
 
 def _yield_line(gen: dict[str, Any]) -> str:
     """Tokens bought, exact for training and the cost per exact token (generate's yield)."""
-    from kimi_pipe.core.token_yield import yield_line
 
     block = gen.get("yield")
     return yield_line(block) if block else "n/a"
@@ -168,7 +168,6 @@ def run_demo_config(cfg: DictConfig) -> PipelineRun:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from kimi_pipe.stages.command import compose_command
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     overrides = list(sys.argv[1:] if argv is None else argv)
@@ -178,7 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             run = run_demo_config(cfg)
         except DemoFailed as exc:  # not the user's mistake: the step's own failure
             print(f"\ndemo failed: {exc}", file=sys.stderr)
-            return 1
+            return EXIT_FAILED
         print_run(run, print_summary)  # what `python -m kimi_pipe run pipeline=demo` prints
         return 0
 

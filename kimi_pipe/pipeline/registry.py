@@ -15,7 +15,6 @@ pipeline's `stages:` list.
 
 from __future__ import annotations
 
-import importlib
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from kimi_pipe.errors import ConfigError
 from kimi_pipe.pipeline.stage import Stage, StageContext
+from kimi_pipe.plugins import load_target
 from kimi_pipe.store.layout import (
     AUDIT_JSON,
     AUDIT_MD,
@@ -112,7 +112,7 @@ class ModuleStage:
 
     @property
     def module(self) -> ModuleType:
-        return importlib.import_module(self.entry.module)
+        return load_target(self.entry.module, kind="stage")  # type: ignore[no-any-return]
 
     def _hook(self, name: str) -> Any:
         return getattr(self.module, name, None)
@@ -179,15 +179,14 @@ def resolve_stage(name: str) -> Stage:
     """A built-in stage by name, or `module:Class` for one of your own."""
     if name in STAGES:
         return STAGES[name]()
-    module, sep, attr = name.partition(":")
-    if not sep:
+    if ":" not in name:
         raise ConfigError(
             f"unknown stage {name!r}: built-in stages are {sorted(STAGES)}; "
             "your own is `module:Class`"
         )
-    try:
-        cls = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as exc:
+    try:  # the one plug-in resolver (kimi_pipe/plugins.py)
+        cls = load_target(name, kind="stage")
+    except ImportError as exc:  # a dependency of your module's
         raise ConfigError(f"stage {name!r} cannot be imported: {exc}") from exc
     stage = cls()
     if not isinstance(stage, Stage):

@@ -31,9 +31,12 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from kimi_pipe.errors import KimiPipeError, one_line
+from kimi_pipe.config import CONF_DIR
+from kimi_pipe.errors import EXIT_FAILED, KimiPipeError, one_line
+from kimi_pipe.generation.launch import refuse_keys_on_the_command_line as refuse
 from kimi_pipe.pipeline.registry import resolve_stage
 from kimi_pipe.pipeline.stage import Stage, StageContext
+from kimi_pipe.stages.command import compose_command
 from kimi_pipe.store import atomic
 from kimi_pipe.store.run_lock import RunDirLocked, RunLock
 
@@ -317,29 +320,21 @@ def _summary_hook(cfg: DictConfig) -> Any:
         raise PipelineError(f"pipeline.summary={spec} cannot be imported: {exc}") from None
 
 
-def _refuse_keys_on_the_command_line(argv: Sequence[str]) -> None:
-    from kimi_pipe.generation.launch import _refuse_keys_on_the_command_line as refuse
-
-    refuse(list(argv))
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    from kimi_pipe.stages.command import compose_command
-
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     overrides = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in overrides):
         print("usage: python -m kimi_pipe run pipeline=NAME [group=option ...] [key=value ...]\n"
               "pipelines: " + ", ".join(available_pipelines()))  # fmt: skip
         return 0
-    _refuse_keys_on_the_command_line(overrides)
+    refuse(overrides)
 
     def pipeline_task(cfg: DictConfig) -> int:
         hook = _summary_hook(cfg)
         run = run_pipeline(cfg)
         print_run(run, hook)
         raise_user_error(run)
-        return 0 if run.ok else 1
+        return 0 if run.ok else EXIT_FAILED
 
     return compose_command(pipeline_task, overrides)
 
@@ -365,6 +360,5 @@ def print_run(run: PipelineRun, hook: Any = None) -> None:
 
 
 def available_pipelines() -> list[str]:
-    from kimi_pipe.config import CONF_DIR
 
     return sorted(p.stem for p in (CONF_DIR / "pipeline").glob("*.yaml"))

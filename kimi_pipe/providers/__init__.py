@@ -1,1 +1,1 @@
-"""Buying answers: the LiteLLM call and its retries, the USD budget, the embedded local model."""
+"""Buying answers: the LiteLLM call and its retries, the USD budget, the local server."""

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from kimi_pipe.errors import ConfigError
+from kimi_pipe.plugins import ACCOUNTS, resolve_plugin
 from kimi_pipe.providers import openrouter_account
 from kimi_pipe.providers.errors import ProviderConfigError
 from kimi_pipe.providers.money import GenerationBill, KeyStatus
@@ -54,14 +56,13 @@ class OpenRouterAccount:
         return await openrouter_account.generation_bill(self.settings, key, generation_id)
 
 
-ACCOUNTS = {"openrouter": OpenRouterAccount}
-
-
 def account_for(settings: ProviderSettings) -> Account:
+    """`provider.account`: null (NoAccount), a name in kimi_pipe/plugins.py's ACCOUNTS, or
+    `package.module:Class` of your own (a class taking the ProviderSettings)."""
     if settings.account is None:
         return NoAccount(settings)
-    if settings.account not in ACCOUNTS:
-        raise ProviderConfigError(
-            f"provider.account={settings.account!r} is not one of {sorted(ACCOUNTS)} (or null)"
-        )
-    return ACCOUNTS[settings.account](settings)
+    try:
+        cls = resolve_plugin("provider.account", settings.account, ACCOUNTS)
+    except ConfigError as exc:
+        raise ProviderConfigError(f"{exc} (or null)") from None
+    return cls(settings)  # type: ignore[no-any-return]

@@ -20,6 +20,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from kimi_pipe.config import node_settings
 from kimi_pipe.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,6 @@ class BudgetSettings:
 
 def budget_settings(cfg: Any) -> BudgetSettings:
     """The composed config's checked `budget` node; a ConfigError names a wrong value."""
-    from kimi_pipe.config import node_settings
 
     return node_settings(cfg, "budget", BudgetSettings).check()
 

@@ -19,6 +19,12 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kimi_pipe.core.issue_codes import (
+    BILLED_ABOVE_RESERVATION,
+    BILLED_ERROR_BODY,
+    COST_BELOW_LISTED_PRICE,
+    TOOL_ARGUMENTS_NOT_STRING,
+)
 from kimi_pipe.core.reconstruction import LENGTH_REASONS
 from kimi_pipe.providers.costs import _count, _usage, response_cost
 from kimi_pipe.providers.credentials import scrub
@@ -35,7 +41,7 @@ def get_litellm() -> Any:
     global _litellm
     if _litellm is None:
         os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-        import litellm
+        import litellm  # optional dep
 
         litellm.suppress_debug_info = True  # no "Give Feedback" banners on every error
         litellm.telemetry = False
@@ -223,8 +229,8 @@ def http_client_for(settings: ProviderSettings) -> Any:
     if not settings.model.startswith("openrouter/"):
         return None
     get_litellm()  # first: its import settings (no price-map download)
-    import httpx
-    from litellm.llms.custom_httpx.http_handler import AsyncHTTPHandler
+    import httpx  # optional dep
+    from litellm.llms.custom_httpx.http_handler import AsyncHTTPHandler  # optional dep
 
     limit = None if settings.max_response_mb is None else int(settings.max_response_mb * (1 << 20))
 
@@ -233,7 +239,7 @@ def http_client_for(settings: ProviderSettings) -> Any:
         to httpx.ConnectError too; only a failure to connect is one."""
         cause = exc.__cause__ or exc.__context__
         try:
-            import aiohttp
+            import aiohttp  # optional dep
         except ImportError:
             return False
         if cause is None or isinstance(cause, aiohttp.ClientConnectorError):
@@ -316,10 +322,6 @@ def tool_arguments_not_strings(raw: Mapping[str, Any] | None) -> bool:
         if isinstance(fn, Mapping) and "arguments" in fn and not isinstance(fn["arguments"], str):
             return True
     return False
-
-
-TOOL_ARGUMENTS_NOT_STRING = "tool_arguments_not_string"
-BILLED_ERROR_BODY = "billed_error_body"
 
 
 async def attempt_once(
@@ -438,9 +440,9 @@ BILLED_UNSEEN = frozenset(
 )
 # Billing flags after which the answer's own cost cannot be trusted.
 UNTRUSTED_COST = frozenset({"cost_invalid", "no_usage", "usage_invalid"})
-OVERBILLED = "billed_above_reservation"
+OVERBILLED = BILLED_ABOVE_RESERVATION
 # A stated cost below tokens x listed price: the floor is booked instead.
-BELOW_LISTED = "cost_below_listed_price"
+BELOW_LISTED = COST_BELOW_LISTED_PRICE
 # Relative slack before a stated cost counts as below the floor (float rounding of prices).
 FLOOR_SLACK = 1e-6
 

@@ -8,6 +8,8 @@ import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
 from kimi_pipe.errors import ConfigError
 from kimi_pipe.providers.errors import MissingApiKey
 
@@ -137,7 +139,6 @@ def refuse_secrets(
     the value of an environment variable that looks like a credential: it would reach
     `.hydra/`, the log, the records or a file name. The message names the config key and
     the variable, never the value. `extra`: more resolved values by name (hydra.run.dir)."""
-    from omegaconf import DictConfig, ListConfig, OmegaConf
 
     environ = os.environ if environ is None else environ
     key_env = None

@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 
 from kimi_pipe.errors import ConfigError, ProviderError
+from kimi_pipe.store.local_model import LocalModelSpec, ensure_local_model
 
 # The child must never reach the network: no Hub look-ups, no PyPI update check.
 OFFLINE_ENV = {
@@ -120,7 +121,7 @@ def serve_local(
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(
             f"{model_dir} is not a model directory (no config.json); "
-            "create it with `python -m kimi_pipe.providers.local_model`"
+            "create it with `python -m kimi_pipe.store.local_model`"
         )
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -201,7 +202,6 @@ def provider_endpoint(cfg: Any, run_dir: Path) -> Iterator[dict[str, Any]]:
     if not server_cfg:
         yield {"model": provider.get("model"), "api_base": provider.get("api_base")}
         return
-    from kimi_pipe.providers.local_model import LocalModelSpec, ensure_local_model
 
     local = cfg.model.get("local_model")
     if not local:

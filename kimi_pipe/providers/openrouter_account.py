@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from typing import Any
+from urllib.parse import quote
 
 from kimi_pipe.providers.credentials import scrub
 from kimi_pipe.providers.errors import ProviderConfigError
@@ -52,7 +53,7 @@ async def listed_prices(settings: ProviderSettings, key: str) -> tuple[float, fl
 
 async def get_json(url: str, key: str, timeout_s: float = 30.0) -> Any:
     """GET a small JSON document from the provider (listing, key, generation stats)."""
-    import httpx
+    import httpx  # optional dep
 
     try:
         async with httpx.AsyncClient(timeout=timeout_s) as client:
@@ -103,7 +104,6 @@ async def generation_bill(
 ) -> GenerationBill | None:
     """What OpenRouter billed for one generation (`GET /generation?id=`: `total_cost`,
     `native_tokens_prompt`, `native_tokens_completion`), if it says."""
-    from urllib.parse import quote
 
     base = (settings.api_base or "").rstrip("/")
     if not base:

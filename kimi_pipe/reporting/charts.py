@@ -8,7 +8,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from kimi_pipe.reporting.data import RunStats, _pct
+from kimi_pipe.reporting.formatting import pct
+from kimi_pipe.reporting.stats import RunStats
 
 # --------------------------------------------------------------------------- charts
 
@@ -16,10 +17,10 @@ from kimi_pipe.reporting.data import RunStats, _pct
 def write_charts(stats: list[RunStats], out_dir: Path, ignored: Iterable[str] = ()) -> list[Path]:
     """One PNG per measure; each has a title, axis units and labelled bars. Providers the
     recommendation ignores are marked in every chart's axis labels."""
-    import matplotlib
+    import matplotlib  # optional dep
 
     matplotlib.use("Agg")  # files only; never needs a display
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional dep
 
     skip = set(ignored)
     names = [s.provider + ("\n(ignored)" if s.provider in skip else "") for s in stats]
@@ -66,7 +67,7 @@ def write_charts(stats: list[RunStats], out_dir: Path, ignored: Iterable[str] = 
         "% of answered requests",
         ylim=110,
     ) as ax:
-        grouped(ax, {"": [_pct(s.ok_rate) for s in stats]}, "{:.1f}%")
+        grouped(ax, {"": [pct(s.ok_rate) for s in stats]}, "{:.1f}%")
 
     with chart(
         "billing_drift.png",
@@ -104,7 +105,7 @@ def write_charts(stats: list[RunStats], out_dir: Path, ignored: Iterable[str] = 
         "% of returned tool calls (n/a: none)",
         ylim=110,
     ) as ax:
-        grouped(ax, {"": [_pct(s.tool_valid_rate) for s in stats]}, "{:.1f}%")
+        grouped(ax, {"": [pct(s.tool_valid_rate) for s in stats]}, "{:.1f}%")
 
     with chart(
         "cost.png",
@@ -133,8 +134,8 @@ def write_charts(stats: list[RunStats], out_dir: Path, ignored: Iterable[str] = 
         grouped(
             ax,
             {
-                "error rate": [_pct(s.error_rate) for s in stats],
-                "retry rate": [_pct(s.retry_rate) for s in stats],
+                "error rate": [pct(s.error_rate) for s in stats],
+                "retry rate": [pct(s.retry_rate) for s in stats],
             },
             "{:.1f}%",
         )

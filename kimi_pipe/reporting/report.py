@@ -11,29 +11,22 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from kimi_pipe.config import comma_lists, node_settings
 from kimi_pipe.core.evidence import LADDER
 from kimi_pipe.core.token_yield import yield_line
 from kimi_pipe.reporting.charts import write_charts
-from kimi_pipe.reporting.data import (
-    PROBES_DIR,
+from kimi_pipe.reporting.formatting import counter_text, fmt_num, fmt_pct, fmt_usd, pct
+from kimi_pipe.reporting.recommend import (
     Policy,
     Recommendation,
-    RunStats,
-    _counter_text,
-    _pct,
-    find_run_dirs,
-    fmt_num,
-    fmt_pct,
-    fmt_usd,
-    load_run,
     recommend_with_conformance,
-    report_data,
     routing_block,
     routing_overrides,
-    summarize,
 )
+from kimi_pipe.reporting.runs import find_run_dirs, load_run
+from kimi_pipe.reporting.stats import RunStats, summarize
 from kimi_pipe.store import atomic
-from kimi_pipe.store.layout import CONFORMANCE_JSON, REPORT_JSON
+from kimi_pipe.store.layout import CONFORMANCE_JSON, PROBES_DIR, REPORT_JSON
 
 
 @dataclass(frozen=True)
@@ -50,7 +43,6 @@ class ReportSettings(Policy):
 
 
 def settings_of(cfg: Any) -> ReportSettings:
-    from kimi_pipe.config import comma_lists, node_settings
 
     return node_settings(cfg, "report", ReportSettings, fix=comma_lists("ignore_quantizations"))
 
@@ -78,14 +70,14 @@ def render_markdown(
         "---: | ---: |",
     ]
     for s in stats:
-        tool = f"{fmt_pct(_pct(s.tool_valid_rate))} of {s.tool_calls}" if s.tool_calls else "n/a"
+        tool = f"{fmt_pct(pct(s.tool_valid_rate))} of {s.tool_calls}" if s.tool_calls else "n/a"
         lines.append(
             f"| {s.provider} | {s.name} | {s.quantization} | {s.requests} | "
-            f"{fmt_pct(_pct(s.ok_rate))} | {fmt_pct(s.drift_total_pct, 2)} | "
+            f"{fmt_pct(pct(s.ok_rate))} | {fmt_pct(s.drift_total_pct, 2)} | "
             f"{s.drift_samples}/{len(s.drift_pct)} | {tool} | {fmt_usd(s.usd_per_mtok)} | "
             f"{fmt_num(s.p50_latency, 2)} | {fmt_num(s.p95_latency, 2)} | "
-            f"{fmt_num(s.median_tokens_per_s)} | {fmt_pct(_pct(s.error_rate))} | "
-            f"{fmt_pct(_pct(s.retry_rate))} |"
+            f"{fmt_num(s.median_tokens_per_s)} | {fmt_pct(pct(s.error_rate))} | "
+            f"{fmt_pct(pct(s.retry_rate))} |"
         )
     lines += ["", "## Details per provider", ""]
     for s in stats:
@@ -97,18 +89,18 @@ def render_markdown(
             f"run ended: {s.stop_reason}",
             "- evidence ladder (answered records): "
             + ", ".join(f"{rung} {s.evidence[rung]}" for rung in LADDER),
-            f"- issue codes: {_counter_text(s.issues)}",
+            f"- issue codes: {counter_text(s.issues)}",
             f"- billing drift: {s.drift_tokens:+d} tokens over {s.reported_tokens} reported "
             f"({fmt_pct(s.drift_total_pct, 2)}); per sample min/median/max "
             f"{_spread(s.drift_pct)}",
             f"- tool calls: {s.tool_calls_valid}/{s.tool_calls} valid; problems: "
-            f"{_counter_text(s.tool_problems)}",
+            f"{counter_text(s.tool_problems)}",
             f"- cost: {fmt_usd(s.cost_usd)} in total, {fmt_usd(s.usd_per_mtok)} per million "
             "output tokens",
             f"- yield: {yield_line(s.token_yield) if s.token_yield else 'n/a'}",
-            f"- errors: {_counter_text(s.error_classes)}; mean attempts per request "
+            f"- errors: {counter_text(s.error_classes)}; mean attempts per request "
             f"{s.mean_attempts:.2f}; failed attempts {s.failed_attempts} "
-            f"({fmt_pct(_pct(s.attempt_failure_rate))} of all attempts)",
+            f"({fmt_pct(pct(s.attempt_failure_rate))} of all attempts)",
         ]
         if s.bad_lines:
             lines.append(f"- {s.bad_lines} unreadable line(s) in records.jsonl were skipped")
@@ -262,7 +254,7 @@ def add_conformance(text: str, stats: list[RunStats], conformance: dict[str, Any
         ]
         for s in stats:
             shares = ", ".join(
-                f"{code} {fmt_pct(_pct(n / s.answered))}" for code, n in s.issues.most_common()
+                f"{code} {fmt_pct(pct(n / s.answered))}" for code, n in s.issues.most_common()
             )
             lines.append(
                 f"- `{s.provider}`: {shares or 'none'}"
@@ -278,3 +270,41 @@ def add_conformance(text: str, stats: list[RunStats], conformance: dict[str, Any
 def _write_atomic(path: Path, text: str) -> None:
     # Write-then-rename: an interrupted report never leaves a half file behind.
     atomic.write_text(path, text)
+
+
+def report_data(stats: list[RunStats], rec: Recommendation) -> dict[str, Any]:
+    """The figures of report.md for scripts: one entry per run, then the routing."""
+    rows = []
+    for s in stats:
+        rows.append(
+            {
+                "provider": s.provider,
+                "run": s.name,
+                "served_by": s.served_by,
+                "quantization": s.quantization,
+                "requests": s.requests,
+                "answered": s.answered,
+                "ok_rate": s.ok_rate,
+                "evidence": {rung: s.evidence[rung] for rung in LADDER},
+                "yield": s.token_yield,
+                "billing_drift_pct": s.drift_total_pct,
+                "billing_drift_per_sample_pct": s.drift_pct,
+                "issues": dict(s.issues),
+                "tool_calls": s.tool_calls,
+                "tool_valid_rate": s.tool_valid_rate,
+                "tool_problems": dict(s.tool_problems),
+                "cost_usd": s.cost_usd,
+                "usd_per_mtok_output": s.usd_per_mtok,
+                "latency_p50_s": s.p50_latency,
+                "latency_p95_s": s.p95_latency,
+                "output_tokens_per_s": s.median_tokens_per_s,
+                "error_rate": s.error_rate,
+                "errors": dict(s.error_classes),
+                "retry_rate": s.retry_rate,
+                "attempt_failure_rate": s.attempt_failure_rate,
+                "stop_reason": s.stop_reason,
+                "verdict": rec.reasons.get(s.provider, ""),
+            }
+        )
+    routing = {"order": rec.order, "ignore": rec.ignore, "allow_fallbacks": False}
+    return {"runs": rows, "routing": routing}

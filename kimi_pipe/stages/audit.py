@@ -23,6 +23,7 @@ appended as they are made: a crash loses nothing, a rerun reuses them), `audit.j
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import sys
@@ -35,6 +36,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from kimi_pipe.config import typed_settings
 from kimi_pipe.core.id_compare import (  # noqa: F401  (re-exported: the audit's vocabulary)
     BILLING_ISSUE,
     FFFD,
@@ -43,7 +45,9 @@ from kimi_pipe.core.id_compare import (  # noqa: F401  (re-exported: the audit's
     classify,
     json_spans,
 )
+from kimi_pipe.core.models import load_model
 from kimi_pipe.errors import InputError, MissingFile
+from kimi_pipe.stages.command import compose_command
 from kimi_pipe.store import atomic
 from kimi_pipe.store.layout import AUDIT_JSON, RECORDS
 from kimi_pipe.store.records import RecordWriter, iter_records
@@ -140,7 +144,6 @@ class AuditSettings:
     def from_cfg(cls, cfg: Mapping[str, Any] | None) -> AuditSettings:
         """Typed from the `audit` node: an unknown key or a value of the wrong kind is a
         ConfigError naming `audit.KEY`."""
-        from kimi_pipe.config import typed_settings
 
         settings = typed_settings(dict(cfg or {}), cls, "audit")
         if settings.truth not in ("hf_greedy", "replies", "response"):
@@ -162,15 +165,15 @@ class HFGreedyTruth:
     the prompt is the tokenizer's own chat template over the record's messages."""
 
     def __init__(self, model_dir: Path, device: str, dtype: str, threads: int | None) -> None:
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        import torch  # optional dep
+        from transformers import AutoModelForCausalLM, AutoTokenizer  # optional dep
 
         if threads:
             torch.set_num_threads(int(threads))
         if not (model_dir / "config.json").is_file():
             raise AuditError(
                 f"{model_dir} is not a model directory; set audit.model_path (for the demo "
-                "model run `python -m kimi_pipe.providers.local_model`)"
+                "model run `python -m kimi_pipe.store.local_model`)"
             )
         self.model_dir = model_dir
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
@@ -181,7 +184,6 @@ class HFGreedyTruth:
         self._torch = torch
 
     def __call__(self, record: Mapping[str, Any], max_new_tokens: int) -> TruthIds:
-        import copy
 
         inputs = self.tokenizer.apply_chat_template(
             record["messages"],
@@ -475,7 +477,6 @@ def _model_path(cfg: DictConfig, s: AuditSettings) -> Path:
 
 def run_audit(cfg: DictConfig) -> dict[str, Any]:
     """Audit the records named by `cfg.audit`; writes audit.json/audit.md, returns the summary."""
-    from kimi_pipe.core.models import load_model
 
     s = AuditSettings.from_cfg(_audit_cfg(cfg))
     records_path = _records_path(s)
@@ -580,7 +581,6 @@ def run_stage(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from kimi_pipe.stages.command import compose_command
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 

@@ -27,7 +27,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
+import hydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from yaml import YAMLError
 
 from kimi_pipe.config import CONF_DIR, compose
 from kimi_pipe.errors import EXIT_USER_ERROR, ConfigError, StoreError, host_error, one_line
@@ -59,9 +64,6 @@ def compose_overrides(
 ) -> DictConfig:
     """The composed config, or a ConfigError naming the bad override. `moved` maps a key the
     command took before it was a Hydra app to its config key, said in the message."""
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-    from yaml import YAMLError
 
     try:
         cfg = compose(list(overrides))
@@ -101,10 +103,6 @@ def check_value_types(overrides: Sequence[str]) -> None:
     setting's default (a number, a whole number, true/false) is a ConfigError naming it,
     before a stage reads it deep inside. Settings whose default is null are the stage's to
     check; new keys (`+key=`) and interpolations are not checked."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
 
     try:
         parsed = OverridesParser.create().parse_overrides(list(overrides))
@@ -216,8 +214,6 @@ def _hydra_raises() -> Iterator[None]:
 
 def _hydra_failure(exc: Exception) -> int | None:
     """A failure raised by Hydra around the task, as one line and exit 2; None for a bug."""
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
 
     if isinstance(exc, HydraException | OmegaConfBaseException) and host_error(exc, "") is None:
         # A sweep's overrides (composed only here): Hydra's message, without its search path.
@@ -242,7 +238,6 @@ def hydra_command(task: Task, argv: Sequence[str] | None = None, *, name: str) -
     `name` is Hydra's job name: the saved config goes to `.hydra/<name>/` and the log to
     `<name>.log` in the run directory, whatever module holds the task. A write that fails
     on the host (a full disk: the saved config, the log) is one line and exit 2 too."""
-    import hydra
 
     overrides = list(sys.argv[1:] if argv is None else argv)
     if not any(a.startswith("hydra.job.name=") for a in overrides):

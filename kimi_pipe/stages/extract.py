@@ -34,8 +34,11 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from kimi_pipe.errors import MissingFile
 from kimi_pipe.extraction.executors import executor_of, run_executor
+from kimi_pipe.extraction.executors.worker import UnitSettings
 from kimi_pipe.extraction.sharding import run_sharded
 from kimi_pipe.extraction.token_samples import Backend, load_backend, records_path
+from kimi_pipe.stages.command import hydra_command
+from kimi_pipe.store.hidden_store import MANIFEST
 
 log = logging.getLogger("kimi_pipe.extract")
 
@@ -86,7 +89,6 @@ def store_dir(cfg: DictConfig, run_dir: Path) -> Path:
 
 
 def outputs(cfg: DictConfig, run_dir: Path) -> list[Path]:
-    from kimi_pipe.store.hidden_store import MANIFEST
 
     if executor_of(cfg) is not None:
         root = _unit_settings(cfg, run_dir).local_root
@@ -95,7 +97,6 @@ def outputs(cfg: DictConfig, run_dir: Path) -> list[Path]:
 
 
 def _unit_settings(cfg: DictConfig, run_dir: Path) -> Any:
-    from kimi_pipe.extraction.executors.worker import UnitSettings
 
     cfg = cfg.copy()
     with open_dict(cfg):
@@ -127,7 +128,6 @@ def run_stage(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kimi_pipe.stages.command import hydra_command
 
     def extract_stage(cfg: DictConfig) -> None:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

@@ -30,10 +30,11 @@ from omegaconf import DictConfig
 from kimi_pipe.errors import KimiPipeError
 from kimi_pipe.generation.errors import GenerateError
 from kimi_pipe.generation.job import finish_status
-from kimi_pipe.generation.launch import _refuse_keys_on_the_command_line, check_before_launch
+from kimi_pipe.generation.launch import check_before_launch, refuse_keys_on_the_command_line
 from kimi_pipe.generation.probes import generate, run_generate
 from kimi_pipe.stages.command import hydra_command, report
 from kimi_pipe.store.layout import RECORDS, SUMMARY
+from kimi_pipe.store.prompt_datasets import load_prompts
 from kimi_pipe.store.records_index import load_resume_index
 
 
@@ -43,7 +44,6 @@ def outputs(cfg: DictConfig, run_dir: Path) -> list[Path]:
 
 def is_complete(cfg: DictConfig, run_dir: Path) -> bool:
     """Every prompt of the dataset has a record (a run stopped by its budget is not)."""
-    from kimi_pipe.store.prompt_datasets import load_prompts
 
     if not all(p.exists() for p in outputs(cfg, run_dir)):
         return False
@@ -72,7 +72,7 @@ def run_stage(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    _refuse_keys_on_the_command_line(args)
+    refuse_keys_on_the_command_line(args)
     try:
         check_before_launch(args)  # before Hydra writes .hydra/ and the log
     except (KimiPipeError, OSError) as exc:

@@ -4,36 +4,36 @@ first so that generate, audit and extract all load the same converted weights.""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from kimi_pipe.errors import ConfigError
+from kimi_pipe.stages.command import compose_command
+from kimi_pipe.store.local_model import LocalModelSpec, converted_dir, ensure_local_model
+from kimi_pipe.store.local_model import is_complete as converted
 
 
 def _spec(cfg: DictConfig) -> Any:
-    from kimi_pipe.providers.local_model import LocalModelSpec
 
     node = OmegaConf.select(cfg, "model.local_model", default=None)
     return None if node is None else LocalModelSpec.from_cfg(node)
 
 
 def outputs(cfg: DictConfig, run_dir: Path) -> list[Path]:
-    from kimi_pipe.providers.local_model import converted_dir
 
     spec = _spec(cfg)
     return [] if spec is None else [converted_dir(spec)]
 
 
 def is_complete(cfg: DictConfig, run_dir: Path) -> bool:
-    from kimi_pipe.providers.local_model import is_complete as converted
 
     return all(converted(p) for p in outputs(cfg, run_dir))
 
 
 def run_stage(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:
-    from kimi_pipe.providers.local_model import ensure_local_model
 
     spec = _spec(cfg)
     if spec is None:
@@ -47,9 +47,6 @@ def run_stage(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """`kimi-pipe model model=smollm2`: convert the local model now (what pipelines do first)."""
-    import sys
-
-    from kimi_pipe.stages.command import compose_command
 
     def model_stage(cfg: DictConfig) -> int:
         print(f"model: {run_stage(cfg)['path']}", file=sys.stderr)

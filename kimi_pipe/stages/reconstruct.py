@@ -29,20 +29,22 @@ from omegaconf import DictConfig
 
 from kimi_pipe.conformance.auto import is_plain_auto, recorded_profile
 from kimi_pipe.core.evidence import LADDER, evidence_of
-from kimi_pipe.core.logprobs import LOGPROB_ERRORS, LogprobPolicy
+from kimi_pipe.core.issue_codes import BAD_SERVING_PROFILE, LOGPROB_ERRORS, MALFORMED_RECORD
+from kimi_pipe.core.issue_codes import RECONSTRUCTION_ERRORS as ERRORS
+from kimi_pipe.core.logprobs import LogprobPolicy
 from kimi_pipe.core.models import Model, load_model
-from kimi_pipe.core.reconstruction import ERRORS
 from kimi_pipe.core.record_builder import RecordBuilder
 from kimi_pipe.core.serving import UNKNOWN_PROFILE, ServingProfile, serving_profile
 from kimi_pipe.core.token_record import TokenRecord
 from kimi_pipe.errors import ConfigError, InputError, MissingFile
+from kimi_pipe.stages.command import compose_command
 from kimi_pipe.store import atomic
 from kimi_pipe.store.layout import RECONSTRUCTED, RECORDS
+from kimi_pipe.store.records import iter_records
 
-MALFORMED = "malformed_record"
-# Codes that make a record flagged: the reconstruction errors and the stage's own.
-# A stored record whose `serving_profile` names no conf/serving profile (serving=auto).
-BAD_SERVING_PROFILE = "bad_serving_profile"
+MALFORMED = MALFORMED_RECORD
+# Codes that make a record flagged: the reconstruction errors and the stage's own
+# (BAD_SERVING_PROFILE: a stored `serving_profile` naming no conf/serving profile).
 FLAG_CODES = ERRORS | LOGPROB_ERRORS | {MALFORMED, BAD_SERVING_PROFILE}
 UTF8_BOM = b"\xef\xbb\xbf"
 # A \uD800-\uDFFF escape: the only way a JSON line can carry a lone surrogate. Pairs (emoji
@@ -297,7 +299,6 @@ def run_stage(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:
 
 def compare_with_generate(source: Path, target: Path) -> dict[str, int]:
     """How many reconstructed records carry the very ids generate wrote inline."""
-    from kimi_pipe.store.records import iter_records
 
     inline = {r["id"]: r for r in iter_records(source) if not r.get("error")}
     keys = ("prompt_ids", "output_ids", "loss_mask")
@@ -314,7 +315,6 @@ def compare_with_generate(source: Path, target: Path) -> dict[str, int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from kimi_pipe.stages.command import compose_command
 
     return compose_command(run_stage, argv, usage=__doc__)
 

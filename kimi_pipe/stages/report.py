@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kimi_pipe.errors import ConfigError
-from kimi_pipe.reporting.data import Policy
+from kimi_pipe.reporting.recommend import Policy
 from kimi_pipe.reporting.report import (  # noqa: F401  (the report's names, as callers know them)
     Recommendation,
     build_report,

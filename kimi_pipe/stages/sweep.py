@@ -31,13 +31,23 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from kimi_pipe.config import comma_lists, node_settings
 from kimi_pipe.conformance.probe import battery_of, check_providers, with_overrides
-from kimi_pipe.errors import EXIT_INTERRUPTED, ConfigError
+from kimi_pipe.core.models import load_model
+from kimi_pipe.errors import (
+    EXIT_INTERRUPTED,
+    EXIT_USER_ERROR,
+    ConfigError,
+    InputError,
+    KimiPipeError,
+    one_line,
+)
 from kimi_pipe.generation.job import finish_status
 from kimi_pipe.generation.probes import probe_providers, run_generate
-from kimi_pipe.reporting.data import PROBES_DIR
 from kimi_pipe.reporting.report import build_report, policy_of
-from kimi_pipe.store.layout import RECORDS
+from kimi_pipe.stages.command import compose_command, override_key
+from kimi_pipe.store.layout import PROBES_DIR, RECORDS
+from kimi_pipe.store.prompt_datasets import check_prompt_source
 
 # Where the provider group keeps the pinned order and the fallback switch.
 ORDER_KEY = "provider.routing.order"
@@ -69,7 +79,6 @@ class SweepSettings:
 
 def settings_of(cfg: Any) -> SweepSettings:
     """The checked `sweep` settings of a composed config (usd filled from budget.usd)."""
-    from kimi_pipe.config import comma_lists, node_settings
 
     settings = node_settings(cfg, "sweep", SweepSettings, fix=comma_lists("providers"))
     check_providers(settings.providers, "sweep.providers")
@@ -170,7 +179,6 @@ def run_jobs(base: DictConfig, settings: SweepSettings, sweep_dir: Path, limit_k
     """One generate job per provider, in this process; the worst job's exit status. A
     mistake in the shared config (ConfigError, InputError) stops the sweep, said once; a
     failure of one provider's job is said for it and the next provider goes on."""
-    from kimi_pipe.errors import EXIT_USER_ERROR, InputError, KimiPipeError, one_line
 
     worst = 0
     for slug in settings.providers:
@@ -224,8 +232,6 @@ def sweep(
         print("[sweep] the same as: " + shlex.join(command), file=sys.stderr, flush=True)
     if settings.dry_run:
         return 0, summary
-    from kimi_pipe.core.models import load_model
-    from kimi_pipe.store.prompt_datasets import check_prompt_source
 
     # What every job shares is checked once, before the probes buy anything: the prompts,
     # and a model config its tokenizer contradicts.
@@ -256,7 +262,6 @@ MOVED = {
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from kimi_pipe.stages.command import compose_command, override_key
 
     overrides = list(sys.argv[1:] if argv is None else argv)
     # What the jobs take from the command line, for the equivalent multirun shown (not the

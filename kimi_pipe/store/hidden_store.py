@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -490,8 +491,6 @@ def write_tokens_dataset(path: str | os.PathLike[str]) -> None:
     with atomic.atomic_path(out) as tmp:
         save_rows(rows(), Path(tmp), {"id": [], "input_ids": [], "loss_mask": []})
         if out.exists():
-            import shutil
-
             shutil.rmtree(out)  # a directory cannot be renamed over a non-empty one
 
 

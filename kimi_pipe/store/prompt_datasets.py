@@ -534,7 +534,7 @@ def _load_hf(cfg: DictConfig, name: str, streaming: bool) -> Any:
 def _indexed_rows(ds: Any, seed: int | None, chunk: int = 256) -> Iterator[tuple[int, Any]]:
     """All rows of a map-style dataset as (original index, row), shuffled with `seed`
     exactly like `Dataset.shuffle(seed=seed)` (numpy default_rng permutation)."""
-    import numpy as np
+    import numpy as np  # optional dep
 
     n = len(ds)
     order = np.random.default_rng(seed).permutation(n) if seed is not None else np.arange(n)

@@ -31,6 +31,7 @@ from kimi_pipe.store.records import (
     ResumeIndex,
     _json_object,
     append_whole,
+    iter_records,
     open_append_fd,
     parse_resume_index,
     record_cost,
@@ -176,7 +177,6 @@ def _read_entries(records_path: Path, into: ResumeIndex | None = None) -> int | 
 def load_indexed(records_path: str | Path, *spend_logs: str | Path) -> ResumeIndex | None:
     """`load_resume_index` from the index plus the records past it; None when there
     is no index that describes the file (then parse it whole)."""
-    from kimi_pipe.store.records import iter_records
 
     path = Path(records_path)
     index = ResumeIndex()

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import load
 
 from kimi_pipe.store import objects
 from kimi_pipe.store.hidden_store import HiddenStore, IndexEntry
@@ -86,7 +87,6 @@ class UnitHiddenStore(HiddenStore):
         return path
 
     def _object(self, rel: str) -> dict[str, torch.Tensor]:
-        from safetensors.torch import load
 
         if rel in self._cache:
             self._cache.move_to_end(rel)

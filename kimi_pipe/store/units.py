@@ -61,6 +61,7 @@ from typing import Any
 
 import torch
 from fsspec import AbstractFileSystem
+from safetensors.torch import load
 
 from kimi_pipe.errors import ConfigError, MissingFile, StoreError
 from kimi_pipe.store import objects
@@ -343,7 +344,6 @@ class UnitStore:
         """(sample id, tensors) of one committed unit, one data object in memory at a time.
         `dequantize`: fp8 states come back in the manifest's dtype (as `HiddenStore[id]`);
         False: as stored, with their `<state>_scale` rows (as `HiddenStore.raw`)."""
-        from safetensors.torch import load
 
         read_dtype = torch_dtype(self.plan.manifest["dtype"])
         by_part: dict[int, list[tuple[str, int, int]]] = {}

@@ -23,8 +23,11 @@ import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
+
+from omegaconf import OmegaConf
 
 from kimi_pipe.config import CONF_DIR
 from kimi_pipe.errors import ConfigError
@@ -123,8 +126,8 @@ def ensure_local_model(spec: LocalModelSpec, log: Any = None) -> Path:
 
 
 def _convert(gguf: Path, out: Path, spec: LocalModelSpec) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import torch  # optional dep
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # optional dep
 
     gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -158,7 +161,6 @@ def _sha256(path: Path) -> str:
 
 
 def _version(package: str) -> str:
-    from importlib.metadata import version
 
     return version(package)
 
@@ -171,8 +173,7 @@ def _say(log: Any, message: str) -> None:
 
 
 def main() -> None:
-    """`python -m kimi_pipe.providers.local_model`: convert the demo's local model."""
-    from omegaconf import OmegaConf
+    """`python -m kimi_pipe.store.local_model`: convert the demo's local model."""
 
     conf = CONF_DIR / "model" / "smollm2.yaml"
     name = sys.argv[1] if len(sys.argv) > 1 else str(conf)

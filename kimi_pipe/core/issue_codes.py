@@ -1,0 +1,148 @@
+"""Every code a record can carry, in one place: issue codes, notes, evidence rungs and flags.
+
+A record's `issues` list holds errors (they make `ok` false) and notes (listed, `ok` kept);
+its `evidence` is one rung of the ladder (docs/design.md, "Evidence ladder"). The modules
+that set a code import it from here; the older names (`reconstruction.ERRORS`,
+`split_check.SPLIT_AMBIGUOUS`, ...) are these same objects, imported where they were defined.
+This module imports nothing of the package: every layer may use it.
+"""
+
+from __future__ import annotations
+
+# --- the evidence ladder (core/evidence.py), strongest first ---------------------------------
+ENGINE_IDS = "engine_ids"  # whole-output logprobs confirmed against the text and the bill
+TEXT_PROVEN = "text_proven"  # text + serving profile + billed length prove the ids
+TARGET_RESOLVED = "target_resolved"  # the target model chose among a closed candidate set
+PREFIX_PROVEN = "prefix_proven"  # flagged; the ids every reading shares up to a cut are used
+POSTERIOR_SAMPLED = "posterior_sampled"  # flagged; drawn from the target's posterior, not bought
+UNRESOLVED = "unresolved"  # flagged; `issues` says why
+
+# --- reconstruction (core/reconstruction.py): errors make `ok` false -------------------------
+BILLING_MISMATCH = "billing_mismatch"  # reconstructed length != usage.completion_tokens (+- tol)
+PARTIAL_CHARACTER = "partial_character"  # cut inside a UTF-8 character (text holds U+FFFD)
+LEADING_SPACE_AFTER_MARKER = "leading_space_after_marker"  # a space after a marker: whose?
+SPACE_BEFORE_TOOL_SECTION = "space_before_tool_section"  # content ends in whitespace: moved?
+REASONING_TAIL_UNVERIFIABLE = "reasoning_tail_unverifiable"  # stripped tail the bill can't prove
+TOOL_ARGUMENTS_EDGES_UNVERIFIABLE = "tool_arguments_edges_unverifiable"  # stripped edges
+RECONSTRUCTION_ERRORS = frozenset(
+    {
+        BILLING_MISMATCH,
+        "malformed_response",  # no choices / no message / not an object
+        "provider_error",  # an error body or finish_reason "error"
+        "empty_response",  # nothing at all came back
+        "bad_prompt",  # the prompt messages cannot be rendered
+        PARTIAL_CHARACTER,
+        # What a serving stack may change without changing the length (docs/serving_profiles.md):
+        LEADING_SPACE_AFTER_MARKER,
+        "marker_spacing_mismatch",  # the profile declares marker spaces, the answer lacks them
+        "tool_index_untrusted",  # a tool-call id whose index is not the model's counter
+        "tool_name_not_declared",  # an id rebuilt from a name the request does not declare
+        "reasoning_without_think_end",  # reasoning only, no think-end: dropped or never written?
+        REASONING_TAIL_UNVERIFIABLE,
+        "tool_arguments_maybe_coerced",  # typed values a stack may have re-serialised ("30" -> 30)
+        SPACE_BEFORE_TOOL_SECTION,
+        # A stack that strips the arguments' edges (`\s*` in the parser) leaves no trace of
+        # whitespace there that costs no id (' {"' and '{"' are one token each):
+        TOOL_ARGUMENTS_EDGES_UNVERIFIABLE,
+        # A conversation with earlier calls and an index a stack rebuilt or may have rebuilt:
+        # the model's own index (its counter, or 0 again) is not in the text.
+        "tool_index_unverifiable",
+    }
+)
+
+# --- reconstruction notes: listed, `ok` kept ----------------------------------------------
+# finish_reason == "length": cut by max_tokens. Its ids are proven like any other (no
+# end-of-turn appended); a cut inside a character is `partial_character`.
+TRUNCATED = "truncated"
+SINGLE_CANDIDATE = "single_candidate"  # one id sequence fits text, every reading and the bill
+RECONSTRUCTION_NOTES = frozenset(
+    {
+        TRUNCATED,
+        SINGLE_CANDIDATE,
+        "tool_call_ids_rebuilt",  # ids not in the model's pattern were rebuilt
+        "no_usage",  # no usage.completion_tokens to check against
+        "reasoning_from_content",  # no reasoning field: split content at the think-end marker
+        "reasoning_from_details",  # reasoning taken from reasoning_details blocks
+        "raw_markers_in_content",  # marker text inside content became marker ids
+        "tool_arguments_not_json",  # kept verbatim where the format wanted parsed arguments
+        "prompt_tokens_mismatch",  # rendered prompt length != usage.prompt_tokens
+        # A declared serving profile undid a change (docs/serving_profiles.md):
+        "marker_spaces_removed",  # the space beside each marker removed (spaces_between_...)
+        "tool_index_repaired",  # index mapped back to the model's conversation counter
+        "tool_name_repaired",  # truncated dotted name matched to the one declared tool
+        "no_think_end",  # the model ended its turn inside the reasoning (billed length proves it)
+    }
+)
+# Codes that keep a record out of training files whatever the policy: the last id is unknown.
+NEVER_USABLE = frozenset({PARTIAL_CHARACTER})
+
+# --- engine logprobs (core/logprobs.py) -----------------------------------------------------
+LOGPROB_ERRORS = frozenset(
+    {
+        "logprob_mismatch",  # covered text differs from the answer text
+        # Entries that are not tokens or do not fit the output: the answer was changed
+        # somewhere between the engine and us, so re-encoding its text proves nothing.
+        "logprobs_invalid",
+    }
+)
+NONCANONICAL_SPLIT = "noncanonical_split"  # same text, other ids than re-encoding: engine's kept
+LOGPROB_NOTES = frozenset(
+    {
+        NONCANONICAL_SPLIT,
+        "logprobs_missing",  # logprobs were asked for and none came back
+        # The text differs from the engine's tokens only where stacks change it (whitespace
+        # beside markers, argument values coerced to schema types): the engine's ids kept.
+        "stack_changed_text",
+    }
+)
+
+# --- answer checks (core/answer_checks.py) --------------------------------------------------
+CONTENT_FILTER = "content_filter"  # the provider's filter cut or replaced the answer
+ANSWER_CODES = frozenset(
+    {
+        "other_model",  # the answer names another model than the one requested
+        "finish_reason_null",  # the provider said nothing about why the answer ended
+        "finish_reason_unknown",  # a finish reason no provider documents
+        CONTENT_FILTER,
+    }
+)
+TEXT_CODES = frozenset(
+    {
+        "prompt_text_replaced",  # the prompt held lone surrogates / invalid UTF-8 (now U+FFFD)
+        "answer_text_replaced",  # the answer did
+        "api_key_echoed",  # the answer contained the API key (redacted before writing)
+    }
+)
+
+# --- closed candidate sets (core/candidates.py): flag code -> ambiguity class ------------
+CLASS_OF_CODE = {
+    REASONING_TAIL_UNVERIFIABLE: "reasoning_tail",
+    LEADING_SPACE_AFTER_MARKER: "marker_space",
+    SPACE_BEFORE_TOOL_SECTION: "tool_section_space",
+    TOOL_ARGUMENTS_EDGES_UNVERIFIABLE: "argument_edges",
+}
+
+# --- the reconstruct stage (stages/reconstruct.py) ----------------------------------------
+MALFORMED_RECORD = "malformed_record"  # an input line that is no record (bad JSON, wrong kinds)
+BAD_SERVING_PROFILE = "bad_serving_profile"  # a stored serving_profile names no conf/serving
+
+# --- target resolution and split checks (extraction/) -------------------------------------
+TARGET_UNRESOLVED = "target_unresolved"  # scored, but no option reached resolve.min_posterior
+RESOLVED_BY_TARGET = "resolved_by_target"  # note: the target chose the option (posterior stated)
+SPLIT_CHECKED = "split_checked"  # note: no other split was possible under the sampling
+SPLIT_RESOLVED = "split_resolved"  # note: the target chose among splits (posterior stated)
+SPLIT_AMBIGUOUS = "split_ambiguous"  # issue: another split is too likely, or not enumerable
+TARGET_DISAGREES = "target_disagrees"  # issue: the ids are impossible under the sampling
+PREFIX_SPLIT_CHECKED = "prefix_split_checked"  # note: the target confirmed the prefix
+PREFIX_SPLIT_AMBIGUOUS = "prefix_split_ambiguous"  # issue: another split may leave it early
+
+# --- extraction's per-sample skip reasons (extraction/sharding.py) ---------------------------
+NONFINITE_HIDDEN_STATE = "nonfinite_hidden_state"  # a captured state has NaN or inf: not written
+CAPTURE_OOM = "capture_oom"  # out of memory even alone in a batch: sample not written
+BAD_CAPTURE = "bad_capture"  # the engine returned states of the wrong shape for this sample
+
+# --- provider billing flags (providers/calls.py) -----------------------------------------
+TOOL_ARGUMENTS_NOT_STRING = "tool_arguments_not_string"  # a stack sent arguments as an object
+BILLED_ERROR_BODY = "billed_error_body"  # an error body that was billed anyway
+BILLED_ABOVE_RESERVATION = "billed_above_reservation"  # stated cost above what was reserved
+COST_BELOW_LISTED_PRICE = "cost_below_listed_price"  # stated cost < tokens x listed price
