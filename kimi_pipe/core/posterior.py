@@ -34,10 +34,10 @@ from kimi_pipe.core.evidence import (
     UNRESOLVED,
     evidence_of,
 )
+from kimi_pipe.core.issue_codes import TARGET_UNRESOLVED
 from kimi_pipe.core.token_record import TokenRecord
 
 RULE = "drawn from the target's posterior over the closed set; not the ids bought"
-TARGET_UNRESOLVED = "target_unresolved"  # as extraction/resolve.py names it
 
 
 def posteriors_of(logprobs: Sequence[float | None]) -> list[float] | None:

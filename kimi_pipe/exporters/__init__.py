@@ -20,6 +20,15 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from kimi_pipe.config import whole_number
+from kimi_pipe.core.evidence import (
+    NEVER_USABLE,
+    POSTERIOR_SAMPLED,
+    PREFIX_PROVEN,
+    evidence_of,
+    has_prefix,
+    parse_accept,
+)
 from kimi_pipe.errors import ConfigError
 from kimi_pipe.exporters import hub, parallel
 from kimi_pipe.exporters.base import (
@@ -32,6 +41,7 @@ from kimi_pipe.exporters.base import (
 )
 from kimi_pipe.exporters.card import dataset_card
 from kimi_pipe.exporters.modelopt import modelopt_path
+from kimi_pipe.exporters.prefix import cut_to_prefix, run_yield
 from kimi_pipe.exporters.specforge import (
     ROWS_PER_DIR,
     SPECFORGE_CONFIG,
@@ -466,8 +476,6 @@ class ExportPolicy:
     def row_labels(self, store: int, sample_id: str) -> dict[str, Any]:
         """What an index row says of its sample: its rung, and `drawn` for ids drawn from
         the target's posterior (posterior_sampled: not the ids bought, core/posterior.py)."""
-        from kimi_pipe.core.evidence import POSTERIOR_SAMPLED
-
         rung = self.rung_of.get((store, sample_id), "no_record")
         return {"evidence": rung, **({"drawn": True} if rung == POSTERIOR_SAMPLED else {})}
 
@@ -489,15 +497,6 @@ class ExportPolicy:
 
 def accepted_samples(stores: Sequence[HiddenStore], accept: Sequence[str] | None) -> ExportPolicy:
     """The export policy over the stores' source records (last record of an id wins)."""
-    from kimi_pipe.core.evidence import (
-        NEVER_USABLE,
-        POSTERIOR_SAMPLED,
-        PREFIX_PROVEN,
-        evidence_of,
-        has_prefix,
-        parse_accept,
-    )
-    from kimi_pipe.exporters.prefix import cut_to_prefix
 
     rung_of: dict[tuple[int, str], str] = {}
     for si, store in enumerate(stores):
@@ -526,8 +525,6 @@ def accepted_samples(stores: Sequence[HiddenStore], accept: Sequence[str] | None
 def source_figures(store: HiddenStore, accept: Sequence[str] | None = None) -> dict[str, Any]:
     """Fidelity (audit.json), billing drift (summary.json, records) and yield in tokens and
     dollars under `accept` (core/token_yield.py) of a store's sources."""
-    from kimi_pipe.exporters.prefix import run_yield
-
     runs = [Path(r) for r in store.manifest.get("source_runs", [])]
     out: dict[str, Any] = {"store": store_name(store), "runs": []}
     for run in runs:
@@ -567,7 +564,6 @@ def export_choice(cfg: DictConfig) -> tuple[str, dict[str, Any]]:
     settings.pop("name", None)
     for key in ENGINE_KEYS:  # the engine's settings, not the format's (run_export)
         settings.pop(key, None)
-    from kimi_pipe.config import whole_number
 
     if "max_length" in settings:
         settings["max_length"] = whole_number(settings["max_length"], "export.max_length")

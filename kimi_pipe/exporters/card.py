@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from kimi_pipe.core.evidence import POSTERIOR_SAMPLED
+from kimi_pipe.core.token_yield import yield_line
 from kimi_pipe.exporters.base import Exporter
 
 
@@ -105,8 +107,6 @@ def _policy_rows(policy: dict[str, Any] | None) -> list[str]:
 def _drawn_lines(policy: dict[str, Any] | None) -> list[str]:
     """A warning at the top of the card when some samples hold ids DRAWN from the target's
     posterior (`posterior_sampled`, opt-in: resolve.posterior_sampled and export.accept)."""
-    from kimi_pipe.core.evidence import POSTERIOR_SAMPLED
-
     n = (policy or {}).get("exported_by_evidence", {}).get(POSTERIOR_SAMPLED, 0)
     if not n:
         return []
@@ -126,7 +126,6 @@ def _yield_lines(block: dict[str, Any] | None) -> list[str]:
     """A source run's yield in tokens and dollars (core/token_yield.py)."""
     if not block:
         return []
-    from kimi_pipe.core.token_yield import yield_line
 
     rungs = ", ".join(f"{r} {n}" for r, n in block["exact_by_rung"].items() if n)
     return [

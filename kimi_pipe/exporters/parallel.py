@@ -32,6 +32,7 @@ from typing import Any, Protocol
 
 import torch
 
+from kimi_pipe.config import whole_number
 from kimi_pipe.errors import ConfigError
 from kimi_pipe.exporters.base import Exporter, load_exporter
 from kimi_pipe.exporters.stores import open_stores
@@ -76,8 +77,6 @@ class TaskResult:
 
 def check_workers(value: Any) -> int:
     """`export.workers`: a whole number >= 1."""
-    from kimi_pipe.config import whole_number
-
     n = whole_number(value, "export.workers")
     if n is None:
         return 1

@@ -18,6 +18,7 @@ import torch
 from kimi_pipe.errors import ConfigError, StoreError
 from kimi_pipe.exporters.base import ExportContext, Exporter
 from kimi_pipe.store import atomic
+from kimi_pipe.store.arrow_rows import save_rows
 from kimi_pipe.store.conventions import PRE_NORM
 from kimi_pipe.store.hidden_store import FP8, FP8_MAX, FP8_TORCH
 
@@ -43,8 +44,6 @@ def _write_rows(out: Path, rows: Iterable[dict[str, Any]]) -> None:
     """The Arrow rows speculators' ArrowDataset reads with load_from_disk(data_path),
     streamed (kimi_pipe/store/arrow_rows.py): memory follows a batch of rows."""
     from datasets import load_from_disk
-
-    from kimi_pipe.store.arrow_rows import save_rows
 
     staging = out / ".rows.tmp"
     # Its loader compares token_ids with the row's input_ids as tensors: store torch format,

@@ -11,6 +11,7 @@ from typing import Any
 from kimi_pipe.errors import ConfigError, MissingFile
 from kimi_pipe.store.hidden_store import HiddenStore
 from kimi_pipe.store.unit_reader import UnitHiddenStore, is_unit_store
+from kimi_pipe.store.units import UnitStore
 
 _COMPATIBLE_KEYS = (
     "model",
@@ -52,8 +53,6 @@ def open_stores(
     stores: list[HiddenStore] = []
     for ref in store_refs(paths):
         if is_url(ref):
-            from kimi_pipe.store.units import UnitStore
-
             try:
                 stores.append(
                     UnitHiddenStore(UnitStore.open(ref, **dict(storage_options or {})), url=ref)

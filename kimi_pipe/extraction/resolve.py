@@ -38,9 +38,11 @@ from typing import Any, Protocol, cast
 import torch
 
 from kimi_pipe.core.evidence import UNRESOLVED as UNRESOLVED
-from kimi_pipe.core.issue_codes import RESOLVED_BY_TARGET, TARGET_UNRESOLVED
+from kimi_pipe.core.issue_codes import CLASS_OF_CODE, RESOLVED_BY_TARGET, TARGET_UNRESOLVED
 from kimi_pipe.core.issue_codes import TARGET_RESOLVED as TARGET_RESOLVED  # one home
+from kimi_pipe.core.logprobs import LOGPROB_NOTES
 from kimi_pipe.core.prefix import with_prefix
+from kimi_pipe.core.reconstruction import NOTES
 from kimi_pipe.core.token_record import TokenRecord
 from kimi_pipe.errors import ConfigError
 from kimi_pipe.extraction.sampler import (  # noqa: F401  (re-exported: resolve's public names)
@@ -63,15 +65,8 @@ RESOLVED_NOTE = RESOLVED_BY_TARGET
 # The run directory's lock (store/run_lock.py): generate holds it.
 LOCK_FILE = LOCK
 
-# Which error codes an ambiguity class accounts for where kimi_pipe.core.candidates (helper
-# 19a, the owner of the classes) has no CLASS_OF_CODE table. A stripped tail that billing saw
-# shows as billing_mismatch, which the tail's enumeration covers.
-_FALLBACK_CLASS_OF_CODE: dict[str, str] = {
-    "reasoning_tail_unverifiable": "reasoning_tail",
-    "leading_space_after_marker": "marker_space",
-    "space_before_tool_section": "tool_section_space",
-    "tool_arguments_edges_unverifiable": "argument_edges",
-}
+# A stripped tail that billing saw shows as billing_mismatch, which the tail's enumeration
+# covers (covered_issues).
 _TAIL_CLASSES = frozenset({"reasoning_tail", "content_tail"})
 
 
@@ -286,12 +281,8 @@ def decide(logprobs: Sequence[float], min_posterior: float) -> dict[str, Any]:
 
 
 def covered_issues(candidates: Mapping[str, Any]) -> frozenset[str]:
-    """Error codes a candidate set accounts for (its classes'), per kimi_pipe.core.candidates."""
-    try:
-        from kimi_pipe.core import candidates as core_candidates
-    except ImportError:
-        core_candidates = None  # type: ignore[assignment]
-    table = getattr(core_candidates, "CLASS_OF_CODE", None) or _FALLBACK_CLASS_OF_CODE
+    """Error codes a candidate set accounts for (its classes', core/issue_codes.CLASS_OF_CODE)."""
+    table = CLASS_OF_CODE
     classes = set(candidates.get("classes") or [])
     codes = {code for code, cls in table.items() if cls in classes}
     if classes & _TAIL_CLASSES:
@@ -301,8 +292,6 @@ def covered_issues(candidates: Mapping[str, Any]) -> frozenset[str]:
 
 def blocking_issues(codes: Sequence[str]) -> set[str]:
     """The codes that make a record unusable (notes do not; an unknown code does)."""
-    from kimi_pipe.core.logprobs import LOGPROB_NOTES
-    from kimi_pipe.core.reconstruction import NOTES
 
     return {c for c in codes if c not in NOTES and c not in LOGPROB_NOTES}
 

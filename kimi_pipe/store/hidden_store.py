@@ -66,6 +66,7 @@ from safetensors.torch import save_file
 
 from kimi_pipe.errors import ConfigError, MissingFile
 from kimi_pipe.store import atomic
+from kimi_pipe.store.arrow_rows import save_rows
 from kimi_pipe.store.teacher_rounding import DOC as ROUNDING_DOC
 from kimi_pipe.store.teacher_rounding import (
     RoundingCounts,
@@ -474,8 +475,6 @@ class StoreWriter:
 def write_tokens_dataset(path: str | os.PathLike[str]) -> None:
     """(Re)write tokens/ from the committed shards: id, input_ids, loss_mask per sample,
     streamed (store/arrow_rows.py): memory follows a batch of rows, not the store."""
-    from kimi_pipe.store.arrow_rows import save_rows
-
     store = HiddenStore(path)
 
     def rows() -> Iterator[dict[str, Any]]:

@@ -34,6 +34,7 @@ from kimi_pipe.extraction.token_samples import (
     Backend,
     TokenSample,
     apply_max_len,
+    load_backend,
     loss_mask_convention,
     output_path,
     read_token_records,
@@ -289,8 +290,6 @@ def serve_follower(cfg: DictConfig) -> dict[str, Any]:
 
 def open_worker_backend(cfg: DictConfig) -> Backend:
     """The engine of one worker (`extract.backend`), as the work-shard path opens it."""
-    from kimi_pipe.extraction.token_samples import load_backend
-
     return load_backend(cfg)
 
 
