@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
     from kimi_pipe.providers.account import KeyStatus
     from kimi_pipe.providers.budget import Budget, BudgetSettings, Pricing, SlowStart
+    from kimi_pipe.providers.pacing import Pacer
     from kimi_pipe.providers.settings import ProviderSettings
     from kimi_pipe.store.spend_journal import SpendJournal
 
@@ -69,6 +70,7 @@ class RunSummary:
     startup_s: float
     settings: ProviderSettings
     window: SlowStart
+    pacer: Pacer | None
 
     def summary(
         self, records_path: Path, errors_path: Path, skipped_rows: Counter[str]
@@ -166,6 +168,16 @@ class RunSummary:
                 "output_tokens_per_s": s.output_tokens / wall if wall > 0 else None,
                 "concurrency": self.settings.concurrency,
                 "concurrency_reached": self.window.peak,
+                # Requests held back to stay within provider.rpm / tpm (None: not paced).
+                "paced": None
+                if self.pacer is None
+                else {
+                    "rpm": self.pacer.rpm,
+                    "tpm": self.pacer.tpm,
+                    "window_s": self.pacer.window_s,
+                    "requests_waited": self.pacer.paced,
+                    "wait_s": round(self.pacer.waited_s, 3),
+                },
             },
         }
 
