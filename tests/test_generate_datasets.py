@@ -18,7 +18,13 @@ from kimi_pipe.config import compose
 from kimi_pipe.errors import ConfigError
 from kimi_pipe.generation.datasets import dataset_nodes, run_dir_spend
 from kimi_pipe.generation.probes import generate
-from tests.support.conftest_generate import base_overrides, read_jsonl, write_prompts
+from kimi_pipe.stages.generate import is_complete
+from tests.support.conftest_generate import (
+    base_overrides,
+    read_jsonl,
+    run_subprocess,
+    write_prompts,
+)
 from tests.support.fake_openrouter import Behaviour
 
 pytestmark = pytest.mark.usefixtures("api_key_env")
@@ -80,6 +86,10 @@ def test_the_second_dataset_stops_at_the_shared_cap_and_a_restart_keeps_the_spen
     assert status == 0 and more["datasets"]["b"]["stop_reason"] == "done"
     assert len(read_jsonl(out / "b" / "records.jsonl")) == 40
     assert srv.total_cost() <= 0.05
+    # The runner's completeness check reads each dataset's run directory.
+    assert is_complete(compose(overrides), out)
+    (out / "b" / "records.jsonl").write_text("")
+    assert not is_complete(compose(overrides), out)
 
 
 def test_a_killed_runs_open_requests_and_a_dropped_dataset_count_against_the_cap(
@@ -119,3 +129,21 @@ def test_the_datasets_setting_is_checked(tmp_path: Path) -> None:
             dataset_nodes(compose([bad]))
     node = dataset_nodes(compose(["datasets=[{name: mine, path: p.jsonl}]"]))
     assert node is not None and OmegaConf.to_container(node[0])["source"] == "jsonl"
+
+
+def test_the_command_line_runs_a_job_of_two_datasets(
+    tmp_path: Path, fake_openrouter, kimi_dir: Path
+) -> None:
+    """Through Hydra (`python -m kimi_pipe.generate 'datasets=[...]'`): the job's directory
+    is the Hydra run directory, each dataset a run directory in it."""
+    srv = fake_openrouter(default=Behaviour())
+    out = tmp_path / "job"
+    proc = run_subprocess(job(tmp_path, srv.url(), kimi_dir, cap=0.05, n_b=3))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert [d["stop_reason"] for d in summary["datasets"].values()] == ["done", "done"]
+    assert len(read_jsonl(out / "a" / "records.jsonl")) == 12
+    assert len(read_jsonl(out / "b" / "records.jsonl")) == 3
+    assert (out / ".hydra").is_dir() and summary["spend_usd"] == pytest.approx(srv.total_cost())
+    bad = run_subprocess([*job(tmp_path, srv.url(), kimi_dir, cap=0.05), "datasets=[a,a]"])
+    assert bad.returncode == 2 and "datasets" in bad.stderr
