@@ -6,7 +6,7 @@ summary counts, as JSON), written by `IndexedRecordWriter` right after the recor
 A resume (`load_indexed`) reads these lines and parses only the records past the last
 offset they name (those appended after it: a writer killed between the record and its
 index line). At 100x the seeds a records file is about 12 GB and its
-index about 1 % of that.
+index about 3 % of that.
 
 The index is trusted only while it describes the file it was written for: its first line
 names the records file's device and inode (a rewrite by rename, as target resolution does,
