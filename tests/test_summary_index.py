@@ -8,6 +8,7 @@ lines, a torn tail and a rewritten file; and with a valid index the records are 
 
 from __future__ import annotations
 
+import json
 import os
 from collections import Counter
 from pathlib import Path
@@ -17,7 +18,13 @@ from kimi_pipe.core.evidence import DEFAULT_ACCEPT, LADDER, evidence_of
 from kimi_pipe.core.token_yield import token_yield
 from kimi_pipe.generation.summary import RecordTally, tally_records
 from kimi_pipe.store.records import RecordWriter, iter_records, record_cost
-from kimi_pipe.store.records_index import IndexedRecordWriter, index_path, iter_digests
+from kimi_pipe.store.records_index import (
+    IndexedRecordWriter,
+    derivation,
+    index_path,
+    iter_digests,
+    load_indexed,
+)
 
 
 def parsed_summary(path: Path, accept: tuple[str, ...]) -> dict[str, Any]:
@@ -190,4 +197,28 @@ def test_a_version_1_index_is_not_read_and_the_next_writer_rebuilds_it(tmp_path:
     same(path)  # the whole file parsed
     write(path, records()[20:30])
     assert b'"version":2' in side.read_bytes().split(b"\n")[0]
+    same(path)
+
+
+def test_digests_derived_by_other_code_are_not_read_and_the_next_writer_rebuilds(
+    tmp_path: Path,
+) -> None:
+    """A rung or token count derived by an older (or newer) release is not trusted: the
+    header's fingerprint of the derivation differs, the summary parses the records, the
+    resume still reads the index, and the next writer rebuilds it."""
+    path = tmp_path / "records.jsonl"
+    write(path, records()[:20])
+    side = index_path(path)
+    lines = side.read_bytes().split(b"\n")
+    header = json.loads(lines[0])
+    header["digest"] = "0" * 16
+    head = json.dumps(header, separators=(",", ":")).encode()
+    side.write_bytes(b"\n".join([head, *lines[1:]]))
+    # Stale digests: wrong on purpose, they must not reach the summary.
+    text = side.read_text().replace('"r":"text_proven"', '"r":"engine_ids"')
+    side.write_text(text)
+    same(path)
+    assert load_indexed(path) is not None  # the resume does not read digests
+    write(path, records()[20:25])
+    assert json.loads(side.read_bytes().split(b"\n")[0])["digest"] == derivation()
     same(path)

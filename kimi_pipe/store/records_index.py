@@ -21,6 +21,9 @@ already indexed is not seen.
 from __future__ import annotations
 
 import errno
+import functools
+import hashlib
+import inspect
 import json
 import logging
 import os
@@ -55,9 +58,38 @@ def index_path(records_path: str | Path) -> Path:
     return p.with_name(p.name + SUFFIX)
 
 
+def _derivation() -> str:
+    """A fingerprint of the code that derives a digest from a record (the rung, exact and
+    bought tokens): digests written by other code are not trusted, the index is rebuilt."""
+    from kimi_pipe.core import evidence, prefix, token_yield
+
+    parts = [repr((evidence.LADDER, sorted(evidence.NEVER_USABLE)))]
+    for fn in (
+        digest,
+        evidence.evidence_of,
+        evidence.whole_engine_ids,
+        prefix.exact_output_tokens,
+        token_yield.completion_tokens_bought,
+    ):
+        try:
+            parts.append(inspect.getsource(fn))
+        except (OSError, TypeError):  # no source shipped: the bytecode says the same
+            parts.append(repr(fn.__code__.co_code) + repr(fn.__code__.co_consts))
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+derivation = functools.cache(_derivation)
+
+
 def _header(records_path: Path) -> dict[str, Any]:
     st = os.stat(records_path)
-    return {"format": FORMAT, "version": VERSION, "dev": st.st_dev, "ino": st.st_ino}
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "dev": st.st_dev,
+        "ino": st.st_ino,
+        "digest": derivation(),
+    }
 
 
 # An index line: end offset, kind, cost, output tokens, id, digest; tab-separated, because a
@@ -216,11 +248,13 @@ def _read_entries(
     records_path: Path,
     into: ResumeIndex | None = None,
     digests: list[tuple[str | None, float, bytes]] | None = None,
+    check_digests: bool = False,
 ) -> int | None:
     """Check the index against `records_path` as it is now (adding its entries to `into`,
     and (id, cost, digest) of each record's line to `digests`); the offset its last entry
     ends at, or None when it is missing or does not describe the file (then nothing may be
-    taken from it)."""
+    taken from it). Digests (collected, or `check_digests`) must come from this code's
+    derivation, else None as well."""
     side = index_path(records_path)
     try:
         data = side.read_bytes()
@@ -236,6 +270,8 @@ def _read_entries(
         return None
     if header.get("version") != VERSION:
         return None  # another layout of lines (rebuilt by the next writer)
+    if (digests is not None or check_digests) and header.get("digest") != derivation():
+        return None  # digests derived by other code (a resume does not read them)
     if (header.get("dev"), header.get("ino")) != (st.st_dev, st.st_ino):
         return None  # the records file was replaced (a rewrite): another file
     scratch = ResumeIndex()
@@ -361,7 +397,8 @@ class IndexedRecordWriter(RecordWriter):
         if index_path(self.path).is_symlink():  # as the records file: never written through
             self.close()
             raise OSError(errno.ELOOP, "a symbolic link is not followed", str(index_path(path)))
-        end = _read_entries(self.path)
+        # A writer also needs digests derived by this code: else the index is rebuilt.
+        end = _read_entries(self.path, check_digests=True)
         if end is None:
             n = rebuild(self.path)
             log.info("%s: index of %d records rebuilt", index_path(self.path), n)
