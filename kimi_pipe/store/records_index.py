@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from kimi_pipe.core import evidence, prefix, token_yield
 from kimi_pipe.core.evidence import UNRESOLVED, evidence_of
 from kimi_pipe.core.prefix import exact_output_tokens
 from kimi_pipe.core.token_yield import completion_tokens_bought
@@ -61,8 +62,6 @@ def index_path(records_path: str | Path) -> Path:
 def _derivation() -> str:
     """A fingerprint of the code that derives a digest from a record (the rung, exact and
     bought tokens): digests written by other code are not trusted, the index is rebuilt."""
-    from kimi_pipe.core import evidence, prefix, token_yield
-
     parts = [repr((evidence.LADDER, sorted(evidence.NEVER_USABLE)))]
     for fn in (
         digest,
