@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from kimi_pipe.errors import ConfigError
-from kimi_pipe.providers.pacing import Pacer
+from kimi_pipe.providers.pacing import Pacer, shared_pacer
 from kimi_pipe.providers.settings import ProviderSettings
 from tests.support.conftest_generate import read_jsonl, run_prompts
 from tests.support.fake_openrouter import Behaviour
@@ -110,6 +110,15 @@ def test_no_window_the_provider_counts_ever_holds_more_than_the_limits(seed: int
         # Tokens: each earlier arrival by what the provider knows at `a`.
         tokens = sum(used if done <= a else p for (x, p, used, done) in before if x != a)
         assert tokens + prompt <= tpm
+
+
+def test_runs_one_after_another_in_a_process_share_the_ledger() -> None:
+    """The datasets of a job are runs one after another: the second must count what the
+    first sent in the window, not start from an empty ledger."""
+    first = shared_pacer("http://p/v1", 3, None, 60.0)
+    assert shared_pacer("http://p/v1", 3, None, 60.0) is first
+    assert shared_pacer("http://q/v1", 3, None, 60.0) is not first
+    assert shared_pacer("http://p/v1", 4, None, 60.0) is not first
 
 
 def test_provider_rate_settings_are_checked() -> None:

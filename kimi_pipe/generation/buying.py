@@ -47,7 +47,7 @@ from kimi_pipe.providers.credentials import api_key
 from kimi_pipe.providers.errors import (
     ErrorInfo,
 )
-from kimi_pipe.providers.pacing import Pacer, Sent
+from kimi_pipe.providers.pacing import Sent, shared_pacer
 from kimi_pipe.providers.settings import ProviderSettings
 from kimi_pipe.store import atomic
 from kimi_pipe.store.layout import ATTEMPT_ERRORS, RECORDS, SUMMARY
@@ -85,7 +85,8 @@ class Generator(Outcomes, RunSummary):
                 "counts when sent); set provider.params.max_tokens=N"
             )
         # Requests paced ahead of the provider's limits (None: provider.rpm/tpm unset).
-        pacer = Pacer(rates.rpm, rates.tpm, rates.rate_window_s)
+        key = rates.api_base or rates.name
+        pacer = shared_pacer(key, rates.rpm, rates.tpm, rates.rate_window_s)
         self.pacer = pacer if pacer.enabled else None
         self.stats = RunStats()
         self.progress = progress or Progress()

@@ -139,3 +139,16 @@ class Pacer:
 def _done(s: Sent) -> float:
     assert s.done_at is not None
     return s.done_at
+
+
+_SHARED: dict[tuple[str, int | None, int | None, float], Pacer] = {}
+
+
+def shared_pacer(provider: str, rpm: int | None, tpm: int | None, window_s: float) -> Pacer:
+    """The process's one ledger for a provider and its limits: runs one after the other in a
+    process (the datasets of a job, a run resumed after serving=auto's route changed) count
+    what the previous ones sent in the window. A new process starts with an empty ledger."""
+    key = (provider, rpm, tpm, window_s)
+    if key not in _SHARED:
+        _SHARED[key] = Pacer(rpm, tpm, window_s)
+    return _SHARED[key]
