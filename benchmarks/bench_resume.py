@@ -10,10 +10,15 @@ the same process:
 * index build (--time-build): `records_index.rebuild` (once, when a run without an index is
   first opened);
 * indexed: `records_index.load_indexed` (the resume now: the index plus the records past it);
-* writer open: `IndexedRecordWriter(path)` (the generate writer's start: checks the index).
+* writer open: `IndexedRecordWriter(path)` (the generate writer's start: checks the index);
+* summary, parsed: the record counts and yield of summary.json as generate computed them
+  before the index held digests (every record parsed; `parsed_summary` below);
+* summary, indexed: `generation.summary.tally_records` (the digests of the index plus the
+  records past it) and its yield.
 
-Both resume reads are checked equal. The page cache is warm for both (the file was just
-written), so `full` is the parse, not the disk. No assertion: figures for docs.
+Both resume reads are checked equal, and both summaries. The page cache is warm for both
+(the file was just written), so `full` is the parse, not the disk. No assertion: figures
+for docs.
 """
 
 from __future__ import annotations
@@ -25,10 +30,14 @@ import shutil
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from kimi_pipe.store.records import parse_resume_index
+from kimi_pipe.core.evidence import DEFAULT_ACCEPT, evidence_of
+from kimi_pipe.core.token_yield import token_yield
+from kimi_pipe.generation.summary import tally_records
+from kimi_pipe.store.records import iter_records, parse_resume_index, record_cost
 from kimi_pipe.store.records_index import (
     IndexedRecordWriter,
     _entry,
@@ -41,14 +50,67 @@ from kimi_pipe.store.records_index import (
 )
 
 
+def parsed_summary(path: Path) -> dict[str, Any]:
+    """summary.json's record counts and yield as generate computed them before: every record
+    parsed (generation/job.py before the digests; tests/test_summary_index.py holds the same
+    reference)."""
+    counts: Counter[str] = Counter()
+    flagged: Counter[str] = Counter()
+    failed: Counter[str] = Counter()
+    providers: Counter[str] = Counter()
+    spend = 0.0
+    prompt_tokens = reported = rebuilt = 0
+    for rec in iter_records(path):
+        counts["records"] += 1
+        spend += record_cost(rec)
+        if rec.get("error"):
+            failed[rec["error"].get("class", "unknown")] += 1
+            continue
+        counts["answered"] += 1
+        counts["ok" if rec.get("ok") else "flagged"] += 1
+        counts[f"evidence:{evidence_of(rec)}"] += 1
+        flagged.update(rec.get("issues") or [])
+        providers[str(rec.get("provider"))] += 1
+        usage = rec.get("usage") or {}
+        prompt_tokens += int(usage.get("prompt_tokens") or 0)
+        if isinstance(rec.get("completion_tokens_reported"), int):
+            reported += rec["completion_tokens_reported"]
+            rebuilt += int(rec.get("completion_tokens_reconstructed") or 0)
+    return {
+        "counts": dict(counts),
+        "flagged": dict(flagged),
+        "failed": dict(failed),
+        "providers": dict(providers),
+        "spend": round(spend, 6),
+        "tokens": (prompt_tokens, reported, rebuilt),
+        "yield": token_yield(iter_records(path), DEFAULT_ACCEPT, price_out_per_token=2e-6),
+    }
+
+
+def indexed_summary(path: Path) -> dict[str, Any]:
+    tally = tally_records(path)
+    return {
+        "counts": {k: v for k, v in tally.counts.items() if v},
+        "flagged": dict(tally.flagged),
+        "failed": dict(tally.failed),
+        "providers": dict(tally.providers),
+        "spend": round(tally.spend, 6),
+        "tokens": (tally.prompt_tokens, tally.reported, tally.rebuilt),
+        "yield": tally.token_yield(DEFAULT_ACCEPT, price_out_per_token=2e-6),
+    }
+
+
 def synthetic(i: int, rng: random.Random) -> dict[str, Any]:
     if i % 20 == 19:
         return {"id": f"B5-{i:09d}", "error": {"class": "RateLimitError"}, "cost": 0.0}
     n_prompt, n_out = rng.randint(150, 400), rng.randint(150, 450)
+    flagged = i % 7 == 3  # some answers flagged, as a run has them
     return {
         "id": f"B5-{i:09d}",
-        "ok": True,
-        "issues": [],
+        "ok": not flagged,
+        "issues": ["billing_drift"] if flagged else [],
+        "completion_tokens_reported": n_out,
+        "completion_tokens_reconstructed": n_out + flagged,
         "prompt_ids": [rng.randrange(163840) for _ in range(n_prompt)],
         "output_ids": [rng.randrange(163840) for _ in range(n_out)],
         "text": "x" * rng.randint(200, 800),
@@ -104,6 +166,9 @@ def main() -> int:
         assert fast == full, "the indexed resume differs from the full parse"
         writer, open_s = timed(IndexedRecordWriter, path)
         writer.close()
+        old_summary, old_summary_s = timed(parsed_summary, path)
+        new_summary, new_summary_s = timed(indexed_summary, path)
+        assert new_summary == old_summary, "the indexed summary differs from the full parse"
         report = {
             "records": records,
             "records_bytes": path.stat().st_size,
@@ -114,6 +179,9 @@ def main() -> int:
             "indexed_resume_s": round(fast_s, 3),
             "writer_open_s": round(open_s, 3),
             "speedup_full_over_indexed": round(full_s / fast_s, 1),
+            "summary_parsed_s": round(old_summary_s, 3),
+            "summary_indexed_s": round(new_summary_s, 3),
+            "summary_speedup": round(old_summary_s / new_summary_s, 1),
             "ids": len(full.ids),
         }
     finally:

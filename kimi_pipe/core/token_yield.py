@@ -33,7 +33,8 @@ from kimi_pipe.core.evidence import (
 from kimi_pipe.core.prefix import exact_output_tokens
 
 
-def _bought(record: Mapping[str, Any]) -> int:
+def completion_tokens_bought(record: Mapping[str, Any]) -> int:
+    """Completion tokens a record was billed for (module docstring: `bought`)."""
     reported = record.get("completion_tokens_reported")
     if isinstance(reported, int):
         return reported
@@ -70,7 +71,7 @@ def token_yield(
     drawn = 0
     for record in [*latest.values(), *anonymous]:
         rung = evidence_of(record)
-        paid = _bought(record)
+        paid = completion_tokens_bought(record)
         bought += paid
         bought_by_rung[rung] += paid
         exact = exact_output_tokens(record)

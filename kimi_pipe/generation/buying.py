@@ -47,6 +47,7 @@ from kimi_pipe.providers.credentials import api_key
 from kimi_pipe.providers.errors import (
     ErrorInfo,
 )
+from kimi_pipe.providers.pacing import Sent, shared_pacer
 from kimi_pipe.providers.settings import ProviderSettings
 from kimi_pipe.store import atomic
 from kimi_pipe.store.layout import ATTEMPT_ERRORS, RECORDS, SUMMARY
@@ -77,6 +78,16 @@ class Generator(Outcomes, RunSummary):
                 f"budget.{capped[0]} needs provider.params.max_tokens (the worst "
                 "case of every request); set provider.params.max_tokens=N"
             )
+        rates = self.settings
+        if rates.tpm is not None and self.max_tokens <= 0:
+            raise GenerateError(
+                "provider.tpm needs provider.params.max_tokens (the worst case a request "
+                "counts when sent); set provider.params.max_tokens=N"
+            )
+        # Requests paced ahead of the provider's limits (None: provider.rpm/tpm unset).
+        key = rates.api_base or rates.name
+        pacer = shared_pacer(key, rates.rpm, rates.tpm, rates.rate_window_s)
+        self.pacer = pacer if pacer.enabled else None
         self.stats = RunStats()
         self.progress = progress or Progress()
         self.rng = random.Random(int(OmegaConf.select(cfg, "dataset.seed", default=0) or 0))
@@ -245,6 +256,7 @@ class Generator(Outcomes, RunSummary):
                         self._one(
                             prompt,
                             worst,
+                            n_prompt,
                             res,
                             gate,
                             core,
@@ -310,6 +322,7 @@ class Generator(Outcomes, RunSummary):
         self,
         prompt: Any,
         worst: float,
+        n_prompt: int,
         first: Reservation,
         gate: BudgetGate,
         core: TokenCore,
@@ -323,11 +336,14 @@ class Generator(Outcomes, RunSummary):
         pending: list[Reservation] = [first]
         journal = self.journal
         seqs: dict[int, int] = {}  # id(reservation) -> journal sequence number
+        paced: dict[int, Sent] = {}  # id(reservation) -> its request in the pacer's ledger
         answered: list[int] = []  # the sequence number settled once the record is written
 
         async def reserve() -> Reservation | None:
             res = pending.pop() if pending else await gate.reserve(worst, self.max_tokens)
             if res is not None:
+                if self.pacer is not None:  # within provider.rpm / tpm, counted as sent now
+                    paced[id(res)] = await self.pacer.acquire(n_prompt + self.max_tokens)
                 # Write-ahead: on disk before the request leaves, at the multiple of its worst
                 # case the budget holds for it.
                 seqs[id(res)] = journal.intent(
@@ -340,6 +356,11 @@ class Generator(Outcomes, RunSummary):
             self.stats.output_tokens += attempt.completion_tokens
             gate.settle(res, attempt.cost, attempt.completion_tokens, done)
             self.window.settled(OVERBILLED in attempt.billing_flags)
+            if self.pacer is not None:
+                # What the tokens limit counts of it: its usage, where the answer says.
+                used = attempt.prompt_tokens is not None or attempt.completion_tokens > 0
+                sent = attempt.prompt_tokens if attempt.prompt_tokens is not None else n_prompt
+                self.pacer.done(paced[id(res)], sent + attempt.completion_tokens if used else None)
             seq = seqs[id(res)]
             if done:
                 journal.generation(seq, attempt.generation_id, attempt.cost)

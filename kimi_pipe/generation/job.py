@@ -28,12 +28,21 @@ from kimi_pipe.errors import (
     one_line,
 )
 from kimi_pipe.generation.buying import Generator
+from kimi_pipe.generation.datasets import (
+    JOB_STOPS,
+    dataset_cfg,
+    dataset_nodes,
+    job_spend,
+    plan_left,
+    write_job_summary,
+)
 from kimi_pipe.generation.errors import GenerateError
 from kimi_pipe.generation.launch import (
     RUN_FILES,
     check_settings,
     run_dir_of,
 )
+from kimi_pipe.providers.budget import budget_settings
 from kimi_pipe.providers.credentials import refuse_secrets
 from kimi_pipe.store.layout import ATTEMPT_ERRORS, RECORDS
 from kimi_pipe.store.run_dir import check_run_dir
@@ -45,6 +54,7 @@ __all__ = [
     "Generator",
     "finish_status",
     "generate",
+    "run_datasets",
     "run_generate",
 ]
 
@@ -72,6 +82,10 @@ def generate(
     """Run the stage; returns (exit status, summary). Config/input problems -> status 2,
     said as one line here. `buy_probes`: as for `run_generate`."""
     try:
+        nodes = dataset_nodes(cfg)
+        if nodes is not None:  # several datasets under one budget (generation/datasets.py)
+            run_dir, summary, status = run_datasets(cfg, nodes, run_dir, buy_probes=buy_probes)
+            return status, summary
         run_dir, summary = run_generate(cfg, run_dir, buy_probes=buy_probes)
     except (KimiPipeError, OSError) as exc:
         # A user's mistake or the host's fault (a full disk, a read-only directory): one
@@ -131,6 +145,59 @@ def run_generate(
             if summary["stop_reason"] != "route_changed":
                 break
     return run_dir, summary
+
+
+def run_datasets(
+    cfg: DictConfig,
+    nodes: list[DictConfig],
+    run_dir: Path | None = None,
+    *,
+    buy_probes: BuyProbes | None = None,
+) -> tuple[Path, dict[str, Any], int]:
+    """Buy each dataset of `datasets` into its own run directory under the job's directory,
+    one after the other, the job's `budget.usd` shared by them all (generation/datasets.py):
+    (job directory, the job's summary, exit status: the first dataset's that is not 0)."""
+    from kimi_pipe.store.prompt_datasets import check_prompt_source
+
+    refuse_secrets(cfg)
+    check_settings(cfg)
+    for node in nodes:  # every prompt source there before anything is bought
+        check_prompt_source(node)
+    job_dir = check_run_dir(run_dir or run_dir_of(cfg), RUN_FILES)
+    cap = budget_settings(cfg).usd
+    outcomes: dict[str, dict[str, Any]] = {}
+    status = 0
+    with RunLock(job_dir):  # one process per job (each dataset's run directory has its own)
+        for node in nodes:
+            name = str(node.name)
+            sub = job_dir / name
+            left = plan_left(cap, job_spend(job_dir, but=name))
+            if left is not None and left <= 0:
+                log.info("%s: nothing left of budget.usd=%s; not started", name, cap)
+                outcomes[name] = {"run_dir": str(sub), "stop_reason": "budget_usd", "usd": left}
+                continue
+            where, summary = run_generate(
+                dataset_cfg(cfg, node, sub, left), sub, buy_probes=buy_probes
+            )
+            status = status or finish_status(where, summary)
+            outcomes[name] = {
+                "run_dir": str(where),
+                "stop_reason": summary["stop_reason"],
+                "usd": left,
+                "spend_usd": summary["spend_usd"],
+                "counts": summary["counts"],
+            }
+            if summary["stop_reason"] in JOB_STOPS:
+                break  # the provider refused the key, or the host failed: not the dataset's
+        job_summary = write_job_summary(job_dir, cap, outcomes)
+    log.info(
+        "generate job %s: %d datasets, $%.4f spent of budget.usd=%s",
+        job_dir,
+        len(outcomes),
+        job_summary["spend_usd"],
+        cap,
+    )
+    return job_dir, job_summary, status
 
 
 def finish_status(run_dir: Path, summary: dict[str, Any]) -> int:

@@ -13,6 +13,7 @@ from omegaconf import DictConfig, open_dict
 
 from kimi_pipe.config import CONF_DIR
 from kimi_pipe.errors import EXIT_USER_ERROR
+from kimi_pipe.generation.datasets import dataset_nodes
 from kimi_pipe.generation.errors import GenerateError
 from kimi_pipe.providers.budget import budget_settings
 from kimi_pipe.providers.credentials import key_in_overrides, refuse_secrets
@@ -67,6 +68,7 @@ def check_settings(cfg: DictConfig) -> None:
     writes the run directory and before serving=auto's probes."""
     budget_settings(cfg)
     ProviderSettings.from_config(cfg.provider)
+    dataset_nodes(cfg)
 
 
 def refuse_keys_on_the_command_line(argv: list[str]) -> None:

@@ -38,6 +38,13 @@ def run_generate(cfg: DictConfig, run_dir: Path | None = None) -> tuple[Path, di
     return job.run_generate(cfg, run_dir, buy_probes=buy_battery)
 
 
+def run_datasets(
+    cfg: DictConfig, nodes: list[DictConfig], run_dir: Path | None = None
+) -> tuple[Path, dict[str, Any], int]:
+    """`job.run_datasets` (several datasets under one budget), buying serving=auto's probes."""
+    return job.run_datasets(cfg, nodes, run_dir, buy_probes=buy_battery)
+
+
 def generate(cfg: DictConfig, run_dir: Path | None = None) -> tuple[int, dict[str, Any] | None]:
     """`job.generate` (exit status and summary), buying serving=auto's probes."""
     return job.generate(cfg, run_dir, buy_probes=buy_battery)

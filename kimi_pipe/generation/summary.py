@@ -4,20 +4,23 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from omegaconf import OmegaConf
 
-from kimi_pipe.core.evidence import LADDER, evidence_of
+from kimi_pipe.core.evidence import LADDER, UNRESOLVED, parse_accept
 from kimi_pipe.store.records import iter_records, record_cost
+from kimi_pipe.store.records_index import iter_digests
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
     from kimi_pipe.providers.account import KeyStatus
     from kimi_pipe.providers.budget import Budget, BudgetSettings, Pricing, SlowStart
+    from kimi_pipe.providers.pacing import Pacer
     from kimi_pipe.providers.settings import ProviderSettings
     from kimi_pipe.store.spend_journal import SpendJournal
 
@@ -67,33 +70,16 @@ class RunSummary:
     startup_s: float
     settings: ProviderSettings
     window: SlowStart
+    pacer: Pacer | None
 
     def summary(
         self, records_path: Path, errors_path: Path, skipped_rows: Counter[str]
     ) -> dict[str, Any]:
         """`summary.json` of a finished (or stopped) run."""
-        counts: Counter[str] = Counter()
-        flagged: Counter[str] = Counter()
-        failed: Counter[str] = Counter()
-        providers: Counter[str] = Counter()
-        spend = 0.0
-        prompt_tokens = reported = rebuilt = 0
-        for rec in iter_records(records_path):
-            counts["records"] += 1
-            spend += record_cost(rec)
-            if rec.get("error"):
-                failed[rec["error"].get("class", "unknown")] += 1
-                continue
-            counts["answered"] += 1
-            counts["ok" if rec.get("ok") else "flagged"] += 1
-            counts[f"evidence:{evidence_of(rec)}"] += 1
-            flagged.update(rec.get("issues") or [])
-            providers[str(rec.get("provider"))] += 1
-            usage = rec.get("usage") or {}
-            prompt_tokens += int(usage.get("prompt_tokens") or 0)
-            if isinstance(rec.get("completion_tokens_reported"), int):
-                reported += rec["completion_tokens_reported"]
-                rebuilt += int(rec.get("completion_tokens_reconstructed") or 0)
+        tally = tally_records(records_path)
+        counts, flagged, failed = tally.counts, tally.flagged, tally.failed
+        providers, spend = tally.providers, tally.spend
+        prompt_tokens, reported, rebuilt = tally.prompt_tokens, tally.reported, tally.rebuilt
         failed_attempts_cost = sum(record_cost(r) for r in iter_records(errors_path))
         journal_spend = self.journal.spent()
         # Every count is a lower bound of what was billed: the spend is the largest.
@@ -157,7 +143,7 @@ class RunSummary:
                 "ratio": (rebuilt / reported) if reported else None,
             },
             # Of the completion tokens bought, how many reach training exact (issue 33).
-            "yield": _token_yield(self.cfg, records_path, self.pricing, total_spend),
+            "yield": _token_yield(self.cfg, tally, self.pricing, total_spend),
             "this_run": {
                 "startup_s": round(self.startup_s, 3),
                 "wall_s": round(wall, 3),
@@ -182,19 +168,106 @@ class RunSummary:
                 "output_tokens_per_s": s.output_tokens / wall if wall > 0 else None,
                 "concurrency": self.settings.concurrency,
                 "concurrency_reached": self.window.peak,
+                # Requests held back to stay within provider.rpm / tpm (None: not paced).
+                "paced": None
+                if self.pacer is None
+                else {
+                    "rpm": self.pacer.rpm,
+                    "tpm": self.pacer.tpm,
+                    "window_s": self.pacer.window_s,
+                    "requests_waited": self.pacer.paced,
+                    "wait_s": round(self.pacer.waited_s, 3),
+                },
             },
         }
 
 
-def _token_yield(cfg: Any, records_path: Path, pricing: Any, spend: float) -> dict[str, Any]:
+def _token_yield(cfg: Any, tally: RecordTally, pricing: Any, spend: float) -> dict[str, Any]:
     """The yield block (core/token_yield.py) under the run's `export.accept`."""
-    from kimi_pipe.core.evidence import parse_accept
-    from kimi_pipe.core.token_yield import token_yield
-
     accept = parse_accept(OmegaConf.select(cfg, "export.accept", default=None))
-    return token_yield(
-        iter_records(records_path),
-        accept,
-        price_out_per_token=pricing.output_per_token,
-        spend_usd=spend,
-    )
+    return tally.token_yield(accept, price_out_per_token=pricing.output_per_token, spend_usd=spend)
+
+
+@dataclass
+class RecordTally:
+    """What summary.json counts over a records file, added one record's digest at a time
+    (store/records_index.py `digest`): read from the index of ids, not the records."""
+
+    counts: Counter[str] = field(default_factory=Counter)
+    flagged: Counter[str] = field(default_factory=Counter)
+    failed: Counter[str] = field(default_factory=Counter)
+    providers: Counter[str] = field(default_factory=Counter)
+    spend: float = 0.0
+    prompt_tokens: int = 0
+    reported: int = 0
+    rebuilt: int = 0
+    # For the yield, as core/token_yield.py counts it: a later answer of an id replaces an
+    # earlier one; answers without an id all count. (rung, bought, exact, has output ids)
+    latest: dict[Any, tuple[str, int, int, bool]] = field(default_factory=dict)
+    anonymous: list[tuple[str, int, int, bool]] = field(default_factory=list)
+
+    def add(self, rid: Any, cost: float, dig: dict[str, Any]) -> None:
+        self.counts["records"] += 1
+        self.spend += cost
+        if "e" in dig:
+            self.failed[dig["e"]] += 1
+            return
+        self.counts["answered"] += 1
+        self.counts["ok" if dig["k"] else "flagged"] += 1
+        self.counts[f"evidence:{dig['r']}"] += 1
+        if dig["i"]:
+            self.flagged.update(dig["i"])
+        self.providers[str(dig["v"])] += 1
+        self.prompt_tokens += dig["p"]
+        if dig["c"] is not None:
+            self.reported += dig["c"]
+            self.rebuilt += dig["n"]
+        part = (dig["r"], dig["b"], dig["x"], bool(dig["o"]))
+        if rid is None:
+            self.anonymous.append(part)
+        else:
+            self.latest.pop(rid, None)
+            self.latest[rid] = part
+
+    def token_yield(
+        self,
+        accept: Sequence[str],
+        *,
+        price_out_per_token: float | None = None,
+        spend_usd: float | None = None,
+    ) -> dict[str, Any]:
+        """core/token_yield.py's `token_yield` of the records, from their digests."""
+        bought = accepted = 0
+        by_rung = dict.fromkeys(LADDER, 0)
+        bought_by_rung = dict.fromkeys(LADDER, 0)
+        for rung, paid, exact, has_output in [*self.latest.values(), *self.anonymous]:
+            bought += paid
+            bought_by_rung[rung] += paid
+            if rung != UNRESOLVED:
+                by_rung[rung] += exact
+            # `usable`: output ids, a rung the policy accepts (a never-usable record has no
+            # exact tokens).
+            if has_output and rung in accept:
+                accepted += exact
+        listed = price_out_per_token * bought if price_out_per_token is not None else None
+        per_exact = listed / accepted if listed is not None and accepted else None
+        return {
+            "accept": list(accept),
+            "completion_tokens_bought": bought,
+            "bought_by_rung": bought_by_rung,
+            "exact_by_rung": by_rung,
+            "exact_accepted": accepted,
+            "exact_share": accepted / bought if bought else None,
+            "listed_usd_per_output_token": price_out_per_token,
+            "listed_usd_per_exact_token": per_exact,
+            "spend_usd_per_exact_token": spend_usd / accepted if spend_usd and accepted else None,
+        }
+
+
+def tally_records(records_path: Path) -> RecordTally:
+    """The tally of every record of `records_path`, read through its index of ids (only the
+    records past the index parsed; all of them when no index describes the file)."""
+    tally = RecordTally()
+    for rid, cost, dig in iter_digests(records_path):
+        tally.add(rid, cost, dig)
+    return tally

@@ -53,6 +53,10 @@ class ProviderSettings:
     account: str | None = None
     max_response_mb: float | None = None
     extra_headers: dict[str, str] = field(default_factory=dict)
+    # The provider's rate limits over `rate_window_s` (None: not paced; providers/pacing.py).
+    rpm: int | None = None
+    tpm: int | None = None
+    rate_window_s: float = 60.0
 
     @classmethod
     def from_config(cls, cfg: DictConfig | Mapping[str, Any]) -> ProviderSettings:
@@ -104,6 +108,19 @@ class ProviderSettings:
                 f"provider.concurrency={concurrency}: give the number of requests in flight "
                 "at once, a whole number >= 1"
             )
+        rates = {k: whole_number(data.get(k), f"provider.{k}") for k in ("rpm", "tpm")}
+        for key, value in rates.items():
+            if value is not None and value < 1:
+                raise ProviderConfigError(
+                    f"provider.{key}={value}: give the provider's limit per "
+                    "provider.rate_window_s (a whole number >= 1), or null for none"
+                )
+        window = data.get("rate_window_s", 60.0)
+        if isinstance(window, bool) or not isinstance(window, int | float) or not window > 0:
+            raise ProviderConfigError(
+                f"provider.rate_window_s={window}: give the seconds the provider's limits "
+                "count over (60 for limits per minute)"
+            )
         timeout_s = data.get("timeout_s")
         number = isinstance(timeout_s, int | float) and not isinstance(timeout_s, bool)
         if timeout_s is not None and not (number and timeout_s > 0):
@@ -131,6 +148,9 @@ class ProviderSettings:
                 float(data["max_response_mb"]) if data.get("max_response_mb") is not None else None
             ),
             extra_headers=dict(data.get("headers") or {}),
+            rpm=rates["rpm"],
+            tpm=rates["tpm"],
+            rate_window_s=float(window),
         )
 
     def request_record(self) -> dict[str, Any]:

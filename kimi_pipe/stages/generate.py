@@ -28,10 +28,11 @@ from typing import Any
 from omegaconf import DictConfig
 
 from kimi_pipe.errors import KimiPipeError
+from kimi_pipe.generation.datasets import dataset_nodes
 from kimi_pipe.generation.errors import GenerateError
 from kimi_pipe.generation.job import finish_status
 from kimi_pipe.generation.launch import check_before_launch, refuse_keys_on_the_command_line
-from kimi_pipe.generation.probes import generate, run_generate
+from kimi_pipe.generation.probes import generate, run_datasets, run_generate
 from kimi_pipe.stages.command import hydra_command, report
 from kimi_pipe.store.layout import RECORDS, SUMMARY
 from kimi_pipe.store.prompt_datasets import load_prompts
@@ -44,11 +45,18 @@ def outputs(cfg: DictConfig, run_dir: Path) -> list[Path]:
 
 def is_complete(cfg: DictConfig, run_dir: Path) -> bool:
     """Every prompt of the dataset has a record (a run stopped by its budget is not)."""
+    nodes = dataset_nodes(cfg)
+    if nodes is not None:  # several datasets: each in its own run directory under run_dir
+        return all(_answered(node, run_dir / str(node.name)) for node in nodes)
+    return all(p.exists() for p in outputs(cfg, run_dir)) and _answered(cfg.dataset, run_dir)
 
-    if not all(p.exists() for p in outputs(cfg, run_dir)):
+
+def _answered(dataset: DictConfig, run_dir: Path) -> bool:
+    """Every prompt of `dataset` has a record in `run_dir` (read from the index of ids)."""
+    if not (run_dir / RECORDS).exists():
         return False
     done = load_resume_index(run_dir / RECORDS).ids
-    return all(p.id in done for p in load_prompts(cfg.dataset))
+    return all(p.id in done for p in load_prompts(dataset))
 
 
 def complete_note(cfg: DictConfig, run_dir: Path) -> str:
@@ -60,8 +68,12 @@ def run_stage(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:
 
     A mistake is raised as it is; a run stopped by the provider, or whose every request
     failed, raises GenerateError."""
-    where, summary = run_generate(cfg, run_dir)
-    status = finish_status(where, summary)
+    nodes = dataset_nodes(cfg)
+    if nodes is not None:  # several datasets under one budget: the job's summary
+        where, summary, status = run_datasets(cfg, nodes, run_dir)
+    else:
+        where, summary = run_generate(cfg, run_dir)
+        status = finish_status(where, summary)
     if status:
         raise GenerateError(
             f"generate exited with status {status}; see the messages above and "

@@ -90,6 +90,17 @@ class SpendJournal:
         self._next = max(self.intents, default=0) + 1
         self._fd = open_append_fd(self.path)
 
+    @classmethod
+    def booked(cls, path: str | Path) -> float:
+        """`spent()` of a journal read without opening it for writing (another run
+        directory's, which its own process may hold)."""
+        reader = cls.__new__(cls)
+        reader.path, reader.intents, reader.extra_usd = Path(path), {}, 0.0
+        reader.bad_lines, reader._fd = 0, -1
+        for line in iter_records(reader.path):
+            reader._apply(line)
+        return reader.spent()
+
     def _apply(self, line: dict) -> None:
         seq = line.get("n")
         kind = line.get("k")

@@ -55,7 +55,8 @@ request's API key inside the content), ``huge`` (50 MB of content), ``tool_args_
 ``generation_cost_factor`` make ``/key`` and ``/generation`` under-report; ``delay_range_s``
 draws each delay uniformly. ``overbill``
 multiplies every bill (and the usage.cost it reports); ``listed_prices`` replaces the
-prices ``/models`` lists.
+prices ``/models`` lists. ``rpm_limit`` / ``tpm_limit`` (over ``rate_window_s``) answer 429
+past a provider-like rate limit (``srv.rate_refused`` counts them).
 
 Run standalone (for a reviewer or the benchmark), from the repository root:
     PYTHONPATH=. python tests/support/fake_openrouter.py --port 8765 [--delay 0.05] \
@@ -152,6 +153,12 @@ class Behaviour:
     delay_range_s: tuple[float, float] | None = None  # a uniform random delay (real latencies)
     key_usage_factor: float = 1.0  # GET /key shows this multiple of what was billed (a liar)
     generation_cost_factor: float = 1.0  # GET /generation states this multiple of the bill
+    # Rate limits like a provider's: past `rpm_limit` requests, or `tpm_limit` tokens (the
+    # prompt of a request as it arrives, prompt + completion once answered), arrived in the
+    # last `rate_window_s`, a request is answered 429 (and not counted).
+    rpm_limit: int | None = None
+    tpm_limit: int | None = None
+    rate_window_s: float = 60.0
 
 
 @dataclass
@@ -173,6 +180,7 @@ class SeenRequest:
     time: float  # arrival
     mode: str  # what it was answered with
     answered_at: float | None = None
+    rate_entry: list | None = None  # [arrival (monotonic), tokens] under the rate limits
 
 
 def _last_user_text(messages: list[dict]) -> str:
@@ -317,6 +325,8 @@ class FakeOpenRouter:
         self.generations: dict[str, dict] = {}
         self._attempts: dict[tuple[str, str], int] = {}
         self._lock = threading.RLock()  # total_cost is called under it
+        self._windows: dict[str, list[list]] = {}  # per behaviour: rate-limit entries
+        self.rate_refused = 0  # requests answered 429 for the rate limits
         self._rng = random.Random(self.default.seed)
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -358,6 +368,27 @@ class FakeOpenRouter:
         if name not in self.behaviours:
             raise KeyError(name)
         return self.behaviours[name]
+
+    def admit(self, bname: str, beh: Behaviour, body: dict) -> list | None:
+        """Under the behaviour's rate limits: the request's entry in the window ([arrival,
+        tokens]), or None when it is past a limit (answered 429). No limits: an entry that
+        is not kept."""
+        if beh.rpm_limit is None and beh.tpm_limit is None:
+            return [time.monotonic(), 0]
+        prompt = beh.counter.prompt(body.get("messages") or [], body.get("tools"))
+        with self._lock:
+            now = time.monotonic()
+            log = self._windows.setdefault(bname, [])
+            log[:] = [e for e in log if e[0] > now - beh.rate_window_s]
+            if beh.rpm_limit is not None and len(log) + 1 > beh.rpm_limit:
+                self.rate_refused += 1
+                return None
+            if beh.tpm_limit is not None and sum(e[1] for e in log) + prompt > beh.tpm_limit:
+                self.rate_refused += 1
+                return None
+            entry = [now, prompt]
+            log.append(entry)
+            return entry
 
     def choose_mode(self, bname: str, beh: Behaviour, body: dict) -> str:
         text = json.dumps(body.get("messages") or [], ensure_ascii=False)
@@ -574,9 +605,10 @@ def _make_handler(server: FakeOpenRouter) -> type[BaseHTTPRequestHandler]:
                 body = json.loads(raw)
             except (KeyError, ValueError) as e:
                 return self._send(400, {"error": {"code": 400, "message": f"bad request: {e}"}})
-            mode = server.choose_mode(name or "", beh, body)
+            entry = server.admit(name or "", beh, body)
+            mode = "429" if entry is None else server.choose_mode(name or "", beh, body)
             headers = {k.lower(): v for k, v in self.headers.items()}
-            seen = SeenRequest(name or "", path, body, headers, time.time(), mode)
+            seen = SeenRequest(name or "", path, body, headers, time.time(), mode, None, entry)
             with server._lock:
                 server.requests.append(seen)
             if beh.delay_s:
@@ -632,6 +664,9 @@ def _make_handler(server: FakeOpenRouter) -> type[BaseHTTPRequestHandler]:
                     status, {"error": {"code": status, "message": msg}}, headers, seen=seen
                 )
             answer, cost, p, c = build_completion(body, beh)
+            if seen.rate_entry is not None:
+                with server._lock:
+                    seen.rate_entry[1] = p + c  # what the tokens limit counts once answered
             if mode == "empty":  # a cold start: nothing generated, the prompt still billed
                 msg = answer["choices"][0]["message"]
                 for k in ("reasoning", "reasoning_details", "reasoning_content", "tool_calls"):
