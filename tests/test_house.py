@@ -80,17 +80,11 @@ def test_no_import_circle_counting_imports_inside_functions() -> None:
 
 # --- one home per fact: issue codes and exit statuses -------------------------------------
 
-# Literals equal to a code, left where they are, with why (files other work restructures).
+# Literals equal to a code, left where they are, with why.
 CODE_SPELLINGS_ELSEWHERE = {
     # error kinds of a failed attempt (providers/errors.py), spelled like the record code
     ("kimi_pipe.providers.calls", "malformed_response"),
     ("kimi_pipe.providers.calls", "no_usage"),  # a billing flag of the attempt
-    # generation/job.py and extraction/resolve.py are being split (issue 32's other parts)
-    ("kimi_pipe.generation.job", "cost_below_listed_price"),
-    ("kimi_pipe.extraction.resolve", "reasoning_tail_unverifiable"),
-    ("kimi_pipe.extraction.resolve", "leading_space_after_marker"),
-    ("kimi_pipe.extraction.resolve", "space_before_tool_section"),
-    ("kimi_pipe.extraction.resolve", "tool_arguments_edges_unverifiable"),
 }
 
 
@@ -249,19 +243,6 @@ def test_the_resolver_reads_both_spellings_and_names_what_is_wrong(
 
 # --- imports inside functions ---------------------------------------------------------------
 
-# Files other work restructures now (issue 32's other parts): their function-level imports are
-# counted, not yet required to say why.
-RESTRUCTURING = (
-    "kimi_pipe.generation",
-    "kimi_pipe.extraction.sglang_backend",
-    "kimi_pipe.extraction.executors",
-    "kimi_pipe.exporters",
-    "kimi_pipe.extraction.resolve",
-    "kimi_pipe.extraction.split_check",
-    "kimi_pipe.extraction.prefix_check",
-    "kimi_pipe.extraction.records_pass",
-)
-
 
 def function_level_imports(path: Path) -> list[tuple[int, str, str]]:
     """(line, imported module, the source line) of every import inside a function."""
@@ -288,7 +269,7 @@ def test_every_function_level_import_of_the_package_says_why() -> None:
     circle it cuts), and its line says which."""
     missing = []
     for name, path in sorted(modules().items()):
-        if name.startswith(RESTRUCTURING) or name == "kimi_pipe":
+        if name == "kimi_pipe":
             continue  # kimi_pipe/__init__.py: the lazy public API, said in its docstring
         for line, target, source in function_level_imports(path):
             if target.startswith("kimi_pipe") and "#" not in source:

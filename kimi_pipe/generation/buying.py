@@ -51,6 +51,7 @@ from kimi_pipe.providers.pacing import Sent, shared_pacer
 from kimi_pipe.providers.settings import ProviderSettings
 from kimi_pipe.store import atomic
 from kimi_pipe.store.layout import ATTEMPT_ERRORS, RECORDS, SUMMARY
+from kimi_pipe.store.prompt_datasets import load_prompts
 from kimi_pipe.store.records import RecordWriter
 from kimi_pipe.store.records_index import IndexedRecordWriter, load_resume_index
 from kimi_pipe.store.spend_journal import JOURNAL, SpendJournal
@@ -101,8 +102,6 @@ class Generator(Outcomes, RunSummary):
 
     # --- main loop ----------------------------------------------------------------------
     async def run(self) -> dict[str, Any]:
-        from kimi_pipe.store.prompt_datasets import load_prompts
-
         self.run_dir.mkdir(parents=True, exist_ok=True)
         records_path = self.run_dir / RECORDS
         errors_path = self.run_dir / ATTEMPT_ERRORS

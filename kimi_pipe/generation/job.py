@@ -18,6 +18,8 @@ from typing import Any
 from omegaconf import DictConfig
 
 from kimi_pipe.conformance import auto as serving_auto
+from kimi_pipe.core.models import load_model
+from kimi_pipe.core.serving import serving_profile
 from kimi_pipe.errors import (
     EXIT_ALL_FAILED,
     EXIT_INTERRUPTED,
@@ -44,7 +46,9 @@ from kimi_pipe.generation.launch import (
 )
 from kimi_pipe.providers.budget import budget_settings
 from kimi_pipe.providers.credentials import refuse_secrets
+from kimi_pipe.providers.local_server import provider_endpoint
 from kimi_pipe.store.layout import ATTEMPT_ERRORS, RECORDS
+from kimi_pipe.store.prompt_datasets import check_prompt_source
 from kimi_pipe.store.run_dir import check_run_dir
 from kimi_pipe.store.run_lock import RunLock
 
@@ -116,10 +120,6 @@ def run_generate(
     printed (`generate` says it; a sweep or the probes say it once for all their jobs).
     `buy_probes` buys serving=auto's probe battery (generation/probes.py's `buy_battery`,
     passed in: buying probes is itself a generate run)."""
-    from kimi_pipe.core.models import load_model
-    from kimi_pipe.core.serving import serving_profile
-    from kimi_pipe.providers.local_server import provider_endpoint
-    from kimi_pipe.store.prompt_datasets import check_prompt_source
 
     # Before anything is written: no secret in any value, budget and provider settings that
     # can buy, a run directory that may be one, a prompt file that is there (before
@@ -157,8 +157,6 @@ def run_datasets(
     """Buy each dataset of `datasets` into its own run directory under the job's directory,
     one after the other, the job's `budget.usd` shared by them all (generation/datasets.py):
     (job directory, the job's summary, exit status: the first dataset's that is not 0)."""
-    from kimi_pipe.store.prompt_datasets import check_prompt_source
-
     refuse_secrets(cfg)
     check_settings(cfg)
     for node in nodes:  # every prompt source there before anything is bought

@@ -13,6 +13,10 @@ from omegaconf import DictConfig
 
 from kimi_pipe.conformance import auto as serving_auto
 from kimi_pipe.core.answer_checks import TextRepair, answer_issues, clean_text
+from kimi_pipe.core.issue_codes import COST_BELOW_LISTED_PRICE
+from kimi_pipe.core.models import load_model
+from kimi_pipe.core.prompt_render import prompt_ids
+from kimi_pipe.core.record_builder import RecordBuilder, mark_flagged
 from kimi_pipe.core.token_record import TokenRecord
 from kimi_pipe.generation.spending import Spending
 from kimi_pipe.providers.budget import BudgetGate
@@ -45,9 +49,6 @@ class TokenCore:
 
     @classmethod
     def load(cls, cfg: DictConfig, asked_model: str = "", route: Any = None) -> TokenCore:
-        from kimi_pipe.core.models import load_model
-        from kimi_pipe.core.prompt_render import prompt_ids
-        from kimi_pipe.core.record_builder import RecordBuilder
 
         model = load_model(cfg.model)
         builder = RecordBuilder.from_config(cfg, model)
@@ -70,13 +71,11 @@ class TokenCore:
 
 
 # Codes about what an answer cost, not about its ids: the record stays as proven as it is.
-MONEY_NOTES = frozenset({"cost_below_listed_price"})
+MONEY_NOTES = frozenset({COST_BELOW_LISTED_PRICE})
 
 
 def _with_issues(record: TokenRecord, issues: list[str]) -> TokenRecord:
     """Add error codes to a reconstructed record: it is no longer `ok` (rung unresolved)."""
-    from kimi_pipe.core.record_builder import mark_flagged
-
     return mark_flagged(record, issues)
 
 

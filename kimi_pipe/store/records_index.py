@@ -325,8 +325,6 @@ def iter_digests(records_path: str | Path) -> Iterator[tuple[Any, float, dict[st
     """(id, cost, digest) of every record of `records_path`, in file order, as a full read
     (`iter_records`) would give them: from the index where it describes the file (only the
     records past it parsed), else from every record parsed. A missing file gives none."""
-    from kimi_pipe.store.records import iter_records
-
     path = Path(records_path)
     if not path.exists():
         return

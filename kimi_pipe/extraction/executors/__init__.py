@@ -41,11 +41,11 @@ def run_executor(cfg: DictConfig, backend: Backend | None = None) -> dict[str, A
     engine to use instead of loading one."""
     name = executor_of(cfg)
     if name == "ray":
-        from kimi_pipe.extraction.executors.ray_executor import run_ray
+        from kimi_pipe.extraction.executors.ray_executor import run_ray  # optional dep: ray
 
         return run_ray(cfg)
     if name == "submitit":
-        from kimi_pipe.extraction.executors.submitit_executor import run_submitit
+        from kimi_pipe.extraction.executors.submitit_executor import run_submitit  # submitit
 
         return run_submitit(cfg)
     # A multi-node engine (extract.nnodes > 1) under SLURM: which node this job task is.

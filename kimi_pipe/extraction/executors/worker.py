@@ -40,7 +40,7 @@ from kimi_pipe.extraction.token_samples import (
     read_token_records,
     records_path,
 )
-from kimi_pipe.store import objects
+from kimi_pipe.store import atomic, objects
 from kimi_pipe.store.hidden_store import FP8, MANIFEST, make_manifest, state_dtypes
 from kimi_pipe.store.teacher_rounding import DOC as ROUNDING_DOC
 from kimi_pipe.store.units import (
@@ -311,7 +311,5 @@ def run_summary(cfg: DictConfig, workers: list[dict[str, Any]], **extra: Any) ->
     }
     root = settings.local_root
     if root is not None:
-        from kimi_pipe.store import atomic
-
         atomic.write_json(root / SUMMARY_FILE, summary, indent=2, sort_keys=True)
     return summary
