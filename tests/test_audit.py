@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from omegaconf import OmegaConf
 
-from kimi_pipe.stages import audit as audit_mod
-from kimi_pipe.stages.audit import TruthIds, classify, json_spans, truth_from_reply
+from kimi_pipe.reporting import audit as audit_mod
+from kimi_pipe.reporting.audit import TruthIds, classify, json_spans, truth_from_reply
 from kimi_pipe.store.local_model import LocalModelSpec, ensure_local_model
 
 REPO = Path(__file__).resolve().parent.parent
