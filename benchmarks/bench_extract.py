@@ -38,8 +38,8 @@ from typing import Any
 import torch
 
 from kimi_pipe.config import compose
+from kimi_pipe.extraction.capture import TokenBudget, next_batch
 from kimi_pipe.extraction.hf_backend import HFBackend
-from kimi_pipe.extraction.sharding import TokenBudget, next_batch
 from kimi_pipe.stages.extract import run_extract
 from kimi_pipe.store import hidden_store
 

@@ -104,7 +104,7 @@ def build_stores(
     store code the extract stage uses): the stores differ only in how they keep the states."""
     from collections import deque
 
-    from kimi_pipe.extraction.sharding import TokenBudget, next_batch
+    from kimi_pipe.extraction.capture import TokenBudget, next_batch
     from kimi_pipe.extraction.token_samples import read_token_records
     from kimi_pipe.store.hidden_store import StoreWriter, make_manifest
 

@@ -21,15 +21,9 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from kimi_pipe.errors import ConfigError
+from kimi_pipe.extraction.capture import CaptureStats, IssueLog, TokenBudget, capture_into
 from kimi_pipe.extraction.sglang.backend import serve_follower_node
-from kimi_pipe.extraction.sharding import (
-    CaptureStats,
-    IssueLog,
-    TokenBudget,
-    capture_into,
-    resolve_for_shard,
-    teacher_head,
-)
+from kimi_pipe.extraction.sharding import resolve_for_shard, teacher_head
 from kimi_pipe.extraction.token_samples import (
     Backend,
     TokenSample,
