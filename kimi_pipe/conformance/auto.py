@@ -23,6 +23,10 @@ and resumes. A provider that declares its profile (`provider.serving_profile`, a
 embedded server does) is not probed. Where nothing can be concluded (no battery for the
 model, no provider answered, no provider usable) the job stops before buying any answer,
 unless a profile is named (`serving=NAME`).
+
+Why about 600 lines: `serving=auto` is one flow read top to bottom (verdict cache, the
+battery bought per provider, the profile fitted, the route pinned); the answer checks are in
+checks.py and the battery and profile fitting in probe.py.
 """
 
 from __future__ import annotations

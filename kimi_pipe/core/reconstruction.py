@@ -3,6 +3,11 @@
 The provider returns text split into fields; the model emitted one token stream. This
 module puts the fields back into the model's declarative output format and encodes
 them, then checks the result against the provider's own billing.
+
+Why one file of about 600 lines: `reconstruct` and the field rules it applies (answer
+fields, tool-call ids, argument types, undoing the serving profile) are the steps of one pure
+function, reviewed together against the golden snapshots; the closed candidate sets live in
+candidates.py and the engine's own ids in logprobs.py.
 """
 
 from __future__ import annotations

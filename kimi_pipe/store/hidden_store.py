@@ -48,6 +48,9 @@ Compact storage (`dtype="fp8_e4m3"`, per state with `final_dtype`): a state is k
 sees plain tensors. `store.raw(id)` gives the stored tensors and scales as they are.
 Given the LM head (`head_weight`), the writer rounds an fp8 final state so that the head's
 argmax stays the plain store's (manifest `final_rounding`; kimi_pipe.store.teacher_rounding).
+
+Why about 570 lines: the writer and the reader of one on-disk format (manifest, shards,
+index, fp8 scales) change together whenever the format does.
 """
 
 from __future__ import annotations

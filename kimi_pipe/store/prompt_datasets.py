@@ -4,6 +4,10 @@
 order. Rows that cannot become a prompt are skipped and counted in `PromptSet.skipped`
 (reason code -> count), never fatal. Which fields hold what is data in `conf/dataset/*.yaml`
 (`mapping:`); this module knows only a few generic row shapes.
+
+Why about 600 lines: every row shape (JSONL, Hub conversations, single turns, tools) goes
+through one cleaning path that decides what becomes a prompt and what is skipped with which
+reason; split apart, the skip reasons would drift.
 """
 
 from __future__ import annotations
