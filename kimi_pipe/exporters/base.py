@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+import yaml
 
 from kimi_pipe.config import CONF_DIR
 from kimi_pipe.errors import ConfigError
@@ -144,8 +145,6 @@ def export_formats() -> tuple[str, ...]:
 
 def format_settings(name: str) -> dict[str, Any]:
     """conf/export/<name>.yaml as a plain dict; ExportFormatError for an unknown format."""
-    import yaml
-
     path = EXPORT_CONF_DIR / f"{name}.yaml"
     if not name or "/" in name or not path.is_file():
         raise ExportFormatError(

@@ -28,6 +28,7 @@ repo_type="dataset")`), untar every `data/*/*.tar` into one directory and concat
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -320,8 +321,6 @@ def _tar_info(name: str, size: int) -> tarfile.TarInfo:
 
 
 def _index_files(output: Path, index_file: str) -> Iterator[str]:
-    import json
-
     with open(output / index_file) as f:
         for line in f:
             entry = json.loads(line)
@@ -444,7 +443,7 @@ def push(folder: Path, settings: HubSettings, api: Any = None) -> dict[str, Any]
                 "push_to_hub needs a Hugging Face token in the environment: export HF_TOKEN "
                 "(a write token; never put it in a config)"
             )
-        from huggingface_hub import HfApi
+        from huggingface_hub import HfApi  # deferred: only a push needs huggingface_hub
 
         api = HfApi()
     api.upload_large_folder(

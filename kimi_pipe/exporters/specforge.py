@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
+from safetensors import safe_open
 
 from kimi_pipe.errors import ConfigError, InputError, MissingFile
 from kimi_pipe.exporters.base import ExportContext, Exporter, save_torch, write_atomic
@@ -47,7 +49,6 @@ def checkpoint_weight_names(model_path: str | os.PathLike[str]) -> list[str]:
             f"{root} has neither model.safetensors.index.json nor *.safetensors: pass "
             "target_model_path=DIR, the target model's Hugging Face directory"
         )
-    from safetensors import safe_open
 
     names: list[str] = []
     for f in files:
@@ -94,8 +95,6 @@ def specforge_config(
     weight_keys: dict[str, str] | None,
 ) -> str:
     """The `specforge train --config` YAML for this export (SpecForge 0.2.x schema)."""
-    import yaml
-
     model: dict[str, Any] = {
         "target_model_path": target_model_path or "SET_ME_target_model_directory",
         "aux_hidden_state_layer_ids": list(output_ids),

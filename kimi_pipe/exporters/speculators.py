@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import torch
+from safetensors.torch import save_file
 
 from kimi_pipe.errors import ConfigError, StoreError
 from kimi_pipe.exporters.base import ExportContext, Exporter
@@ -43,7 +44,7 @@ ROW_COLUMNS = ("input_ids", "loss_mask", "seq_len")
 def _write_rows(out: Path, rows: Iterable[dict[str, Any]]) -> None:
     """The Arrow rows speculators' ArrowDataset reads with load_from_disk(data_path),
     streamed (kimi_pipe/store/arrow_rows.py): memory follows a batch of rows."""
-    from datasets import load_from_disk
+    from datasets import load_from_disk  # deferred: datasets is a slow import only this path needs
 
     staging = out / ".rows.tmp"
     # Its loader compares token_ids with the row's input_ids as tensors: store torch format,
@@ -87,8 +88,6 @@ class SpeculatorsExporter(Exporter):
         return speculators_path(output, index)
 
     def write_sample(self, output: Path, index: int, sample: dict[str, torch.Tensor]) -> None:
-        from safetensors.torch import save_file
-
         aux = sample["aux_hidden_state"]
         final = sample["hidden_state"]
         length, hidden = final.shape

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import inspect
 import json
 import logging
 import math
@@ -36,6 +37,7 @@ from pathlib import Path
 from typing import Any, Protocol, cast
 
 import torch
+from omegaconf import OmegaConf
 
 from kimi_pipe.core.evidence import UNRESOLVED as UNRESOLVED
 from kimi_pipe.core.issue_codes import CLASS_OF_CODE, RESOLVED_BY_TARGET, TARGET_UNRESOLVED
@@ -113,7 +115,7 @@ class HFSuffixScorer:
     def score_suffixes(
         self, prefix: Sequence[int], suffixes: Sequence[Sequence[int]], sampling: Sampling
     ) -> list[float]:
-        from transformers import DynamicCache
+        from transformers import DynamicCache  # deferred
 
         if not prefix:
             raise ValueError("target resolution needs a non-empty prefix (the prompt)")
@@ -170,8 +172,6 @@ def cache_argument(model: Any) -> str:
     """The name `model.forward` takes its KV cache by: `cache` in transformers 5.2x,
     `past_key_values` in earlier 5.x (5.8.1, which SGLang's venv pins). A wrong name is
     swallowed by **kwargs, and every suffix would then run without its prefix."""
-    import inspect
-
     params = inspect.signature(model.forward).parameters
     for name in ("cache", "past_key_values"):
         if name in params:
@@ -238,8 +238,6 @@ class ResolveSettings:
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> ResolveSettings:
-        from omegaconf import OmegaConf
-
         node = OmegaConf.select(cfg, "resolve", default=None)
         data = OmegaConf.to_container(node, resolve=True) if node is not None else {}
         assert isinstance(data, dict)

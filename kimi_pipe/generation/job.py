@@ -15,7 +15,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from kimi_pipe.conformance import auto as serving_auto
 from kimi_pipe.core.models import load_model
@@ -70,8 +70,6 @@ log = logging.getLogger("kimi_pipe.generate")
 
 def _pointed_at(cfg: DictConfig, endpoint: dict[str, Any]) -> DictConfig:
     """A copy of cfg whose provider talks to the started local server."""
-    from omegaconf import OmegaConf, open_dict
-
     out = cfg.copy()
     with open_dict(out):
         OmegaConf.update(out, "provider.model", endpoint["model"], force_add=True)

@@ -9,7 +9,15 @@ import os
 import sys
 from pathlib import Path
 
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
 from omegaconf import DictConfig, open_dict
+from omegaconf.errors import OmegaConfBaseException
+from yaml import YAMLError
 
 from kimi_pipe.config import CONF_DIR
 from kimi_pipe.errors import EXIT_USER_ERROR
@@ -41,8 +49,6 @@ def run_dir_of(cfg: DictConfig) -> Path:
     """The run directory: `output_dir`, which a single Hydra run's `hydra.run.dir` must
     agree with; in a multirun, the job's directory (hydra.sweep.dir/subdir, one per job)."""
     try:
-        from hydra.core.hydra_config import HydraConfig
-
         hydra_cfg = HydraConfig.get()
     except (ImportError, ValueError):
         return Path(str(cfg.output_dir))
@@ -86,9 +92,6 @@ def refuse_keys_on_the_command_line(argv: list[str]) -> None:
 
 def job_overrides(argv: list[str]) -> list[list[str]]:
     """The overrides of every job the command line starts (one, or a multirun's each)."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     overrides = [a for a in argv if not a.startswith("-")]
     if not any(a in ("-m", "--multirun") for a in argv):
         return [overrides]
@@ -109,12 +112,6 @@ def check_before_launch(argv: list[str], environ: dict[str, str] | None = None) 
     itself), checked for every job first: no secret in any resolved value or directory
     name, a run directory that may be one, one directory per job. Raises a KimiPipeError;
     a config Hydra cannot compose is left for Hydra to report."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-    from yaml import YAMLError
-
     # A config that does not compose is reported by the command (one line), before Hydra
     # writes anything.
     not_composed = (HydraException, OmegaConfBaseException, YAMLError, UnicodeDecodeError)

@@ -135,7 +135,7 @@ class NodeActor:
 
 
 def _remote_actor(settings: RaySettings) -> Any:
-    import ray
+    import ray  # optional dep: ray
 
     return ray.remote(
         num_cpus=settings.cpus_per_worker,
@@ -149,7 +149,7 @@ class RayPool:
     """Unit workers as Ray actors. `start(n)` then `wait()`; `add(n)` while it runs."""
 
     def __init__(self, cfg: DictConfig, settings: RaySettings | None = None) -> None:
-        import ray
+        import ray  # optional dep: ray
 
         self.cfg = cfg
         self.settings = settings or RaySettings.from_cfg(cfg)
@@ -184,7 +184,7 @@ class RayPool:
         """Start `n` more actors, each running the unit loop; returns their handles.
         `ready_first`: wait until every new actor has opened its engine before any of them
         claims a unit (a benchmark measures the extraction alone)."""
-        import ray
+        import ray  # optional dep: ray
 
         if self.nnodes > 1:
             new = [self._engine_over_nodes(len(self.actors) + i) for i in range(n)]
@@ -201,8 +201,8 @@ class RayPool:
         """One engine over `nnodes` Ray nodes: its placement group, rank 0's address on
         bundle 0, the unit worker there and the other nodes' actors. Returns the worker."""
         import ray  # optional dependency: the ray executor's
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        from ray.util.placement_group import placement_group  # optional dep: ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # optional dep
 
         group = placement_group(
             self.settings.engine_bundles(self.nnodes), strategy=self.settings.node_strategy
@@ -249,8 +249,8 @@ class RayPool:
     def wait(self) -> tuple[list[dict[str, Any]], list[str]]:
         """Every actor's summary, and the errors of those that died for good (their units
         were taken over by the others)."""
-        import ray
-        from ray.exceptions import RayActorError, RayTaskError
+        import ray  # optional dep: ray
+        from ray.exceptions import RayActorError, RayTaskError  # optional dep: ray
 
         done: list[dict[str, Any]] = []
         errors: list[str] = []
@@ -264,7 +264,7 @@ class RayPool:
         return done, errors
 
     def close(self) -> None:
-        import ray
+        import ray  # optional dep: ray
 
         for actor in self.actors + self.nodes:
             ray.kill(actor, no_restart=True)

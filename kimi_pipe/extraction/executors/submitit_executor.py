@@ -112,7 +112,7 @@ def submitit_job(cfg: dict[str, Any], index: int) -> dict[str, Any]:
 
 def executor_for(cfg: DictConfig) -> Any:
     """A submitit executor for `extract.submitit` (LocalExecutor or SLURM's)."""
-    import submitit
+    import submitit  # optional dep: submitit
 
     settings = SubmititSettings.from_cfg(cfg)
     units = UnitSettings.from_cfg(cfg)

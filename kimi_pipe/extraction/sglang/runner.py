@@ -151,13 +151,17 @@ class _RankRunner:
         _import_sglang(settings.device)
         # The optional dependency (sglang), imported only once the device is settled.
         from sglang.srt.configs.model_config import ModelConfig
-        from sglang.srt.entrypoints.engine import _set_envs_and_config
-        from sglang.srt.layers.logits_processor import LogitsProcessor
-        from sglang.srt.layers.moe import initialize_moe_config
-        from sglang.srt.layers.quantization.fp4_utils import initialize_fp4_gemm_config
-        from sglang.srt.layers.quantization.fp8_utils import initialize_fp8_gemm_config
-        from sglang.srt.model_executor.model_runner import ModelRunner
-        from sglang.srt.server_args import ServerArgs
+        from sglang.srt.entrypoints.engine import _set_envs_and_config  # optional dep: sglang
+        from sglang.srt.layers.logits_processor import LogitsProcessor  # optional dep: sglang
+        from sglang.srt.layers.moe import initialize_moe_config  # optional dep: sglang
+        from sglang.srt.layers.quantization.fp4_utils import (
+            initialize_fp4_gemm_config,  # optional dep
+        )
+        from sglang.srt.layers.quantization.fp8_utils import (
+            initialize_fp8_gemm_config,  # optional dep
+        )
+        from sglang.srt.model_executor.model_runner import ModelRunner  # optional dep: sglang
+        from sglang.srt.server_args import ServerArgs  # optional dep: sglang
 
         self.device = settings.device
         if _on_cuda(self.device) and not torch.cuda.is_available():
@@ -246,7 +250,7 @@ class _RankRunner:
         cache and bench_one_batch's correctness test hand a cached prefix to a request)."""
         # optional dependency: sglang
         from sglang.srt.managers.schedule_batch import Req
-        from sglang.srt.sampling.sampling_params import SamplingParams
+        from sglang.srt.sampling.sampling_params import SamplingParams  # optional dep: sglang
 
         req = Req(
             rid=rid,
@@ -267,9 +271,9 @@ class _RankRunner:
         sampling); the head's output."""
         # optional dependency: sglang
         from sglang.bench_one_batch import TreeCacheNamespace, _maybe_prepare_mlp_sync_batch
-        from sglang.srt.managers.schedule_batch import ScheduleBatch
-        from sglang.srt.model_executor.forward_batch_info import ForwardBatch
-        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+        from sglang.srt.managers.schedule_batch import ScheduleBatch  # optional dep: sglang
+        from sglang.srt.model_executor.forward_batch_info import ForwardBatch  # optional dep
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # optional dep: sglang
 
         runner = self.runner
         tree_cache = TreeCacheNamespace(
