@@ -222,3 +222,27 @@ def test_digests_derived_by_other_code_are_not_read_and_the_next_writer_rebuilds
     write(path, records()[20:25])
     assert json.loads(side.read_bytes().split(b"\n")[0])["digest"] == derivation()
     same(path)
+
+
+def drawn(i: int, with_prefix: bool) -> dict[str, Any]:
+    """A posterior_sampled record (core/posterior.py): ids drawn, not bought; with or without
+    a proven prefix kept from before the draw."""
+    rec = record(2 + 9 * i) | {"ok": False, "issues": ["target_unresolved"]}
+    rec |= {"evidence": "posterior_sampled", "posterior_sample": {"option": 1}}
+    if with_prefix:
+        rec["prefix"] = {"prefix_tokens": 3}
+    return rec
+
+
+def test_drawn_records_count_as_the_full_parse_counts_them(tmp_path: Path) -> None:
+    """A drawn record: its prefix is exact under the default policy, its drawn ids count as
+    drawn (never exact) only where the policy names posterior_sampled."""
+    path = tmp_path / "records.jsonl"
+    write(path, [*records(), drawn(1, True), drawn(2, False), drawn(3, True)])
+    same(path)
+    for accept in (DEFAULT_ACCEPT, (*DEFAULT_ACCEPT, "posterior_sampled")):
+        y = tally_records(path).token_yield(accept)
+        assert y == token_yield(iter_records(path), accept)
+    named = tally_records(path).token_yield((*DEFAULT_ACCEPT, "posterior_sampled"))
+    assert named["drawn_accepted"] > 0
+    assert tally_records(path).token_yield(DEFAULT_ACCEPT)["drawn_accepted"] == 0

@@ -11,7 +11,13 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import OmegaConf
 
-from kimi_pipe.core.evidence import LADDER, UNRESOLVED, parse_accept
+from kimi_pipe.core.evidence import (
+    LADDER,
+    POSTERIOR_SAMPLED,
+    PREFIX_PROVEN,
+    UNRESOLVED,
+    parse_accept,
+)
 from kimi_pipe.store.records import iter_records, record_cost
 from kimi_pipe.store.records_index import iter_digests
 
@@ -202,9 +208,10 @@ class RecordTally:
     reported: int = 0
     rebuilt: int = 0
     # For the yield, as core/token_yield.py counts it: a later answer of an id replaces an
-    # earlier one; answers without an id all count. (rung, bought, exact, has output ids)
-    latest: dict[Any, tuple[str, int, int, bool]] = field(default_factory=dict)
-    anonymous: list[tuple[str, int, int, bool]] = field(default_factory=list)
+    # earlier one; answers without an id all count. (rung, bought, exact, has output ids,
+    # has a proven prefix, drawn output ids)
+    latest: dict[Any, tuple[str, int, int, bool, bool, int]] = field(default_factory=dict)
+    anonymous: list[tuple[str, int, int, bool, bool, int]] = field(default_factory=list)
 
     def add(self, rid: Any, cost: float, dig: dict[str, Any]) -> None:
         self.counts["records"] += 1
@@ -222,7 +229,7 @@ class RecordTally:
         if dig["c"] is not None:
             self.reported += dig["c"]
             self.rebuilt += dig["n"]
-        part = (dig["r"], dig["b"], dig["x"], bool(dig["o"]))
+        part = (dig["r"], dig["b"], dig["x"], bool(dig["o"]), bool(dig["f"]), dig["d"])
         if rid is None:
             self.anonymous.append(part)
         else:
@@ -237,18 +244,25 @@ class RecordTally:
         spend_usd: float | None = None,
     ) -> dict[str, Any]:
         """core/token_yield.py's `token_yield` of the records, from their digests."""
-        bought = accepted = 0
+        bought = accepted = drawn = 0
         by_rung = dict.fromkeys(LADDER, 0)
         bought_by_rung = dict.fromkeys(LADDER, 0)
-        for rung, paid, exact, has_output in [*self.latest.values(), *self.anonymous]:
+        taken = set(accept)
+        for rung, paid, exact, has_output, has_prefix, drawn_ids in [
+            *self.latest.values(),
+            *self.anonymous,
+        ]:
             bought += paid
             bought_by_rung[rung] += paid
             if rung != UNRESOLVED:
                 by_rung[rung] += exact
-            # `usable`: output ids, a rung the policy accepts (a never-usable record has no
-            # exact tokens).
-            if has_output and rung in accept:
+            # `usable`: output ids, a rung the policy accepts, or a drawn record's proven
+            # prefix (a never-usable record has no exact tokens).
+            drawn_prefix = rung == POSTERIOR_SAMPLED and PREFIX_PROVEN in taken and has_prefix
+            if has_output and (rung in taken or drawn_prefix):
                 accepted += exact
+                if rung == POSTERIOR_SAMPLED and rung in taken:  # `taken_whole`
+                    drawn += drawn_ids - exact
         listed = price_out_per_token * bought if price_out_per_token is not None else None
         per_exact = listed / accepted if listed is not None and accepted else None
         return {
@@ -258,6 +272,7 @@ class RecordTally:
             "exact_by_rung": by_rung,
             "exact_accepted": accepted,
             "exact_share": accepted / bought if bought else None,
+            "drawn_accepted": drawn,
             "listed_usd_per_output_token": price_out_per_token,
             "listed_usd_per_exact_token": per_exact,
             "spend_usd_per_exact_token": spend_usd / accepted if spend_usd and accepted else None,

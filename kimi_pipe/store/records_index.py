@@ -68,6 +68,7 @@ def _derivation() -> str:
         digest,
         evidence.evidence_of,
         evidence.whole_engine_ids,
+        evidence.has_prefix,
         prefix.exact_output_tokens,
         token_yield.completion_tokens_bought,
     ):
@@ -114,7 +115,8 @@ def digest(rec: dict[str, Any]) -> dict[str, Any]:
     """What generate's summary (generation/summary.py) reads of a record, in few bytes (the
     index stays small beside the records): `e` its error class, or `k` ok, `r` its rung,
     `i` issues, `v` provider, `p` prompt tokens, `c` completion tokens reported, `n`
-    reconstructed, `b` bought and `x` exact (core/token_yield.py), `o` it has output ids;
+    reconstructed, `b` bought and `x` exact (core/token_yield.py), `o` it has output ids,
+    `f` it has a proven prefix and `d` its output ids when they were drawn (posterior_sampled);
     a field at its default is left out (`undigest` restores it). The id is the index line's
     own field; one that is not a string is kept here (`nid`): the yield keys by any id."""
     out: dict[str, Any] = {}
@@ -129,9 +131,10 @@ def digest(rec: dict[str, Any]) -> dict[str, Any]:
     issues = rec.get("issues")
     reported = rec.get("completion_tokens_reported")
     provider = rec.get("provider")
+    rung = evidence_of(rec)
     full = {
         "k": 1 if rec.get("ok") else 0,
-        "r": evidence_of(rec),
+        "r": rung,
         "i": [str(i) for i in issues] if isinstance(issues, list) else [],
         "v": None if provider is None else str(provider),
         "p": _count(usage.get("prompt_tokens")) if isinstance(usage, dict) else 0,
@@ -140,6 +143,8 @@ def digest(rec: dict[str, Any]) -> dict[str, Any]:
         "b": completion_tokens_bought(rec),
         "x": exact_output_tokens(rec),
         "o": 1 if rec.get("output_ids") else 0,
+        "f": 1 if evidence.has_prefix(rec) else 0,
+        "d": len(rec.get("output_ids") or []) if rung == evidence.POSTERIOR_SAMPLED else 0,
     }
     out |= {k: v for k, v in full.items() if v != _DEFAULTS[k]}
     return out
@@ -156,6 +161,8 @@ _DEFAULTS: dict[str, Any] = {
     "b": 0,
     "x": 0,
     "o": 0,
+    "f": 0,
+    "d": 0,
 }
 
 
