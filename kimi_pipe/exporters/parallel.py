@@ -17,6 +17,7 @@ opening the stores and the exporter once.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import json
 import os
@@ -65,6 +66,7 @@ class Job:
     output: str
     want: str | None
     rows: bool  # whether fragments carry input_ids / loss_mask (row formats)
+    threads: int = 0  # torch threads a worker process uses (0: torch's default)
 
 
 @dataclass
@@ -104,6 +106,10 @@ _WORKER: dict[str, Any] = {}  # per process: the job, its stores and exporter
 
 
 def _setup(job: Job) -> None:
+    if job.threads:
+        # N workers each with torch's default (one thread a core) oversubscribe the cores,
+        # and OpenMP's spinning threads then cost more than the work (measured: 5x slower).
+        torch.set_num_threads(job.threads)
     _WORKER["job"] = job
     _WORKER["stores"] = open_stores(job.stores, storage_options=job.storage_options)
     _WORKER["exporter"] = load_exporter(job.fmt, job.settings)
@@ -207,11 +213,13 @@ def run_tasks(
             took(number, len(task), run_task(job, stores, exporter, number, plain(task)))
     else:
         context = get_context("spawn")
+        procs = min(workers, len(tasks))
+        threads = job.threads or max(1, (os.cpu_count() or 1) // procs)
         with ProcessPoolExecutor(
-            max_workers=min(workers, len(tasks)),
+            max_workers=procs,
             mp_context=context,
             initializer=_setup,
-            initargs=(job,),
+            initargs=(dataclasses.replace(job, threads=threads),),
         ) as pool:
             futures = {
                 pool.submit(_run_in_worker, number, plain(task)): (number, len(task))
