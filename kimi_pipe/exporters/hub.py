@@ -443,7 +443,7 @@ def push(folder: Path, settings: HubSettings, api: Any = None) -> dict[str, Any]
                 "push_to_hub needs a Hugging Face token in the environment: export HF_TOKEN "
                 "(a write token; never put it in a config)"
             )
-        from huggingface_hub import HfApi  # deferred: only a push needs huggingface_hub
+        from huggingface_hub import HfApi  # optional dep: huggingface_hub (hf extra)
 
         api = HfApi()
     api.upload_large_folder(

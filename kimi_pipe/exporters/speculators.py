@@ -44,7 +44,7 @@ ROW_COLUMNS = ("input_ids", "loss_mask", "seq_len")
 def _write_rows(out: Path, rows: Iterable[dict[str, Any]]) -> None:
     """The Arrow rows speculators' ArrowDataset reads with load_from_disk(data_path),
     streamed (kimi_pipe/store/arrow_rows.py): memory follows a batch of rows."""
-    from datasets import load_from_disk  # deferred: datasets is a slow import only this path needs
+    from datasets import load_from_disk  # optional dep: datasets (extract extra)
 
     staging = out / ".rows.tmp"
     # Its loader compares token_ids with the row's input_ids as tensors: store torch format,

@@ -115,7 +115,7 @@ class HFSuffixScorer:
     def score_suffixes(
         self, prefix: Sequence[int], suffixes: Sequence[Sequence[int]], sampling: Sampling
     ) -> list[float]:
-        from transformers import DynamicCache  # deferred
+        from transformers import DynamicCache  # optional dep
 
         if not prefix:
             raise ValueError("target resolution needs a non-empty prefix (the prompt)")

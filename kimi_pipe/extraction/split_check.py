@@ -83,7 +83,7 @@ class HFNextTokenScorer:
     def logprobs_along(
         self, ids: Sequence[int], start: int, wanted: Sequence[Sequence[int]]
     ) -> list[list[float]]:
-        from transformers import DynamicCache  # deferred
+        from transformers import DynamicCache  # optional dep
 
         if not wanted:
             return []

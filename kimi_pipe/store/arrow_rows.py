@@ -28,8 +28,8 @@ def save_rows(
     """Write `rows` as a dataset directory at `target` (made new; replaced by the caller).
     `columns`: the empty columns of a dataset without rows (their names, in order).
     Returns the number of rows."""
-    from datasets import Dataset  # deferred: datasets is a slow import only this path needs
-    from datasets.arrow_writer import ArrowWriter  # deferred
+    from datasets import Dataset  # optional dep: datasets (extract extra)
+    from datasets.arrow_writer import ArrowWriter  # optional dep
 
     scratch = target.parent / f".{target.name}.arrow.tmp"
     if scratch.exists():
