@@ -44,6 +44,7 @@ from safetensors import safe_open
 from kimi_pipe.core.models import load_model
 from kimi_pipe.errors import EXIT_FAILED, EXIT_USER_ERROR, ConfigError
 from kimi_pipe.extraction.capture import (  # noqa: F401  (re-exported: the loop's names)
+    CAPTURE_OOM,
     ISSUES,
     NONFINITE,
     PERMANENT,
