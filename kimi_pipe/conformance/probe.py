@@ -1,7 +1,11 @@
 r"""Conformance probes: the battery (`conf/probes/<model>.yaml`: small prompts, each built so
 that one server transformation shows in the answer), the deterministic check of each answer,
 the verdicts per provider (clean, seen, unknown) and the serving profile that fits. Bought
-through kimi_pipe/generation/probes.py; the command is kimi_pipe/stages/probe.py."""
+through kimi_pipe/generation/probes.py; the command is kimi_pipe/stages/probe.py.
+
+The answer checks are conformance/checks.py; this module (about 520 lines) keeps the
+battery, the verdicts and the profile they fit, which change together when a probe is added.
+"""
 
 from __future__ import annotations
 

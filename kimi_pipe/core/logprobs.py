@@ -23,6 +23,10 @@ only the content after the think-end marker), and compares texts there:
   - an entry that is not a token, or a sequence that cannot be placed: error
     `logprobs_invalid`; the logprobs are ignored, never trusted, and the record is not `ok`
     on the strength of re-encoding (corrupt logprobs are not proof, whatever the profile).
+
+Why about 540 lines: mapping entries to ids and checking them against the reconstructed
+text (covered span, stack trims, coerced JSON) share one alignment; split, the checks would
+re-derive it.
 """
 
 from __future__ import annotations

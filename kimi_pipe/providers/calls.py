@@ -3,6 +3,10 @@
 Everything provider-specific is data in `conf/provider/*.yaml` (providers/settings.py). The
 API key is read from the environment variable the config names and is never stored, logged
 or raised: error text that could echo it goes through `scrub`.
+
+Why about 540 lines: one attempt's whole life (the call, the wire tap, classifying what came
+back, booking what it may have cost) is read and reviewed as one piece: a mistake between two
+of its steps is a lost dollar or a lost answer.
 """
 
 from __future__ import annotations
