@@ -81,6 +81,23 @@ def token_yield(
             accepted += exact
             if rung == POSTERIOR_SAMPLED and taken_whole(record, accept):
                 drawn += len(record.get("output_ids") or []) - exact
+    return yield_block(
+        accept, bought, bought_by_rung, by_rung, accepted, drawn, price_out_per_token, spend_usd
+    )
+
+
+def yield_block(
+    accept: Sequence[str],
+    bought: int,
+    bought_by_rung: dict[str, int],
+    by_rung: dict[str, int],
+    accepted: int,
+    drawn: int,
+    price_out_per_token: float | None,
+    spend_usd: float | None,
+) -> dict[str, Any]:
+    """The yield block from its counts (records here, or index digests in
+    generation/summary.py): one shape, one set of derived prices."""
     listed = price_out_per_token * bought if price_out_per_token is not None else None
     per_exact = listed / accepted if listed is not None and accepted else None
     return {

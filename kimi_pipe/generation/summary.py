@@ -18,6 +18,7 @@ from kimi_pipe.core.evidence import (
     UNRESOLVED,
     parse_accept,
 )
+from kimi_pipe.core.token_yield import yield_block
 from kimi_pipe.store.records import iter_records, record_cost
 from kimi_pipe.store.records_index import iter_digests
 
@@ -263,20 +264,9 @@ class RecordTally:
                 accepted += exact
                 if rung == POSTERIOR_SAMPLED and rung in taken:  # `taken_whole`
                     drawn += drawn_ids - exact
-        listed = price_out_per_token * bought if price_out_per_token is not None else None
-        per_exact = listed / accepted if listed is not None and accepted else None
-        return {
-            "accept": list(accept),
-            "completion_tokens_bought": bought,
-            "bought_by_rung": bought_by_rung,
-            "exact_by_rung": by_rung,
-            "exact_accepted": accepted,
-            "exact_share": accepted / bought if bought else None,
-            "drawn_accepted": drawn,
-            "listed_usd_per_output_token": price_out_per_token,
-            "listed_usd_per_exact_token": per_exact,
-            "spend_usd_per_exact_token": spend_usd / accepted if spend_usd and accepted else None,
-        }
+        return yield_block(
+            accept, bought, bought_by_rung, by_rung, accepted, drawn, price_out_per_token, spend_usd
+        )
 
 
 def tally_records(records_path: Path) -> RecordTally:
