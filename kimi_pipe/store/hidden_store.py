@@ -293,6 +293,33 @@ def _index_lines(entries: Sequence[IndexEntry]) -> str:
     )
 
 
+def stored_states(
+    aux: torch.Tensor,
+    final: torch.Tensor,
+    loss_mask: torch.Tensor,
+    dtypes: dict[str, str],
+    n_aux: int,
+    teacher: TeacherHead | None,
+    rounding: RoundingCounts,
+) -> dict[str, torch.Tensor]:
+    """One sample's states as a store keeps them, each in its stored dtype (+ fp8 scales); an
+    fp8 final state keeps the teacher's argmax where `teacher` is given (counted in
+    `rounding`). The shard writer here and the unit writer (store/unit_writer.py) share it."""
+    out: dict[str, torch.Tensor] = {}
+    for key, value, rows in (("aux_hidden_state", aux, n_aux), ("hidden_state", final, 1)):
+        if key == "hidden_state" and teacher is not None:
+            q, scale, counts = quantize_keeping_argmax(
+                value.to("cpu"), teacher, rows_read=teacher_rows(loss_mask)
+            )
+            out[key], out[key + SCALE_SUFFIX] = q, scale
+            rounding.add(counts)
+        elif dtypes[key] == FP8:
+            out[key], out[key + SCALE_SUFFIX] = quantize_rows(value.to("cpu"), rows)
+        else:
+            out[key] = value.to("cpu", torch_dtype(dtypes[key]))
+    return out
+
+
 class StoreWriter:
     """Append samples to a store, committing one shard every `shard_samples` samples.
 
@@ -413,22 +440,9 @@ class StoreWriter:
         self, aux: torch.Tensor, final: torch.Tensor, loss_mask: torch.Tensor
     ) -> dict[str, torch.Tensor]:
         """The shard tensors of one sample: each state in its stored dtype (+ fp8 scales)."""
-        out: dict[str, torch.Tensor] = {}
-        for key, value, rows in (
-            ("aux_hidden_state", aux, self.n_aux),
-            ("hidden_state", final, 1),
-        ):
-            if key == "hidden_state" and self.teacher is not None:
-                q, scale, counts = quantize_keeping_argmax(
-                    value.to("cpu"), self.teacher, rows_read=teacher_rows(loss_mask)
-                )
-                out[key], out[key + SCALE_SUFFIX] = q, scale
-                self.rounding.add(counts)
-            elif self.state_dtypes[key] == FP8:
-                out[key], out[key + SCALE_SUFFIX] = quantize_rows(value.to("cpu"), rows)
-            else:
-                out[key] = value.to("cpu", torch_dtype(self.state_dtypes[key]))
-        return out
+        return stored_states(
+            aux, final, loss_mask, self.state_dtypes, self.n_aux, self.teacher, self.rounding
+        )
 
     def flush(self) -> None:
         """Commit the buffered samples as one shard (atomic), then index them."""

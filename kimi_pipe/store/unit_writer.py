@@ -22,16 +22,13 @@ from kimi_pipe.errors import ConfigError, StoreError
 from kimi_pipe.store import objects
 from kimi_pipe.store.hidden_store import (
     FP8,
-    SCALE_SUFFIX,
-    quantize_rows,
     state_dtypes,
+    stored_states,
     torch_dtype,
 )
 from kimi_pipe.store.teacher_rounding import (
     RoundingCounts,
     TeacherHead,
-    quantize_keeping_argmax,
-    teacher_rows,
 )
 from kimi_pipe.store.unit_plan import FORMAT, VERSION, Plan, Unit
 
@@ -228,19 +225,9 @@ class UnitWriter:
         self, aux: torch.Tensor, final: torch.Tensor, loss_mask: torch.Tensor
     ) -> dict[str, torch.Tensor]:
         """Each state in its stored dtype (+ fp8 scales): hidden_store's per-row format."""
-        out: dict[str, torch.Tensor] = {}
-        for key, value, rows in (("aux_hidden_state", aux, self.n_aux), ("hidden_state", final, 1)):
-            if key == "hidden_state" and self.teacher is not None:
-                q, scale, counts = quantize_keeping_argmax(
-                    value.to("cpu"), self.teacher, rows_read=teacher_rows(loss_mask)
-                )
-                out[key], out[key + SCALE_SUFFIX] = q, scale
-                self.rounding.add(counts)
-            elif self.state_dtypes[key] == FP8:
-                out[key], out[key + SCALE_SUFFIX] = quantize_rows(value.to("cpu"), rows)
-            else:
-                out[key] = value.to("cpu", torch_dtype(self.state_dtypes[key]))
-        return out
+        return stored_states(
+            aux, final, loss_mask, self.state_dtypes, self.n_aux, self.teacher, self.rounding
+        )
 
     def skip(self, sample_id: str | int, code: str, detail: str = "") -> None:
         """Record that a sample of this unit is not stored (NaN/inf, OOM, bad capture): the
