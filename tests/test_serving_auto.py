@@ -414,3 +414,34 @@ def test_probes_that_do_not_fit_the_budget_say_so_with_their_worst_case(
     )
     assert "the probes did not fit" not in again.stderr
     assert sum(_is_probe(r.body) for r in srv.requests) == len(BATTERY.probes)
+
+
+def test_two_datasets_buy_the_probes_once_and_count_them_against_the_jobs_cap(
+    stack_server: Any, kimi_dir: Path, tmp_path: Path, api_key_env: str
+) -> None:
+    """datasets=[a,b] under serving=auto: the first dataset's run buys the battery (booked in
+    its own journal), the second reads the verdict from the cache and buys none, and the
+    job's spend (probes included) is what the server billed, under the cap."""
+    srv, _ = stack_server
+    out = tmp_path / "job"
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    write_prompts(a, 2, prefix="a")
+    write_prompts(b, 2, prefix="b")
+    overrides = [
+        *_overrides(srv, tmp_path, out, kimi_dir, usd=1.0),
+        f"datasets=[{{name: a, path: '{a}'}},{{name: b, path: '{b}'}}]",
+    ]
+    status, summary = run_inprocess(overrides, out)
+    assert status == 0 and summary is not None
+    probes = [r for r in srv.requests if _is_probe(r.body)]
+    assert len(probes) == len(BATTERY.probes)  # one battery for the whole job
+    first = json.loads((out / "a" / RUN_FILE).read_text())["providers"]["routed_exact"]
+    second = json.loads((out / "b" / RUN_FILE).read_text())["providers"]["routed_exact"]
+    assert first["source"] != "cache" and first["usd"] > 0
+    assert second["source"] == "cache" and second["usd"] == 0.0
+    assert sum(_probe_intents(out / "a").values()) >= _probe_bills(srv) - 1e-9
+    assert sum(_probe_intents(out / "b").values()) == 0.0
+    for name in ("a", "b"):
+        records = read_jsonl(out / name / "records.jsonl")
+        assert len(records) == 2 and all(r["serving_profile"] == "exact" for r in records)
+    assert srv.total_cost() - 1e-9 <= summary["spend_usd"] <= 1.0
