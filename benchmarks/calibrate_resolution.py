@@ -26,11 +26,21 @@
    extract stage runs it): its ids are confirmed as a split the sampler could draw, or
    replaced by the split the target prefers (also a split of a kept near reading), or
    flagged.
+   A set the target leaves unresolved keeps its proven prefix (`core/prefix.py`: the ids
+   every option and near reading shares) where the target's prefix check confirms it
+   (`extraction.prefix_check`, as the extract stage runs it after resolution), unless
+   `--no-prefix-check`. The tokens of each rung that reach training are counted against
+   the tokens bought (issue 33), and every kept prefix is compared with the truth.
 5. Prints the shares (text-proven, target-resolved, unresolved), every usable record whose
    ids are not the sampled ones (silent: must be 0), resolved-wrong against the count the
    posteriors predict (sum of 1 - posterior over resolved records), the posteriors in bins,
    and the forward work (tokens) and time of resolution and the split check next to a plain
    extraction forward over the same answers.
+
+Parallel, on a budget: `--part K/N` runs every N-th pair of answers and writes its raw
+tallies (`--json`); `--merge PART.json ...` reports them as one run. With `--max-minutes`
+a part starts no answer past that time, and the report covers answers 0..M-1, M the first
+index some part did not reach. `--records-out` writes every final record (JSON lines).
 """
 
 from __future__ import annotations
@@ -50,8 +60,10 @@ REPO = Path(__file__).resolve().parent.parent
 from kimi_pipe.config import compose  # noqa: E402
 from kimi_pipe.core.candidates import NO_OPTION_FITS, READING_DISTANCE  # noqa: E402
 from kimi_pipe.core.models import load_model  # noqa: E402
+from kimi_pipe.core.prefix import training_ids, with_prefix  # noqa: E402
 from kimi_pipe.core.prompt_render import prompt_ids  # noqa: E402
 from kimi_pipe.extraction.hf_backend import HFBackend, resolve_model_path  # noqa: E402
+from kimi_pipe.extraction.prefix_check import check_prefix, checkable_prefix  # noqa: E402
 from kimi_pipe.extraction.resolve import (  # noqa: E402
     HFSuffixScorer,
     ResolveSettings,
@@ -245,7 +257,7 @@ def posterior_bins(posteriors: list[tuple[float, bool]]) -> dict[str, dict[str, 
     return out
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--answers", type=int, default=500)
     ap.add_argument("--temperature", type=float, default=1.0)
@@ -264,8 +276,35 @@ def main() -> int:
     ap.add_argument("--extract-sample", type=int, default=64, help="answers timed for extraction")
     ap.add_argument("--truths", type=Path, default=None, help="cache of the sampled ids (JSON)")
     ap.add_argument("--json", type=Path, default=None, help="write the figures here too")
-    args = ap.parse_args()
+    ap.add_argument(
+        "--no-prefix-check",
+        action="store_true",
+        help="leave the proven prefixes of unresolved sets out (the figures before issue 33)",
+    )
+    ap.add_argument(
+        "--part",
+        default=None,
+        help="K/N: only the answers i with i %% N == K; --json gets this part's raw tallies "
+        "(for --merge), so that N processes share the cores",
+    )
+    ap.add_argument("--merge", type=Path, nargs="+", default=None, help="parts' JSON to merge")
+    ap.add_argument(
+        "--max-minutes",
+        type=float,
+        default=None,
+        help="start no answer after this: the figures then cover the first answers every "
+        "part reached (answers 0..M-1, M the smallest index a part did not do)",
+    )
+    ap.add_argument("--records-out", type=Path, default=None, help="every final record, JSON lines")
+    return ap.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    if args.merge:
+        return report(merge_raw([json.loads(p.read_text()) for p in args.merge]), args)
     torch.set_num_threads(args.threads)
+    part, parts = (int(x) for x in (args.part or "0/1").split("/"))
 
     cfg = compose(["model=smollm2"])
     model = load_model(cfg.model)
@@ -313,22 +352,46 @@ def main() -> int:
     sampling = {"temperature": args.temperature, "top_p": args.top_p}
 
     counts: dict[str, int] = {}
+    tokens: dict[str, int] = {}
     predicted_wrong = 0.0
     posteriors: list[tuple[float, bool]] = []
     set_sizes: list[int] = []
     wrong_examples: list[dict[str, Any]] = []
-    resolve_s = split_s = 0.0
-    split_tokens = 0
+    seconds = {"resolution": 0.0, "split_check": 0.0, "prefix_check": 0.0}
+    split_tokens = prefix_check_tokens = 0
+    # Pairs of answers dealt in turn: the asks alternate, so i % parts would give a part
+    # every other ask (and most of the hard sets to one part).
+    mine = [i for i in range(len(truths)) if (i // 2) % parts == part]
+    per_answer: list[dict[str, Any]] = []
+    cur: dict[str, Any] = {}
+    next_index: int | None = None
+    out = args.records_out.open("w") if args.records_out else None
 
     def count(key: str) -> None:
         counts[key] = counts.get(key, 0) + 1
+        cur["counts"][key] = cur["counts"].get(key, 0) + 1
 
-    print(f"[calibrate] {len(spaces)} whitespace ids, {len(gaps)} gaps; reconstructing",
-          file=sys.stderr)  # fmt: skip
-    for i, (prompt, truth) in enumerate(zip(prompts, truths, strict=True)):
-        if i and i % 50 == 0:
-            print(f"[calibrate] {i}/{len(truths)} {dict(sorted(counts.items()))}",
+    def add(key: str, n: int) -> None:
+        tokens[key] = tokens.get(key, 0) + n
+        cur["tokens"][key] = cur["tokens"].get(key, 0) + n
+
+    def keep(rec: dict[str, Any]) -> None:
+        if out is not None:
+            out.write(json.dumps(rec) + "\n")
+
+    print(f"[calibrate] {len(spaces)} whitespace ids, {len(gaps)} gaps; reconstructing "
+          f"{len(mine)} answers (part {part}/{parts})", file=sys.stderr)  # fmt: skip
+    for n_done, i in enumerate(mine):
+        if args.max_minutes is not None and time.monotonic() - t0 > 60 * args.max_minutes:
+            next_index = i
+            break
+        cur = {"i": i, "counts": {}, "tokens": {}}
+        per_answer.append(cur)
+        prompt, truth = prompts[i], truths[i]
+        if n_done and n_done % 25 == 0:
+            print(f"[calibrate] {n_done}/{len(mine)} {dict(sorted(counts.items()))}",
                   file=sys.stderr, flush=True)  # fmt: skip
+        add("bought", len(truth))
         ended = truth[-1:] == [end_id]
         body = truth[:-1] if ended else truth
         tail = end if ended else []
@@ -364,12 +427,36 @@ def main() -> int:
             rec["notes"] = ["single_candidate"]
         else:
             set_sizes.append(len(options))
+            cur["set_size"] = len(options)
             t1 = time.monotonic()
             scored = score_record(gap_record(f"a{i}", prompt, options, sampling), scorer, settings)
-            resolve_s += time.monotonic() - t1
+            seconds["resolution"] += time.monotonic() - t1
             assert scored is not None
             if not scored["ok"]:
                 count("target_unresolved")
+                rec = dict(scored)
+                rec["short_readings"] = readings(short)
+                rec["long_readings"] = readings(long)
+                rec = dict(with_prefix(rec))  # type: ignore[arg-type]  # every reading counts
+                if not args.no_prefix_check and checkable_prefix(rec):
+                    t4 = time.monotonic()
+                    checked_prefix, cost = check_prefix(rec, judge, vocab, settings, "smollm2")
+                    seconds["prefix_check"] += time.monotonic() - t4
+                    prefix_check_tokens += cost
+                    assert checked_prefix is not None
+                    kept = checked_prefix["evidence"] == "prefix_proven"
+                    count("prefix_kept" if kept else "prefix_withdrawn")
+                    if kept:
+                        ids, _ = training_ids(checked_prefix)
+                        cut = ids[len(prompt) :]
+                        add("exact_prefix_proven", len(cut))
+                        if cut != truth[: len(cut)]:
+                            count("prefix_proven_WRONG")  # silent
+                            add("silent", len(cut))
+                    keep(dict(checked_prefix))
+                    continue
+                count("no_prefix")
+                keep(rec)
                 continue
             posterior = scored["resolution"]["posterior"]
             rec = dict(scored)
@@ -377,11 +464,12 @@ def main() -> int:
         rec["long_readings"] = readings(long)
         t2 = time.monotonic()
         checked, cost = check_record(rec, judge, vocab, settings, "smollm2")
-        split_s += time.monotonic() - t2
+        seconds["split_check"] += time.monotonic() - t2
         split_tokens += cost
         assert checked is not None and checkable(rec, settings.billing_splits) is None
         outcome = (checked.get("split_check") or {}).get("chosen")
         count(f"split_{outcome or 'unresolved'}")
+        keep(dict(checked))
         if not checked["ok"]:
             count("unresolved_by_split_check")
             if not options:
@@ -394,41 +482,119 @@ def main() -> int:
         wrong = rec["output_ids"] != truth
         rung = rec["evidence"]
         count(rung)
+        add(f"exact_{rung}", len(rec["output_ids"]))
         if not options:
             count(f"no_option_{rung}" + ("_wrong" if wrong else ""))
+            add(f"exact_no_option_{rung}", len(rec["output_ids"]))
         if wrong:
             count(f"{rung}_WRONG")  # silent: a usable record with ids the model did not sample
-            wrong_examples.append(
-                {
-                    "answer": i,
-                    "rung": rung,
-                    "posterior": posterior,
-                    "truth_text": text,
-                    "truth_ids": len(truth),
-                    "truth_canonical_ids": len(model.encode([text])) + len(tail),
-                    "record_text": tok.decode(rec["output_ids"], skip_special_tokens=True),
-                    "options": len(options),
-                    "option_gaps": [g for _, g in options][:8],
-                    "split_check": rec.get("split_check"),
-                }
-            )
+            add("silent", len(rec["output_ids"]))
+            cur["wrong_example"] = {
+                "answer": i,
+                "rung": rung,
+                "posterior": posterior,
+                "truth_text": text,
+                "truth_ids": len(truth),
+                "truth_canonical_ids": len(model.encode([text])) + len(tail),
+                "record_text": tok.decode(rec["output_ids"], skip_special_tokens=True),
+                "options": len(options),
+                "option_gaps": [g for _, g in options][:8],
+                "split_check": rec.get("split_check"),
+            }
+            wrong_examples.append(cur["wrong_example"])
         if rung == "target_resolved":
             predicted_wrong += 1.0 - posterior
             posteriors.append((posterior, wrong))
+            cur["posterior"] = [posterior, wrong]
+    if out is not None:
+        out.close()
 
     # What extraction costs anyway: a plain forward over the answers, batched like extract
     # (on the first --extract-sample of them, scaled by tokens to all).
-    seqs = [p + t for p, t in zip(prompts, truths, strict=True)]
+    seqs = [prompts[a["i"]] + truths[a["i"]] for a in per_answer]
     timed = seqs[: args.extract_sample]
     t3 = time.monotonic()
     for start in range(0, len(timed), 16):
         backend.forward(timed[start : start + 16])
     extract_s = (time.monotonic() - t3) * sum(map(len, seqs)) / max(1, sum(map(len, timed)))
+    raw = {
+        "per_answer": per_answer,
+        "next_index": next_index,
+        "seconds": {**seconds, "sampling": sample_s, "extraction_forward": extract_s},
+        "split_check_tokens": split_tokens,
+        "prefix_check_tokens": prefix_check_tokens,
+        "resolution_tokens": {"prefix": scorer.prefix_tokens, "suffix": scorer.suffix_tokens},
+        "options_pruned_unrun": scorer.pruned,
+        "extraction_tokens": sum(map(len, seqs)),
+        "whitespace_ids": len(spaces),
+    }
+    if parts > 1:
+        raw["part"] = args.part
+        if args.json:
+            args.json.write_text(json.dumps(raw) + "\n")
+        print(json.dumps({"answers": len(per_answer), "next_index": next_index}))
+        return 0
+    return report(merge_raw([raw]), args)
 
-    n = len(truths)
+
+def merge_raw(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The raw tallies of --part runs as one run's, over answers 0..M-1: M is the first
+    index a part stopped before (--max-minutes), else every answer. Forward work and seconds
+    are those of every answer done."""
+    stops = [raw["next_index"] for raw in parts if raw["next_index"] is not None]
+    limit = min(stops) if stops else None
+    answers = [a for raw in parts for a in raw["per_answer"] if limit is None or a["i"] < limit]
+    if limit is not None and len(answers) != limit:
+        raise SystemExit(f"the parts do not cover answers 0..{limit - 1}: {len(answers)} of them")
+    out: dict[str, Any] = {
+        "answers": len(answers), "answers_done": sum(len(r["per_answer"]) for r in parts),
+        "first_answers_only": limit, "counts": {}, "tokens": {}, "predicted_wrong": 0.0,
+        "posteriors": [], "set_sizes": [], "wrong_examples": [], "seconds": {},
+        "split_check_tokens": 0, "prefix_check_tokens": 0, "resolution_tokens": {},
+        "options_pruned_unrun": 0, "extraction_tokens": 0,
+        "whitespace_ids": parts[0]["whitespace_ids"],
+    }  # fmt: skip
+    for answer in sorted(answers, key=lambda a: a["i"]):
+        for key in ("counts", "tokens"):
+            for name, value in answer[key].items():
+                out[key][name] = out[key].get(name, 0) + value
+        if "posterior" in answer:
+            out["posteriors"].append(answer["posterior"])
+            out["predicted_wrong"] += 1.0 - answer["posterior"][0]
+        if "set_size" in answer:
+            out["set_sizes"].append(answer["set_size"])
+        if "wrong_example" in answer:
+            out["wrong_examples"].append(answer["wrong_example"])
+    for raw in parts:
+        for key in ("split_check_tokens", "prefix_check_tokens", "options_pruned_unrun",
+                    "extraction_tokens"):  # fmt: skip
+            out[key] += raw[key]
+        for key in ("seconds", "resolution_tokens"):
+            for name, value in raw[key].items():
+                out[key][name] = out[key].get(name, 0) + value
+    out["seconds"]["sampling"] = parts[0]["seconds"]["sampling"]
+    if len(parts) > 1:
+        out["parts"] = len(parts)
+    return out
+
+
+def report(raw: dict[str, Any], args: argparse.Namespace) -> int:
+    """Figures of the run (or of merged parts): shares of records and of tokens bought."""
+    counts, tokens, seconds = raw["counts"], raw["tokens"], raw["seconds"]
+    posteriors = [(float(p), bool(w)) for p, w in raw["posteriors"]]
+    set_sizes = raw["set_sizes"]
+    n = raw["answers"]
     proven = counts.get("text_proven", 0)
     resolved = counts.get("target_resolved", 0)
     silent = sum(v for k, v in counts.items() if k.endswith("_WRONG"))
+    bought = tokens.get("bought", 0)
+    whole = tokens.get("exact_text_proven", 0) + tokens.get("exact_target_resolved", 0)
+    prefixes = tokens.get("exact_prefix_proven", 0)
+    # resolve.billing_splits off (the default): the no-option records stay flagged.
+    no_option = tokens.get("exact_no_option_text_proven", 0) + tokens.get(
+        "exact_no_option_target_resolved", 0
+    )
+    extract_s = seconds.get("extraction_forward", 0.0)
     figures = {
         "answers": n,
         "temperature": args.temperature,
@@ -436,12 +602,12 @@ def main() -> int:
         "max_new_tokens": args.max_new_tokens,
         "min_posterior": args.min_posterior,
         "score_dtype": args.score_dtype,
+        "prefix_check": not args.no_prefix_check,
         "counts": dict(sorted(counts.items())),
         "share_text_proven": proven / n,
         "share_target_resolved": resolved / n,
         "share_proven_or_resolved": (proven + resolved) / n,
         "share_unresolved": 1 - (proven + resolved) / n,
-        # resolve.billing_splits off (the default): the no-option records stay flagged.
         "share_proven_or_resolved_billing_splits_off": (
             proven
             + resolved
@@ -449,20 +615,34 @@ def main() -> int:
             - counts.get("no_option_text_proven", 0)
         )
         / n,
+        # Issue 33: of the completion tokens bought, those reaching training as exact.
+        "tokens": dict(sorted(tokens.items())),
+        "token_share_exact_whole": whole / bought if bought else None,
+        "token_share_exact_with_prefixes": (whole + prefixes) / bought if bought else None,
+        "token_share_exact_with_prefixes_billing_splits_off": (
+            (whole + prefixes - no_option) / bought if bought else None
+        ),
         "silent": silent,
+        "silent_tokens": tokens.get("silent", 0),
         "resolved_wrong": counts.get("target_resolved_WRONG", 0),
-        "resolved_wrong_predicted": predicted_wrong,
-        "whitespace_ids": len(spaces),
-        "seconds_sampling": round(sample_s, 1),
-        "seconds_resolution": round(resolve_s, 2),
-        "seconds_split_check": round(split_s, 2),
+        "resolved_wrong_predicted": raw["predicted_wrong"],
+        "whitespace_ids": raw["whitespace_ids"],
+        "seconds_sampling": round(seconds.get("sampling", 0.0), 1),
+        "seconds_resolution": round(seconds.get("resolution", 0.0), 2),
+        "seconds_split_check": round(seconds.get("split_check", 0.0), 2),
+        "seconds_prefix_check": round(seconds.get("prefix_check", 0.0), 2),
         "seconds_extraction_forward": round(extract_s, 2),  # scaled from --extract-sample
-        "resolution_share_of_extraction": resolve_s / extract_s if extract_s else None,
-        "split_check_share_of_extraction": split_s / extract_s if extract_s else None,
-        "resolution_tokens": {"prefix": scorer.prefix_tokens, "suffix": scorer.suffix_tokens},
-        "options_pruned_unrun": scorer.pruned,
-        "split_check_tokens": split_tokens,
-        "extraction_tokens": sum(map(len, seqs)),
+        "resolution_share_of_extraction": (
+            seconds.get("resolution", 0.0) / extract_s if extract_s else None
+        ),
+        "split_check_share_of_extraction": (
+            seconds.get("split_check", 0.0) / extract_s if extract_s else None
+        ),
+        "resolution_tokens": raw["resolution_tokens"],
+        "options_pruned_unrun": raw["options_pruned_unrun"],
+        "split_check_tokens": raw["split_check_tokens"],
+        "prefix_check_tokens": raw["prefix_check_tokens"],
+        "extraction_tokens": raw["extraction_tokens"],
         "candidate_sets": {
             "scored": len(set_sizes),
             "options_min": min(set_sizes, default=0),
@@ -470,8 +650,12 @@ def main() -> int:
             "options_mean": sum(set_sizes) / len(set_sizes) if set_sizes else 0,
         },
         "resolved_posterior_bins": posterior_bins(posteriors),
-        "wrong_examples": wrong_examples,
+        "wrong_examples": raw["wrong_examples"],
     }
+    figures["answers_done"] = raw["answers_done"]  # forward work and seconds cover these
+    figures["first_answers_only"] = raw["first_answers_only"]
+    if "parts" in raw:
+        figures["parts"] = raw["parts"]
     print(json.dumps(figures, indent=2))
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2) + "\n")
@@ -479,7 +663,7 @@ def main() -> int:
         low = min(p for p, _ in posteriors)
         print(f"lowest resolved posterior {low:.6f}; wrong at posteriors "
               f"{[round(p, 6) for p, w in posteriors if w]}")  # fmt: skip
-    return 0 if silent == 0 and math.isfinite(predicted_wrong) else 1
+    return 0 if silent == 0 and math.isfinite(raw["predicted_wrong"]) else 1
 
 
 if __name__ == "__main__":
