@@ -82,32 +82,18 @@ def score_sets(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from benchmarks import calibrate_resolution as cal
-    from kimi_pipe.config import compose
-    from kimi_pipe.core.models import load_model
     from kimi_pipe.core.prefix import proven_prefix
-    from kimi_pipe.core.prompt_render import prompt_ids
-    from kimi_pipe.extraction.hf_backend import HFBackend, resolve_model_path
     from kimi_pipe.extraction.resolve import HFSuffixScorer, ResolveSettings, score_record
 
     torch.set_num_threads(args.threads)
-    cfg = compose(["model=smollm2"])
-    model = load_model(cfg.model)
-    path = resolve_model_path(cfg)
-    hf = HFBackend(path, model_name="smollm2").model
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(path))
-    end = model.encode(model.format.output.end.render())
+    model, _path, backend, tok, end = cal.load_target()
+    hf = backend.model
     end_id = end[-1]
     # calibrate_resolution.py's defaults (its key, but for the number of answers).
     key = {"answers": args.answers, "temperature": 1.0, "top_p": 0.9, "max_new_tokens": 64,
            "batch": 50, "seed": 0}  # fmt: skip
-    asks, topics = cal.ASKS, cal.TOPICS
-    questions = [asks[i % len(asks)].format(topics[(i // len(asks)) % len(topics)])
-                 for i in range(key["answers"])]  # fmt: skip
-    prompts = [prompt_ids(model, [{"role": "user", "content": q}], None) for q in questions]
-    spaces = [tok.decode([t]) for t in cal.whitespace_ids(tok)]
-    gaps = ["", " "] + [g for t in spaces for g in (t, t + " ")]
+    prompts = cal.calibration_prompts(model, key["answers"])
+    _spaces, gaps = cal.hidden_gaps(tok)
     settings = ResolveSettings(min_posterior=0.999, max_options=len(gaps))
     scorer = HFSuffixScorer(hf, "smollm2")
     sampling = {"temperature": key["temperature"], "top_p": key["top_p"]}

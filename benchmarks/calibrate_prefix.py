@@ -26,10 +26,7 @@ from typing import Any
 import torch
 
 from benchmarks import calibrate_resolution as cal
-from kimi_pipe.config import compose
-from kimi_pipe.core.models import load_model
 from kimi_pipe.core.prefix import training_ids, with_prefix
-from kimi_pipe.extraction.hf_backend import HFBackend, resolve_model_path
 from kimi_pipe.extraction.prefix_check import check_prefix
 from kimi_pipe.extraction.resolve import HFSuffixScorer, ResolveSettings, score_record
 from kimi_pipe.extraction.split_check import vocabulary_of
@@ -49,25 +46,13 @@ def main() -> int:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    cfg = compose(["model=smollm2"])
-    model = load_model(cfg.model)
-    path = resolve_model_path(cfg)
-    hf = HFBackend(path, model_name="smollm2").model
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(path))
-    end = model.encode(model.format.output.end.render())
+    model, _path, backend, tok, end = cal.load_target()
+    hf = backend.model
     end_id = end[-1]
     truths = json.loads(args.truths.read_text())["truths"]
     key = json.loads(args.truths.read_text())["key"]
-    asks, topics = cal.ASKS, cal.TOPICS
-    questions = [asks[i % len(asks)].format(topics[(i // len(asks)) % len(topics)])
-                 for i in range(key["answers"])]  # fmt: skip
-    from kimi_pipe.core.prompt_render import prompt_ids
-
-    prompts = [prompt_ids(model, [{"role": "user", "content": q}], None) for q in questions]
-    spaces = [tok.decode([t]) for t in cal.whitespace_ids(tok)]
-    gaps = ["", " "] + [g for t in spaces for g in (t, t + " ")]
+    prompts = cal.calibration_prompts(model, key["answers"])
+    _spaces, gaps = cal.hidden_gaps(tok)
     settings = ResolveSettings(min_posterior=args.min_posterior, max_options=len(gaps))
     scorer = HFSuffixScorer(hf, "smollm2")
     vocab = vocabulary_of(model.tokenizer)

@@ -39,8 +39,9 @@
 
 Parallel, on a budget: `--part K/N` runs every N-th pair of answers and writes its raw
 tallies (`--json`); `--merge PART.json ...` reports them as one run. With `--max-minutes`
-a part starts no answer past that time, and the report covers answers 0..M-1, M the first
-index some part did not reach. `--records-out` writes every final record (JSON lines).
+a part starts no answer past that time (its JSON says where it stopped, `next_index`;
+`--from-index` goes on from there in another run), and the report covers answers 0..M-1, M
+the first answer no merged part did. `--records-out` writes every final record (JSON lines).
 """
 
 from __future__ import annotations
@@ -88,6 +89,33 @@ ASKS = [
     "Say something short about {}.",
     "Write a title about {}, then one sentence on the next line.",
 ]
+
+
+def load_target() -> tuple[Any, Path, HFBackend, Any, list[int]]:
+    """The demo's SmolLM2: its model (conf/model/smollm2.yaml), weights directory, extraction
+    backend (float32), transformers tokenizer (the same tokenizer.json) and end-of-turn ids."""
+    from transformers import AutoTokenizer
+
+    cfg = compose(["model=smollm2"])
+    model = load_model(cfg.model)
+    path = resolve_model_path(cfg)
+    backend = HFBackend(path, model_name="smollm2")
+    tok = AutoTokenizer.from_pretrained(str(path))
+    return model, path, backend, tok, model.encode(model.format.output.end.render())
+
+
+def calibration_prompts(model: Any, answers: int) -> list[list[int]]:
+    """The prompt ids of the first `answers` questions (the same questions in every script)."""
+    questions = [ASKS[i % len(ASKS)].format(TOPICS[(i // len(ASKS)) % len(TOPICS)])
+                 for i in range(answers)]  # fmt: skip
+    return [prompt_ids(model, [{"role": "user", "content": q}], None) for q in questions]
+
+
+def hidden_gaps(tok: Any) -> tuple[list[str], list[str]]:
+    """The vocabulary's whitespace token texts, and every W a stack may hide: "", " ", t and
+    t + " " for each whitespace token t."""
+    spaces = [tok.decode([t]) for t in whitespace_ids(tok)]
+    return spaces, ["", " "] + [g for t in spaces for g in (t, t + " ")]
 
 
 def sample_answers(
@@ -292,8 +320,15 @@ def parse_args() -> argparse.Namespace:
         "--max-minutes",
         type=float,
         default=None,
-        help="start no answer after this: the figures then cover the first answers every "
-        "part reached (answers 0..M-1, M the smallest index a part did not do)",
+        help="start no answer after this: the figures then cover the first answers the "
+        "merged parts did (answers 0..M-1, M the first answer none did)",
+    )
+    ap.add_argument(
+        "--from-index",
+        type=int,
+        default=0,
+        help="skip this part's answers before this index (a part stopped by --max-minutes "
+        "goes on from its next_index; --merge takes both)",
     )
     ap.add_argument("--records-out", type=Path, default=None, help="every final record, JSON lines")
     return ap.parse_args()
@@ -302,14 +337,12 @@ def parse_args() -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     if args.merge:
-        return report(merge_raw([json.loads(p.read_text()) for p in args.merge]), args)
+        loaded = [json.loads(p.read_text()) for p in args.merge]
+        return report(merge_raw(loaded, args.answers), args)
     torch.set_num_threads(args.threads)
     part, parts = (int(x) for x in (args.part or "0/1").split("/"))
 
-    cfg = compose(["model=smollm2"])
-    model = load_model(cfg.model)
-    path = resolve_model_path(cfg)
-    backend = HFBackend(path, model_name="smollm2")  # the extraction backend's own weights
+    model, path, backend, tok, end = load_target()  # the extraction backend's own weights
     hf = backend.model
     # The target that resolves: the same weights, in the scoring dtype.
     judge = (
@@ -317,16 +350,8 @@ def main() -> int:
         if args.score_dtype == "float32"
         else HFBackend(path, model_name="smollm2", dtype=args.score_dtype).model
     )
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(path))  # the same tokenizer.json the model uses
-    end = model.encode(model.format.output.end.render())
     end_id = end[-1]
-
-    questions = [ASKS[i % len(ASKS)].format(TOPICS[(i // len(ASKS)) % len(TOPICS)])
-                 for i in range(args.answers)]  # fmt: skip
-    messages = [[{"role": "user", "content": q}] for q in questions]
-    prompts = [prompt_ids(model, m, None) for m in messages]
+    prompts = calibration_prompts(model, args.answers)
     key = {k: getattr(args, k) for k in ("answers", "temperature", "top_p", "max_new_tokens",
                                          "batch", "seed")}  # fmt: skip
     cached = json.loads(args.truths.read_text()) if args.truths and args.truths.exists() else None
@@ -341,8 +366,7 @@ def main() -> int:
         if args.truths:
             args.truths.write_text(json.dumps({"key": key, "seconds": sample_s, "truths": truths}))
 
-    spaces = [tok.decode([t]) for t in whitespace_ids(tok)]
-    gaps = ["", " "] + [g for t in spaces for g in (t, t + " ")]
+    spaces, gaps = hidden_gaps(tok)
     # This stack only hides whitespace: a bill no reading fits is a split (billing_splits).
     settings = ResolveSettings(
         min_posterior=args.min_posterior, max_options=len(gaps), billing_splits=True
@@ -361,7 +385,7 @@ def main() -> int:
     split_tokens = prefix_check_tokens = 0
     # Pairs of answers dealt in turn: the asks alternate, so i % parts would give a part
     # every other ask (and most of the hard sets to one part).
-    mine = [i for i in range(len(truths)) if (i // 2) % parts == part]
+    mine = [i for i in range(args.from_index, len(truths)) if (i // 2) % parts == part]
     per_answer: list[dict[str, Any]] = []
     cur: dict[str, Any] = {}
     next_index: int | None = None
@@ -534,18 +558,20 @@ def main() -> int:
             args.json.write_text(json.dumps(raw) + "\n")
         print(json.dumps({"answers": len(per_answer), "next_index": next_index}))
         return 0
-    return report(merge_raw([raw]), args)
+    return report(merge_raw([raw], args.answers), args)
 
 
-def merge_raw(parts: list[dict[str, Any]]) -> dict[str, Any]:
-    """The raw tallies of --part runs as one run's, over answers 0..M-1: M is the first
-    index a part stopped before (--max-minutes), else every answer. Forward work and seconds
-    are those of every answer done."""
-    stops = [raw["next_index"] for raw in parts if raw["next_index"] is not None]
-    limit = min(stops) if stops else None
-    answers = [a for raw in parts for a in raw["per_answer"] if limit is None or a["i"] < limit]
-    if limit is not None and len(answers) != limit:
-        raise SystemExit(f"the parts do not cover answers 0..{limit - 1}: {len(answers)} of them")
+def merge_raw(parts: list[dict[str, Any]], total: int) -> dict[str, Any]:
+    """The raw tallies of --part runs as one run's, over answers 0..M-1: M is the first of
+    the `total` answers no part did (every answer when all were done). Forward work and
+    seconds are those of every answer done."""
+    done = [a for raw in parts for a in raw["per_answer"]]
+    indices = [a["i"] for a in done]
+    if len(set(indices)) != len(indices):
+        raise SystemExit("an answer is in two parts: merge each part once")
+    covered = set(indices)
+    limit = next((i for i in range(total) if i not in covered), None)
+    answers = [a for a in done if limit is None or a["i"] < limit]
     out: dict[str, Any] = {
         "answers": len(answers), "answers_done": sum(len(r["per_answer"]) for r in parts),
         "first_answers_only": limit, "counts": {}, "tokens": {}, "predicted_wrong": 0.0,

@@ -30,7 +30,6 @@ REPO = Path(__file__).resolve().parent.parent
 
 from kimi_pipe.config import compose  # noqa: E402
 from kimi_pipe.core.models import load_model  # noqa: E402
-from kimi_pipe.core.prompt_render import prompt_ids  # noqa: E402
 from kimi_pipe.extraction.hf_backend import HFBackend, resolve_model_path  # noqa: E402
 
 SLACKS = (0.0, 1e-5, 1e-4, 1e-3, 1e-2, 3e-2)
@@ -59,16 +58,9 @@ def main() -> int:
     cfg = compose(["model=smollm2"])
     model = load_model(cfg.model)
     path = resolve_model_path(cfg)
-    from benchmarks.calibrate_resolution import (  # the same questions, in the same order
-        ASKS,
-        TOPICS,
-    )
+    from benchmarks.calibrate_resolution import calibration_prompts
 
-    questions = [
-        ASKS[i % len(ASKS)].format(TOPICS[(i // len(ASKS)) % len(TOPICS)])
-        for i in range(len(truths))
-    ]
-    prompts = [prompt_ids(model, [{"role": "user", "content": q}], None) for q in questions]
+    prompts = calibration_prompts(model, len(truths))  # the same questions, in the same order
     judges = {
         d: HFBackend(path, model_name="smollm2", dtype=d).model for d in ("float32", "bfloat16")
     }
