@@ -42,39 +42,6 @@ def _bin(p: float) -> int | None:
     return None
 
 
-def _batches(hf: Any, prompts: list[list[int]], key: dict[str, Any], end_id: int) -> Any:
-    """calibrate_resolution.sample_answers one batch at a time (the same calls in the same
-    order from one seed, so batch b holds the same answers as there): (start, truths)."""
-    import torch
-
-    torch.manual_seed(key["seed"])
-    for start in range(0, len(prompts), key["batch"]):
-        chunk = prompts[start : start + key["batch"]]
-        longest = max(map(len, chunk))
-        ids = torch.full((len(chunk), longest), end_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, p in enumerate(chunk):
-            ids[row, longest - len(p) :] = torch.tensor(p)
-            mask[row, longest - len(p) :] = 1
-        with torch.inference_mode():
-            seqs = hf.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                do_sample=True,
-                temperature=key["temperature"],
-                top_p=key["top_p"],
-                top_k=0,
-                max_new_tokens=key["max_new_tokens"],
-                eos_token_id=end_id,
-                pad_token_id=end_id,
-            )
-        out = []
-        for row in seqs[:, longest:].tolist():
-            cut = row.index(end_id) + 1 if end_id in row else len(row)
-            out.append(row[:cut])
-        yield start, out
-
-
 def score_sets(args: argparse.Namespace) -> dict[str, Any]:
     """Sample the answers batch by batch (calibrate_resolution.py's key: its first batches
     are the same answers) and score every closed set; the cache, written after each batch,
@@ -100,7 +67,7 @@ def score_sets(args: argparse.Namespace) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     started = time.monotonic()
     data: dict[str, Any] = {"key": key, "rows": rows}
-    for first, truths in _batches(hf, prompts, key, end_id):
+    for first, truths in cal.sample_batches(hf, prompts, key, end_id):
         for offset, truth in enumerate(truths):
             i = first + offset
             rows.append(score_one(cal, model, tok, scorer, settings, sampling, gaps, i,

@@ -51,6 +51,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -118,14 +119,16 @@ def hidden_gaps(tok: Any) -> tuple[list[str], list[str]]:
     return spaces, ["", " "] + [g for t in spaces for g in (t, t + " ")]
 
 
-def sample_answers(
-    hf: Any, prompts: list[list[int]], args: argparse.Namespace, end_id: int
-) -> list[list[int]]:
-    """Ground-truth output ids (up to and including the end id) per prompt, batched."""
-    out: list[list[int]] = []
-    torch.manual_seed(args.seed)
-    for start in range(0, len(prompts), args.batch):
-        chunk = prompts[start : start + args.batch]
+def sample_batches(
+    hf: Any, prompts: list[list[int]], key: Mapping[str, Any], end_id: int
+) -> Iterator[tuple[int, list[list[int]]]]:
+    """Ground-truth output ids (up to and including the end id), one batch at a time:
+    (index of the batch's first prompt, its answers). `key`: seed, batch, temperature,
+    top_p, max_new_tokens. The same calls in the same order from one seed, so batch b holds
+    the same answers whoever asks."""
+    torch.manual_seed(key["seed"])
+    for start in range(0, len(prompts), key["batch"]):
+        chunk = prompts[start : start + key["batch"]]
         longest = max(map(len, chunk))
         ids = torch.full((len(chunk), longest), end_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -137,16 +140,27 @@ def sample_answers(
                 input_ids=ids,
                 attention_mask=mask,
                 do_sample=True,
-                temperature=args.temperature,
-                top_p=args.top_p,
+                temperature=key["temperature"],
+                top_p=key["top_p"],
                 top_k=0,
-                max_new_tokens=args.max_new_tokens,
+                max_new_tokens=key["max_new_tokens"],
                 eos_token_id=end_id,
                 pad_token_id=end_id,
             )
+        out = []
         for row in seqs[:, longest:].tolist():
             cut = row.index(end_id) + 1 if end_id in row else len(row)
             out.append(row[:cut])
+        yield start, out
+
+
+def sample_answers(
+    hf: Any, prompts: list[list[int]], args: argparse.Namespace, end_id: int
+) -> list[list[int]]:
+    """Ground-truth output ids per prompt (`sample_batches` with the command line's key)."""
+    out: list[list[int]] = []
+    for _start, answers in sample_batches(hf, prompts, vars(args), end_id):
+        out.extend(answers)
         print(f"[calibrate] sampled {len(out)}/{len(prompts)}", file=sys.stderr, flush=True)
     return out
 
