@@ -23,7 +23,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
+from kimi_pipe.config import compose as compose_config
 from kimi_pipe.core.splits import Vocabulary, first_steps, search_splits
+from kimi_pipe.errors import ConfigError
 from kimi_pipe.extraction import split_check
 from kimi_pipe.extraction.resolve import ResolveSettings
 from kimi_pipe.extraction.sampler import Sampling, sampled_logprobs, sampler_log_table
@@ -387,6 +389,42 @@ def test_short_readings_share_one_branch_budget_and_an_exhausted_one_is_not_trus
     )
     assert not out["ok"] and out["evidence"] == "unresolved"
     assert out["split_check"]["limits"] == limits
+
+
+def test_the_near_readings_budget_is_a_setting_and_a_bad_one_is_one_line() -> None:
+    """`resolve.near_reading_branches` is the budget the checks pass to neighbour_readings
+    (default: the module's 256); 0, a fraction or a bool is refused."""
+    sampler = ScriptedSampler(
+        {
+            (6,): {AB: math.log(0.5), A: math.log(0.5)},
+            (6, AB): {SPACE: math.log(1e-4), END: math.log(1 - 1e-4)},
+            (6, AB, SPACE): {END: 0.0},
+            (6, A): {B: 0.0},
+            (6, A, B): {END: 0.0},
+        }
+    )
+    rec = record([AB, SPACE, END], billed=3)
+    rec["short_readings"] = [{"output_ids": [AB, END], "loss_mask": [1, 1], "label": "no space"}]
+    rec["long_readings"] = [{"output_ids": [A, B, SPACE, END], "loss_mask": [1] * 4}]
+    search = search_splits(PROMPT, rec["output_ids"], 3, toy_vocab(), sampler)
+    default = ResolveSettings.from_cfg(compose_config(["model=smollm2"]))
+    assert default.near_reading_branches == split_check.NEAR_READINGS_BRANCHES == 256
+    found, limits = neighbour_readings(
+        rec, search, 3, toy_vocab(), sampler, default.near_reading_branches
+    )
+    assert len(found) == 2 and limits == []
+    small = ResolveSettings.from_cfg(
+        compose_config(["model=smollm2", "resolve.near_reading_branches=1"])
+    )
+    found, limits = neighbour_readings(
+        rec, search, 3, toy_vocab(), sampler, small.near_reading_branches
+    )
+    assert len(found) == 1 and limits == ["more than 1 branches over near readings"]
+    for bad in ("0", "2.5", "true"):
+        with pytest.raises(ConfigError, match="near_reading_branches"):
+            ResolveSettings.from_cfg(
+                compose_config(["model=smollm2", f"resolve.near_reading_branches={bad}"])
+            )
 
 
 def record(ids: list[int], billed: int, ok: bool = True, issues: Any = None) -> dict[str, Any]:

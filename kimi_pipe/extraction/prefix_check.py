@@ -70,7 +70,9 @@ def check_prefix(
     as_resolved["output_ids"] = first
     as_resolved["resolution"] = {"chosen": 0}
     search = search_splits(record["prompt_ids"], first, billed, vocab, scorer)
-    neighbours, limits = neighbour_readings(as_resolved, search, billed, vocab, scorer)
+    neighbours, limits = neighbour_readings(
+        as_resolved, search, billed, vocab, scorer, settings.near_reading_branches
+    )
     paths: dict[tuple[int, ...], float] = {}
     for path in search.options(first):
         paths.setdefault(tuple(path.output_ids), path.logprob)

@@ -209,12 +209,22 @@ class ResolveSettings:
     # (evidence posterior_sampled, never exact; core/posterior.py), seeded by this and its id.
     posterior_sampled: bool = False
     posterior_seed: int = 0
+    # Branch forwards the split check (and the prefix check) may spend on a record's other
+    # readings together; past it the search is incomplete and the record is not trusted.
+    near_reading_branches: int = 256
     judge_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         if not 0.5 < self.min_posterior <= 1.0:
             raise ConfigError(
                 f"resolve.min_posterior must be in (0.5, 1], got {self.min_posterior}"
+            )
+        if isinstance(self.near_reading_branches, bool) or not (
+            isinstance(self.near_reading_branches, int) and self.near_reading_branches >= 1
+        ):
+            raise ConfigError(
+                "resolve.near_reading_branches must be a whole number >= 1, got "
+                f"{self.near_reading_branches!r}"
             )
         for name in ("nucleus_slack", "greedy_slack"):
             value = getattr(self, name)

@@ -211,14 +211,17 @@ def check_record(
     if not isinstance(billed, int) or billed < 0:
         billed = None
     search = search_splits(record["prompt_ids"], output, billed, vocab, scorer)
-    neighbours, limits = neighbour_readings(record, search, billed, vocab, scorer)
+    neighbours, limits = neighbour_readings(
+        record, search, billed, vocab, scorer, settings.near_reading_branches
+    )
     out = apply_split_check(record, search, settings, model_name, sampling, neighbours, limits)
     return out, scorer.tokens
 
 
 # Branch forwards shared by all of one record's short and long readings (search_splits' own
 # limit is per reading; a record may carry a reading per whitespace token of the vocabulary).
-NEAR_READINGS_BRANCHES = 256
+# The default of `resolve.near_reading_branches`.
+NEAR_READINGS_BRANCHES: int = ResolveSettings.near_reading_branches
 
 
 @dataclass(frozen=True)
@@ -239,9 +242,11 @@ def neighbour_readings(
     billed: int | None,
     vocab: Vocabulary,
     scorer: NextTokenScorer,
+    branches: int | None = None,
 ) -> tuple[list[Reading], list[str]]:
     """Every path of the answer's other readings that the sampler could have drawn at the
-    billed length, and the limits that leave them open.
+    billed length, and the limits that leave them open. `branches`: the forwards all of
+    them may spend together (None: NEAR_READINGS_BRANCHES).
 
     A record whose ids billing chose among readings (a candidate set: hidden whitespace, a
     marker space) was chosen under "the split is canonical". Its other readings escape that:
@@ -268,14 +273,15 @@ def neighbour_readings(
             unique.setdefault(key, (source, reading))
     near = list(unique.values())
     drawable = _drawable_readings(record, search, [r for _, r in near], vocab, scorer)
-    budget = NEAR_READINGS_BRANCHES
+    limit = NEAR_READINGS_BRANCHES if branches is None else branches
+    budget = limit
     for (source, reading), may in zip(near, drawable, strict=True):
         if not may:
             continue
         if budget <= 0:
             # A vocabulary-wide set of hidden strings can make every reading branch at the
             # gap: the search stays bounded, and the record, not closed, is not trusted.
-            limits.append(f"more than {NEAR_READINGS_BRANCHES} branches over near readings")
+            limits.append(f"more than {limit} branches over near readings")
             break
         ids = list(reading["output_ids"])
         found = search_splits(record["prompt_ids"], ids, billed, vocab, scorer, max_branches=budget)
