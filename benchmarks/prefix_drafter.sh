@@ -19,9 +19,10 @@
 #    (drafter_cpu.py --heldout-export), JOBS at a time, one thread each;
 # 4. benchmarks/drafter_summary.py --yardstick noprefix-seed --by-arm.
 # Raw JSON: $RUN/sets.json, $RUN/drafter/*.json, $RUN/drafter_summary.json, the exports' own
-# export_summary.json.
+# export_summary.json; with MEASURED=DIR, copied there (docs/measured/prefix_drafter/).
+# STEPS (600) x SEQ_LEN (256): about 4.6 passes over the training rows of the 500 answers.
 #   RECORDS="runs/calib/records-part0.jsonl runs/calib/records-part1.jsonl" \
-#       bash benchmarks/prefix_drafter.sh
+#       MEASURED=docs/measured/prefix_drafter bash benchmarks/prefix_drafter.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -37,14 +38,18 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
 "$PY" -m benchmarks.prefix_drafter_sets --records $RECORDS --out "$RUN"
 
 WHOLE="text_proven,target_resolved"
-for set in train heldout; do
-  accept="[$WHOLE,prefix_proven]"
-  [ "$set" = train ] || accept="[$WHOLE]"
-  rm -rf "$RUN/$set/hidden_hf"
-  "$PY" -m kimi_pipe extract model=smollm2 "extract.records=$RUN/$set/records.jsonl" \
-    "extract.accept=$accept" extract.store_dtype=bfloat16 extract.threads=1 \
-    resolve.enabled=false "extract.output_dir=$RUN/$set/hidden_hf" "hydra.run.dir=$RUN/$set"
-done
+extract() {  # SET ACCEPT: one store per set, the two sets side by side (one thread each)
+  rm -rf "$RUN/$1/hidden_hf"
+  "$PY" -m kimi_pipe extract model=smollm2 "extract.records=$RUN/$1/records.jsonl" \
+    "extract.accept=$2" extract.store_dtype=bfloat16 extract.threads=1 \
+    resolve.enabled=false "extract.output_dir=$RUN/$1/hidden_hf" "hydra.run.dir=$RUN/$1" \
+    > "$RUN/$1/extract.log" 2>&1
+}
+extract train "[$WHOLE,prefix_proven]" &
+TRAIN=$!
+extract heldout "[$WHOLE]" || { wait "$TRAIN"; tail "$RUN/heldout/extract.log"; exit 1; }
+wait "$TRAIN" || { tail "$RUN/train/extract.log"; exit 1; }
+grep -h "^\[extract\]" "$RUN/train/extract.log" "$RUN/heldout/extract.log"
 E="$RUN/exports"
 rm -rf "$E"
 "$PY" -m kimi_pipe export format=speculators "stores=[$RUN/train/hidden_hf]" seed=0 \
@@ -72,3 +77,13 @@ mkdir -p "$RUN/drafter"
 } | xargs -P "${JOBS:-2}" -L 1 bash -c 'drafter "$0" "$1" "$2"'
 "$PY" -m benchmarks.drafter_summary "$RUN/drafter" --yardstick noprefix-seed --by-arm \
   --out "$RUN/drafter_summary.json"
+# MEASURED=docs/measured/prefix_drafter: keep the raw JSON there (the run dir is not committed).
+if [ -n "${MEASURED:-}" ]; then
+  rm -rf "$MEASURED"
+  mkdir -p "$MEASURED/drafter"
+  cp "$RUN"/drafter/*.json "$MEASURED/drafter/"
+  cp "$RUN/sets.json" "$RUN/drafter_summary.json" "$MEASURED/"
+  for x in prefix noprefix heldout; do
+    cp "$E/$x/export_summary.json" "$MEASURED/export_summary-$x.json"
+  done
+fi
