@@ -16,6 +16,19 @@ does, without autocast (float32 on CPU). Held-out figures come from its validati
 the same export seed), averaged over its fixed-order validation batches as `val_epoch` does.
 `--eval-export REF` also scores the drafter on REF's held-out rows (the same rows: checked),
 with REF's states and teacher, so that drafters trained on different stores meet one teacher.
+
+`--heldout-export HELD` (benchmarks/prefix_drafter.sh: training sets that differ in their rows,
+scored on one held-out set): the drafter trains on EVERY row of `--export` and is scored on
+every row of HELD, a separate export, with HELD's states and teacher. The loaders are
+speculators' own (`ArrowDataset` with `train_ratio=1.0`, its `_setup_dataloader` packing: the
+training loader with the run's seed as `create_train_val_loaders` builds it, the held-out one
+in the fixed order it gives its validation loader), because its `create_train_val_loaders`
+requires a validation split inside the training export. Checked before training: HELD's card
+asks for the same training command as the export's (apart from `--data-path` and
+`--total-seq-len`: same layer ids, same hidden-states backend), no row of HELD has the input
+ids of a row of the export, and no row of HELD is longer than `--seq-len` (its packing would
+cut it). `val` then holds the figures on HELD; the default (no
+`--heldout-export`) is unchanged.
 """
 
 from __future__ import annotations
@@ -51,8 +64,16 @@ def main() -> int:
         default=None,
         help="also score the drafter on this export's held-out rows (e.g. the bf16 one)",
     )
+    ap.add_argument(
+        "--heldout-export",
+        type=Path,
+        default=None,
+        help="train on every row of --export, score on every row of this separate export",
+    )
     ap.add_argument("--time-budget-s", type=float, default=0, help="stop early (recorded)")
     args_in = ap.parse_args()
+    if args_in.heldout_export is not None and args_in.eval_export is not None:
+        ap.error("--heldout-export and --eval-export are exclusive")
 
     import torch
 
@@ -63,7 +84,8 @@ def main() -> int:
     from speculators.models.eagle3.data import shift_batch
     from speculators.train.cli import build_draft_model, parse_vocab_mappings
     from speculators.train.config import TrainConfig
-    from speculators.train.dataloader import create_train_val_loaders
+    from speculators.train.data import ArrowDataset
+    from speculators.train.dataloader import _setup_dataloader, create_train_val_loaders
     from speculators.train.optimizers import build_optimizers
     from speculators.train.trainer import TrainerConfig
     from speculators.train.utils import normalize_counted_metrics
@@ -135,7 +157,88 @@ def main() -> int:
             seed=args.seed,
         )
 
-    train_loader, val_loader = loaders(args.data_path, args.hidden_states_backend)
+    def whole_loader(data_path: str, backend: str, seed: int) -> Any:
+        """Its loader over EVERY row of one export (--heldout-export): its ArrowDataset and
+        packing, built as create_train_val_loaders builds its loaders, without a split."""
+        transfer = HiddenStatesBackend.registry[backend].from_train_args(args, data_path)
+        dataset = ArrowDataset(
+            datapath=data_path,
+            max_len=args.total_seq_len,
+            transfer=transfer,
+            vllm_endpoint=args.vllm_endpoint,
+            on_missing=args.on_missing,
+            train_ratio=1.0,
+            split="train",
+            model=args.verifier_name_or_path,
+            hidden_states_dtype=torch.float32,
+            request_timeout=args.request_timeout,
+            max_retries=args.max_retries,
+            generation_validation_retries=args.generation_validation_retries,
+            max_consecutive_generation_failures=args.max_consecutive_generation_failures,
+        )
+        return _setup_dataloader(
+            dataset,
+            args.total_seq_len,
+            draft.config.transformer_layer_config.hidden_size,
+            num_target_layers=len(draft.target_layer_ids),
+            num_workers=0,
+            prefetch_factor=args.prefetch_factor,
+            preprocess=shift_batch,
+            seed=seed,
+        )
+
+    def card_settings(export: Path) -> list[str]:
+        """The card's training command without what differs between any two exports."""
+        argv, out = card_command(export), []
+        skip = False
+        for a in argv:
+            if skip:
+                skip = False
+            elif a in ("--data-path", "--total-seq-len"):
+                skip = True
+            else:
+                out.append(a)
+        return out
+
+    def rows_of(path: Path) -> list[list[int]]:
+        return [list(map(int, r)) for r in load_from_disk(str(path)).with_format(None)["input_ids"]]
+
+    heldout = None
+    if args_in.heldout_export is not None:
+        if card_settings(args_in.heldout_export) != card_settings(args_in.export):
+            raise SystemExit(
+                f"{args_in.heldout_export}'s card asks for another training command than "
+                f"{args_in.export}'s: {card_settings(args_in.heldout_export)} vs "
+                f"{card_settings(args_in.export)}"
+            )
+        trained = {tuple(r) for r in rows_of(args_in.export)}
+        held_rows = rows_of(args_in.heldout_export)
+        shared = sum(tuple(r) in trained for r in held_rows)
+        if shared:
+            raise SystemExit(
+                f"{shared} rows of {args_in.heldout_export} are rows of {args_in.export}"
+            )
+        longest = max(map(len, held_rows))
+        if longest > args.total_seq_len:
+            raise SystemExit(
+                f"a held-out row of {longest} ids is longer than --seq-len "
+                f"{args.total_seq_len}: its packing would cut or drop it"
+            )
+        train_loader = whole_loader(args.data_path, args.hidden_states_backend, args.seed)
+        # Fixed order, as its validation loader (default seed): every drafter, same batches.
+        val_loader = whole_loader(str(args_in.heldout_export), args.hidden_states_backend, 0)
+        heldout = {
+            "heldout_export": str(args_in.heldout_export),
+            "heldout_rows": len(held_rows),
+            "heldout_loss_tokens": int(
+                sum(sum(m) for m in load_from_disk(str(args_in.heldout_export))["loss_mask"])
+            ),
+            "train_rows": len(rows),
+            "train_tokens": int(sum(int(n) for n in rows["seq_len"])),
+            "train_loss_tokens": int(sum(int(m.sum()) for m in rows["loss_mask"])),
+        }
+    else:
+        train_loader, val_loader = loaders(args.data_path, args.hidden_states_backend)
     reference_loader = None
     if args_in.eval_export is not None:
         # The same held-out rows (same records, same export seed), states and teacher from the
@@ -228,6 +331,8 @@ def main() -> int:
         "eval_export": str(args_in.eval_export) if args_in.eval_export else None,
         "val_on_eval_export": val_reference,
         "train_s": round(train_s, 1),
+        # --heldout-export: `val` is on that export's rows; the rows and tokens of each
+        **({"val_on": "heldout_export", **heldout} if heldout is not None else {}),
         "command": "speculators train " + " ".join(argv),
     }
     args_in.out.write_text(json.dumps(result, indent=2) + "\n")

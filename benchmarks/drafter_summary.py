@@ -9,6 +9,13 @@ is at most that spread. The figures are those on the reference export's held-out
 (`val_on_eval_export`, drafter_cpu.py --eval-export: one teacher for every drafter) when the
 runs have them, else on each run's own export.
 Prints a markdown table and writes the figures as JSON.
+
+`--yardstick PREFIX` names the yardstick runs (default `bf16-seed`; e.g. `noprefix-seed` for
+benchmarks/prefix_drafter.sh); the JSON keys follow it (`bf16_yardstick`, `within_bf16_spread`
+by default). `--by-arm` also prints and writes each arm's mean and spread over its seeds (an
+arm: the run names before `-seed`) and, per figure, whether the arm's mean is within the
+yardstick's spread of the yardstick's mean or beyond it on the better side (`above`: lower
+loss, higher accuracy) or the worse (`below`).
 """
 
 from __future__ import annotations
@@ -26,14 +33,18 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("runs", type=Path)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--yardstick", default="bf16-seed", help="name prefix of the yardstick runs")
+    ap.add_argument("--by-arm", action="store_true", help="mean and spread of each arm's seeds")
     args = ap.parse_args()
+    prefix = args.yardstick
+    label = prefix.removesuffix("-seed").removesuffix("-") or prefix
     runs = {p.stem: json.loads(p.read_text()) for p in sorted(args.runs.glob("*.json"))}
     for r in runs.values():
         r["own_val"] = r["val"]
         r["val"] = r.get("val_on_eval_export") or r["val"]
-    base = [r for name, r in runs.items() if name.startswith("bf16-seed")]
+    base = [r for name, r in runs.items() if name.startswith(prefix)]
     if len(base) < 2:
-        print("need at least two bf16-seed* runs (the yardstick)", file=sys.stderr)
+        print(f"need at least two {prefix}* runs (the yardstick)", file=sys.stderr)
         return 2
     yardstick: dict[str, dict[str, float]] = {}
     for f in FIGURES:
@@ -42,7 +53,7 @@ def main() -> int:
     rows: dict[str, Any] = {}
     print(
         "| run | hidden states read | steps | train loss first 50 -> last 50 | val loss | "
-        "val next-token acc (draft steps 0 / 1 / 2) | within bf16 spread |"
+        f"val next-token acc (draft steps 0 / 1 / 2) | within {label} spread |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for name, r in runs.items():
@@ -62,13 +73,13 @@ def main() -> int:
             "eval_export": r.get("eval_export"),
             "val": {f: v[f] for f in FIGURES},
             "val_on_own_export": {f: r["own_val"][f] for f in FIGURES},
-            "minus_bf16_mean": {f: v[f] - yardstick[f]["mean"] for f in FIGURES},
-            "within_bf16_spread": within,
+            f"minus_{label}_mean": {f: v[f] - yardstick[f]["mean"] for f in FIGURES},
+            f"within_{label}_spread": within,
         }
         acc = " / ".join(f"{100 * v[f]:.2f} %" for f in FIGURES[1:])
         verdict = (
             "yardstick"
-            if name.startswith("bf16-seed")
+            if name.startswith(prefix)
             else (
                 "yes"
                 if all(within.values())
@@ -80,12 +91,56 @@ def main() -> int:
             f"{r['train_loss_last50']:.3f} | {v['loss']:.4f} | {acc} | {verdict} |"
         )
     spread = ", ".join(f"{f} {y['mean']:.4f} +- {y['spread']:.4f}" for f, y in yardstick.items())
-    print(f"\nbf16 seeds (mean, spread max - min): {spread}")
+    print(f"\n{label} seeds (mean, spread max - min): {spread}")
+    out: dict[str, Any] = {f"{label}_yardstick": yardstick, "runs": rows}
+    if args.by_arm:
+        out["arms"] = by_arm(runs, yardstick)
     if args.out:
-        args.out.write_text(
-            json.dumps({"bf16_yardstick": yardstick, "runs": rows}, indent=2) + "\n"
-        )
+        args.out.write_text(json.dumps(out, indent=2) + "\n")
     return 0
+
+
+def by_arm(runs: dict[str, Any], yardstick: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """Each arm's mean, min, max and spread over its seeds, and where its mean lies against
+    the yardstick: within its spread of the yardstick's mean, or above (better) / below."""
+    arms: dict[str, list[dict[str, Any]]] = {}
+    for name, r in runs.items():
+        arms.setdefault(name.split("-seed")[0], []).append(r)
+    out: dict[str, Any] = {}
+    print("\n| arm | seeds | " + " | ".join(FIGURES) + " |")
+    print("| --- | --- |" + " --- |" * len(FIGURES))
+    for arm, members in arms.items():
+        figures: dict[str, Any] = {}
+        for f in FIGURES:
+            values = [r["val"][f] for r in members]
+            mean = sum(values) / len(values)
+            delta = mean - yardstick[f]["mean"]
+            better = -delta if f == "loss" else delta  # lower loss, higher accuracy
+            where = (
+                "within"
+                if abs(delta) <= yardstick[f]["spread"] + 1e-12
+                else ("above" if better > 0 else "below")
+            )
+            figures[f] = {
+                "mean": mean,
+                "min": min(values),
+                "max": max(values),
+                "spread": max(values) - min(values),
+                "minus_yardstick_mean": delta,
+                "against_yardstick": where,
+            }
+        out[arm] = {"seeds": len(members), "figures": figures}
+        cells = [
+            (
+                f"{v['mean']:.4f} (spread {v['spread']:.4f}, {v['against_yardstick']})"
+                if f == "loss"
+                else f"{100 * v['mean']:.2f} % (spread {100 * v['spread']:.2f}, "
+                f"{v['against_yardstick']})"
+            )
+            for f, v in figures.items()
+        ]
+        print(f"| {arm} | {len(members)} | " + " | ".join(cells) + " |")
+    return out
 
 
 if __name__ == "__main__":
