@@ -22,8 +22,9 @@
 # export_summary.json; with MEASURED=DIR, copied there (docs/measured/prefix_drafter/).
 # STEPS 350 x SEQ_LEN 256 (the committed run): at most 3.4 passes over the prefix arm's 26,646
 # tokens; 0.75 s a step on one free core (about 4.5 minutes a drafter), twice that when two
-# share a core with other jobs. The committed run (docs/measured/prefix_drafter/) has seeds 0
-# and 1: the third round did not fit its session's time.
+# share a core with other jobs. The committed run (docs/measured/prefix_drafter/) has seeds
+# 0-2: seeds 0 and 1 from this script, seed 2 of both arms afterwards with the same
+# drafter_cpu.py command lines on the same exports, then the same summary.
 #   RECORDS="runs/calib/records-part0.jsonl runs/calib/records-part1.jsonl" \
 #       MEASURED=docs/measured/prefix_drafter bash benchmarks/prefix_drafter.sh
 set -euo pipefail
