@@ -255,12 +255,10 @@ def test_unchecked_records_and_proven_ones() -> None:
     assert checkable({**rec, "evidence": "engine_ids"}) == "rung"
 
 
-def test_a_split_of_a_short_reading_is_weighed_against_the_chosen_reading() -> None:
-    """Billing chose the reading "ab " (a hidden space: [ab, " ", end], 3 ids). The engine
-    drew "ab" as "a" "b" instead (3 ids too): the reading without the space, one id short of
-    the bill in its canonical form, fits it split. The record's own splits cannot show that
-    (another text); its `short_readings` do."""
-    sampler = ScriptedSampler(
+def hidden_space_sampler() -> ScriptedSampler:
+    """After the prompt, "ab" as one id or as "a" "b" at even odds; after "ab", a space is
+    1e-4 likely: billing's reading [ab, " ", end] against the drawn [a, b, end]."""
+    return ScriptedSampler(
         {
             (6,): {AB: math.log(0.5), A: math.log(0.5)},
             (6, AB): {SPACE: math.log(1e-4), END: math.log(1 - 1e-4)},
@@ -269,6 +267,14 @@ def test_a_split_of_a_short_reading_is_weighed_against_the_chosen_reading() -> N
             (6, A, B): {END: 0.0},
         }
     )
+
+
+def test_a_split_of_a_short_reading_is_weighed_against_the_chosen_reading() -> None:
+    """Billing chose the reading "ab " (a hidden space: [ab, " ", end], 3 ids). The engine
+    drew "ab" as "a" "b" instead (3 ids too): the reading without the space, one id short of
+    the bill in its canonical form, fits it split. The record's own splits cannot show that
+    (another text); its `short_readings` do."""
+    sampler = hidden_space_sampler()
     rec = record([AB, SPACE, END], billed=3)
     rec["short_readings"] = [{"output_ids": [AB, END], "loss_mask": [1, 1], "label": "no space"}]
     search = search_splits(PROMPT, rec["output_ids"], 3, toy_vocab(), sampler)
@@ -365,15 +371,7 @@ def test_short_readings_share_one_branch_budget_and_an_exhausted_one_is_not_trus
     """A record may carry one short reading per whitespace token of the vocabulary, each able
     to branch at the gap: their searches share one budget, and a record whose readings were not
     all searched is left unresolved rather than confirmed."""
-    sampler = ScriptedSampler(
-        {
-            (6,): {AB: math.log(0.5), A: math.log(0.5)},
-            (6, AB): {SPACE: math.log(1e-4), END: math.log(1 - 1e-4)},
-            (6, AB, SPACE): {END: 0.0},
-            (6, A): {B: 0.0},
-            (6, A, B): {END: 0.0},
-        }
-    )
+    sampler = hidden_space_sampler()
     rec = record([AB, SPACE, END], billed=3)
     short = {"output_ids": [AB, END], "loss_mask": [1, 1], "label": "no space"}
     rec["short_readings"] = [short]
@@ -394,15 +392,7 @@ def test_short_readings_share_one_branch_budget_and_an_exhausted_one_is_not_trus
 def test_the_near_readings_budget_is_a_setting_and_a_bad_one_is_one_line() -> None:
     """`resolve.near_reading_branches` is the budget the checks pass to neighbour_readings
     (default: the module's 256); 0, a fraction or a bool is refused."""
-    sampler = ScriptedSampler(
-        {
-            (6,): {AB: math.log(0.5), A: math.log(0.5)},
-            (6, AB): {SPACE: math.log(1e-4), END: math.log(1 - 1e-4)},
-            (6, AB, SPACE): {END: 0.0},
-            (6, A): {B: 0.0},
-            (6, A, B): {END: 0.0},
-        }
-    )
+    sampler = hidden_space_sampler()
     rec = record([AB, SPACE, END], billed=3)
     rec["short_readings"] = [{"output_ids": [AB, END], "loss_mask": [1, 1], "label": "no space"}]
     rec["long_readings"] = [{"output_ids": [A, B, SPACE, END], "loss_mask": [1] * 4}]
