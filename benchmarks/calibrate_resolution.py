@@ -389,12 +389,7 @@ def main() -> int:
     vocab = vocabulary_of(model.tokenizer)
     sampling = {"temperature": args.temperature, "top_p": args.top_p}
 
-    counts: dict[str, int] = {}
-    tokens: dict[str, int] = {}
-    predicted_wrong = 0.0
-    posteriors: list[tuple[float, bool]] = []
-    set_sizes: list[int] = []
-    wrong_examples: list[dict[str, Any]] = []
+    counts: dict[str, int] = {}  # for the progress line; the figures come from per_answer
     seconds = {"resolution": 0.0, "split_check": 0.0, "prefix_check": 0.0}
     split_tokens = prefix_check_tokens = 0
     # Pairs of answers dealt in turn: the asks alternate, so i % parts would give a part
@@ -410,7 +405,6 @@ def main() -> int:
         cur["counts"][key] = cur["counts"].get(key, 0) + 1
 
     def add(key: str, n: int) -> None:
-        tokens[key] = tokens.get(key, 0) + n
         cur["tokens"][key] = cur["tokens"].get(key, 0) + n
 
     def keep(rec: dict[str, Any]) -> None:
@@ -464,7 +458,6 @@ def main() -> int:
             rec = base_record(f"a{i}", prompt, options[0][0], sampling)
             rec["notes"] = ["single_candidate"]
         else:
-            set_sizes.append(len(options))
             cur["set_size"] = len(options)
             t1 = time.monotonic()
             scored = score_record(gap_record(f"a{i}", prompt, options, sampling), scorer, settings)
@@ -539,10 +532,7 @@ def main() -> int:
                 "option_gaps": [g for _, g in options][:8],
                 "split_check": rec.get("split_check"),
             }
-            wrong_examples.append(cur["wrong_example"])
         if rung == "target_resolved":
-            predicted_wrong += 1.0 - posterior
-            posteriors.append((posterior, wrong))
             cur["posterior"] = [posterior, wrong]
     if out is not None:
         out.close()
