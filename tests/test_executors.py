@@ -26,6 +26,7 @@ from test_unit_store import s3_endpoint  # noqa: F401  (the moto S3 server fixtu
 
 from kimi_pipe.errors import ConfigError
 from kimi_pipe.exporters import INDEX_FILE, export
+from kimi_pipe.extraction.parity import compare_stores
 from kimi_pipe.stages.extract import is_complete, run_extract
 from kimi_pipe.store.hidden_store import HiddenStore
 from kimi_pipe.store.unit_reader import UnitHiddenStore, is_unit_store
@@ -384,6 +385,9 @@ def test_local_worker_store_equals_work_shard_store(tmp_path: Path, tiny_dir: Pa
         # Other batches, other padding: the same states up to float32 noise.
         torch.testing.assert_close(a["aux_hidden_state"], b["aux_hidden_state"])
         torch.testing.assert_close(a["hidden_state"], b["hidden_state"])
+    # The parity check reads a unit store as it reads the work-shard one.
+    report = compare_stores(sharded["store"], tmp_path / "u", records=tmp_path / "records.jsonl")
+    assert report.ok and report.compared == len(ids), report.table()
     # A second run finds every unit committed and redoes none.
     again = run_extract(
         make_cfg(

@@ -10,7 +10,7 @@ from typing import Any
 
 from kimi_pipe.errors import ConfigError, MissingFile
 from kimi_pipe.store.hidden_store import HiddenStore
-from kimi_pipe.store.unit_reader import UnitHiddenStore, is_unit_store
+from kimi_pipe.store.unit_reader import UnitHiddenStore, open_local_store
 from kimi_pipe.store.units import UnitStore
 
 _COMPATIBLE_KEYS = (
@@ -70,7 +70,7 @@ def open_stores(
                 "(or the extract stage of a pipeline) and pass its directory in stores=[...]"
             )
         # A unit store (extract.executor=...) is read through its committed indexes only.
-        stores.append(UnitHiddenStore(path) if is_unit_store(path) else HiddenStore(path))
+        stores.append(open_local_store(path))
     first = stores[0].manifest
     for s in stores[1:]:
         diff = [k for k in _COMPATIBLE_KEYS if s.manifest.get(k) != first.get(k)]

@@ -1,5 +1,6 @@
 """Two hidden-state stores of the same records, compared state by state (one backend against
-another: `extract=sglang` against `extract=hf`).
+another: `extract=sglang` against `extract=hf`). Either store may be a unit store (an
+executor's, docs/distributed.md): it is read through its committed indexes.
 
     python -m kimi_pipe.extraction.parity REFERENCE_STORE CANDIDATE_STORE [--records R.jsonl]
         [--max-len N] [--baseline BASELINE_STORE] [--json OUT.json]
@@ -36,7 +37,7 @@ import torch
 
 from kimi_pipe.extraction.token_samples import apply_max_len, read_token_records
 from kimi_pipe.store.conventions import POST_NORM, final_state_as
-from kimi_pipe.store.hidden_store import HiddenStore
+from kimi_pipe.store.unit_reader import open_local_store
 
 REL_L2_TOL = 2e-2
 MIN_COSINE = 0.99
@@ -192,7 +193,7 @@ def compare_stores(
         if not base.ok_exact:
             report.problems.extend(f"baseline: {p}" for p in base.problems)
         return report
-    ref, cand = HiddenStore(reference), HiddenStore(candidate)
+    ref, cand = open_local_store(reference), open_local_store(candidate)
     layers = [int(i) for i in ref.manifest["layer_ids"]]
     capture = cand.manifest.get("sglang_capture_ids")  # make_manifest puts extras at the top
     report = StoreParity(

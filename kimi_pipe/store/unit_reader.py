@@ -34,6 +34,12 @@ def is_unit_store(path: str | os.PathLike[str]) -> bool:
     return any(Path(path).glob(f"{PLAN}.c*.json"))
 
 
+def open_local_store(path: str | os.PathLike[str]) -> HiddenStore:
+    """A local store directory, whichever way it was written: a unit store (an executor's)
+    through its committed indexes, else the work-shard layout."""
+    return UnitHiddenStore(path) if is_unit_store(path) else HiddenStore(path)
+
+
 class UnitHiddenStore(HiddenStore):
     """Read-only view of a unit store's committed samples, as `HiddenStore` gives them."""
 
