@@ -39,6 +39,8 @@ from kimi_pipe.extraction.sglang.ranks import Rank
 from kimi_pipe.extraction.sglang.settings import (
     CPU_ENGINE_ENV,
     INSTALL_HINT,
+    NCCL_LIBRARY_ENV,
+    NO_NCCL_ON_CPU,
     SGLANG_VERSION,
     EngineSettings,
 )
@@ -55,6 +57,11 @@ def _import_sglang(device: str = "cuda") -> Any:
                 "engine; set it in the environment before anything imports sglang"
             )
         os.environ[CPU_ENGINE_ENV] = "1"
+        # SGLang builds a NCCL communicator for tp > 1 whenever it can load libnccl, which a
+        # CUDA build of torch brings along even on a CPU-only host (the build `make
+        # sglang-cpu` installs), and then fails on torch.cuda.device("cpu"). A library it
+        # cannot load sends it down the path a CPU build of torch takes: gloo collectives.
+        os.environ.setdefault(NCCL_LIBRARY_ENV, NO_NCCL_ON_CPU)
     elif os.environ.get(CPU_ENGINE_ENV) == "1":
         raise RuntimeError(
             f"{CPU_ENGINE_ENV}=1 is set but extract.device=cuda: SGLang would run on the CPU; "

@@ -28,6 +28,9 @@ INSTALL_HINT = (
 DEVICES = ("cuda", "cpu")
 # SGLang decides CPU vs CUDA once, at import, from this variable (sglang.srt.utils.is_cpu).
 CPU_ENGINE_ENV = "SGLANG_USE_CPU_ENGINE"
+# Where SGLang loads NCCL from; on CPU it is pointed at a path that cannot load (runner.py).
+NCCL_LIBRARY_ENV = "SGLANG_NCCL_SO_PATH"
+NO_NCCL_ON_CPU = "/dev/null/no-nccl-on-the-cpu-engine"
 
 
 def node_ranks(tp_size: int, nnodes: int, node_rank: int) -> range:
