@@ -50,7 +50,12 @@ def _demo_model() -> Path:
 
 
 def _extract(
-    backend: str, store: Path, model: Path, *extra: str, records: Path = RECORDS
+    backend: str,
+    store: Path,
+    model: Path,
+    *extra: str,
+    records: Path = RECORDS,
+    env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """One extract stage through the real CLI; returns its summary plus the wall time."""
     cmd = [
@@ -69,7 +74,7 @@ def _extract(
         f"hydra.run.dir={store.parent}/hydra-{backend}",
         *extra,
     ]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})}
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
     wall = time.perf_counter() - start
@@ -390,3 +395,257 @@ def test_sglang_cpu_resolution_and_split_check_equal_hf(resolution_runs: dict[st
     demo = [k for k in hf if k not in cands]
     checked = {k for k in demo if hf[k].get("split_check")}
     assert checked and checked == {k for k in demo if sg[k].get("split_check")}
+
+
+# --- SGLang's CPU engine in Ray actors: the unit protocol with the real engine ----------------
+@pytest.fixture(scope="module")
+def ray_sglang(stores: dict[str, Any]) -> dict[str, Any]:
+    """A local Ray cluster (`num_cpus=2`) with two actors, each opening SGLang's CPU engine
+    (extract.executor=ray, the same UnitActor a GPU cluster runs) on the demo's records, in
+    units of 2 samples; actor 0 is `ray.kill`ed (no restart) while it holds a unit, after its
+    first commit. The survivor takes the unit over when its lease ends."""
+    import shutil
+
+    import ray
+    from test_executors import committed_by, held_by, leases, make_cfg, wait_for
+
+    from kimi_pipe.extraction.executors.ray_executor import RayPool
+
+    root = OUT / "ray"
+    if root.exists():
+        shutil.rmtree(root)
+    root.mkdir(parents=True)
+    # A copy: the workers' records pass must not touch the demo's file other tests read.
+    shutil.copy(RECORDS, root / "records.jsonl")
+    store = root / "hidden_sglang"
+    cfg = make_cfg(
+        [
+            "extract=sglang",
+            "model=smollm2",
+            f"extract.run_dir={root}",
+            f"extract.output_dir={store}",
+            "extract.only_ok=false",
+            f"extract.model_path={stores['model']}",
+            f"extract.max_len={MAX_LEN}",
+            "extract.batch_tokens=4096",
+            "extract.device=cpu",
+            "extract.dtype=bfloat16",
+            "extract.store_dtype=bfloat16",
+            "extract.executor=ray",
+            "extract.units.unit_samples=2",
+            # A dead worker's unit comes back within the test; a live engine's heartbeat
+            # (every lease_s / 4) survives two engines sharing 2 cores.
+            "extract.units.lease_s=10",
+            "extract.units.poll_s=0.3",
+        ]
+    )
+    env = {
+        "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]),
+        "RAY_AUTH_MODE": "disabled",  # a throwaway cluster on this machine
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        pool = RayPool(cfg)
+        start = time.perf_counter()
+        try:
+            pool.add(2, ready_first=True)  # both engines open before either claims a unit
+            opened = time.perf_counter() - start
+            wait_for(lambda: committed_by(store, "ray0-"), 600, "a commit of actor 0")
+            victim_unit = wait_for(lambda: held_by(store, "ray0-"), 300, "actor 0 to hold a unit")
+            victim = max(leases(store)[victim_unit])[1]
+            ray.kill(pool.actors[0], no_restart=True)
+            done, errors = pool.wait()
+        finally:
+            pool.close()
+        wall = time.perf_counter() - start
+    finally:
+        ray.shutdown()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return {
+        "store": store,
+        "done": done,
+        "errors": errors,
+        "victim": victim,
+        "victim_unit": victim_unit,
+        "engines_open_s": opened,
+        "wall_s": wall,
+    }
+
+
+def test_sglang_cpu_ray_actor_killed_mid_run_every_id_once(
+    ray_sglang: dict[str, Any], tmp_path: Path
+) -> None:
+    """Every demo sample in the export exactly once; only the unit the dead actor held was
+    claimed twice; the states the two SGLang actors stored pass the same parity check as the
+    one-process SGLang store (against hf in float32, tolerance from hf's own bf16 run)."""
+    import torch
+    from test_executors import check_exactly_once, check_in_flight, committed_by
+
+    from kimi_pipe.extraction.parity import compare_stores
+    from kimi_pipe.extraction.token_samples import read_token_records
+    from kimi_pipe.store.hidden_store import HiddenStore
+    from kimi_pipe.store.unit_reader import UnitHiddenStore
+
+    store, done = ray_sglang["store"], ray_sglang["done"]
+    assert len(done) == 1 and len(ray_sglang["errors"]) == 1  # the survivor finished
+    assert done[0]["owner"].startswith("ray1-")
+    samples, _ = read_token_records(RECORDS, only_ok=False)
+    ids = [s.id for s in samples]
+    committed = check_exactly_once(store, ids, tmp_path)
+    in_flight = check_in_flight(store, committed, ray_sglang["victim"], ray_sglang["victim_unit"])
+    assert committed_by(store, "ray0-") and committed_by(store, "ray1-")  # both engines worked
+    manifest = UnitHiddenStore(store).manifest
+    assert manifest["engine"] == "sglang==0.5.14" and manifest["device"] == "cpu"
+    parity = compare_stores(
+        OUT / "hidden_hf",
+        store,
+        records=RECORDS,
+        max_len=MAX_LEN,
+        baseline=OUT / "hidden_hf_bf16",
+    )
+    one_process = compare_stores(
+        OUT / "hidden_hf",
+        OUT / "hidden_sglang",
+        records=RECORDS,
+        max_len=MAX_LEN,
+        baseline=OUT / "hidden_hf_bf16",
+    )
+    # Against the same engine run in one process (the `stores` fixture: other batches, one
+    # store): within the fixed bf16 tolerance, and how many samples came out bit for bit.
+    same = compare_stores(OUT / "hidden_sglang", store, records=RECORDS, max_len=MAX_LEN)
+    one, ray_store = HiddenStore(OUT / "hidden_sglang"), UnitHiddenStore(store)
+    bitwise = sum(
+        all(torch.equal(a[k], b[k]) for k in a)
+        for a, b in ((one[sid], ray_store[sid]) for sid in ids)
+    )
+    figures = {
+        "samples": len(ids),
+        "bit_identical_to_one_process": bitwise,
+        "units": len(committed),
+        "units_in_flight_taken_over": sorted(in_flight),
+        "committed_by_actor0": len(committed_by(store, "ray0-")),
+        "committed_by_actor1": len(committed_by(store, "ray1-")),
+        "engines_open_s": round(ray_sglang["engines_open_s"], 1),
+        "wall_s": round(ray_sglang["wall_s"], 1),
+        "survivor_tokens_per_s": done[0]["capture"].get("tokens_per_s"),
+        "parity_ray": parity.as_dict(),
+        "parity_one_process": one_process.as_dict(),
+        "against_one_process": same.as_dict(),
+    }
+    (OUT / "ray.json").write_text(json.dumps(figures, indent=1) + "\n")
+    print("\nRay, two SGLang CPU actors:\n" + parity.table())
+    assert parity.compared == len(ids)
+    assert parity.ok, parity.table()
+    assert same.ok and same.compared == len(ids), same.table()
+
+
+# --- one SGLang engine over two nodes: Ray places its two ranks as a placement group --------
+def _two_rank_env() -> dict[str, str]:
+    """Two tensor-parallel ranks on this machine: each its half of the cores (SGLang binds
+    threads per rank only with AMX; without it the binding is not read), and a throwaway
+    Ray cluster's settings."""
+    half = max(1, (os.cpu_count() or 2) // 2)
+    return {
+        "SGLANG_CPU_OMP_THREADS_BIND": f"0-{half - 1}|{half}-{2 * half - 1}",
+        "RAY_AUTH_MODE": "disabled",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+
+
+@pytest.fixture(scope="module")
+def two_node_sglang(stores: dict[str, Any]) -> dict[str, Any]:
+    """The same engine (tp 2) twice through the CLI: on one node, and as extract.nnodes=2
+    through extract.executor=ray, the two nodes being two bundles of one placement group
+    (PACK: this one machine). The second is the path Kimi K2.5 on 2 x 8 H100 takes: node 1's
+    actor serves its rank, rank 0's actor claims, extracts and commits every unit."""
+    import shutil
+
+    root = OUT / "two_node"
+    if root.exists():
+        shutil.rmtree(root)
+    root.mkdir(parents=True)
+    records = root / "records.jsonl"
+    shutil.copy(RECORDS, records)  # the workers' records pass must not touch the demo's
+    common = [
+        "extract.device=cpu",
+        "extract.dtype=bfloat16",
+        "extract.store_dtype=bfloat16",
+        "extract.tp_size=2",
+    ]
+    env = _two_rank_env()
+    one = _extract(
+        "sglang", root / "one_node" / "hidden", stores["model"], *common, records=records, env=env
+    )
+    two = _extract(
+        "sglang",
+        root / "two_nodes" / "hidden",
+        stores["model"],
+        *common,
+        "extract.executor=ray",
+        "extract.nnodes=2",
+        "extract.units.workers=1",
+        "extract.units.unit_samples=4",
+        "extract.ray.node_strategy=PACK",
+        "extract.ray.num_cpus=2",
+        records=records,
+        env=env,
+    )
+    return {"root": root, "one": one, "two": two}
+
+
+def test_sglang_cpu_two_node_engine_on_ray_stores_what_one_node_stores(
+    two_node_sglang: dict[str, Any],
+) -> None:
+    """SGLang's own tensor parallelism (torch.distributed at dist_init_addr, gloo on CPU)
+    over two Ray actors: one worker claimed every unit, the other node claimed none, and the
+    states equal the one-node tp-2 engine's (the same ranks, the same collectives)."""
+    import torch
+
+    from kimi_pipe.extraction.parity import compare_stores
+    from kimi_pipe.extraction.token_samples import read_token_records
+    from kimi_pipe.store.unit_reader import UnitHiddenStore, open_local_store
+
+    root, two = two_node_sglang["root"], two_node_sglang["two"]
+    assert two["complete"] and not two["worker_errors"], two
+    (worker,) = two["workers"]  # one engine: rank 0's node claimed, the other node served
+    samples, _ = read_token_records(root / "records.jsonl", only_ok=False)
+    ids = sorted(s.id for s in samples)
+    plan = UnitHiddenStore(root / "two_nodes" / "hidden")
+    assert sorted(worker["units_committed"]) == [u.name for u in plan.units.plan.units]
+    assert sorted(plan.ids) == ids
+    assert plan.manifest["engine"] == "sglang==0.5.14"
+    one = open_local_store(root / "one_node" / "hidden")
+    same = compare_stores(
+        root / "one_node" / "hidden", root / "two_nodes" / "hidden", records=root / "records.jsonl"
+    )
+    bitwise = sum(all(torch.equal(one[i][k], plan[i][k]) for k in one[i]) for i in ids)
+    # tp 2 against hf in float32, the tolerance from hf's own bf16 run (reported: a tp-2
+    # engine sums its partial results in another order than tp 1).
+    against_hf = compare_stores(
+        OUT / "hidden_hf",
+        root / "two_nodes" / "hidden",
+        records=RECORDS,
+        max_len=MAX_LEN,
+        baseline=OUT / "hidden_hf_bf16",
+    )
+    figures = {
+        "samples": len(ids),
+        "units": len(worker["units_committed"]),
+        "bit_identical_to_one_node": bitwise,
+        "one_node_wall_s": round(two_node_sglang["one"]["wall_s"], 1),
+        "two_nodes_wall_s": round(two["wall_s"], 1),
+        "against_one_node": same.as_dict(),
+        "against_hf": against_hf.as_dict(),
+    }
+    (OUT / "two_node.json").write_text(json.dumps(figures, indent=1) + "\n")
+    print("\ntp 2 over two Ray nodes, against hf:\n" + against_hf.table())
+    assert same.ok and same.compared == len(ids), same.table()
