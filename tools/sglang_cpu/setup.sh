@@ -54,7 +54,7 @@ if has avx512f avx512_bf16 avx512_vnni amx_tile amx_bf16; then
     ISA=${SGL_KERNEL_ISA:-amx}      # SGLang's x86 build: its AMX kernels and intel_amx attention
 elif has avx2 fma; then
     ISA=${SGL_KERNEL_ISA:-avx2}     # no AVX-512/AMX: SGLang's own non-AMX build, torch-native paths
-    echo "note: this CPU has no AMX/AVX-512 ($(grep -m1 '^model name' /proc/cpuinfo | cut -d: -f2 | xargs)): building SGLang's non-AMX kernel; SGLang then runs its torch-native layers and attention (extract.server_args={attention_backend: torch_native})" >&2
+    echo "note: this CPU has no AMX ($(grep -m1 '^model name' /proc/cpuinfo | cut -d: -f2 | xargs)): building SGLang's non-AMX kernel; SGLang then runs its torch-native layers and attention (extract.server_args={attention_backend: torch_native})" >&2
 else
     die "this CPU has neither AMX (Intel Xeon 4th gen or later) nor AVX2+FMA; SGLang's CPU engine needs one of them"
 fi
