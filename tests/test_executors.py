@@ -426,6 +426,23 @@ def test_export_reads_only_what_indexes_name(tmp_path: Path, tiny_dir: Path) -> 
         UnitHiddenStore(store)[indexes(store)["u-000000"]["samples"][0][0]]
 
 
+def test_a_failed_ray_worker_is_reported_with_its_own_exception() -> None:
+    """RayPool.wait's one line per dead worker carries the worker's exception (a lost node
+    of a multi-node engine: gloo's "Connection closed by peer"), not only Ray's first line,
+    which names the call and the process."""
+    from ray.exceptions import RayActorError, RayTaskError
+
+    from kimi_pipe.extraction.executors.ray_executor import _why
+
+    lost = RuntimeError("[gloo/pair.cc:547] Connection closed by peer [127.0.0.1]:3801\nmore")
+    exc = RayTaskError("UnitActor.run", "Traceback ...", lost, "ray::UnitActor.run()", 7, "::1")
+    want = (
+        "RayTaskError(RuntimeError): [gloo/pair.cc:547] Connection closed by peer [127.0.0.1]:3801"
+    )
+    assert _why(exc) == _why(exc.as_instanceof_cause()) == want
+    assert _why(RayActorError()).startswith("RayActorError: The actor")
+
+
 def test_bad_executor_settings_are_one_line_errors(tmp_path: Path, tiny_dir: Path) -> None:
     write_records(tmp_path, 3, 256)
     with pytest.raises(ConfigError, match="extract.executor must be one of"):

@@ -258,9 +258,9 @@ class RayPool:
             try:
                 done.append(ray.get(call))
             except (RayActorError, RayTaskError) as exc:
-                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                log.warning("a Ray unit worker ended without finishing: %s", first)
-                errors.append(f"{type(exc).__name__}: {first}")
+                reason = _why(exc)
+                log.warning("a Ray unit worker ended without finishing: %s", reason)
+                errors.append(reason)
         return done, errors
 
     def close(self) -> None:
@@ -275,6 +275,18 @@ class RayPool:
                 remove_placement_group(group)
         if self._owns_cluster:
             ray.shutdown()
+
+
+def _why(exc: BaseException) -> str:
+    """One line on why a worker's call failed: the worker's own exception when Ray carries
+    it (a RayTaskError's first line names only the call and the process)."""
+    name, cause = type(exc).__name__, getattr(exc, "cause", None)
+    if isinstance(cause, BaseException):
+        if type(cause).__name__ not in name:  # Ray names the class RayTaskError(Cause)
+            name += f"({type(cause).__name__})"
+        exc = cause
+    text = str(exc).strip().splitlines()
+    return f"{name}: {text[0] if text else ''}"
 
 
 def run_ray(cfg: DictConfig) -> dict[str, Any]:
