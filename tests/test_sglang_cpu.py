@@ -17,6 +17,8 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -398,34 +400,46 @@ def test_sglang_cpu_resolution_and_split_check_equal_hf(resolution_runs: dict[st
 
 
 # --- SGLang's CPU engine in Ray actors: the unit protocol with the real engine ----------------
-@pytest.fixture(scope="module")
-def ray_sglang(stores: dict[str, Any]) -> dict[str, Any]:
-    """A local Ray cluster (`num_cpus=2`) with two actors, each opening SGLang's CPU engine
-    (extract.executor=ray, the same UnitActor a GPU cluster runs) on the demo's records, in
-    units of 2 samples; actor 0 is `ray.kill`ed (no restart) while it holds a unit, after its
-    first commit. The survivor takes the unit over when its lease ends."""
-    import shutil
-
+@contextmanager
+def ray_cluster(**env: str) -> Iterator[None]:
+    """A throwaway local Ray cluster (`num_cpus=2`) whose workers import this checkout, with
+    `env` set for them (and restored after)."""
     import ray
-    from test_executors import committed_by, held_by, leases, make_cfg, wait_for
 
-    from kimi_pipe.extraction.executors.ray_executor import RayPool
+    env = {
+        "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]),
+        "RAY_AUTH_MODE": "disabled",
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        **env,
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
-    root = OUT / "ray"
-    if root.exists():
-        shutil.rmtree(root)
-    root.mkdir(parents=True)
-    # A copy: the workers' records pass must not touch the demo's file other tests read.
-    shutil.copy(RECORDS, root / "records.jsonl")
-    store = root / "hidden_sglang"
-    cfg = make_cfg(
+
+def ray_cfg(run_dir: Path, store: Path, model: Path, *extra: str) -> Any:
+    """extract=sglang on CPU (bf16) under extract.executor=ray, in units of 2 samples."""
+    from test_executors import make_cfg
+
+    return make_cfg(
         [
             "extract=sglang",
             "model=smollm2",
-            f"extract.run_dir={root}",
+            f"extract.run_dir={run_dir}",
             f"extract.output_dir={store}",
             "extract.only_ok=false",
-            f"extract.model_path={stores['model']}",
+            f"extract.model_path={model}",
             f"extract.max_len={MAX_LEN}",
             "extract.batch_tokens=4096",
             "extract.device=cpu",
@@ -437,19 +451,33 @@ def ray_sglang(stores: dict[str, Any]) -> dict[str, Any]:
             # (every lease_s / 4) survives two engines sharing 2 cores.
             "extract.units.lease_s=10",
             "extract.units.poll_s=0.3",
+            *extra,
         ]
     )
-    env = {
-        "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]),
-        "RAY_AUTH_MODE": "disabled",  # a throwaway cluster on this machine
-        "TOKENIZERS_PARALLELISM": "false",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-    }
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
+
+
+@pytest.fixture(scope="module")
+def ray_sglang(stores: dict[str, Any]) -> dict[str, Any]:
+    """A local Ray cluster (`num_cpus=2`) with two actors, each opening SGLang's CPU engine
+    (extract.executor=ray, the same UnitActor a GPU cluster runs) on the demo's records, in
+    units of 2 samples; actor 0 is `ray.kill`ed (no restart) while it holds a unit, after its
+    first commit. The survivor takes the unit over when its lease ends."""
+    import shutil
+
+    import ray
+    from test_executors import committed_by, held_by, leases, wait_for
+
+    from kimi_pipe.extraction.executors.ray_executor import RayPool
+
+    root = OUT / "ray"
+    if root.exists():
+        shutil.rmtree(root)
+    root.mkdir(parents=True)
+    # A copy: the workers' records pass must not touch the demo's file other tests read.
+    shutil.copy(RECORDS, root / "records.jsonl")
+    store = root / "hidden_sglang"
+    cfg = ray_cfg(root, store, stores["model"])
+    with ray_cluster():
         pool = RayPool(cfg)
         start = time.perf_counter()
         try:
@@ -463,13 +491,6 @@ def ray_sglang(stores: dict[str, Any]) -> dict[str, Any]:
         finally:
             pool.close()
         wall = time.perf_counter() - start
-    finally:
-        ray.shutdown()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     return {
         "store": store,
         "done": done,
@@ -550,9 +571,9 @@ def test_sglang_cpu_ray_actor_killed_mid_run_every_id_once(
 
 # --- one SGLang engine over two nodes: Ray places its two ranks as a placement group --------
 def _two_rank_env() -> dict[str, str]:
-    """Two tensor-parallel ranks on this machine: each its half of the cores (SGLang binds
-    threads per rank only with AMX; without it the binding is not read), and a throwaway
-    Ray cluster's settings."""
+    """Two tensor-parallel ranks on this machine: each its half of the cores. SGLang asks
+    for the cores of each rank whenever it has more ranks than NUMA nodes (it binds threads
+    to them only with AMX), and a throwaway Ray cluster's settings."""
     half = max(1, (os.cpu_count() or 2) // 2)
     return {
         "SGLANG_CPU_OMP_THREADS_BIND": f"0-{half - 1}|{half}-{2 * half - 1}",
@@ -649,3 +670,74 @@ def test_sglang_cpu_two_node_engine_on_ray_stores_what_one_node_stores(
     (OUT / "two_node.json").write_text(json.dumps(figures, indent=1) + "\n")
     print("\ntp 2 over two Ray nodes, against hf:\n" + against_hf.table())
     assert same.ok and same.compared == len(ids), same.table()
+
+
+def test_sglang_cpu_two_node_engine_that_loses_a_node_ends_and_a_rerun_finishes(
+    stores: dict[str, Any], tmp_path: Path
+) -> None:
+    """Node 1's actor of a tp-2 engine over two Ray nodes is `ray.kill`ed while rank 0's
+    node holds a unit: the engine's worker ends with the lost connection as its error (it
+    does not hang in a collective), and the same run started again takes the unit over
+    when its lease ends and commits the rest: every id once, only that unit claimed twice."""
+    import shutil
+
+    import ray
+    from test_executors import (
+        check_exactly_once,
+        check_in_flight,
+        committed_by,
+        held_by,
+        leases,
+        wait_for,
+    )
+
+    from kimi_pipe.extraction.executors.ray_executor import RayPool
+    from kimi_pipe.extraction.token_samples import read_token_records
+
+    shutil.copy(RECORDS, tmp_path / "records.jsonl")
+    store = tmp_path / "hidden"
+    cfg = ray_cfg(
+        tmp_path,
+        store,
+        stores["model"],
+        "extract.tp_size=2",
+        "extract.nnodes=2",
+        "extract.ray.node_strategy=PACK",
+    )
+    two_ranks = {k: v for k, v in _two_rank_env().items() if k.startswith("SGLANG_")}
+    with ray_cluster(**two_ranks):
+        pool = RayPool(cfg)
+        try:
+            pool.add(1)
+            wait_for(lambda: committed_by(store, "ray0-"), 600, "the engine's first commit")
+            held = wait_for(lambda: held_by(store, "ray0-"), 300, "the engine to hold a unit")
+            victim = max(leases(store)[held])[1]
+            ray.kill(pool.nodes[0], no_restart=True)  # node 1: it serves rank 1
+            killed = time.perf_counter()
+            done, errors = pool.wait()
+            ended_s = time.perf_counter() - killed
+        finally:
+            pool.close()
+    assert not done and len(errors) == 1, (done, errors)
+    assert "RuntimeError" in errors[0], errors  # the rank's own error, not a hang
+    with ray_cluster(**two_ranks):
+        pool = RayPool(cfg)
+        try:
+            pool.add(1)
+            again, errors_again = pool.wait()
+        finally:
+            pool.close()
+    assert len(again) == 1 and not errors_again, errors_again
+    samples, _ = read_token_records(RECORDS, only_ok=False)
+    committed = check_exactly_once(store, [s.id for s in samples], tmp_path)
+    in_flight = check_in_flight(store, committed, victim, held)
+    figures = {
+        "killed_while_holding": held,
+        "worker_error": errors[0],
+        "worker_ended_s_after_the_kill": round(ended_s, 2),
+        "units_committed_before": len(committed) - len(again[0]["units_committed"]),
+        "units_committed_by_the_rerun": len(again[0]["units_committed"]),
+        "units_claimed_twice": sorted(in_flight),
+    }
+    (OUT / "two_node_lost.json").write_text(json.dumps(figures, indent=1) + "\n")
+    print("\n" + json.dumps(figures, indent=1))
