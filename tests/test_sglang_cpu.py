@@ -584,10 +584,11 @@ def _two_rank_env() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def two_node_sglang(stores: dict[str, Any]) -> dict[str, Any]:
-    """The same engine (tp 2) twice through the CLI: on one node, and as extract.nnodes=2
-    through extract.executor=ray, the two nodes being two bundles of one placement group
-    (PACK: this one machine). The second is the path Kimi K2.5 on 2 x 8 H100 takes: node 1's
-    actor serves its rank, rank 0's actor claims, extracts and commits every unit."""
+    """The same engine (tp 2) through the CLI: on one node, and as extract.nnodes=2 through
+    each executor, the path Kimi K2.5 on 2 x 8 H100 takes: node 1 serves its rank, rank 0's
+    node claims, extracts and commits every unit. Ray: the two nodes are two bundles of one
+    placement group (PACK: this one machine); submitit: one job of two tasks
+    (LocalExecutor: two processes here, one task per node on SLURM)."""
     import shutil
 
     root = OUT / "two_node"
@@ -602,73 +603,77 @@ def two_node_sglang(stores: dict[str, Any]) -> dict[str, Any]:
         "extract.store_dtype=bfloat16",
         "extract.tp_size=2",
     ]
-    env = _two_rank_env()
-    one = _extract(
-        "sglang", root / "one_node" / "hidden", stores["model"], *common, records=records, env=env
-    )
-    two = _extract(
-        "sglang",
-        root / "two_nodes" / "hidden",
-        stores["model"],
-        *common,
-        "extract.executor=ray",
+    two_nodes = [
         "extract.nnodes=2",
         "extract.units.workers=1",
         "extract.units.unit_samples=4",
-        "extract.ray.node_strategy=PACK",
-        "extract.ray.num_cpus=2",
-        records=records,
-        env=env,
-    )
-    return {"root": root, "one": one, "two": two}
+    ]
+    per_executor = {
+        "ray": ["extract.ray.node_strategy=PACK", "extract.ray.num_cpus=2"],
+        "submitit": ["extract.submitit.timeout_min=10"],
+    }
+    env = _two_rank_env()
+    one = root / "one_node" / "hidden"
+    runs = {"one_node": _extract("sglang", one, stores["model"], *common, records=records, env=env)}
+    for executor, extra in per_executor.items():
+        runs[executor] = _extract(
+            "sglang",
+            root / executor / "hidden",
+            stores["model"],
+            *common,
+            *two_nodes,
+            f"extract.executor={executor}",
+            *extra,
+            records=records,
+            env=env,
+        )
+    return {"root": root, "runs": runs}
 
 
-def test_sglang_cpu_two_node_engine_on_ray_stores_what_one_node_stores(
-    two_node_sglang: dict[str, Any],
+@pytest.mark.parametrize("executor", ["ray", "submitit"])
+def test_sglang_cpu_two_node_engine_stores_what_one_node_stores(
+    two_node_sglang: dict[str, Any], executor: str
 ) -> None:
-    """SGLang's own tensor parallelism (torch.distributed at dist_init_addr, gloo on CPU)
-    over two Ray actors: one worker claimed every unit, the other node claimed none, and the
-    states equal the one-node tp-2 engine's (the same ranks, the same collectives)."""
+    """SGLang's own tensor parallelism (torch.distributed at the dist_init_addr the executor
+    set, gloo on CPU) over two nodes: one worker claimed every unit, the other node claimed
+    none, and the states equal the one-node tp-2 engine's (the same ranks, the same
+    collectives)."""
     import torch
 
     from kimi_pipe.extraction.parity import compare_stores
     from kimi_pipe.extraction.token_samples import read_token_records
     from kimi_pipe.store.unit_reader import UnitHiddenStore, open_local_store
 
-    root, two = two_node_sglang["root"], two_node_sglang["two"]
+    root, runs = two_node_sglang["root"], two_node_sglang["runs"]
+    two, store = runs[executor], root / executor / "hidden"
     assert two["complete"] and not two["worker_errors"], two
     (worker,) = two["workers"]  # one engine: rank 0's node claimed, the other node served
     samples, _ = read_token_records(root / "records.jsonl", only_ok=False)
     ids = sorted(s.id for s in samples)
-    plan = UnitHiddenStore(root / "two_nodes" / "hidden")
+    plan = UnitHiddenStore(store)
     assert sorted(worker["units_committed"]) == [u.name for u in plan.units.plan.units]
     assert sorted(plan.ids) == ids
     assert plan.manifest["engine"] == "sglang==0.5.14"
     one = open_local_store(root / "one_node" / "hidden")
-    same = compare_stores(
-        root / "one_node" / "hidden", root / "two_nodes" / "hidden", records=root / "records.jsonl"
-    )
+    same = compare_stores(root / "one_node" / "hidden", store, records=root / "records.jsonl")
     bitwise = sum(all(torch.equal(one[i][k], plan[i][k]) for k in one[i]) for i in ids)
     # tp 2 against hf in float32, the tolerance from hf's own bf16 run (reported: a tp-2
     # engine sums its partial results in another order than tp 1).
     against_hf = compare_stores(
-        OUT / "hidden_hf",
-        root / "two_nodes" / "hidden",
-        records=RECORDS,
-        max_len=MAX_LEN,
-        baseline=OUT / "hidden_hf_bf16",
+        OUT / "hidden_hf", store, records=RECORDS, max_len=MAX_LEN, baseline=OUT / "hidden_hf_bf16"
     )
     figures = {
+        "executor": executor,
         "samples": len(ids),
         "units": len(worker["units_committed"]),
         "bit_identical_to_one_node": bitwise,
-        "one_node_wall_s": round(two_node_sglang["one"]["wall_s"], 1),
+        "one_node_wall_s": round(runs["one_node"]["wall_s"], 1),
         "two_nodes_wall_s": round(two["wall_s"], 1),
         "against_one_node": same.as_dict(),
         "against_hf": against_hf.as_dict(),
     }
-    (OUT / "two_node.json").write_text(json.dumps(figures, indent=1) + "\n")
-    print("\ntp 2 over two Ray nodes, against hf:\n" + against_hf.table())
+    (OUT / f"two_node_{executor}.json").write_text(json.dumps(figures, indent=1) + "\n")
+    print(f"\ntp 2 over two {executor} nodes, against hf:\n" + against_hf.table())
     assert same.ok and same.compared == len(ids), same.table()
 
 
