@@ -1,6 +1,8 @@
 """The `sglang_cpu` tier: SGLang 0.5.14's real engine on this machine's CPU, through the
 project's own capture code (`extract=sglang extract.device=cpu`, the same `_RankRunner` a GPU
-runs), against `extract=hf` on the demo's records.
+runs), against `extract=hf` on the demo's records; and the same engine under the executors
+(docs/distributed.md): two Ray actors with one killed mid-run, one tp-2 engine over two nodes
+(two Ray actors, two submitit tasks), and that engine losing a node.
 
 Runs in the venv of `make sglang-cpu` (`make test-sglang-cpu` runs this file there, after
 `make demo` made the records and the SmolLM2 weights). In any other venv it skips with the
