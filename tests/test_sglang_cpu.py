@@ -89,6 +89,16 @@ def _extract(
     return summary
 
 
+def against_hf(store: Path) -> Any:
+    """The parity report of `store` against hf in float32 on the demo's records, the
+    tolerance measured from hf's own bf16 run (both made by the `stores` fixture)."""
+    from kimi_pipe.extraction.parity import compare_stores
+
+    return compare_stores(
+        OUT / "hidden_hf", store, records=RECORDS, max_len=MAX_LEN, baseline=OUT / "hidden_hf_bf16"
+    )
+
+
 @pytest.fixture(scope="module")
 def stores() -> dict[str, Any]:
     if not RECORDS.exists():
@@ -128,16 +138,9 @@ def stores() -> dict[str, Any]:
 def test_sglang_cpu_states_match_hf_on_every_demo_token_and_layer(
     stores: dict[str, Any],
 ) -> None:
-    from kimi_pipe.extraction.parity import compare_stores
     from kimi_pipe.extraction.token_samples import read_token_records
 
-    report = compare_stores(
-        OUT / "hidden_hf",
-        OUT / "hidden_sglang",
-        records=RECORDS,
-        max_len=MAX_LEN,
-        baseline=OUT / "hidden_hf_bf16",
-    )
+    report = against_hf(OUT / "hidden_sglang")
     (OUT / "parity.json").write_text(json.dumps(report.as_dict(), indent=1) + "\n")
     print("\n" + report.table())
     samples, _ = read_token_records(RECORDS, only_ok=False)
@@ -528,20 +531,7 @@ def test_sglang_cpu_ray_actor_killed_mid_run_every_id_once(
     assert committed_by(store, "ray0-") and committed_by(store, "ray1-")  # both engines worked
     manifest = UnitHiddenStore(store).manifest
     assert manifest["engine"] == "sglang==0.5.14" and manifest["device"] == "cpu"
-    parity = compare_stores(
-        OUT / "hidden_hf",
-        store,
-        records=RECORDS,
-        max_len=MAX_LEN,
-        baseline=OUT / "hidden_hf_bf16",
-    )
-    one_process = compare_stores(
-        OUT / "hidden_hf",
-        OUT / "hidden_sglang",
-        records=RECORDS,
-        max_len=MAX_LEN,
-        baseline=OUT / "hidden_hf_bf16",
-    )
+    parity = against_hf(store)
     # Against the same engine run in one process (the `stores` fixture: other batches, one
     # store): within the fixed bf16 tolerance, and how many samples came out bit for bit.
     same = compare_stores(OUT / "hidden_sglang", store, records=RECORDS, max_len=MAX_LEN)
@@ -561,7 +551,6 @@ def test_sglang_cpu_ray_actor_killed_mid_run_every_id_once(
         "wall_s": round(ray_sglang["wall_s"], 1),
         "survivor_tokens_per_s": done[0]["capture"].get("tokens_per_s"),
         "parity_ray": parity.as_dict(),
-        "parity_one_process": one_process.as_dict(),
         "against_one_process": same.as_dict(),
     }
     (OUT / "ray.json").write_text(json.dumps(figures, indent=1) + "\n")
@@ -661,9 +650,7 @@ def test_sglang_cpu_two_node_engine_stores_what_one_node_stores(
     bitwise = sum(all(torch.equal(one[i][k], plan[i][k]) for k in one[i]) for i in ids)
     # tp 2 against hf in float32, the tolerance from hf's own bf16 run (reported: a tp-2
     # engine sums its partial results in another order than tp 1).
-    against_hf = compare_stores(
-        OUT / "hidden_hf", store, records=RECORDS, max_len=MAX_LEN, baseline=OUT / "hidden_hf_bf16"
-    )
+    hf = against_hf(store)
     figures = {
         "executor": executor,
         "samples": len(ids),
@@ -672,10 +659,10 @@ def test_sglang_cpu_two_node_engine_stores_what_one_node_stores(
         "one_node_wall_s": round(runs["one_node"]["wall_s"], 1),
         "two_nodes_wall_s": round(two["wall_s"], 1),
         "against_one_node": same.as_dict(),
-        "against_hf": against_hf.as_dict(),
+        "against_hf": hf.as_dict(),
     }
     (OUT / f"two_node_{executor}.json").write_text(json.dumps(figures, indent=1) + "\n")
-    print(f"\ntp 2 over two {executor} nodes, against hf:\n" + against_hf.table())
+    print(f"\ntp 2 over two {executor} nodes, against hf:\n" + hf.table())
     assert same.ok and same.compared == len(ids), same.table()
 
 
