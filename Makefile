@@ -112,7 +112,8 @@ sglang-cpu:
 # demo (made first with `make demo` when missing), target resolution and the split check through
 # SGLang, the trainers' loaders on its export (their venv, as `make interop` makes it), SGLang
 # engines as Ray actors (two, one killed; one engine over two nodes, and losing one) and over
-# two submitit tasks; figures in runs/sglang_cpu/. Here nothing skips: a missing piece fails (KIMI_PIPE_SGLANG_CPU=1).
+# two submitit tasks; figures in runs/sglang_cpu/. Here nothing skips: a missing piece fails
+# (KIMI_PIPE_SGLANG_CPU=1).
 SGLANG_DEMO_ARGS ?=
 test-sglang-cpu: setup
 	@test -x .venv-sglang/bin/python || { echo "error: .venv-sglang missing: run make sglang-cpu first"; exit 2; }
