@@ -365,9 +365,7 @@ def test_a_reading_no_split_of_which_can_be_drawn_costs_no_search() -> None:
     assert [(r.output_ids, r.source) for r in found] == [((AB, C, END), "long_reading")]
 
 
-def test_short_readings_share_one_branch_budget_and_an_exhausted_one_is_not_trusted(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_short_readings_share_one_branch_budget_and_an_exhausted_one_is_not_trusted() -> None:
     """A record may carry one short reading per whitespace token of the vocabulary, each able
     to branch at the gap: their searches share one budget, and a record whose readings were not
     all searched is left unresolved rather than confirmed."""
@@ -379,8 +377,7 @@ def test_short_readings_share_one_branch_budget_and_an_exhausted_one_is_not_trus
     search = search_splits(PROMPT, rec["output_ids"], 3, toy_vocab(), sampler)
     found, limits = neighbour_readings(rec, search, 3, toy_vocab(), sampler)
     assert len(found) == 2 and limits == []  # within the budget: every reading searched
-    monkeypatch.setattr(split_check, "NEAR_READINGS_BRANCHES", 1)
-    found, limits = neighbour_readings(rec, search, 3, toy_vocab(), sampler)
+    found, limits = neighbour_readings(rec, search, 3, toy_vocab(), sampler, branches=1)
     assert len(found) == 1 and limits == ["more than 1 branches over near readings"]
     out = apply_split_check(
         rec, search, ResolveSettings(), "toy", Sampling(1.0, 0.9), found, limits

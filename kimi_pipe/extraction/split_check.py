@@ -242,11 +242,11 @@ def neighbour_readings(
     billed: int | None,
     vocab: Vocabulary,
     scorer: NextTokenScorer,
-    branches: int | None = None,
+    branches: int = NEAR_READINGS_BRANCHES,
 ) -> tuple[list[Reading], list[str]]:
     """Every path of the answer's other readings that the sampler could have drawn at the
     billed length, and the limits that leave them open. `branches`: the forwards all of
-    them may spend together (None: NEAR_READINGS_BRANCHES).
+    them may spend together (`resolve.near_reading_branches`).
 
     A record whose ids billing chose among readings (a candidate set: hidden whitespace, a
     marker space) was chosen under "the split is canonical". Its other readings escape that:
@@ -273,15 +273,14 @@ def neighbour_readings(
             unique.setdefault(key, (source, reading))
     near = list(unique.values())
     drawable = _drawable_readings(record, search, [r for _, r in near], vocab, scorer)
-    limit = NEAR_READINGS_BRANCHES if branches is None else branches
-    budget = limit
+    budget = branches
     for (source, reading), may in zip(near, drawable, strict=True):
         if not may:
             continue
         if budget <= 0:
             # A vocabulary-wide set of hidden strings can make every reading branch at the
             # gap: the search stays bounded, and the record, not closed, is not trusted.
-            limits.append(f"more than {limit} branches over near readings")
+            limits.append(f"more than {branches} branches over near readings")
             break
         ids = list(reading["output_ids"])
         found = search_splits(record["prompt_ids"], ids, billed, vocab, scorer, max_branches=budget)
