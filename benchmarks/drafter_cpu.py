@@ -133,6 +133,17 @@ def main() -> int:
     model_class = SpeculatorModel.registry["eagle3"]
     draft = build_draft_model(args, model_class, t2d, d2t, draft_vocab_size).float()
 
+    # What its datasets do with a row whose states are missing (regenerate through a vLLM
+    # endpoint, or not): the same for every loader here.
+    missing_rows = {
+        "vllm_endpoint": args.vllm_endpoint,
+        "on_missing": args.on_missing,
+        "request_timeout": args.request_timeout,
+        "max_retries": args.max_retries,
+        "generation_validation_retries": args.generation_validation_retries,
+        "max_consecutive_generation_failures": args.max_consecutive_generation_failures,
+    }
+
     def loaders(data_path: str, backend: str) -> tuple[Any, Any]:
         """Its train / validation loaders over one export, read by the backend its card names."""
         transfer = HiddenStatesBackend.registry[backend].from_train_args(args, data_path)
@@ -141,13 +152,8 @@ def main() -> int:
             total_seq_len=args.total_seq_len,
             hidden_states_dtype=torch.float32,
             transfer=transfer,
-            vllm_endpoint=args.vllm_endpoint,
-            on_missing=args.on_missing,
             verifier_name_or_path=args.verifier_name_or_path,
-            request_timeout=args.request_timeout,
-            max_retries=args.max_retries,
-            generation_validation_retries=args.generation_validation_retries,
-            max_consecutive_generation_failures=args.max_consecutive_generation_failures,
+            **missing_rows,
             hidden_size=draft.config.transformer_layer_config.hidden_size,
             num_target_layers=len(draft.target_layer_ids),
             num_workers=0,
@@ -165,16 +171,11 @@ def main() -> int:
             datapath=data_path,
             max_len=args.total_seq_len,
             transfer=transfer,
-            vllm_endpoint=args.vllm_endpoint,
-            on_missing=args.on_missing,
             train_ratio=1.0,
             split="train",
             model=args.verifier_name_or_path,
             hidden_states_dtype=torch.float32,
-            request_timeout=args.request_timeout,
-            max_retries=args.max_retries,
-            generation_validation_retries=args.generation_validation_retries,
-            max_consecutive_generation_failures=args.max_consecutive_generation_failures,
+            **missing_rows,
         )
         return _setup_dataloader(
             dataset,
