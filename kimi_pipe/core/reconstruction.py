@@ -372,20 +372,55 @@ def argument_edge_readings(model: Model, call: Mapping[str, Any]) -> list[tuple[
     arguments = function.get("arguments") if isinstance(function, Mapping) else None
     if not isinstance(arguments, str) or not arguments.strip():
         return [("", "")]
-    base = len(model.encode([arguments]))
+    count = model.tokenizer.encode_ordinary
+    base = len(count(arguments))
+    windows = _edge_windows(model, arguments, base)
+    # Whitespace at one edge re-splits only that edge's window (see _edge_windows), so each
+    # reading is counted on a few characters: the whole argument is encoded twice, not ~80 times.
+    first, first_count, last, last_count = windows or (arguments, base, arguments, base)
     # An edge that still has whitespace was not stripped (a stack may strip one side only).
     leads = [""]
     if not arguments[0].isspace():
-        leads += [w for w in _EDGE_LEADS if len(model.encode([w + arguments])) == base]
+        leads += [w for w in _EDGE_LEADS if len(count(w + first)) == first_count]
     trails = [""]
     if not arguments[-1].isspace():
-        trails += [w for w in _EDGE_TRAILS if len(model.encode([arguments + w])) == base]
+        trails += [w for w in _EDGE_TRAILS if len(count(last + w)) == last_count]
+    if windows:  # disjoint windows: neither edge adds an id, so no pairing of them does
+        return [(lead, trail) for lead in leads for trail in trails]
     return [
         (lead, trail)
         for lead in leads
         for trail in trails
-        if (lead, trail) == ("", "") or len(model.encode([lead + arguments + trail])) == base
+        if (lead, trail) == ("", "") or len(count(lead + arguments + trail)) == base
     ]
+
+
+def _is_safe_cut(text: str, i: int) -> bool:
+    """GPT-style pre-tokenizer patterns (tiktoken's, byte-level BPE's) start a new piece at one
+    space between two non-whitespace characters whatever surrounds it: a letter, digit or
+    punctuation run stops at the space, no whitespace run reaches across it, and the piece
+    there starts with it. Each side of such a cut encodes as it does in the whole text."""
+    return 0 < i < len(text) - 1 and not text[i - 1].isspace() and not text[i + 1].isspace()
+
+
+def _edge_windows(model: Model, arguments: str, base: int) -> tuple[str, int, str, int] | None:
+    """The argument's first and last stretch, up to its first and from its last safe cut, with
+    their counts, when the counts of the three stretches add up to the whole's (checked for
+    every tokenizer, not assumed); None when there are no two cuts or the counts disagree."""
+    head = arguments.find(" ")
+    while head != -1 and not _is_safe_cut(arguments, head):
+        head = arguments.find(" ", head + 1)
+    tail = arguments.rfind(" ")
+    while tail > head and not _is_safe_cut(arguments, tail):
+        tail = arguments.rfind(" ", 0, tail)
+    if head == -1 or tail <= head:
+        return None
+    count = model.tokenizer.encode_ordinary
+    first, middle, last = arguments[:head], arguments[head:tail], arguments[tail:]
+    first_count, last_count = len(count(first)), len(count(last))
+    if first_count + len(count(middle)) + last_count != base:
+        return None
+    return first, first_count, last, last_count
 
 
 def undo_serving(
