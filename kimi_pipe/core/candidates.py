@@ -29,6 +29,7 @@ from typing import Any
 from kimi_pipe.core.issue_codes import CLASS_OF_CODE
 from kimi_pipe.core.issue_codes import SINGLE_CANDIDATE as SINGLE_CANDIDATE  # tests' name
 from kimi_pipe.core.models import Model
+from kimi_pipe.core.prompt_proof import PromptReadings
 from kimi_pipe.core.reconstruction import (
     ERRORS,
     LENGTH_REASONS,
@@ -132,7 +133,8 @@ def enumerate_candidates(
     answer = answer_fields(response)
     if answer is None:
         return None
-    prompt = rec.prompt_ids
+    # The readings the bill was weighed against: each option weighs them again with its length.
+    prompt: Sequence[int] | PromptReadings = rec.prompt_readings or rec.prompt_ids
     covered = errors & ENUMERABLE
     reported = rec.completion_tokens_reported
     # A letter-ended tail whose stripped newline billing saw: billing_mismatch, one id short.
@@ -316,7 +318,7 @@ class _TailBuilds:
     response: Any
     answer: AnswerFields
     hypothesis: ServingProfile
-    prompt: Sequence[int] | None
+    prompt: Sequence[int] | PromptReadings | None
     base: Reconstruction
     built: dict[tuple[str, int], Reconstruction] = field(default_factory=dict)
 
@@ -346,7 +348,7 @@ def _build(
     answer: AnswerFields,
     hypothesis: ServingProfile,
     billing_tolerance: int,
-    prompt: Sequence[int] | None = None,
+    prompt: Sequence[int] | PromptReadings | None = None,
 ) -> Reconstruction:
     """Reconstruct an answer whose serving changes were already undone under `hypothesis`:
     its fields are taken as the model's text (no marker spacing, tail kept)."""
