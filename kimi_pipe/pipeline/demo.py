@@ -38,6 +38,7 @@ from kimi_pipe.core.token_yield import yield_line
 from kimi_pipe.errors import EXIT_FAILED, KimiPipeError
 from kimi_pipe.pipeline.runner import PipelineRun, print_run, raise_user_error, run_pipeline
 from kimi_pipe.stages.command import compose_command
+from kimi_pipe.stages.help import HELP
 from kimi_pipe.store.layout import RECONSTRUCTED, RECORDS
 
 DEMO_PROMPTS = DATA_DIR / "demo_prompts.jsonl"
@@ -182,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
     # conf/pipeline/demo.yaml first, so that the user's overrides win over it.
-    return compose_command(demo_task, ["pipeline=demo", *overrides], usage=__doc__)
+    return compose_command(demo_task, ["pipeline=demo", *overrides], help=HELP["demo"])
 
 
 if __name__ == "__main__":

@@ -18,24 +18,30 @@ into one line and exit 2. A bug keeps its traceback.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import logging
 import os
+import re
 import sys
+import textwrap
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import hydra
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 from yaml import YAMLError
 
 from kimi_pipe.config import CONF_DIR, compose
 from kimi_pipe.errors import EXIT_USER_ERROR, ConfigError, StoreError, host_error, one_line
+from kimi_pipe.stages.help import StageHelp
 
 # Hydra flags that do not run the task, or run it as a sweep (its overrides are sweep
 # syntax that a plain compose rejects).
@@ -45,6 +51,7 @@ _NOT_A_SINGLE_RUN = {"-m", "--multirun", "-h", "--help", "--hydra-help", "--info
                      "--config-dir", "-cd", "--experimental-rerun"}  # fmt: skip
 
 HYDRA_FULL_ERROR = "HYDRA_FULL_ERROR"
+_MULTIRUN = {"-m", "--multirun"}
 
 # A stage's task: the composed config in; an exit status, or a summary (status 0).
 Task = Callable[[DictConfig], Any]
@@ -77,9 +84,93 @@ def compose_overrides(
                 + " "
                 + ", ".join(f"{override_key(o)}= is now {moved[override_key(o)]}=" for o in old)
             )
-        raise ConfigError(f"bad override or config: {message}") from None
+            raise ConfigError(f"bad override or config: {message}") from None
+        raise override_error(message, overrides) from None
     check_value_types(overrides)
     return cfg
+
+
+# Hydra's words for a key the config does not have (its hint, `+key=value`, would add it).
+_NO_SUCH_KEY = re.compile(
+    r"Could not override '([^']+)'|Could not delete from config\. '([^']+)' does not exist"
+)
+
+
+def override_error(message: str, overrides: Sequence[str]) -> ConfigError:
+    """The ConfigError for a config that did not compose: a key the config lacks (a typo) is
+    named with the settings it most likely meant, from the keys of the config composed with
+    the same group choices; anything else keeps Hydra's message, on one line."""
+    found = _NO_SUCH_KEY.search(message)
+    if found is None:
+        return ConfigError(f"bad override or config: {message}")
+    key = found.group(1) or found.group(2)
+    typed = next((o for o in overrides if override_key(o) == key), key)
+    close = did_you_mean(key, setting_keys(_choices_only(overrides)))
+    if close:
+        return ConfigError(f"{typed}: no such setting; did you mean {' or '.join(close)}?")
+    return ConfigError(
+        f"{typed}: no such setting (`--help` lists the stage's main ones; a key of your own "
+        f"is added with +{typed.lstrip('+~')})"
+    )
+
+
+def _choices_only(overrides: Sequence[str]) -> DictConfig:
+    """The config composed with the overrides' group choices only (`dataset=jsonl`, a
+    `hydra.searchpath`), else the defaults: the keys a typo is compared with."""
+    choices = [
+        o
+        for o in overrides
+        if "=" in o
+        and not o.startswith(("+", "~"))
+        and ("." not in override_key(o) or override_key(o).startswith("hydra."))
+        and (CONF_DIR / override_key(o)).is_dir() | override_key(o).startswith("hydra.")
+    ]
+    for tried in (choices, []):
+        try:
+            return compose(tried)
+        except (HydraException, OmegaConfBaseException, YAMLError, UnicodeDecodeError):
+            continue
+    return OmegaConf.create({})
+
+
+def setting_keys(cfg: DictConfig) -> list[str]:
+    """Every key of the config, dotted (`dataset`, `dataset.limit`, ...), nothing resolved."""
+    keys: list[str] = []
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, dict):
+            for name, child in node.items():
+                keys.append(f"{prefix}{name}")
+                walk(child, f"{prefix}{name}.")
+
+    walk(OmegaConf.to_container(cfg, resolve=False), "")
+    return keys
+
+
+def did_you_mean(key: str, keys: Sequence[str], most: int = 3) -> list[str]:
+    """The settings `key` most likely meant: a close spelling beside it (`dataset.limt` ->
+    `dataset.limit`), else a close spelling anywhere, else its name under another node (`usd`
+    -> `budget.usd`, `sweep.usd`). Only the closest few, never a list of weak guesses."""
+    parent, _, name = key.rpartition(".")
+
+    def closest(wanted: str, candidates: dict[str, str], cutoff: float) -> list[str]:
+        scored = sorted(
+            (
+                (difflib.SequenceMatcher(None, wanted, text).ratio(), k)
+                for k, text in candidates.items()
+            ),
+            key=lambda pair: -pair[0],
+        )
+        best = scored[0][0] if scored else 0.0
+        return [k for ratio, k in scored if ratio >= max(cutoff, best - 0.05)][:most]
+
+    siblings = {k: k.rpartition(".")[2] for k in keys if k.rpartition(".")[0] == parent}
+    return (
+        closest(name, siblings, 0.7)
+        or closest(key, {k: k for k in keys}, 0.85)
+        or [k for k in keys if k.rpartition(".")[2] == name][:most]
+        or closest(name, {k: k.rpartition(".")[2] for k in keys}, 0.85)
+    )
 
 
 def _expected(default: Any, value: Any) -> str | None:
@@ -133,6 +224,25 @@ def check_value_types(overrides: Sequence[str]) -> None:
             )
 
 
+def first_job(argv: Sequence[str]) -> list[str]:
+    """The overrides of a multirun's first job (each sweep at its first value): the keys a
+    typo names are the same in every job, so this one composes as they all would."""
+    overrides = [a for a in argv if not a.startswith("-")]
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException:
+        return overrides  # compose says what is wrong
+    job = []
+    for item in parsed:
+        if item.is_sweep_override():
+            prefix = "+" * (item.is_add() + 2 * item.is_force_add())
+            first = next(iter(item.sweep_string_iterator()), "")
+            job.append(f"{prefix}{item.key_or_group}={first}")
+        else:
+            job.append(str(item.input_line))
+    return job
+
+
 def report(exc: BaseException) -> int | None:
     """Print a user-facing failure as one line and give its exit status; None for a bug."""
     message = one_line(exc)
@@ -145,19 +255,98 @@ def report(exc: BaseException) -> int | None:
 HELP_FLAGS = ("-h", "--help")
 
 
+def wants_help(argv: Sequence[str]) -> bool:
+    return any(a in HELP_FLAGS for a in argv)
+
+
+def help_text(stage: StageHelp, argv: Sequence[str] = ()) -> str:
+    """`--help`: what the stage does, its main settings with the values they have with the
+    other arguments given (`generate dataset=B5 --help` shows B5's), and two examples."""
+    overrides = [a for a in argv if not a.startswith("-")]
+    cfg = OmegaConf.create({})
+    for tried in (overrides, []):
+        try:
+            with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+                cfg = hydra_compose("config", overrides=tried, return_hydra_config=True)
+            break
+        except (HydraException, OmegaConfBaseException, YAMLError, UnicodeDecodeError):
+            continue
+    choices = OmegaConf.select(cfg, "hydra.runtime.choices", default={})
+    lines = [f"python -m kimi_pipe {stage.name} [key=value ...]", ""]
+    lines += textwrap.wrap(stage.what, 92)
+    lines += ["", "main settings (key=value; `make ... key=value` passes them too), now:"]
+    rows = [
+        (f"{key}={choices.get(key) if _options(key) else _shown(cfg, key)}", about, _options(key))
+        for key, about in stage.settings
+    ]
+    width = min(max(len(left) for left, _, _ in rows), 34)
+    for left, about, options in rows:
+        if len(left) > width:
+            lines += [f"  {left}", f"  {'':<{width}}  {about}"]
+        else:
+            lines.append(f"  {left:<{width}}  {about}")
+        if options:
+            lines += [f"  {'':<{width}}    {part}" for part in textwrap.wrap(options, 60)]
+    lines += ["", "examples:", *(f"  {e}" for e in stage.examples), ""]
+    every = (
+        f"every setting: python -m kimi_pipe {stage.name} --cfg job"
+        if stage.whole_config
+        else "every setting: conf/config.yaml and its groups"
+    )
+    lines.append(every + (f"; more in {stage.more}" if stage.more else ""))
+    return "\n".join(lines)
+
+
+def _options(key: str) -> str:
+    """A config group's options (conf/<key>/*.yaml), said after its line; "" for a value."""
+    if not (CONF_DIR / key).is_dir():
+        return ""
+    return "options: " + " ".join(sorted(p.stem for p in (CONF_DIR / key).glob("*.yaml")))
+
+
+def _shown(cfg: DictConfig, key: str) -> str:
+    """A setting's value as typed on the command line: a group's choice by its name, a value
+    resolved where it can be, else as written; `???` where it must be given."""
+    try:
+        value = OmegaConf.select(
+            cfg, f"{key}.name" if _options(key) else key, throw_on_missing=True
+        )
+        if OmegaConf.is_config(value):
+            value = OmegaConf.to_container(value, resolve=True)
+    except MissingMandatoryValue:
+        return "??? (required)"
+    except OmegaConfBaseException:
+        value = OmegaConf.to_container(cfg, resolve=False)
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value).replace("'", "").replace(" ", "")
+
+
 def compose_command(
     task: Task,
     argv: Sequence[str] | None = None,
     *,
     usage: str | None = None,
     moved: Mapping[str, str] | None = None,
+    help: StageHelp | None = None,  # noqa: A002 (the flag's name)
 ) -> int:
     """Compose the overrides (argv, else sys.argv) and run `task`; exit status returned.
-    `-h`/`--help` prints `usage` (the stage module's docstring) and runs nothing; `moved`:
-    see `compose_overrides`."""
+    `-h`/`--help` prints `help` (else `usage`) and runs nothing; `moved`: see
+    `compose_overrides`."""
     overrides = list(sys.argv[1:] if argv is None else argv)
-    if HELP_FLAGS[0] in overrides or HELP_FLAGS[1] in overrides:
-        print((usage or "usage: [group=option] [key=value ...] (Hydra overrides of conf/)").strip())
+    if wants_help(overrides):
+        if help is not None:
+            print(help_text(help, overrides))
+        else:
+            print(
+                (
+                    usage or "usage: [group=option] [key=value ...] (Hydra overrides of conf/)"
+                ).strip()
+            )
         return 0
     try:
         return _status(task(compose_overrides(overrides, moved)))
@@ -218,7 +407,7 @@ def _hydra_failure(exc: Exception) -> int | None:
     if isinstance(exc, HydraException | OmegaConfBaseException) and host_error(exc, "") is None:
         # A sweep's overrides (composed only here): Hydra's message, without its search path.
         message = str(exc).split("\nConfig search path", 1)[0]
-        return report(ConfigError(f"bad override or config: {message}"))
+        return report(override_error(message, sys.argv[1:]))
     failure = host_error(exc, _hydra_writes())
     return None if failure is None else report(failure)
 
@@ -232,7 +421,13 @@ def _hydra_writes() -> str:
     return os.getcwd()
 
 
-def hydra_command(task: Task, argv: Sequence[str] | None = None, *, name: str) -> int:
+def hydra_command(
+    task: Task,
+    argv: Sequence[str] | None = None,
+    *,
+    name: str,
+    help: StageHelp | None = None,  # noqa: A002 (the flag's name)
+) -> int:
     """Run `task` as the Hydra app `name` over conf/ (argv replaces sys.argv[1:] when given).
 
     `name` is Hydra's job name: the saved config goes to `.hydra/<name>/` and the log to
@@ -240,11 +435,15 @@ def hydra_command(task: Task, argv: Sequence[str] | None = None, *, name: str) -
     on the host (a full disk: the saved config, the log) is one line and exit 2 too."""
 
     overrides = list(sys.argv[1:] if argv is None else argv)
+    if help is not None and wants_help(overrides):  # not Hydra's dump of the whole config
+        print(help_text(help, overrides))
+        return 0
     if not any(a.startswith("hydra.job.name=") for a in overrides):
         overrides.append(f"hydra.job.name={name}")
-    if not _NOT_A_SINGLE_RUN.intersection(a.split("=", 1)[0] for a in overrides):
-        try:  # before Hydra creates the run directory and saves the config
-            compose_overrides(overrides)
+    flags = _NOT_A_SINGLE_RUN.intersection(a.split("=", 1)[0] for a in overrides)
+    if not flags or flags <= _MULTIRUN:
+        try:  # before Hydra creates the run (or sweep) directory and saves the config
+            compose_overrides(first_job(overrides) if flags else overrides)
         except ConfigError as exc:
             return report(exc) or EXIT_USER_ERROR
 

@@ -33,7 +33,8 @@ from kimi_pipe.generation.errors import GenerateError
 from kimi_pipe.generation.job import finish_status
 from kimi_pipe.generation.launch import check_before_launch, refuse_keys_on_the_command_line
 from kimi_pipe.generation.probes import generate, run_datasets, run_generate
-from kimi_pipe.stages.command import hydra_command, report
+from kimi_pipe.stages.command import help_text, hydra_command, report, wants_help
+from kimi_pipe.stages.help import HELP
 from kimi_pipe.store.layout import RECORDS, SUMMARY
 from kimi_pipe.store.prompt_datasets import load_prompts
 from kimi_pipe.store.records_index import load_resume_index
@@ -84,6 +85,9 @@ def run_stage(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    if wants_help(args):  # before the checks, which make the run directory
+        print(help_text(HELP["generate"], args))
+        return 0
     refuse_keys_on_the_command_line(args)
     try:
         check_before_launch(args)  # before Hydra writes .hydra/ and the log
@@ -92,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         if status is None:
             raise
         return status
-    return hydra_command(lambda cfg: generate(cfg)[0], args, name="generate")
+    return hydra_command(lambda cfg: generate(cfg)[0], args, name="generate", help=HELP["generate"])
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from kimi_pipe.core.serving import UNKNOWN_PROFILE, ServingProfile, serving_prof
 from kimi_pipe.core.token_record import TokenRecord
 from kimi_pipe.errors import ConfigError, InputError, MissingFile
 from kimi_pipe.stages.command import compose_command
+from kimi_pipe.stages.help import HELP
 from kimi_pipe.store import atomic
 from kimi_pipe.store.layout import RECONSTRUCTED, RECORDS
 from kimi_pipe.store.records import iter_records
@@ -316,7 +317,7 @@ def compare_with_generate(source: Path, target: Path) -> dict[str, int]:
 
 def main(argv: Sequence[str] | None = None) -> int:
 
-    return compose_command(run_stage, argv, usage=__doc__)
+    return compose_command(run_stage, argv, help=HELP["reconstruct"])
 
 
 def run_configured(
