@@ -120,3 +120,57 @@ def test_every_setting_and_example_in_help_is_real(stage: str) -> None:
         if words[:3] == ["python", "-m", "kimi_pipe"]:
             assert words[3] == stage
             compose(base + words[4:])  # raises on an unknown key or option
+
+
+# --- errors a user reads once, naming the real cause; nothing left behind ------------------
+
+
+def prompts(tmp: Path) -> Path:
+    path = tmp / "prompts.jsonl"
+    path.write_text('{"id": "a", "messages": [{"role": "user", "content": "hi"}]}\n')
+    return path
+
+
+NOBODY = "provider.api_base=http://127.0.0.1:9/v1"  # nothing listens there
+
+
+def test_no_network_is_named_not_the_budget(tmp_path: Path) -> None:
+    """Network down (nothing at the api_base): said as such, not as serving=auto's probes
+    not fitting the budget at the fallback prices."""
+    done = kimi_pipe("generate", f"dataset.path={prompts(tmp_path)}", "output_dir=run", NOBODY,
+                     cwd=tmp_path)  # fmt: skip
+    line = one_error(done)
+    assert "cannot reach the provider at http://127.0.0.1:9/v1/models" in line, line
+    assert "budget" not in line
+
+
+def test_a_refused_start_leaves_no_run_directory(tmp_path: Path) -> None:
+    """No key: refused before Hydra makes the run directory; an export without an output
+    directory: Hydra made the run directory, and it goes again (with the parents the command made)."""
+    done = kimi_pipe("generate", f"dataset.path={prompts(tmp_path)}", cwd=tmp_path, key=False)
+    assert "no API key" in one_error(done)
+    assert not (tmp_path / "runs").exists()
+    done = kimi_pipe("export", "stores=[]", "output_dir=runs/a/b", cwd=tmp_path)
+    assert "pass output=DIR" in one_error(done)
+    assert not (tmp_path / "runs").exists()
+    # A directory that holds anything else stays, with what Hydra wrote.
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("mine")
+    done = kimi_pipe("export", "stores=[]", "output_dir=mine", cwd=tmp_path)
+    assert "pass output=DIR" in one_error(done)
+    assert (tmp_path / "mine" / "notes.txt").exists()
+
+
+def test_every_request_failed_is_said_once_with_its_count(tmp_path: Path) -> None:
+    """Not "0 answered ... 0 failed" and then "every request failed": one line, counting
+    the requests given up after their retries."""
+    done = kimi_pipe("generate", f"dataset.path={prompts(tmp_path)}", "output_dir=run", NOBODY,
+                     "serving=unknown", "provider.pricing.input_usd_per_mtok=1",
+                     "provider.pricing.output_usd_per_mtok=1", "provider.retry.max_attempts=1",
+                     cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 4, done.stderr[-2000:]
+    said = done.stdout + done.stderr
+    assert "0 answered" not in said
+    final = [line for line in said.splitlines() if "every request of this run failed" in line]
+    assert len(final) == 1, said[-2000:]
+    assert "(connection: 1)" in final[0] and "1 given up after their retries" in final[0]

@@ -80,7 +80,8 @@ def test_a_target_that_runs_no_stage_refuses_a_setting_by_name(goals: list[str])
 
 def test_the_budget_typed_to_make_is_the_runs_budget(tmp_path: Path) -> None:
     """The documented friction, run for real: the plan line of `make generate ...
-    budget.usd=5` says $5 (no request sent: the one prompt's worst case is over its cap)."""
+    budget.usd=5` says $5 (no request sent: the one prompt's worst case is over its cap; the
+    prices given, as nothing listens at the api_base)."""
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"id": "a", "messages": [{"role": "user", "content": "hi"}]}\n')
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
@@ -88,7 +89,9 @@ def test_the_budget_typed_to_make_is_the_runs_budget(tmp_path: Path) -> None:
     done = make(
         "generate", "dataset=jsonl", f"dataset.path={prompts}", "budget.usd=5",
         f"output_dir={tmp_path / 'run'}", "provider.api_base=http://127.0.0.1:9/v1",
-        "serving=unknown", "budget.max_usd_per_sample=0.000001", env=env,
+        "serving=unknown", "budget.max_usd_per_sample=0.000001",
+        "provider.pricing.input_usd_per_mtok=1", "provider.pricing.output_usd_per_mtok=1",
+        env=env,
     )  # fmt: skip
     said = done.stdout + done.stderr  # the log goes to stdout, the last line to stderr
     plan = [line for line in said.splitlines() if "generate: 1 prompts" in line]

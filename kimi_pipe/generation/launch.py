@@ -24,7 +24,7 @@ from kimi_pipe.errors import EXIT_USER_ERROR
 from kimi_pipe.generation.datasets import dataset_nodes
 from kimi_pipe.generation.errors import GenerateError
 from kimi_pipe.providers.budget import budget_settings
-from kimi_pipe.providers.credentials import key_in_overrides, refuse_secrets
+from kimi_pipe.providers.credentials import api_key, key_in_overrides, refuse_secrets
 from kimi_pipe.providers.settings import ProviderSettings
 from kimi_pipe.store.layout import ATTEMPT_ERRORS, RECORDS, SUMMARY
 from kimi_pipe.store.run_dir import check_run_dir, same_dir
@@ -138,6 +138,9 @@ def check_before_launch(argv: list[str], environ: dict[str, str] | None = None) 
                 return
             refuse_secrets(cfg, environ, {where: run_dir})
             check_settings(cfg)
+            # A missing key stops here, before Hydra makes the run directory (and before
+            # serving=auto's probes would open theirs).
+            api_key(ProviderSettings.from_config(cfg.provider).api_key_env)
             check_run_dir(run_dir)
             if not multirun and not same_dir(run_dir, output_dir):
                 raise GenerateError(

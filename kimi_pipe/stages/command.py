@@ -23,6 +23,7 @@ import functools
 import logging
 import os
 import re
+import shutil
 import sys
 import textwrap
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -338,6 +339,7 @@ def compose_command(
     `-h`/`--help` prints `help` (else `usage`) and runs nothing; `moved`: see
     `compose_overrides`."""
     overrides = list(sys.argv[1:] if argv is None else argv)
+    say_each_line_once()  # where the stage set up its logging (logging.basicConfig)
     if wants_help(overrides):
         if help is not None:
             print(help_text(help, overrides))
@@ -355,6 +357,36 @@ def compose_command(
         if status is None:
             raise
         return status
+
+
+class _SaidAlready(logging.Filter):
+    """On the terminal's handler of the root logger: a record that a library's own handler
+    printed already (huggingface_hub's retries, `datasets`' warnings) is not printed a
+    second time; the run's log file still gets it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        logger: logging.Logger | None = logging.getLogger(record.name)
+        root = logging.getLogger()
+        while logger is not None and logger is not root:
+            if any(_is_terminal(h) for h in logger.handlers):
+                return False
+            if not logger.propagate:
+                break
+            logger = logger.parent
+        return True
+
+
+def _is_terminal(handler: logging.Handler) -> bool:
+    return isinstance(handler, logging.StreamHandler) and not isinstance(
+        handler, logging.FileHandler
+    )
+
+
+def say_each_line_once() -> None:
+    """Install `_SaidAlready` on the root logger's terminal handlers (once each)."""
+    for handler in logging.getLogger().handlers:
+        if _is_terminal(handler) and not any(isinstance(f, _SaidAlready) for f in handler.filters):
+            handler.addFilter(_SaidAlready())
 
 
 class _FileLogGuard:
@@ -421,18 +453,61 @@ def _hydra_writes() -> str:
     return os.getcwd()
 
 
+def new_run_dirs(argv: Sequence[str]) -> list[Path]:
+    """The run directory a single Hydra run of `argv` writes to and those of its parents that
+    do not exist yet, deepest first (none for a multirun, or a config that does not compose):
+    what a refused start may take away again (`remove_if_unused`)."""
+    if _NOT_A_SINGLE_RUN.intersection(a.split("=", 1)[0] for a in argv):
+        return []
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = hydra_compose("config", overrides=list(argv), return_hydra_config=True)
+        where = Path(str(cfg.hydra.run.dir)).absolute()
+    except (HydraException, OmegaConfBaseException, YAMLError, UnicodeDecodeError, ValueError):
+        return []
+    fresh = []
+    while not where.exists() and where != where.parent:
+        fresh.append(where)
+        where = where.parent
+    return fresh
+
+
+def remove_if_unused(fresh: Sequence[Path], name: str) -> None:
+    """After a refused start: a run directory this command made that holds only what Hydra
+    wrote for it (`.hydra/<name>/`, `<name>.log`) and the run's lock goes, with the parents
+    it made; anything else in it keeps it."""
+    if not fresh:
+        return
+    run_dir = fresh[0]
+    hydra_dir = run_dir / ".hydra"
+    ours = {".hydra", f"{name}.log", ".lock"}
+    try:
+        if not run_dir.is_dir() or not {p.name for p in run_dir.iterdir()} <= ours:
+            return
+        if hydra_dir.exists() and {p.name for p in hydra_dir.iterdir()} - {name}:
+            return
+        shutil.rmtree(run_dir)
+        for parent in fresh[1:]:
+            parent.rmdir()  # only an empty one: another run may have begun beside it
+    except OSError:
+        return  # what could not go stays; the error said is the start's own
+
+
 def hydra_command(
     task: Task,
     argv: Sequence[str] | None = None,
     *,
     name: str,
     help: StageHelp | None = None,  # noqa: A002 (the flag's name)
+    fresh: Sequence[Path] | None = None,
 ) -> int:
     """Run `task` as the Hydra app `name` over conf/ (argv replaces sys.argv[1:] when given).
 
     `name` is Hydra's job name: the saved config goes to `.hydra/<name>/` and the log to
     `<name>.log` in the run directory, whatever module holds the task. A write that fails
-    on the host (a full disk: the saved config, the log) is one line and exit 2 too."""
+    on the host (a full disk: the saved config, the log) is one line and exit 2 too. A run
+    that fails leaves no run directory of Hydra's files alone behind (`fresh`: the
+    directories the command made, from `new_run_dirs` before any of them was made)."""
 
     overrides = list(sys.argv[1:] if argv is None else argv)
     if help is not None and wants_help(overrides):  # not Hydra's dump of the whole config
@@ -450,6 +525,7 @@ def hydra_command(
     @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
     def stage_app(cfg: DictConfig) -> None:
         logs = _FileLogGuard()  # Hydra opened the job's log before calling the task
+        say_each_line_once()
         try:
             status = _status(task(cfg))
         except Exception as exc:
@@ -461,17 +537,33 @@ def hydra_command(
         if status:
             raise SystemExit(status)  # not an Exception: Hydra lets it through
 
+    if fresh is None:
+        fresh = new_run_dirs(overrides)
     saved, sys.argv = sys.argv, [sys.argv[0], *overrides]
+    status = 0
     try:
         with _hydra_raises():
             stage_app()
     except SystemExit as exc:
-        return exc.code if isinstance(exc.code, int) else (1 if exc.code else 0)
+        status = exc.code if isinstance(exc.code, int) else (1 if exc.code else 0)
     except Exception as exc:
-        status = _hydra_failure(exc)
-        if status is None:
+        status_or_none = _hydra_failure(exc)
+        if status_or_none is None:
             raise
-        return status
+        status = status_or_none
     finally:
         sys.argv = saved
-    return 0
+    if status:
+        _close_file_logs()
+        remove_if_unused(fresh, name)
+    return status
+
+
+def _close_file_logs() -> None:
+    """Hydra's log of the job, closed (and taken off the root logger) before its directory
+    may go."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if isinstance(handler, logging.FileHandler):
+            handler.close()
+            root.removeHandler(handler)
