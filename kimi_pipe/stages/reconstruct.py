@@ -8,8 +8,9 @@ Input lines: {"id", "messages", "tools"?, "response"}. Output lines, same order:
  "completion_tokens_reported", "completion_tokens_reconstructed"}, plus "id_sources" and
  "logprobs" when the response carries `logprobs.content[]`: the engine's ids are then used and
  checked (kimi_pipe/core/logprobs.py; `validation.record_ids=reencoded` keeps canonical ids).
-Beside the output, `OUT.jsonl.summary.json` counts the records that are exact, repaired
-(ok with notes) and flagged (ok false), by code; the same counts are printed.
+Beside the output, `OUT.jsonl.summary.json` counts the records that are ok without a note
+(`exact`), ok with notes (`repaired`) and flagged (ok false), by code; the same counts are
+printed ("31 ok (11 without a note, 20 with notes), 1 flagged").
 Exit 0 once the file is processed (bad records are reported in their own line);
 exit 2 with a message for a missing file, an unknown model or a bad tokenizer.
 """
@@ -252,14 +253,17 @@ def summary_lines(counts: Counter[str], target: Path) -> list[str]:
         return ", ".join(f"{code}={n}" for code, n in _by(counts, prefix).items()) or "-"
 
     return [
-        f"reconstructed {counts['records']} records -> {target}: {counts['exact']} exact, "
-        f"{counts['repaired']} repaired (ok with notes), {counts['flagged']} flagged (ok false)",
+        # "ok" as generate's summary and the demo say it (ids proven); "exact" is the
+        # audit's word for ids equal to an engine's own.
+        f"reconstructed {counts['records']} records -> {target}: {counts['ok']} ok "
+        f"({counts['exact']} without a note, {counts['repaired']} with notes), "
+        f"{counts['flagged']} flagged (ok false)",
         "  evidence: "
         + ", ".join(f"{rung}={counts[f'evidence:{rung}']}" for rung in LADDER)
         + f" (flagged with a closed candidate set: {counts['candidates:closed']}, "
         f"open: {counts['candidates:open']})",
         f"  flagged by code:  {listed('flagged:')}",
-        f"  repaired by code: {listed('repaired:')}",
+        f"  notes of ok ones: {listed('repaired:')}",
         f"  summary: {summary_path(target)}",
     ]
 
