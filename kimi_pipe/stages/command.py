@@ -565,5 +565,8 @@ def _close_file_logs() -> None:
     root = logging.getLogger()
     for handler in list(root.handlers):
         if isinstance(handler, logging.FileHandler):
-            handler.close()
             root.removeHandler(handler)
+            try:
+                handler.close()
+            except OSError:
+                pass  # a full disk: the failure was said already (_FileLogGuard)
