@@ -145,10 +145,16 @@ def test_no_network_is_named_not_the_budget(tmp_path: Path) -> None:
 
 
 def test_a_refused_start_leaves_no_run_directory(tmp_path: Path) -> None:
-    """No key: refused before Hydra makes the run directory; an export without an output
-    directory: Hydra made the run directory, and it goes again (with the parents the command made)."""
+    """No key: refused before Hydra makes the run directory. A value of the wrong kind, an
+    export without an output directory: the directory was made, and it goes again (with the
+    parents the command made)."""
     done = kimi_pipe("generate", f"dataset.path={prompts(tmp_path)}", cwd=tmp_path, key=False)
     assert "no API key" in one_error(done)
+    assert not (tmp_path / "runs").exists()
+    # A value of the wrong kind: refused after the launch checks made the run directory.
+    done = kimi_pipe("generate", f"dataset.path={prompts(tmp_path)}",
+                     "provider.params.max_tokens=1.5", cwd=tmp_path)  # fmt: skip
+    assert "provider.params.max_tokens=1.5" in one_error(done)
     assert not (tmp_path / "runs").exists()
     done = kimi_pipe("export", "stores=[]", "output_dir=runs/a/b", cwd=tmp_path)
     assert "pass output=DIR" in one_error(done)

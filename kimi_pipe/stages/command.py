@@ -18,6 +18,7 @@ into one line and exit 2. A bug keeps its traceback.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import logging
@@ -515,11 +516,14 @@ def hydra_command(
         return 0
     if not any(a.startswith("hydra.job.name=") for a in overrides):
         overrides.append(f"hydra.job.name={name}")
+    if fresh is None:
+        fresh = new_run_dirs(overrides)
     flags = _NOT_A_SINGLE_RUN.intersection(a.split("=", 1)[0] for a in overrides)
     if not flags or flags <= _MULTIRUN:
         try:  # before Hydra creates the run (or sweep) directory and saves the config
             compose_overrides(first_job(overrides) if flags else overrides)
         except ConfigError as exc:
+            remove_if_unused(fresh, name)  # a check before this one may have made it
             return report(exc) or EXIT_USER_ERROR
 
     @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
@@ -537,8 +541,6 @@ def hydra_command(
         if status:
             raise SystemExit(status)  # not an Exception: Hydra lets it through
 
-    if fresh is None:
-        fresh = new_run_dirs(overrides)
     saved, sys.argv = sys.argv, [sys.argv[0], *overrides]
     status = 0
     try:
@@ -566,7 +568,5 @@ def _close_file_logs() -> None:
     for handler in list(root.handlers):
         if isinstance(handler, logging.FileHandler):
             root.removeHandler(handler)
-            try:
+            with contextlib.suppress(OSError):  # a full disk: said already (_FileLogGuard)
                 handler.close()
-            except OSError:
-                pass  # a full disk: the failure was said already (_FileLogGuard)
