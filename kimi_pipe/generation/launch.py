@@ -70,11 +70,15 @@ def run_dir_of(cfg: DictConfig) -> Path:
 
 def check_settings(cfg: DictConfig) -> None:
     """The budget and provider settings as the run reads them: a value that cannot buy
-    (budget.usd=0, provider.concurrency=0) is a ConfigError naming it, raised before Hydra
-    writes the run directory and before serving=auto's probes."""
+    (budget.usd=0, provider.concurrency=0) or a key variable that is not set is a ConfigError
+    naming it, raised before Hydra writes the run directory and before serving=auto's
+    probes."""
     budget_settings(cfg)
-    ProviderSettings.from_config(cfg.provider)
+    provider = ProviderSettings.from_config(cfg.provider)
     dataset_nodes(cfg)
+    # A missing key stops here too: before Hydra or the runner makes the run directory, and
+    # before serving=auto's probes open theirs.
+    api_key(provider.api_key_env)
 
 
 def refuse_keys_on_the_command_line(argv: list[str]) -> None:
@@ -138,9 +142,6 @@ def check_before_launch(argv: list[str], environ: dict[str, str] | None = None) 
                 return
             refuse_secrets(cfg, environ, {where: run_dir})
             check_settings(cfg)
-            # A missing key stops here, before Hydra makes the run directory (and before
-            # serving=auto's probes would open theirs).
-            api_key(ProviderSettings.from_config(cfg.provider).api_key_env)
             check_run_dir(run_dir)
             if not multirun and not same_dir(run_dir, output_dir):
                 raise GenerateError(

@@ -296,8 +296,12 @@ def _write_summary(run: PipelineRun) -> None:
 def stage_table(run: PipelineRun) -> str:
     rows = [("stage", "status", "time", "outputs")]
     for o in run.outcomes:
-        shown = ", ".join(str(p) for p in o.writes) or "-"
-        status = o.status if o.error is None else f"failed: {o.error}"
+        # A failed stage's reason is said once, in its own line (the `error:` line of a
+        # mistake, the stage's "failed after" line otherwise), not again in the table;
+        # outputs it did not finish are not listed as if they were there.
+        failed = o.error is not None
+        shown = "-" if failed else ", ".join(str(p) for p in o.writes) or "-"
+        status = "failed" if failed else o.status
         rows.append((o.name, status, f"{o.seconds:.1f}s", shown))
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     lines = []
