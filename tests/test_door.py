@@ -69,7 +69,8 @@ def test_did_you_mean_names_only_close_settings(typed: str, meant: list[str]) ->
         (["export", "export.workrs=2"], "did you mean export.workers?"),
         (["generate", "dataset=jsonl", "dataset.pth=x"], "did you mean dataset.path?"),
         (["sweep", "sweep.provders=[a]"], "did you mean sweep.providers?"),
-        (["generate", "--multirun", "dataset.limt=1,2"], "did you mean dataset.limit?"),
+        (["generate", "--multirun", "dataset.limt=1,2"],
+         "dataset.limt=1,2: no such setting; did you mean dataset.limit?"),
         (["generate", "colour=red"], "colour=red: no such setting"),
     ],
 )  # fmt: skip

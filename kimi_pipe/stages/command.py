@@ -69,10 +69,13 @@ def override_key(override: str) -> str:
 
 
 def compose_overrides(
-    overrides: Sequence[str], moved: Mapping[str, str] | None = None
+    overrides: Sequence[str],
+    moved: Mapping[str, str] | None = None,
+    typed: Sequence[str] | None = None,
 ) -> DictConfig:
     """The composed config, or a ConfigError naming the bad override. `moved` maps a key the
-    command took before it was a Hydra app to its config key, said in the message."""
+    command took before it was a Hydra app to its config key, said in the message; `typed`:
+    the command line as given, where `overrides` were derived from it (a multirun's job)."""
 
     try:
         cfg = compose(list(overrides))
@@ -87,7 +90,7 @@ def compose_overrides(
                 + ", ".join(f"{override_key(o)}= is now {moved[override_key(o)]}=" for o in old)
             )
             raise ConfigError(f"bad override or config: {message}") from None
-        raise override_error(message, overrides) from None
+        raise override_error(message, typed or overrides) from None
     check_value_types(overrides)
     return cfg
 
@@ -521,7 +524,7 @@ def hydra_command(
     flags = _NOT_A_SINGLE_RUN.intersection(a.split("=", 1)[0] for a in overrides)
     if not flags or flags <= _MULTIRUN:
         try:  # before Hydra creates the run (or sweep) directory and saves the config
-            compose_overrides(first_job(overrides) if flags else overrides)
+            compose_overrides(first_job(overrides) if flags else overrides, typed=overrides)
         except ConfigError as exc:
             remove_if_unused(fresh, name)  # a check before this one may have made it
             return report(exc) or EXIT_USER_ERROR
