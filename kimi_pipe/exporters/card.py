@@ -188,8 +188,13 @@ def dataset_card(summary: dict[str, Any], exporter: Exporter) -> str:
             else str(m["dtype"])
         ),
         f"- auxiliary layers: stored as {m['layer_ids']} ({m['layer_convention']}: "
-        f'{m["layer_convention_doc"]}) = "output of layer" {c["output_layer_ids"]}, '
-        "concatenated in that order",
+        f'{m["layer_convention_doc"]}) = "output of layer" '
+        f"{c.get('output_layer_ids_stored', c['output_layer_ids'])}, concatenated in that order"
+        + (
+            f"; these files hold {c['output_layer_ids']} ({c['layer_selection']['source']})"
+            if c.get("layer_selection")
+            else ""
+        ),
         f"- final state in the store: {m['final_state']} ({m['final_state_doc']})",
     ]
     if m.get("final_rounding"):
