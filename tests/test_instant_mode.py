@@ -173,3 +173,59 @@ def test_generate_in_instant_mode_yields_exact_records(
         assert rec["prompt_ids"][-2:] == [THINK, THINK_END]
         want = prompt_ids(instant, rec["messages"], rec.get("tools"))
         assert rec["prompt_ids"] == want
+
+
+def test_probes_tell_a_provider_that_ignores_the_switch(
+    kimi: Model, instant: Model, kimi_dir: Path, tmp_path: Path, api_key_env: str
+) -> None:
+    from kimi_pipe.conformance.probe import CLEAN, SEEN, default_battery, load_battery
+    from kimi_pipe.generation.probes import run_probes
+    from tests.support.fake_stacks import routed_fake
+
+    counter = KimiCounter(kimi, instant=instant)
+    behaviours = {
+        "honours": Behaviour(provider_name="honours", counter=counter),
+        "ignores": Behaviour(
+            provider_name="ignores", counter=counter, honours_reasoning_switch=False
+        ),
+    }
+    srv = routed_fake(Behaviour(counter=counter), behaviours)
+    try:
+        battery = load_battery(default_battery("kimi_k25_instant"))
+        overrides = [
+            "model=kimi_k25_instant",
+            f"provider.api_base={srv.url()}",
+            f"model.tokenizer.path={kimi_dir}",
+            "provider.retry.base_delay_s=0.01",
+        ]
+        results = {r.provider: r for r in run_probes(list(behaviours), tmp_path, battery, 1.0,
+                                                     overrides)}  # fmt: skip
+        assert all(s.body["reasoning"]["enabled"] is False for s in srv.requests)
+    finally:
+        srv.stop()
+    assert results["honours"].quirks["thinking_switch_ignored"] == CLEAN
+    assert results["ignores"].quirks["thinking_switch_ignored"] == SEEN
+    assert not results["ignores"].usable
+
+
+def test_an_export_mixing_modes_counts_each(tmp_path: Path) -> None:
+    from kimi_pipe.exporters import export
+    from tests.test_export_formats import make_store
+
+    stores = []
+    for name, mode, n in (("think", "thinking", 3), ("fast", "instant", 4), ("old", None, 2)):
+        run = tmp_path / name
+        (run / ".hydra").mkdir(parents=True)
+        model = {"name": f"kimi_k25_{name}", **({"mode": mode} if mode else {})}
+        (run / ".hydra" / "config.yaml").write_text(json.dumps({"model": model}))
+        stores.append(make_store(run / "store", n=n))
+    summary = export(stores, tmp_path / "out", "tokens")
+    modes = summary["modes"]
+    assert {k: v["samples"] for k, v in modes.items()} == {
+        "thinking": 3,
+        "instant": 4,
+        "unknown": 2,
+    }
+    assert modes["instant"]["tokens"] == sum(3 + i for i in range(4))
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "| instant | 4 |" in card and "| thinking | 3 |" in card

@@ -35,6 +35,7 @@ from kimi_pipe.exporters.modelopt import modelopt_path
 from kimi_pipe.exporters.sources import (  # noqa: F401  (re-exported)
     ExportPolicy,
     accepted_samples,
+    mode_counts,
     source_figures,
 )
 from kimi_pipe.exporters.specforge import (
@@ -304,6 +305,7 @@ def export(
             samples += 1
     shutil.rmtree(out / parallel.PARTS_DIR, ignore_errors=True)
     extras.update(exporter.finish(ctx, counts, tokens))
+    sources = [source_figures(s, policy.accept) for s in stores]
     summary: dict[str, Any] = {
         "format": fmt,
         "output": str(out),
@@ -318,7 +320,8 @@ def export(
         "converted": converted(manifest, conv, exporter.files(ctx)),
         "conventions": conv,
         "target_model_path": model_path,
-        "sources": [source_figures(s, policy.accept) for s in stores],
+        "sources": sources,
+        "modes": mode_counts(per_store, sources),
         "policy": policy.summary(),
         "wall_s": round(time.monotonic() - started, 3),
         **extras,

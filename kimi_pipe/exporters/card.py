@@ -104,6 +104,21 @@ def _policy_rows(policy: dict[str, Any] | None) -> list[str]:
     return rows
 
 
+def _mode_lines(modes: dict[str, Any] | None) -> list[str]:
+    """Samples per model mode (the generate run's `model.mode`, e.g. thinking / instant)."""
+    if not modes or set(modes) == {"unknown"}:
+        return []
+    return [
+        "",
+        "| model mode (generate run's `model.mode`) | samples | tokens | stores |",
+        "| --- | --- | --- | --- |",
+        *[
+            f"| {mode} | {m['samples']} | {m['tokens']} | {m['stores']} |"
+            for mode, m in sorted(modes.items())
+        ],
+    ]
+
+
 def _drawn_lines(policy: dict[str, Any] | None) -> list[str]:
     """A warning at the top of the card when some samples hold ids DRAWN from the target's
     posterior (`posterior_sampled`, opt-in: resolve.posterior_sampled and export.accept)."""
@@ -173,6 +188,7 @@ def dataset_card(summary: dict[str, Any], exporter: Exporter) -> str:
         "| source store | samples | tokens |",
         "| --- | --- | --- |",
         *[f"| `{s['store']}` | {s['samples']} | {s['tokens']} |" for s in summary["per_store"]],
+        *_mode_lines(summary.get("modes")),
         "",
         "## What these files hold",
         "",
