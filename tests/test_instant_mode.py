@@ -213,11 +213,16 @@ def test_an_export_mixing_modes_counts_each(tmp_path: Path) -> None:
     from tests.test_export_formats import make_store
 
     stores = []
-    for name, mode, n in (("think", "thinking", 3), ("fast", "instant", 4), ("old", None, 2)):
+    # Where the config is saved: the generate command's Hydra dir, a pipeline's config file.
+    for name, mode, n, saved in (
+        ("think", "thinking", 3, ".hydra/generate/config.yaml"),
+        ("fast", "instant", 4, "demo_config.yaml"),
+        ("old", None, 2, ".hydra/generate/config.yaml"),
+    ):
         run = tmp_path / name
-        (run / ".hydra").mkdir(parents=True)
+        (run / saved).parent.mkdir(parents=True, exist_ok=True)
         model = {"name": f"kimi_k25_{name}", **({"mode": mode} if mode else {})}
-        (run / ".hydra" / "config.yaml").write_text(json.dumps({"model": model}))
+        (run / saved).write_text(json.dumps({"model": model}))
         stores.append(make_store(run / "store", n=n))
     summary = export(stores, tmp_path / "out", "tokens")
     modes = summary["modes"]

@@ -37,18 +37,22 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 
 
 def run_mode(run: Path) -> dict[str, Any]:
-    """The model config a generate run bought its answers under, from the run's saved Hydra
-    config (`.hydra/config.yaml`: `model.name` and `model.mode`, e.g. a thinking or an instant
-    mode); `mode` None when the run does not say (a config without modes, or no saved config)."""
-    try:
-        cfg = yaml.safe_load((run / ".hydra" / "config.yaml").read_text())
-    except (OSError, yaml.YAMLError):
-        cfg = None
-    model = (cfg or {}).get("model") if isinstance(cfg, dict) else None
-    if not isinstance(model, dict):
-        return {"model": None, "mode": None}
-    mode = model.get("mode")
-    return {"model": model.get("name"), "mode": str(mode) if mode is not None else None}
+    """The model config a generate run bought its answers under, from the run's saved config:
+    the generate command's (`.hydra/generate/config.yaml`, or `.hydra/config.yaml`), else a
+    pipeline's (`<run>/<pipeline>_config.yaml`). `model.name` and `model.mode` (e.g. a thinking
+    or an instant mode); `mode` None when no saved config says (or the model has no modes)."""
+    candidates = [run / ".hydra" / "generate" / "config.yaml", run / ".hydra" / "config.yaml"]
+    candidates += sorted(run.glob("*_config.yaml"))
+    for path in candidates:
+        try:
+            cfg = yaml.safe_load(path.read_text())
+        except (OSError, yaml.YAMLError):
+            continue
+        model = cfg.get("model") if isinstance(cfg, dict) else None
+        if isinstance(model, dict):
+            mode = model.get("mode")
+            return {"model": model.get("name"), "mode": None if mode is None else str(mode)}
+    return {"model": None, "mode": None}
 
 
 def mode_counts(per_store: Sequence[dict[str, Any]], sources: Sequence[dict[str, Any]]) -> dict:
