@@ -285,3 +285,47 @@ def test_specforge_offline_reader_loads_every_sample(tiny_run: dict[str, Path]) 
                 final = rms_norm(have["hidden_state"], manifest["final_norm"])
                 got_final = got["target_last_hidden_states"][0]
                 assert torch.equal(got_final, final.to(have["hidden_state"].dtype))
+
+
+def kimi_shaped_store(path: Path, layers: list[int], n: int = 3) -> Path:
+    """A store shaped like Kimi K2.5's (61 layers), small states: the layer bookkeeping only."""
+    from kimi_pipe.store.hidden_store import StoreWriter, make_manifest
+
+    manifest = make_manifest(
+        model="kimi-shaped", num_layers=61, layer_ids=layers, layer_convention="output_of_layer",
+        final_state="post_norm", hidden_size=HIDDEN, dtype="float32", loss_mask="test",
+        source_runs=[str(path.parent)], backend="test",
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(7)
+    with StoreWriter(path, manifest, shard_samples=4) as w:
+        for i in range(n):
+            length = 6 + i
+            aux = torch.randn(length, len(layers) * HIDDEN, generator=gen)
+            w.add(f"k{i}", list(range(length)), [0, 0] + [1] * (length - 2), aux,
+                  torch.randn(length, HIDDEN, generator=gen))  # fmt: skip
+    return path
+
+
+def test_one_kimi_store_serves_specforges_eagle3_and_dflash_configs(tmp_path: Path) -> None:
+    eagle = write_config(tmp_path / "kimi-k25-eagle3.json", KIMI_K25_EAGLE3)
+    dflash = write_config(tmp_path / "kimi-k2.7-code-dflash.json", KIMI_K27_DFLASH)
+    ids, _ = capture_request(None, [str(eagle), str(dflash)])
+    store = kimi_shaped_store(tmp_path / "store", ids)
+    # The union store cannot go to SpecForge's EAGLE-3 as it is (it takes three layers).
+    with pytest.raises(ConfigError, match="exactly three aux layers"):
+        export([store], tmp_path / "no", "specforge")
+    sf = export([store], tmp_path / "sf", "specforge", settings={"draft_config": str(eagle)})
+    assert sf["files"]["layer_ids"] == [1, 29, 57]
+    assert sf["conventions"]["drafter_config_ids"]["sglang"] == [2, 30, 58]
+    cfg = (tmp_path / "sf" / "specforge_train.yaml").read_text()
+    assert "aux_hidden_state_layer_ids:\n  - 1\n  - 29\n  - 57" in cfg
+    df = export([store], tmp_path / "df", "dflash", settings={"draft_config": str(dflash)})
+    assert df["files"]["layer_ids"] == [1, 12, 24, 35, 47, 58]
+    have = HiddenStore(store)
+    for row in rows_of(tmp_path / "df"):
+        f = torch.load(tmp_path / "df" / row["file"], weights_only=True)
+        aux = have[row["id"]]["aux_hidden_state"]
+        for k, layer in enumerate([1, 12, 24, 35, 47, 58]):
+            col = ids.index(layer)
+            got = f["hidden_states"][0, :, k * HIDDEN : (k + 1) * HIDDEN]
+            assert torch.equal(got, aux[:, col * HIDDEN : (col + 1) * HIDDEN])
