@@ -84,6 +84,4 @@ def test_edge_readings_on_real_looking_arguments(model: Model) -> None:
     ):
         got = reconstruction.argument_edge_readings(model, call(arguments))
         assert got == whole_argument_readings(model, arguments)
-        assert reconstruction._edge_windows(
-            model, arguments, len(model.tokenizer.encode_ordinary(arguments))
-        )
+        assert reconstruction._edge_windows(model, arguments)

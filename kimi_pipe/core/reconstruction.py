@@ -438,10 +438,10 @@ def argument_edge_readings(model: Model, call: Mapping[str, Any]) -> list[tuple[
     if not isinstance(arguments, str) or not arguments.strip():
         return [("", "")]
     count = model.tokenizer.encode_ordinary
-    base = len(count(arguments))
-    windows = _edge_windows(model, arguments, base)
+    windows = _edge_windows(model, arguments)
     # Whitespace at one edge re-splits only that edge's window (see _edge_windows), so each
-    # reading is counted on a few characters: the whole argument is encoded twice, not ~80 times.
+    # reading is counted on a few characters, not on the whole argument ~80 times.
+    base = len(count(arguments)) if windows is None else 0
     first, first_count, last, last_count = windows or (arguments, base, arguments, base)
     # An edge that still has whitespace was not stripped (a stack may strip one side only).
     leads = [""]
@@ -468,10 +468,11 @@ def _is_safe_cut(text: str, i: int) -> bool:
     return 0 < i < len(text) - 1 and not text[i - 1].isspace() and not text[i + 1].isspace()
 
 
-def _edge_windows(model: Model, arguments: str, base: int) -> tuple[str, int, str, int] | None:
+def _edge_windows(model: Model, arguments: str) -> tuple[str, int, str, int] | None:
     """The argument's first and last stretch, up to its first and from its last safe cut, with
-    their counts, when the counts of the three stretches add up to the whole's (checked for
-    every tokenizer, not assumed); None when there are no two cuts or the counts disagree."""
+    their counts; None when there are no two cuts, or when the tokenizer's split is not known
+    to honour the cuts (`splits_at_lone_spaces`) and the stretches' counts do not add up to
+    the whole's."""
     head = arguments.find(" ")
     while head != -1 and not _is_safe_cut(arguments, head):
         head = arguments.find(" ", head + 1)
@@ -481,10 +482,12 @@ def _edge_windows(model: Model, arguments: str, base: int) -> tuple[str, int, st
     if head == -1 or tail <= head:
         return None
     count = model.tokenizer.encode_ordinary
-    first, middle, last = arguments[:head], arguments[head:tail], arguments[tail:]
+    first, last = arguments[:head], arguments[tail:]
     first_count, last_count = len(count(first)), len(count(last))
-    if first_count + len(count(middle)) + last_count != base:
-        return None
+    if not getattr(model.tokenizer, "splits_at_lone_spaces", False):
+        middle = len(count(arguments[head:tail]))
+        if first_count + middle + last_count != len(count(arguments)):
+            return None
     return first, first_count, last, last_count
 
 

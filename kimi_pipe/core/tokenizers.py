@@ -32,6 +32,11 @@ class TokenizerNotFound(ConfigError, FileNotFoundError):
 class Tokenizer(Protocol):
     name: str
     vocab_size: int
+    # True when text is pre-split by a GPT-style pattern alone (tiktoken's pat_str, nothing
+    # before it): a lone space between non-whitespace always starts a piece, so the text on
+    # each side encodes as in the whole (core/reconstruction.py counts edge readings on that;
+    # tests/test_edge_readings.py checks it on every shipped model). False: checked per text.
+    splits_at_lone_spaces: bool
 
     def encode_ordinary(self, text: str) -> list[int]:
         """Encode text as plain text: marker names inside it stay text."""
@@ -270,6 +275,7 @@ class TiktokenTokenizer:
         self._ranks = ranks  # bytes -> id of every ordinary token
         self._bytes_of: list[bytes] | None = None  # id -> bytes, built on first use
         self.vocab_size = first_special + count
+        self.splits_at_lone_spaces = True
 
     def encode_ordinary(self, text: str) -> list[int]:
         return self._encoding.encode_ordinary(text)
@@ -341,6 +347,7 @@ class HFTokenizer:
 
         self._tok = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
         self.name = folder.name
+        self.splits_at_lone_spaces = False  # a normaliser or another pre-tokenizer may differ
         self.vocab_size = len(self._tok)
         backend = getattr(self._tok, "backend_tokenizer", None)
         if backend is None:
