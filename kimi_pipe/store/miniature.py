@@ -43,8 +43,9 @@ _OPS: dict[type, Callable[[int, int], int]] = {
 }
 
 
-def load_spec(name_or_path: str | Path) -> dict[str, Any]:
-    """The spec as a plain dict: `conf/miniature/<name>.yaml`, or a path to a YAML file."""
+def load_spec(name_or_path: str | Path, variant: str | None = None) -> dict[str, Any]:
+    """The spec as a plain dict: `conf/miniature/<name>.yaml`, or a path to a YAML file; with
+    `variant`, that entry of its `variants` merged over its `shrink` (and into its name)."""
     path = Path(name_or_path)
     if not path.suffix:
         path = SPEC_DIR / f"{name_or_path}.yaml"
@@ -57,7 +58,14 @@ def load_spec(name_or_path: str | Path) -> dict[str, Any]:
     for key in ("name", "seed", "dtype", "config", "tensors", "init"):
         if key not in spec:
             raise ConfigError(f"{path}: the miniature spec needs `{key}`")
-    return {str(k): v for k, v in spec.items()}
+    out = {str(k): v for k, v in spec.items()}
+    variants = out.pop("variants", None) or {}
+    if variant is not None:
+        if variant not in variants:
+            raise ConfigError(f"{path}: no variant {variant!r}; known: {sorted(variants)}")
+        out["shrink"] = _merge(copy.deepcopy(out.get("shrink") or {}), variants[variant])
+        out["name"] = f"{out['name']}-{variant}"
+    return out
 
 
 def spec_digest(spec: Mapping[str, Any]) -> str:
@@ -230,9 +238,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("spec", help="a name in conf/miniature/ (e.g. kimi_k25) or a YAML path")
     parser.add_argument("out", type=Path, help="directory to write (config.json, weights)")
+    parser.add_argument("--variant", default=None, help="an entry of the spec's `variants`")
     args = parser.parse_args(argv)
     try:
-        spec = load_spec(args.spec)
+        spec = load_spec(args.spec, args.variant)
         out = ensure(spec, args.out)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
