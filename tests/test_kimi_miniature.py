@@ -33,7 +33,7 @@ from kimi_pipe.exporters import (
     specforge_path,
     speculators_path,
 )
-from kimi_pipe.extraction.hf_backend import HFBackend
+from kimi_pipe.extraction.hf_backend import HFBackend, load_wrapped_text_model
 from kimi_pipe.extraction.layers import output_to_capture_ids, sglang_config_to_capture_ids
 from kimi_pipe.extraction.resolve import HFSuffixScorer, full_sequence_logprobs
 from kimi_pipe.extraction.sampler import Sampling
@@ -156,6 +156,14 @@ def test_the_miniature_has_the_real_structure_names_and_depth(
     kinds = {type(layer.mlp).__name__ for layer in decoder.layers[1:]}
     assert (type(decoder.layers[0].mlp).__name__, kinds) == ("DeepseekV3MLP", {"DeepseekV3MoE"})
     assert hasattr(decoder.layers[30].self_attn, "kv_a_proj_with_mqa")  # MLA
+    # A transformers without Kimi K2.5's classes (SGLang's venv pins 5.8.1) loads the text model
+    # alone, by text_config's own class (DeepseekV3ForCausalLM) under the checkpoint's names:
+    # the same logits as the wrapper on text ids.
+    text_only = load_wrapped_text_model(mini_dir, "float32")
+    assert type(text_only).__name__ == "DeepseekV3ForCausalLM"
+    ids = torch.tensor([[163587, 1008, 17, 163601, 99, 163588, 163606, 250, 163607, 163586]])
+    with torch.inference_mode():
+        assert torch.equal(text_only(input_ids=ids).logits, model(input_ids=ids).logits)
 
 
 # --------------------------------------------------------------------------- layer mapping

@@ -18,7 +18,9 @@ causal model because a real token never attends to a later position.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +73,15 @@ def load_text_model(
         AutoModelForImageTextToText,
     )
 
-    config = AutoConfig.from_pretrained(str(model_path), trust_remote_code=trust_remote_code)
+    try:
+        config = AutoConfig.from_pretrained(str(model_path), trust_remote_code=trust_remote_code)
+    except ValueError:
+        # A wrapper type this transformers does not know (Kimi K2.5 before transformers had
+        # its classes): its text model alone, if transformers knows that one.
+        wrapped = load_wrapped_text_model(model_path, dtype)
+        if wrapped is None:
+            raise
+        return wrapped
     auto: Any = AutoModelForCausalLM
     if type(config) not in AutoModelForCausalLM._model_mapping and not (
         trust_remote_code and "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})
@@ -88,6 +98,45 @@ def load_text_model(
         config=config,
         dtype=torch_dtype(dtype),
         trust_remote_code=trust_remote_code,
+    )
+
+
+def load_wrapped_text_model(model_path: str | os.PathLike[str], dtype: str = "float32") -> Any:
+    """The text model of a wrapper checkpoint, by transformers' own class for it: config.json's
+    `text_config.architectures[0]` (Kimi K2.5: `DeepseekV3ForCausalLM`), its weights read from
+    the checkpoint's names less the wrapper's prefix (the one before `model.embed_tokens.weight`,
+    e.g. `language_model.`). None when the checkpoint is not such a wrapper or transformers has
+    no such class. The wrapper's other parts (a vision tower) are not loaded."""
+    import transformers  # heavy import, only when used
+
+    path = Path(model_path)
+    raw = json.loads((path / "config.json").read_text())
+    text = raw.get("text_config")
+    archs = text.get("architectures") if isinstance(text, dict) else None
+    cls = getattr(transformers, str(archs[0]), None) if archs else None
+    if cls is None or not hasattr(cls, "config_class"):
+        return None
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        names = list(json.loads(index.read_text())["weight_map"])
+    else:
+        from safetensors import safe_open  # with torch
+
+        names = []
+        for file in sorted(path.glob("*.safetensors")):
+            with safe_open(str(file), "pt") as f:
+                names.extend(f.keys())
+    embed = "model.embed_tokens.weight"
+    prefixes = {n[: -len(embed)] for n in names if n.endswith(embed)}
+    if len(prefixes) != 1:
+        return None
+    prefix = prefixes.pop()
+    config = cls.config_class.from_dict({k: v for k, v in text.items() if k != "model_type"})
+    return cls.from_pretrained(
+        str(path),
+        config=config,
+        dtype=torch_dtype(dtype),
+        key_mapping={f"^{re.escape(prefix)}": ""} if prefix else None,
     )
 
 
