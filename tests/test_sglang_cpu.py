@@ -735,3 +735,93 @@ def test_sglang_cpu_two_node_engine_that_loses_a_node_ends_and_a_rerun_finishes(
     }
     (OUT / "two_node_lost.json").write_text(json.dumps(figures, indent=1) + "\n")
     print("\n" + json.dumps(figures, indent=1))
+
+
+# --------------------------------------------------------------------------- the target's classes
+
+
+KIMI_OUT = OUT.parent / "sglang_cpu_kimi"
+
+
+def _kimi_extract(backend: str, store: Path, model: Path, records: Path, *extra: str,
+                  env: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
+    """One extract through the real CLI with Kimi K2.5's model config (its layer rule)."""
+    cmd = [
+        sys.executable, "-m", "kimi_pipe", "extract", f"extract={backend}", "model=kimi_k25",
+        f"extract.records={records}", f"extract.model_path={model}",
+        f"extract.output_dir={store}", "extract.device=cpu", "extract.store_dtype=bfloat16",
+        "resolve.split_check=false", f"hydra.run.dir={store.parent}/hydra-{store.name}", *extra,
+    ]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+    (store.parent / f"{store.name}.log").write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, f"extract={backend} failed:\n{proc.stderr[-4000:]}"
+    return json.loads((store / "extract_summary.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def kimi_stores() -> dict[str, Any]:
+    """The miniature Kimi K2.5 (docs/miniature.md) through SGLang's own Kimi K2.5 classes on
+    its CPU engine (tp 1 and tp 2) and through transformers (float32 reference, bf16 baseline;
+    SGLang's transformers 5.8.1 has no Kimi K2.5 class: its DeepSeek-V3 takes the text model)."""
+    import random
+    import shutil
+
+    from kimi_pipe.store import miniature
+
+    if KIMI_OUT.exists():
+        shutil.rmtree(KIMI_OUT)
+    KIMI_OUT.mkdir(parents=True)
+    model = miniature.build(miniature.load_spec("kimi_k25"), KIMI_OUT / "model")
+    rng = random.Random(41)
+    rows = []
+    for i in range(6):
+        prompt = [163587, *(rng.randrange(163584) for _ in range(rng.randint(8, 30))), 163601]
+        output = [*(rng.randrange(163584) for _ in range(rng.randint(4, 30))), 163607, 163586]
+        rows.append(
+            {
+                "id": f"k{i}",
+                "ok": True,
+                "issues": [],
+                "prompt_ids": prompt,
+                "output_ids": output,
+                "loss_mask": [0] * len(prompt) + [1] * len(output),
+            }
+        )
+    records = KIMI_OUT / "records.jsonl"
+    records.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = {"model": model, "records": records, "n": len(rows)}
+    out["hf"] = _kimi_extract("hf", KIMI_OUT / "hidden_hf", model, records)
+    out["hf_bf16"] = _kimi_extract(
+        "hf", KIMI_OUT / "hidden_hf_bf16", model, records, "extract.dtype=bfloat16"
+    )
+    out["sglang"] = _kimi_extract(
+        "sglang", KIMI_OUT / "hidden_sglang", model, records, "extract.dtype=bfloat16"
+    )
+    out["sglang_tp2"] = _kimi_extract(
+        "sglang", KIMI_OUT / "hidden_sglang_tp2", model, records, "extract.dtype=bfloat16",
+        "extract.tp_size=2", env=_two_rank_env(),
+    )  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("store", ["hidden_sglang", "hidden_sglang_tp2"])
+def test_sglang_cpu_runs_kimi_k25_classes_at_61_layers(
+    kimi_stores: dict[str, Any], store: str
+) -> None:
+    from kimi_pipe.extraction.parity import compare_stores
+    from kimi_pipe.store.hidden_store import HiddenStore
+
+    manifest = HiddenStore(KIMI_OUT / store).manifest
+    assert (manifest["num_layers"], manifest["layer_ids"]) == (61, [1, 29, 57])
+    assert manifest["sglang_capture_ids"] == [2, 30, 58]
+    report = compare_stores(
+        KIMI_OUT / "hidden_hf", KIMI_OUT / store, records=kimi_stores["records"],
+        max_len=MAX_LEN, baseline=KIMI_OUT / "hidden_hf_bf16",
+    )  # fmt: skip
+    (KIMI_OUT / f"parity_{store}.json").write_text(json.dumps(report.as_dict(), indent=1) + "\n")
+    print("\n" + report.table())
+    assert report.compared == report.samples_candidate == kimi_stores["n"]  # every sample
+    assert report.capture_ids == [2, 30, 58]
+    assert not report.problems, report.problems[:5]
+    assert report.ok, report.table()
