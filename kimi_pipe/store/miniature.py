@@ -29,7 +29,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from kimi_pipe.config import CONF_DIR
-from kimi_pipe.errors import ConfigError
+from kimi_pipe.errors import EXIT_USER_ERROR, ConfigError
 from kimi_pipe.store import atomic
 
 MARKER = "miniature.json"  # written last: its presence means the directory is whole
@@ -245,7 +245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         out = ensure(spec, args.out)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USER_ERROR
     marker = json.loads((out / MARKER).read_text())
     print(f"{out}: {marker['name']}, {marker['tensors']} tensors, {marker['bytes']:,} bytes")
     return 0
