@@ -1,8 +1,8 @@
 # kimi_pipe: every target sets up the virtual environment first (pinned, hashed lock).
 #   make demo                      # the whole pipeline offline on a bundled small model
-#   make run pipeline=openrouter_sglang ARGS="dataset=B5 budget.usd=20 extract.model_path=DIR"
+#   make run pipeline=openrouter_sglang dataset=B5 budget.usd=20 extract.model_path=DIR
 #   make test                      # the test suite (CI runs exactly this)
-#   make generate dataset=B5 ARGS="budget.usd=20 provider.concurrency=64"
+#   make generate dataset=B5 budget.usd=20 provider.concurrency=64
 #   make sweep dataset=B5 providers=a,b,c n=50 usd=6
 # Python 3.11, 3.12 or 3.13: PY=python3.12 (or a path) picks one, else the first that runs
 # (on PATH, then pyenv's installed versions: a pyenv shim of an unselected version fails).
@@ -23,6 +23,35 @@ PYTHON := $(BIN)/python
 TORCH_LOCK := $(if $(filter-out none,$(TORCH)),requirements-torch-$(TORCH).lock)
 STAMP := $(VENV)/.installed-$(TORCH)-$(shell cat requirements.lock $(TORCH_LOCK) pyproject.toml setup.py 2>/dev/null | sha256sum | cut -c1-12)
 PY_OK := import sys; v = sys.version_info[:2]; sys.exit(0 if (3, 11) <= v <= (3, 13) else 1)
+
+# Settings typed on make's command line go to the stage as they are: every `name=value` whose
+# name has a lowercase letter (`make generate dataset=B5 budget.usd=5`, `make demo
+# dataset.limit=4`, `'sweep.providers=[a,b]'`) is a Hydra override of the target's stage, in
+# the order of their names; a stage refuses an unknown one by name. Names in capitals only are
+# make's and the environment's (PY, TORCH, ARGS, KIMI_TOKENIZER_DIR). A target's short names
+# (sweep's providers, n, usd) are translated by the target and not passed on as they are.
+UPPERCASE = $(subst a,A,$(subst b,B,$(subst c,C,$(subst d,D,$(subst e,E,$(subst f,F,$(subst g,G,$(subst \
+	h,H,$(subst i,I,$(subst j,J,$(subst k,K,$(subst l,L,$(subst m,M,$(subst n,N,$(subst o,O,$(subst \
+	p,P,$(subst q,Q,$(subst r,R,$(subst s,S,$(subst t,T,$(subst u,U,$(subst v,V,$(subst w,W,$(subst \
+	x,X,$(subst y,Y,$(subst z,Z,$(1)))))))))))))))))))))))))))
+SETTINGS_GIVEN := $(sort $(foreach v,$(.VARIABLES),$(if $(filter command line,$(origin $(v))),\
+	$(if $(filter-out $(call UPPERCASE,$(v)),$(v)),$(v)))))
+# The targets that run a stage (each takes settings); any other target given one refuses it.
+STAGE_TARGETS := demo run generate sweep probe report reconstruct-sample
+ifneq ($(SETTINGS_GIVEN),)
+NOT_A_STAGE := $(filter-out $(STAGE_TARGETS) setup,$(MAKECMDGOALS))
+ifeq ($(filter $(STAGE_TARGETS),$(MAKECMDGOALS)),)
+NOT_A_STAGE := $(or $(MAKECMDGOALS),setup)
+endif
+ifneq ($(NOT_A_STAGE),)
+$(error make $(NOT_A_STAGE) runs no stage and takes no settings: $(SETTINGS_GIVEN) (settings go to \
+	$(STAGE_TARGETS); make's own variables are in capitals: PY=, TORCH=))
+endif
+endif
+# settings_except(short names): the settings given, each one shell word, less the short names.
+QUOTE = '$(subst ','\'',$(1))'
+settings_except = $(foreach v,$(filter-out $(1),$(SETTINGS_GIVEN)),$(call QUOTE,$(v)=$(value $(v))))
+SETTINGS = $(call settings_except,)
 
 .PHONY: setup test lint snapshots reconstruct-sample yield generate sweep probe report demo run bench interop sglang-cpu test-sglang-cpu lock lock-torch wheel check-install clean
 
@@ -62,36 +91,39 @@ yield: setup
 
 reconstruct-sample: setup
 	$(PYTHON) -m kimi_pipe reconstruct model=kimi_k25 \
-	  input=tests/fixtures/kimi_k25_responses.jsonl output=runs/sample/reconstructed.jsonl
+	  input=tests/fixtures/kimi_k25_responses.jsonl output=runs/sample/reconstructed.jsonl $(SETTINGS)
 
-# The whole pipeline offline on SmolLM2 (docs/demo.md); config overrides in ARGS.
+# The whole pipeline offline on SmolLM2 (docs/demo.md); settings as they are:
+#   make demo dataset.limit=4 provider.params.max_tokens=16
 demo: setup
-	$(PYTHON) -m kimi_pipe demo $(ARGS)
+	$(PYTHON) -m kimi_pipe demo $(SETTINGS) $(ARGS)
 
 # A whole job from conf/pipeline/NAME.yaml (demo, openrouter_sglang, sweep); a second run skips
 # finished stages and resumes a half-done one.
 run: setup
-	$(PYTHON) -m kimi_pipe run pipeline=$(pipeline) $(ARGS)
+	$(PYTHON) -m kimi_pipe run $(SETTINGS) $(ARGS)
 
 generate: setup
-	$(PYTHON) -m kimi_pipe generate $(if $(dataset),dataset=$(dataset)) $(ARGS)
+	$(PYTHON) -m kimi_pipe generate $(SETTINGS) $(ARGS)
 
 # Provider sweep (docs/sweep.md): one generate job per OpenRouter provider on the same n
 # prompts, sharing one budget, then runs/sweep/<dataset>/report.md with charts.
 #   make sweep dataset=B5 providers=moonshotai,fireworks,novita n=50 usd=6
 # The short names are the sweep group's settings (conf/sweep/default.yaml): sweep.providers=[...].
 sweep: setup
-	$(PYTHON) -m kimi_pipe sweep $(if $(dataset),dataset=$(dataset)) $(if $(providers),'sweep.providers=[$(providers)]') \
-	  $(if $(n),sweep.n=$(n)) $(if $(usd),sweep.usd=$(usd)) $(ARGS)
+	$(PYTHON) -m kimi_pipe sweep $(if $(providers),'sweep.providers=[$(providers)]') \
+	  $(if $(n),sweep.n=$(n)) $(if $(usd),sweep.usd=$(usd)) $(call settings_except,providers n usd) $(ARGS)
 
 # Conformance probes (docs/provider-truth.md): conf/probes/<model>.yaml pinned to each provider,
 # then runs/probe/conformance.md.   make probe providers=moonshotai,fireworks [usd=0.3]
 probe: setup
-	$(PYTHON) -m kimi_pipe probe $(if $(providers),'probe.providers=[$(providers)]') $(if $(usd),probe.usd=$(usd)) $(ARGS)
+	$(PYTHON) -m kimi_pipe probe $(if $(providers),'probe.providers=[$(providers)]') $(if $(usd),probe.usd=$(usd)) \
+	  $(call settings_except,providers usd) $(ARGS)
 
 # Report over finished runs: make report sweep_dir=runs/sweep/B5 (a single run dir works too)
 report: setup
-	$(PYTHON) -m kimi_pipe report $(if $(sweep_dir),report.sweep_dir=$(sweep_dir)) $(ARGS)
+	$(PYTHON) -m kimi_pipe report $(if $(sweep_dir),report.sweep_dir=$(sweep_dir)) \
+	  $(call settings_except,sweep_dir) $(ARGS)
 
 bench: setup
 	$(PYTHON) -m benchmarks.bench_reconstruct

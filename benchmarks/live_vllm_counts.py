@@ -85,7 +85,8 @@ def rung(record: Mapping[str, Any]) -> str:
 
 
 def main() -> int:
-    model = load_model(compose([]).model)
+    # The corpus server's --served-model-name, declared as its user would.
+    model = load_model(compose(["model.served_names=[moonshotai/kimi-k2.5,kimi-live]"]).model)
     print(
         "| variant | records | engine ids = truth | `unknown`: exact / repaired / flagged / "
         "silent | declared: exact / repaired / flagged / silent | declared: engine_ids / "

@@ -83,7 +83,11 @@ def test_two_workers_write_the_same_bytes_as_one(tmp_path: Path, fmt: str) -> No
     one, two = tmp_path / "one" / "out", tmp_path / "two" / "out"
     s1 = export([store], one, fmt, seed=3, workers=1)
     s2 = export([store], two, fmt, seed=3, workers=2)
-    assert s1["samples"] == s2["samples"] == 22
+    # The DFlash family leaves out samples its reader rejects (no two consecutive loss tokens).
+    left_out = s1["counts"].get("skipped_no_consecutive_loss", 0)
+    assert s2["counts"].get("skipped_no_consecutive_loss", 0) == left_out
+    assert left_out == 0 or fmt in ("dflash", "dspark")
+    assert s1["samples"] == s2["samples"] == 22 - left_out
     a, b = files(one), files(two)
     assert sorted(a) == sorted(b)
     assert {k for k in a if a[k] != b[k]} == set()
@@ -91,10 +95,11 @@ def test_two_workers_write_the_same_bytes_as_one(tmp_path: Path, fmt: str) -> No
     assert not (one / export_parallel.PARTS_DIR).exists()
     assert not (two / export_parallel.PARTS_DIR).exists()
     ids = [json.loads(line)["id"] for line in (two / INDEX_FILE).read_text().splitlines()]
-    assert sorted(ids) == [sample_id(i) for i in range(22)]
-    assert [json.loads(line)["index"] for line in (two / INDEX_FILE).read_text().splitlines()] == (
-        list(range(22))
-    )
+    if not left_out:
+        assert sorted(ids) == [sample_id(i) for i in range(22)]
+    indexes = [json.loads(line)["index"] for line in (two / INDEX_FILE).read_text().splitlines()]
+    assert indexes == sorted(indexes) and len(indexes) == 22 - left_out
+    assert left_out or indexes == list(range(22))
     if fmt == "speculators":
         # datasets' own state.json: only its fingerprint may differ (random for from_dict too).
         st = [json.loads((o / "state.json").read_text()) for o in (one, two)]

@@ -49,6 +49,16 @@ VARIANTS = {
 DECLARED = "vllm_0_33"
 
 
+# The corpus server ran with `--served-model-name kimi-live`: a deployment's own name for the
+# model, declared as a user serving their own vLLM would (`model.served_names`).
+LIVE_NAME = "kimi-live"
+
+
+@pytest.fixture(scope="module")
+def kimi(kimi: Model) -> Model:
+    return replace(kimi, served_names=(*kimi.served_names, LIVE_NAME))
+
+
 @lru_cache(maxsize=1)
 def corpus() -> list[tuple[str, dict[str, Any]]]:
     rows = []

@@ -156,7 +156,7 @@ def test_main_prints_the_counts(
         == 0
     )
     err = capsys.readouterr().err
-    assert f"reconstructed 2 records -> {target}: 1 exact, 0 repaired" in err
+    assert f"reconstructed 2 records -> {target}: 1 ok (1 without a note, 0 with notes)" in err
     assert "1 flagged (ok false)" in err and "flagged by code:  malformed_record=1" in err
     assert f"{target}.summary.json" in err
 

@@ -134,7 +134,8 @@ def _response(message: dict[str, Any], completion_tokens: int, finish: str = "st
         "choices": [
             {"index": 0, "message": {"role": "assistant", **message}, "finish_reason": finish}
         ],
-        "usage": {"prompt_tokens": 1, "completion_tokens": completion_tokens},
+        # The output's bill only: these cases are about the output (no prompt count to prove).
+        "usage": {"completion_tokens": completion_tokens},
     }
 
 

@@ -246,6 +246,7 @@ def _one_line_full(done: subprocess.CompletedProcess[str], under: Path) -> str:
     assert done.returncode == 2, (done.returncode, done.stderr[-2000:])
     assert "Traceback" not in done.stderr and "--- Logging error ---" not in done.stderr
     assert "--- Logging error ---" not in done.stdout
+    assert "Unclosed" not in done.stdout + done.stderr  # asyncio's "Unclosed client session"
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, done.stderr[-2000:]
     assert lines[0].startswith(f"error: {under}") and "no space left on device" in lines[0], lines

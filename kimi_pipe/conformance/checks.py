@@ -91,10 +91,36 @@ def check_answer(probe: Mapping[str, Any], record: Mapping[str, Any]) -> Verdict
         out |= _tool_checks(kind, spec, tool_calls_of(msg), issues)
     elif kind == "argument_edges":
         out |= _argument_edges(spec, tool_calls_of(msg), record)
+    elif kind == "no_reasoning":
+        out |= _no_reasoning(spec, content, reasoning, record, issues)
     lp = record.get("logprobs") or {}
     if lp.get("present") and "mismatch" in lp and kind == "begins_with" and not out:
         out["marker_spacing"] = (SEEN, "the engine's tokens differ from the text")
     return out
+
+
+def _no_reasoning(
+    spec: Mapping[str, Any],
+    content: str,
+    reasoning: str,
+    record: Mapping[str, Any],
+    issues: set[str],
+) -> Verdicts:
+    """A mode without thinking (the request switched reasoning off): no reasoning came back,
+    no think-end in the content, and the bill counts no token the text lacks."""
+    name = "thinking_switch_ignored"
+    if reasoning.strip():
+        return {name: (SEEN, f"reasoning came back: {reasoning[:40]!r}")}
+    think_end = str(spec.get("think_end") or "")
+    if think_end and think_end in content:
+        return {name: (SEEN, f"the content holds {think_end!r}")}
+    reported = record.get("completion_tokens_reported")
+    rebuilt = record.get("completion_tokens_reconstructed")
+    if isinstance(reported, int) and isinstance(rebuilt, int) and rebuilt < reported:
+        return {name: (SEEN, f"billing counts {reported - rebuilt} token(s) the text lacks")}
+    if not content.strip() or "billing_mismatch" in issues:
+        return {}
+    return {name: (CLEAN, "no reasoning, and the bill equals the text")}
 
 
 def _reasoning_whitespace(reasoning: str, record: Mapping[str, Any], issues: set[str]) -> Verdicts:

@@ -73,6 +73,7 @@ CHECKS = (
     "string_argument",
     "tool_index",
     "tool_name",
+    "no_reasoning",
 )
 
 

@@ -1,8 +1,9 @@
 """Checks on a provider's answer that token reconstruction cannot make, and text repair.
 
 `answer_issues` flags an answer that is not what was asked for: another model than the
-one requested (a dated variant such as `-0127` is the same model), a finish reason that
-is null, unknown or `content_filter`. Each is an error code (the record is not `ok`).
+one requested (a dated variant such as `-0127` is the same model), another provider than
+the routing's `only` list, a finish reason that is null, unknown or `content_filter`. Each
+is an error code (the record is not `ok`).
 
 `clean_text` makes any JSON-like value writable: lone surrogates (from a `\\ud800` escape or
 invalid UTF-8 read with surrogateescape) become U+FFFD, non-finite floats become strings,
@@ -16,7 +17,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from kimi_pipe.core.issue_codes import CONTENT_FILTER
+from kimi_pipe.core.issue_codes import CONTENT_FILTER, OTHER_PROVIDER
 
 # finish_reason values a provider really sends for a completed answer (OpenAI's and the
 # native ones OpenRouter passes on in `native_finish_reason`), lower-cased.
@@ -54,11 +55,33 @@ def same_model(answered: str, asked: str) -> bool:
     return answered in names or _DATED.sub("", answered) in names
 
 
-def answer_issues(response: dict[str, Any], asked_model: str) -> list[str]:
+def _provider_key(name: str) -> str:
+    """OpenRouter's routing slugs (`atlas-cloud`, `deepinfra/fp4`) and the provider names its
+    answers carry (`AtlasCloud`, `DeepInfra`) compared alike."""
+    return re.sub(r"[^a-z0-9]", "", name.split("/")[0].lower())
+
+
+def other_provider(response: dict[str, Any], request: dict[str, Any] | None) -> bool:
+    """The answer names a provider outside the request's routing `only` list (a fallback the
+    pinning should have refused): its serving stack is not the one the job was pinned to."""
+    extra = (request or {}).get("extra_body") or {}
+    routing = extra.get("provider") if isinstance(extra, dict) else None
+    only = routing.get("only") if isinstance(routing, dict) else None
+    answered = response.get("provider")
+    if not only or not isinstance(answered, str) or not answered:
+        return False
+    return _provider_key(answered) not in {_provider_key(str(name)) for name in only}
+
+
+def answer_issues(
+    response: dict[str, Any], asked_model: str, request: dict[str, Any] | None = None
+) -> list[str]:
     issues: list[str] = []
     answered = response.get("model")
     if isinstance(answered, str) and answered and not same_model(answered, asked_model):
         issues.append("other_model")
+    if other_provider(response, request):
+        issues.append(OTHER_PROVIDER)
     choices = response.get("choices") or [{}]
     choice = choices[0] if isinstance(choices[0], dict) else {}
     psf = choice.get("provider_specific_fields") or {}

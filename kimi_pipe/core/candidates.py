@@ -22,6 +22,7 @@ models (tests/test_closed_sets.py); apart, the product of two classes would have
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -29,6 +30,7 @@ from typing import Any
 from kimi_pipe.core.issue_codes import CLASS_OF_CODE
 from kimi_pipe.core.issue_codes import SINGLE_CANDIDATE as SINGLE_CANDIDATE  # tests' name
 from kimi_pipe.core.models import Model
+from kimi_pipe.core.prompt_proof import PromptReadings
 from kimi_pipe.core.reconstruction import (
     ERRORS,
     LENGTH_REASONS,
@@ -132,7 +134,8 @@ def enumerate_candidates(
     answer = answer_fields(response)
     if answer is None:
         return None
-    prompt = rec.prompt_ids
+    # The readings the bill was weighed against: each option weighs them again with its length.
+    prompt: Sequence[int] | PromptReadings = rec.prompt_readings or rec.prompt_ids
     covered = errors & ENUMERABLE
     reported = rec.completion_tokens_reported
     # A letter-ended tail whose stripped newline billing saw: billing_mismatch, one id short.
@@ -316,7 +319,7 @@ class _TailBuilds:
     response: Any
     answer: AnswerFields
     hypothesis: ServingProfile
-    prompt: Sequence[int] | None
+    prompt: Sequence[int] | PromptReadings | None
     base: Reconstruction
     built: dict[tuple[str, int], Reconstruction] = field(default_factory=dict)
 
@@ -346,7 +349,7 @@ def _build(
     answer: AnswerFields,
     hypothesis: ServingProfile,
     billing_tolerance: int,
-    prompt: Sequence[int] | None = None,
+    prompt: Sequence[int] | PromptReadings | None = None,
 ) -> Reconstruction:
     """Reconstruct an answer whose serving changes were already undone under `hypothesis`:
     its fields are taken as the model's text (no marker spacing, tail kept)."""
@@ -388,7 +391,9 @@ def _move_space_to_arguments(answer: AnswerFields, trailing: bool = False) -> An
     return replace(answer, content=answer.content[:-1], tool_calls=calls)
 
 
-_JOINED_TAILS: dict[int, tuple[str, ...] | None] = {}
+# Keyed by the tokenizer object itself, held weakly: an entry goes with its tokenizer (an
+# id() key could be reused by another tokenizer after the first was evicted and collected).
+_JOINED_TAILS: weakref.WeakKeyDictionary[Any, tuple[str, ...] | None] = weakref.WeakKeyDictionary()
 
 
 def _joined_tails(model: Model) -> tuple[str, ...] | None:
@@ -397,21 +402,27 @@ def _joined_tails(model: Model) -> tuple[str, ...] | None:
     must sit in the token that ends the reasoning's last chunk, so it is one of these. None
     when the tokenizer cannot list its vocabulary (the search then tries every string)."""
     tokenizer = model.tokenizer
-    key = id(tokenizer)
-    if key not in _JOINED_TAILS:
-        size = getattr(tokenizer, "vocab_size", None)
-        runs: set[str] | None = None
-        if isinstance(size, int):
-            runs = set()
-            for token_id in range(size):
-                data = tokenizer.token_bytes(token_id)
-                head = data.rstrip(b"\r\n")
-                if head and len(head) < len(data) and not head[-1:].isspace():
-                    runs.add(data[len(head) :].decode("ascii"))
-        _JOINED_TAILS[key] = (
-            None if runs is None else tuple(sorted(runs, key=lambda t: (len(t), t)))
-        )
-    return _JOINED_TAILS[key]
+    try:
+        return _JOINED_TAILS[tokenizer]
+    except KeyError:
+        pass
+    except TypeError:  # a tokenizer that cannot be weakly referenced: listed each time
+        return _list_joined_tails(tokenizer)
+    tails = _JOINED_TAILS[tokenizer] = _list_joined_tails(tokenizer)
+    return tails
+
+
+def _list_joined_tails(tokenizer: Any) -> tuple[str, ...] | None:
+    size = getattr(tokenizer, "vocab_size", None)
+    if not isinstance(size, int):
+        return None
+    runs: set[str] = set()
+    for token_id in range(size):
+        data = tokenizer.token_bytes(token_id)
+        head = data.rstrip(b"\r\n")
+        if head and len(head) < len(data) and not head[-1:].isspace():
+            runs.add(data[len(head) :].decode("ascii"))
+    return tuple(sorted(runs, key=lambda t: (len(t), t)))
 
 
 def _last_chunk(text: str) -> str:

@@ -153,6 +153,9 @@ class PromptFormat:
     # accepting both spellings for models whose config does not say.
     history_reasoning_fields: tuple[str, ...] = ("reasoning_content", "reasoning")
     history_reasoning_null: str = ""
+    # The end of `generation` a stack may leave for the model to write (Kimi: `<think>`, billed
+    # then as output): the same ids, the prompt/output boundary moved (core/prompt_proof.py).
+    generation_open: Template | None = None
 
 
 @dataclass(frozen=True)
@@ -237,7 +240,10 @@ def parse_format(cfg: Mapping[str, Any], marker_names: Sequence[str]) -> ModelFo
             p.get("history_reasoning_fields") or ("reasoning_content", "reasoning")
         ),
         history_reasoning_null=str(p.get("history_reasoning_null") or ""),
+        generation_open=opt(p.get("generation_open")),
     )
+    if prompt.generation_open is not None and not p["generation"].endswith(p["generation_open"]):
+        raise ValueError("model.prompt.generation_open must be the end of model.prompt.generation")
     if prompt.tools is not None and "system" in prompt.tools.fields and prompt.tools_system is None:
         raise ValueError("model.prompt.tools has a {system} field: set model.prompt.tools_system")
     allowed = ("after_last_final_answer", "after_last_user", "all", "none")

@@ -24,9 +24,16 @@ LEADING_SPACE_AFTER_MARKER = "leading_space_after_marker"  # a space after a mar
 SPACE_BEFORE_TOOL_SECTION = "space_before_tool_section"  # content ends in whitespace: moved?
 REASONING_TAIL_UNVERIFIABLE = "reasoning_tail_unverifiable"  # stripped tail the bill can't prove
 TOOL_ARGUMENTS_EDGES_UNVERIFIABLE = "tool_arguments_edges_unverifiable"  # stripped edges
+# The prompt, held to the output's standard (core/prompt_proof.py):
+PROMPT_UNPROVEN = "prompt_unproven"  # no reading of the prompt has the billed prompt count
+PROMPT_AMBIGUOUS = "prompt_ambiguous"  # readings with other ids have the billed count
+OTHER_MODEL = "other_model"  # the answer names a model the model config does not declare
 RECONSTRUCTION_ERRORS = frozenset(
     {
         BILLING_MISMATCH,
+        PROMPT_UNPROVEN,
+        PROMPT_AMBIGUOUS,
+        OTHER_MODEL,
         "malformed_response",  # no choices / no message / not an object
         "provider_error",  # an error body or finish_reason "error"
         "empty_response",  # nothing at all came back
@@ -55,17 +62,32 @@ RECONSTRUCTION_ERRORS = frozenset(
 # end-of-turn appended); a cut inside a character is `partial_character`.
 TRUNCATED = "truncated"
 SINGLE_CANDIDATE = "single_candidate"  # one id sequence fits text, every reading and the bill
+# The billed prompt fits a stack's re-rendering of earlier turns (reasoning from another
+# field or dropped, arguments re-serialised), not the template's: those ids are the prompt.
+PROMPT_HISTORY_RERENDERED = "prompt_history_rerendered"
+# Prompt billed shorter and completion longer by the generation prompt's end (`<think>`): the
+# model wrote it; the same ids, the boundary (and the loss mask) moved after the given prompt.
+THINK_OPEN_BILLED_AS_OUTPUT = "think_open_billed_as_output"
+RAW_MARKERS_IN_REASONING = "raw_markers_in_reasoning"  # marker text in reasoning became ids
+# Tool calls, no content, and the bill fits only the reading without a think-end: the model
+# wrote its tool-call section inside its reasoning and the stack's parser took the calls out.
+TOOL_SECTION_IN_REASONING = "tool_section_in_reasoning"
+# Typed argument values (numbers, booleans) that the bill shows were written as they are: the
+# same values as strings would cost at least two ids more (tool_arguments_maybe_coerced lifted).
+TOOL_ARGUMENT_TYPES_BILLED = "tool_argument_types_billed"
 RECONSTRUCTION_NOTES = frozenset(
     {
         TRUNCATED,
         SINGLE_CANDIDATE,
+        PROMPT_HISTORY_RERENDERED,
+        THINK_OPEN_BILLED_AS_OUTPUT,
+        RAW_MARKERS_IN_REASONING,
         "tool_call_ids_rebuilt",  # ids not in the model's pattern were rebuilt
         "no_usage",  # no usage.completion_tokens to check against
         "reasoning_from_content",  # no reasoning field: split content at the think-end marker
         "reasoning_from_details",  # reasoning taken from reasoning_details blocks
         "raw_markers_in_content",  # marker text inside content became marker ids
         "tool_arguments_not_json",  # kept verbatim where the format wanted parsed arguments
-        "prompt_tokens_mismatch",  # rendered prompt length != usage.prompt_tokens
         # A declared serving profile undid a change (docs/serving_profiles.md):
         "marker_spaces_removed",  # the space beside each marker removed (spaces_between_...)
         "tool_index_repaired",  # index mapped back to the model's conversation counter
@@ -98,9 +120,11 @@ LOGPROB_NOTES = frozenset(
 
 # --- answer checks (core/answer_checks.py) --------------------------------------------------
 CONTENT_FILTER = "content_filter"  # the provider's filter cut or replaced the answer
+OTHER_PROVIDER = "other_provider"  # the answer names a provider outside routing `only`
 ANSWER_CODES = frozenset(
     {
-        "other_model",  # the answer names another model than the one requested
+        OTHER_PROVIDER,
+        OTHER_MODEL,  # also: the answer names another model than the one requested
         "finish_reason_null",  # the provider said nothing about why the answer ended
         "finish_reason_unknown",  # a finish reason no provider documents
         CONTENT_FILTER,

@@ -30,6 +30,9 @@ class Model:
     markers: Mapping[str, int]  # marker name -> id, confirmed by the tokenizer
     format: ModelFormat
     chunking: TextChunking | None = None  # how the reference tokenizer cuts prompt text
+    # Names an answer's `model` may carry for this model (`model.served_names`; a dated
+    # variant such as -0127 is the same model). Empty: not checked (a local server's path).
+    served_names: tuple[str, ...] = ()
 
     def encode(self, pieces: Iterable[Piece]) -> list[int]:
         """Encode rendered pieces: adjacent text is joined first, markers are hard ids.
@@ -114,4 +117,5 @@ def load_model(cfg: DictConfig | Mapping[str, Any]) -> Model:
         markers=markers,
         format=model_format,
         chunking=spec.chunking,
+        served_names=tuple(str(n) for n in data.get("served_names") or ()),
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from kimi_pipe.core.formats import Marker, ModelFormat, OutputFormat, Piece, PromptFormat
@@ -18,6 +19,42 @@ from kimi_pipe.errors import InputError
 
 class PromptError(InputError):
     """The messages cannot be rendered (unknown role, unsupported content part, ...)."""
+
+
+# Every field a client may send an earlier turn's reasoning in: the model's own
+# (`reasoning_content` for Kimi), OpenRouter's string and OpenRouter's list of blocks.
+REASONING_FIELDS = ("reasoning_content", "reasoning", "reasoning_details")
+
+
+@dataclass(frozen=True)
+class HistoryRendering:
+    """How earlier turns are rendered: as the model's template does (the default), or as a
+    stack that re-renders history does (core/prompt_proof.py weighs each against the bill).
+
+    reasoning: "template" (the fields `model.prompt.history_reasoning_fields` names),
+      "any_field" (any spelling in REASONING_FIELDS: a router that passes OpenRouter's
+      `reasoning` or `reasoning_details` on as the model's own field), "dropped" (no
+      earlier reasoning at all).
+    arguments: "verbatim" (as sent), "compact" or "spaced" (earlier calls' JSON arguments
+      re-serialised without or with json.dumps' default spaces).
+    ids: "verbatim" (as sent), "canonical" (earlier call ids outside the model's id pattern,
+      and the tool results that name them, rebuilt in the model's own form, as Moonshot
+      advises clients to keep them: `add:0` -> `functions.add:0`).
+    """
+
+    reasoning: str = "template"
+    arguments: str = "verbatim"
+    ids: str = "verbatim"
+
+    @property
+    def name(self) -> str:
+        parts = [] if self.reasoning == "template" else [f"reasoning_{self.reasoning}"]
+        parts += [] if self.arguments == "verbatim" else [f"arguments_{self.arguments}"]
+        parts += [] if self.ids == "verbatim" else [f"ids_{self.ids}"]
+        return "+".join(parts) or "template"
+
+
+TEMPLATE_HISTORY = HistoryRendering()
 
 
 def message_text(content: Any, join: str = "") -> str:
@@ -99,15 +136,24 @@ def _keep_reasoning_from(fmt: PromptFormat, messages: Sequence[Mapping[str, Any]
     return last + 1
 
 
-def _history_reasoning(fmt: PromptFormat, message: Mapping[str, Any]) -> str:
+def _history_reasoning(
+    fmt: PromptFormat, message: Mapping[str, Any], history: HistoryRendering = TEMPLATE_HISTORY
+) -> str:
     """The reasoning an earlier assistant turn shows in the prompt: the first configured
-    field the message has (`model.prompt.history_reasoning_fields`), a null one rendered as
-    the template renders null; a field the template would print some other way is refused
-    rather than guessed."""
-    for key in fmt.history_reasoning_fields:
+    field the message has (`model.prompt.history_reasoning_fields`; under `any_field` also
+    every spelling of REASONING_FIELDS), a null one rendered as the template renders null; a
+    field the template would print some other way is refused rather than guessed."""
+    keys = fmt.history_reasoning_fields
+    if history.reasoning == "any_field":
+        keys = tuple(dict.fromkeys([*keys, *REASONING_FIELDS]))
+    for key in keys:
         if key not in message:
             continue
         value = message[key]
+        if key == "reasoning_details" and isinstance(value, list):
+            value = reasoning_details_text(value)
+            if not value:
+                continue
         if value is None:
             return fmt.history_reasoning_null
         if isinstance(value, str):
@@ -116,12 +162,24 @@ def _history_reasoning(fmt: PromptFormat, message: Mapping[str, Any]) -> str:
     return ""
 
 
+def reasoning_details_text(details: Sequence[Any]) -> str:
+    """The text of OpenRouter's `reasoning_details` blocks (`reasoning.text`; summaries and
+    encrypted blocks carry no model text)."""
+    return "".join(
+        str(block.get("text") or "")
+        for block in details
+        if isinstance(block, Mapping) and block.get("type", "reasoning.text") == "reasoning.text"
+    )
+
+
 def render_prompt(
     fmt: ModelFormat,
     messages: Sequence[Mapping[str, Any]],
     tools: Sequence[Mapping[str, Any]] | None = None,
+    history: HistoryRendering = TEMPLATE_HISTORY,
 ) -> list[Piece]:
-    """Pieces of the prompt: tool declarations, the turns, then the generation prompt."""
+    """Pieces of the prompt: tool declarations, the turns, then the generation prompt.
+    `history`: how earlier turns are rendered (default: as the model's template does)."""
     p = fmt.prompt
     pieces: list[Piece] = list(p.prefix.render())
     for index, message in enumerate(messages):
@@ -149,6 +207,9 @@ def render_prompt(
     if p.default_system is not None and not system_in_tools and not _starts_with_system(messages):
         pieces += p.system.render(name="system", role="system", content=_trim(p, p.default_system))
     keep_from = _keep_reasoning_from(p, messages)
+    if history.reasoning == "dropped":
+        keep_from = len(messages)
+    renamed = _canonical_ids(fmt, messages) if history.ids == "canonical" else {}
     roles = [m.get("role") for m in messages]
     for index, message in enumerate(messages):
         if index in skip:
@@ -165,12 +226,13 @@ def render_prompt(
             if p.tool_group_start is not None and (index == 0 or roles[index - 1] != "tool"):
                 pieces += p.tool_group_start.render()
             call_id = str(message.get("tool_call_id") or "")
+            call_id = renamed.get(call_id, call_id)
             pieces += p.tool.render(name=name, role=role, tool_call_id=call_id, content=content)
             last_of_run = index + 1 == len(roles) or roles[index + 1] != "tool"
             if p.tool_group_end is not None and last_of_run:
                 pieces += p.tool_group_end.render()
         elif role == "assistant":
-            body = _assistant_body(fmt, message, content, index >= keep_from)
+            body = _assistant_body(fmt, message, content, index >= keep_from, history, renamed)
             pieces += p.assistant.render(name=name, role=role, body=body)
         else:
             raise PromptError(f"message {index}: unknown role {role!r}")
@@ -217,33 +279,75 @@ def has_text(pieces: Sequence[Piece]) -> bool:
 
 
 def _assistant_body(
-    fmt: ModelFormat, message: Mapping[str, Any], content: str, keep_reasoning: bool
+    fmt: ModelFormat,
+    message: Mapping[str, Any],
+    content: str,
+    keep_reasoning: bool,
+    history: HistoryRendering = TEMPLATE_HISTORY,
+    renamed: Mapping[str, str] | None = None,
 ) -> list[Piece]:
     p, out = fmt.prompt, fmt.output
     if keep_reasoning:
-        body = p.history_reasoning.render(reasoning=_trim(p, _history_reasoning(p, message)))
+        reasoning = _history_reasoning(p, message, history)
+        body = p.history_reasoning.render(reasoning=_trim(p, reasoning))
     else:
         body = p.history_no_reasoning.render()
-    calls = [_history_call(c) for c in message.get("tool_calls") or []]
+    calls = [_history_call(c, history.arguments) for c in message.get("tool_calls") or []]
     ids = [str(c.get("id") or "") for c in calls]
+    ids = [(renamed or {}).get(i, i) for i in ids]
     section, _ = content_and_tool_calls(out, [content] if content else [], calls, ids)
     body += section
     body += out.end.render()
     return body
 
 
-def _history_call(call: Mapping[str, Any]) -> Mapping[str, Any]:
+def _canonical_ids(fmt: ModelFormat, messages: Sequence[Mapping[str, Any]]) -> dict[str, str]:
+    """Earlier call ids outside the model's id pattern -> the model's own form, numbered over
+    the conversation (`model.output.tool_call_id`)."""
+    out = fmt.output
+    renamed: dict[str, str] = {}
+    if out.tool_call_id_pattern is None:
+        return renamed
+    index = 0
+    for message in messages:
+        if not isinstance(message, Mapping) or message.get("role") != "assistant":
+            continue
+        for call in message.get("tool_calls") or []:
+            call_id = str(call.get("id") or "") if isinstance(call, Mapping) else ""
+            function = call.get("function") if isinstance(call, Mapping) else None
+            name = str(function.get("name") or "") if isinstance(function, Mapping) else ""
+            if call_id and not out.tool_call_id_pattern.match(call_id):
+                renamed[call_id] = out.tool_call_id.format(name=name, index=index)
+            index += 1
+    return renamed
+
+
+def _history_call(call: Mapping[str, Any], arguments: str = "verbatim") -> Mapping[str, Any]:
     """A tool call of the prompt as the templates print it: arguments that are not a string
-    go through `tojson`, so null arguments are the text `null` (not an empty object)."""
+    go through `tojson`, so null arguments are the text `null` (not an empty object).
+    `arguments` "compact" / "spaced": JSON argument strings re-serialised as a stack that
+    parses and re-dumps them does (anything else stays as sent)."""
     function = call.get("function") if isinstance(call, Mapping) else None
-    if not isinstance(function, Mapping) or function.get("arguments", "") is not None:
+    if not isinstance(function, Mapping):
         return call
-    return {**call, "function": {**function, "arguments": _json(None)}}
+    value = function.get("arguments", "")
+    if value is None:
+        return {**call, "function": {**function, "arguments": _json(None)}}
+    if arguments == "verbatim" or not isinstance(value, str):
+        return call
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        return call
+    separators = (",", ":") if arguments == "compact" else (", ", ": ")
+    text = json.dumps(parsed, ensure_ascii=False, separators=separators)
+    return {**call, "function": {**function, "arguments": text}}
 
 
 def prompt_ids(
     model: Model,
     messages: Sequence[Mapping[str, Any]],
     tools: Sequence[Mapping[str, Any]] | None = None,
+    history: HistoryRendering = TEMPLATE_HISTORY,
 ) -> list[int]:
-    return model.encode_prompt(render_prompt(model.format, messages, tools))
+    return model.encode_prompt(render_prompt(model.format, messages, tools, history))

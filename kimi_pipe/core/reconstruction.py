@@ -12,6 +12,7 @@ candidates.py and the engine's own ids in logprobs.py.
 
 from __future__ import annotations
 
+import fnmatch
 import itertools
 import json
 import unicodedata
@@ -19,14 +20,28 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kimi_pipe.core.answer_checks import same_model
 from kimi_pipe.core.formats import Marker, Piece, split_markers
-from kimi_pipe.core.issue_codes import RECONSTRUCTION_ERRORS, RECONSTRUCTION_NOTES
+from kimi_pipe.core.issue_codes import (
+    OTHER_MODEL,
+    RAW_MARKERS_IN_REASONING,
+    RECONSTRUCTION_ERRORS,
+    RECONSTRUCTION_NOTES,
+    TOOL_ARGUMENT_TYPES_BILLED,
+    TOOL_SECTION_IN_REASONING,
+)
 from kimi_pipe.core.models import Model
+from kimi_pipe.core.prompt_proof import (
+    PromptReading,
+    PromptReadings,
+    prompt_readings,
+    prove_prompt,
+)
 from kimi_pipe.core.prompt_render import (
     PromptError,
     content_and_tool_calls,
     message_text,
-    prompt_ids,
+    reasoning_details_text,
 )
 from kimi_pipe.core.serving import UNKNOWN, UNKNOWN_PROFILE, ServingProfile
 from kimi_pipe.core.token_record import TokenIds
@@ -47,6 +62,8 @@ class Reconstruction:
     completion_tokens_reported: int | None
     completion_tokens_reconstructed: int
     details: dict[str, Any] = field(default_factory=dict)
+    # Every reading of the prompt the bill was weighed against (candidate options reuse them).
+    prompt_readings: PromptReadings | None = None
 
     def to_record(self) -> TokenIds:
         return {
@@ -93,14 +110,9 @@ def _reasoning(message: Mapping[str, Any]) -> tuple[str, str | None]:
             present = present or key
     details = _field(message, "reasoning_details")
     if isinstance(details, list) and details:
-        texts = [
-            str(block.get("text") or "")
-            for block in details
-            if isinstance(block, Mapping)
-            and block.get("type", "reasoning.text") == "reasoning.text"
-        ]
-        if any(texts):
-            return "".join(texts), "reasoning_details"
+        text = reasoning_details_text(details)
+        if text:
+            return text, "reasoning_details"
         present = present or "reasoning_details"
     return "", present
 
@@ -176,7 +188,12 @@ def output_pieces(
         # the fields, stripped by others; the reasoning template adds it back either way.
         reasoning = _remove_once(reasoning, out.reasoning_trim_suffix, suffix=True)
         content = _remove_once(content, out.content_trim_prefix, suffix=False)
-        pieces += out.reasoning.render(reasoning=reasoning)
+        # A model that writes its tool-call section before the think-end leaves the section's
+        # markers as text in the reasoning (K2-Thinking and K2.5 on some providers).
+        reasoning_pieces = split_markers(reasoning, out.content_markers)
+        if any(isinstance(p, Marker) for p in reasoning_pieces):
+            issues.append(RAW_MARKERS_IN_REASONING)
+        pieces += out.reasoning.render(reasoning=reasoning_pieces)
 
     if out.content_strip:
         content = content.strip(out.content_strip)
@@ -333,6 +350,49 @@ def _check_argument_types(
             return
 
 
+def _types_billed(
+    model: Model,
+    answer: AnswerFields,
+    tools: Sequence[Mapping[str, Any]] | None,
+    tolerance: int,
+) -> bool:
+    """The bill fits the arguments as returned, and a typed value written as a string (what a
+    coercing stack would have turned into this) costs at least two ids more than the bill
+    allows (the other ambiguities a record may carry move the count by at most one): so the
+    model wrote the values as they are. Checked value by value (any quoted set costs more)."""
+    schemas: dict[Any, Any] = {}
+    for tool in tools or []:
+        function = tool.get("function") if isinstance(tool, Mapping) else None
+        if isinstance(function, Mapping):
+            schemas[function.get("name")] = (function.get("parameters") or {}).get("properties")
+    count = model.tokenizer.encode_ordinary
+    for call in answer.tool_calls:
+        function = call.get("function") or {}
+        properties = schemas.get(function.get("name"))
+        arguments = function.get("arguments")
+        if not isinstance(properties, Mapping) or not isinstance(arguments, str):
+            continue
+        try:
+            values = json.loads(arguments)
+        except ValueError:
+            return False
+        if not isinstance(values, dict):
+            continue
+        for key, value in values.items():
+            if not _typed(properties.get(key)) or isinstance(value, str):
+                continue
+            literal = json.dumps(value, ensure_ascii=False)
+            quoted = json.dumps(literal, ensure_ascii=False)
+            # The value as returned sits after its key; quote it there, nowhere else.
+            at = arguments.find(literal, arguments.find(json.dumps(key, ensure_ascii=False)))
+            if at < 0:
+                return False
+            as_string = arguments[:at] + quoted + arguments[at + len(literal) :]
+            if len(count(as_string)) - len(count(arguments)) < 2 + tolerance:
+                return False
+    return True
+
+
 def _typed(schema: Any) -> bool:
     if not isinstance(schema, Mapping):
         return False
@@ -372,20 +432,55 @@ def argument_edge_readings(model: Model, call: Mapping[str, Any]) -> list[tuple[
     arguments = function.get("arguments") if isinstance(function, Mapping) else None
     if not isinstance(arguments, str) or not arguments.strip():
         return [("", "")]
-    base = len(model.encode([arguments]))
+    count = model.tokenizer.encode_ordinary
+    base = len(count(arguments))
+    windows = _edge_windows(model, arguments, base)
+    # Whitespace at one edge re-splits only that edge's window (see _edge_windows), so each
+    # reading is counted on a few characters: the whole argument is encoded twice, not ~80 times.
+    first, first_count, last, last_count = windows or (arguments, base, arguments, base)
     # An edge that still has whitespace was not stripped (a stack may strip one side only).
     leads = [""]
     if not arguments[0].isspace():
-        leads += [w for w in _EDGE_LEADS if len(model.encode([w + arguments])) == base]
+        leads += [w for w in _EDGE_LEADS if len(count(w + first)) == first_count]
     trails = [""]
     if not arguments[-1].isspace():
-        trails += [w for w in _EDGE_TRAILS if len(model.encode([arguments + w])) == base]
+        trails += [w for w in _EDGE_TRAILS if len(count(last + w)) == last_count]
+    if windows:  # disjoint windows: neither edge adds an id, so no pairing of them does
+        return [(lead, trail) for lead in leads for trail in trails]
     return [
         (lead, trail)
         for lead in leads
         for trail in trails
-        if (lead, trail) == ("", "") or len(model.encode([lead + arguments + trail])) == base
+        if (lead, trail) == ("", "") or len(count(lead + arguments + trail)) == base
     ]
+
+
+def _is_safe_cut(text: str, i: int) -> bool:
+    """GPT-style pre-tokenizer patterns (tiktoken's, byte-level BPE's) start a new piece at one
+    space between two non-whitespace characters whatever surrounds it: a letter, digit or
+    punctuation run stops at the space, no whitespace run reaches across it, and the piece
+    there starts with it. Each side of such a cut encodes as it does in the whole text."""
+    return 0 < i < len(text) - 1 and not text[i - 1].isspace() and not text[i + 1].isspace()
+
+
+def _edge_windows(model: Model, arguments: str, base: int) -> tuple[str, int, str, int] | None:
+    """The argument's first and last stretch, up to its first and from its last safe cut, with
+    their counts, when the counts of the three stretches add up to the whole's (checked for
+    every tokenizer, not assumed); None when there are no two cuts or the counts disagree."""
+    head = arguments.find(" ")
+    while head != -1 and not _is_safe_cut(arguments, head):
+        head = arguments.find(" ", head + 1)
+    tail = arguments.rfind(" ")
+    while tail > head and not _is_safe_cut(arguments, tail):
+        tail = arguments.rfind(" ", 0, tail)
+    if head == -1 or tail <= head:
+        return None
+    count = model.tokenizer.encode_ordinary
+    first, middle, last = arguments[:head], arguments[head:tail], arguments[tail:]
+    first_count, last_count = len(count(first)), len(count(last))
+    if first_count + len(count(middle)) + last_count != base:
+        return None
+    return first, first_count, last, last_count
 
 
 def undo_serving(
@@ -520,24 +615,30 @@ def reconstruct(
     *,
     billing_tolerance: int = 0,
     serving: ServingProfile | None = None,
-    prompt: Sequence[int] | None = None,
+    prompt: Sequence[int] | PromptReadings | None = None,
 ) -> Reconstruction:
     """Prompt ids, output ids, loss mask and issue codes for one sample. Never raises on
     bad data: a bad sample comes back with `ok: false` and its issue codes. `serving`: what
     the provider's stack does to text (default: unknown, every ambiguity flagged). `prompt`:
-    the prompt's ids when already rendered."""
+    the prompt's readings (or ids) when already rendered."""
     profile = serving or UNKNOWN_PROFILE
     issues: list[str] = []
     detail: dict[str, Any] = {}
-    if prompt is not None:  # already rendered (candidate options of one answer share it)
-        prompt = list(prompt)
+    readings: PromptReadings | None
+    if isinstance(prompt, PromptReadings):  # candidate options of one answer share them
+        readings = prompt
+    elif prompt is not None:
+        readings = PromptReadings((PromptReading("given", tuple(prompt)),))
     else:
         try:
-            prompt = prompt_ids(model, messages, tools)
+            readings = prompt_readings(model, messages, tools, profile)
         except (PromptError, AttributeError, TypeError, KeyError) as exc:
-            prompt = []
+            readings = None
             issues.append("bad_prompt")
             detail = {"prompt_error": str(exc)}
+    prompt = list(readings.template.ids) if readings is not None else []
+    if _other_model(model, response):
+        issues.append(OTHER_MODEL)
 
     answer = answer_fields(response)
     reported = _usage_int(response, "completion_tokens")
@@ -579,13 +680,39 @@ def reconstruct(
             pieces, ended, output = [], False, []
         if not (answer.reasoning or answer.content or answer.tool_calls) and not _truncated(answer):
             issues.append("empty_response")
+        if readings is not None and readings.template.ids and output:
+            # The bill proves the prompt and the prompt/output boundary together.
+            section_first = (
+                _without_think_end(model, pieces)
+                if _may_hold_section(model, answer, issues)
+                else None
+            )
+            outputs = [output] + ([model.encode(section_first)] if section_first else [])
+            proof = prove_prompt(
+                readings,
+                billed_prompt=_usage_int(response, "prompt_tokens"),
+                billed_completion=reported,
+                output_lengths=[len(o) for o in outputs],
+                tolerance=billing_tolerance,
+            )
+            prompt = proof.ids
+            issues += proof.issues
+            if proof.output_reading:
+                output = outputs[proof.output_reading]
+                issues.append(TOOL_SECTION_IN_REASONING)
+            # The model wrote the generation prompt's end: the output starts with it.
+            output = proof.moved_to_output + output
+            if proof.reading != readings.template.name:
+                detail["prompt_reading"] = proof.reading
         if reported is None:
             issues.append("no_usage")
         elif abs(reported - len(output)) > billing_tolerance:
             issues.append("billing_mismatch")
-        reported_prompt = _usage_int(response, "prompt_tokens")
-        if prompt and reported_prompt is not None and reported_prompt != len(prompt):
-            issues.append("prompt_tokens_mismatch")
+        elif "tool_arguments_maybe_coerced" in issues and _types_billed(
+            model, answer, tools, billing_tolerance
+        ):
+            issues.remove("tool_arguments_maybe_coerced")
+            issues.append(TOOL_ARGUMENT_TYPES_BILLED)
 
     mask_spec = model.format.loss_mask
     loss_mask = [mask_spec.prompt] * len(prompt) + [mask_spec.output] * len(output)
@@ -602,6 +729,57 @@ def reconstruct(
         completion_tokens_reported=reported,
         completion_tokens_reconstructed=len(output),
         details=detail,
+        prompt_readings=readings,
+    )
+
+
+# Flags whose readings differ in length from the text as returned (a marker space or a moved
+# space that costs an id): beside them one id fewer has another explanation than a missing
+# think-end, so the bill cannot tell where the tool-call section was written.
+_LENGTH_AMBIGUOUS = frozenset(
+    {
+        "leading_space_after_marker",
+        "marker_spacing_mismatch",
+        "space_before_tool_section",
+        "reasoning_without_think_end",
+    }
+)
+
+
+def _may_hold_section(model: Model, answer: AnswerFields, issues: Sequence[str]) -> bool:
+    """Tool calls and no content at all: the model may have written its tool-call section
+    before the think-end (inside its reasoning) and a parser that ends reasoning at the section
+    took the calls out; the bill decides (core/prompt_proof.py), where nothing else in the
+    answer can change its length (whitespace-only content may be the stack's own)."""
+    out = model.format.output
+    return (
+        bool(answer.tool_calls)
+        and not answer.content
+        and out.think_end is not None
+        and not _LENGTH_AMBIGUOUS.intersection(issues)
+    )
+
+
+def _without_think_end(model: Model, pieces: Sequence[Piece]) -> list[Piece] | None:
+    """The pieces without their first think-end marker (None when there is none)."""
+    name = model.format.output.think_end
+    for index, piece in enumerate(pieces):
+        if isinstance(piece, Marker) and piece.name == name:
+            return [*pieces[:index], *pieces[index + 1 :]]
+    return None
+
+
+def _other_model(model: Model, response: Any) -> bool:
+    """The answer names a model the model config does not declare (`model.served_names`:
+    names or shell-style patterns, case-insensitive; a dated variant is the same model)."""
+    answered = response.get("model") if isinstance(response, Mapping) else None
+    if not model.served_names or not isinstance(answered, str) or not answered:
+        return False
+    return not any(
+        fnmatch.fnmatchcase(answered.lower(), name.lower())
+        if "*" in name
+        else same_model(answered, name)
+        for name in model.served_names
     )
 
 

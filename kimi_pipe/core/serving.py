@@ -42,6 +42,14 @@ CHOICES: dict[str, tuple[str, ...]] = {
     # The Kimi tool parsers of vLLM and SGLang match `\s*{arguments}\s*` between the markers:
     # whitespace the model wrote at the arguments' edges is gone (`stripped`).
     "argument_edges": ("kept", "stripped"),
+    # How the stack renders earlier turns: as the model's template does (`template`), or its
+    # own way (`rerendered`: OpenRouter's reasoning spellings passed on, earlier reasoning
+    # dropped, earlier arguments re-serialised). The billed prompt count decides among the
+    # readings the profile admits (core/prompt_proof.py).
+    "history": ("template", "rerendered"),
+    # Where the generation prompt's last piece (Kimi's `<think>`) is: in the prompt the stack
+    # renders, or left for the model to write and billed as output.
+    "think_open": ("prompt", "output"),
 }
 
 
@@ -55,6 +63,8 @@ class ServingProfile:
     argument_types: str = UNKNOWN
     think_end: str = UNKNOWN
     argument_edges: str = UNKNOWN
+    history: str = UNKNOWN
+    think_open: str = UNKNOWN
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any] | None) -> ServingProfile:

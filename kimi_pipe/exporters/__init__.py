@@ -35,6 +35,7 @@ from kimi_pipe.exporters.modelopt import modelopt_path
 from kimi_pipe.exporters.sources import (  # noqa: F401  (re-exported)
     ExportPolicy,
     accepted_samples,
+    mode_counts,
     source_figures,
 )
 from kimi_pipe.exporters.specforge import (
@@ -150,6 +151,7 @@ def conventions(manifest: dict[str, Any], want: str | None) -> dict[str, Any]:
     out: dict[str, Any] = {
         "layer_ids_stored": list(manifest["layer_ids"]),
         "layer_convention_stored": manifest.get("layer_convention"),
+        "output_layer_ids_stored": list(output_ids),
         "output_layer_ids": output_ids,
         "capture_layer_ids": [i + 1 for i in output_ids],
         "drafter_config_ids": {
@@ -160,6 +162,32 @@ def conventions(manifest: dict[str, Any], want: str | None) -> dict[str, Any]:
         "final_state_conversion": final_state_conversion(manifest, want) if want else None,
     }
     return out
+
+
+def select_layers(
+    conv: dict[str, Any], selected: list[int] | None, source: str
+) -> list[int] | None:
+    """Narrow `conv` to the aux layers an exporter writes (in its order); return the columns
+    of the store's aux states to take, None when the files hold them all as stored. Refuses,
+    before any write, a layer the store does not hold."""
+    if selected is None:
+        return None
+    stored = list(conv["output_layer_ids_stored"])
+    if not selected or len(set(selected)) != len(selected):
+        raise ConfigError(f"{source}: layer ids {selected} must be distinct and not empty")
+    missing = [i for i in selected if i not in stored]
+    if missing:
+        raise ConfigError(
+            f"{source} names layers {missing} (output of layer) that the store does not hold "
+            f"(it holds {stored}): re-extract with extract.draft_config=<that config> (a list "
+            "of configs captures the union of their layers)"
+        )
+    conv["output_layer_ids"] = list(selected)
+    conv["capture_layer_ids"] = [i + 1 for i in selected]
+    conv["drafter_config_ids"] = {e: _engine_ids(list(selected), e) for e in ("sglang", "vllm")}
+    conv["layer_selection"] = {"source": source, "output_layer_ids": list(selected)}
+    columns = [stored.index(i) for i in selected]
+    return None if columns == list(range(len(stored))) else columns
 
 
 def _engine_ids(output_ids: list[int], engine: str) -> list[int] | str:
@@ -206,6 +234,7 @@ def export(
     model_path = str(target_model_path or manifest.get("model_path") or "") or None
     out = Path(output)
     ctx = ExportContext(out, manifest, conv, model_path, list(stores))
+    aux_columns = select_layers(conv, exporter.select_layers(ctx), _selection_source(exporter))
     extras = exporter.check(ctx)  # refusals of the format, still before any write
     hub_settings = hub.HubSettings.from_mapping(push_to_hub)
     policy = accepted_samples(stores, accept)
@@ -246,6 +275,8 @@ def export(
         output=str(out),
         want=want,
         rows=exporter.needs_rows,
+        aux_columns=aux_columns,
+        hidden_size=int(manifest["hidden_size"]),
     )
     tasks = parallel.tasks_of(stores, planned)
     del planned  # the tasks hold the plan now
@@ -274,6 +305,7 @@ def export(
             samples += 1
     shutil.rmtree(out / parallel.PARTS_DIR, ignore_errors=True)
     extras.update(exporter.finish(ctx, counts, tokens))
+    sources = [source_figures(s, policy.accept) for s in stores]
     summary: dict[str, Any] = {
         "format": fmt,
         "output": str(out),
@@ -288,7 +320,8 @@ def export(
         "converted": converted(manifest, conv, exporter.files(ctx)),
         "conventions": conv,
         "target_model_path": model_path,
-        "sources": [source_figures(s, policy.accept) for s in stores],
+        "sources": sources,
+        "modes": mode_counts(per_store, sources),
         "policy": policy.summary(),
         "wall_s": round(time.monotonic() - started, 3),
         **extras,
@@ -328,8 +361,8 @@ def converted(
     """What the export changed on the way from the store to the files, one entry per change
     (empty: the files hold the store's tensors as stored)."""
     out: dict[str, Any] = {}
-    if files.get("final_state") is None:
-        return out
+    if files.get("final_state") is None and files.get("layer_ids") is None:
+        return out  # no hidden states (tokens)
     if conv.get("final_state_conversion") == "apply_norm":
         norm = manifest.get("final_norm") or {}
         out["final_state"] = {
@@ -340,7 +373,15 @@ def converted(
             f"{files.get('dtype')}",
         }
     stored_ids = list(manifest.get("layer_ids", []))
-    if (files.get("layer_convention"), files.get("layer_ids")) != (
+    selection = conv.get("layer_selection")
+    if selection and selection["output_layer_ids"] != conv.get("output_layer_ids_stored"):
+        out["layer_ids"] = {
+            "from": {"convention": manifest.get("layer_convention"), "ids": stored_ids},
+            "to": {"convention": files.get("layer_convention"), "ids": files.get("layer_ids")},
+            "how": f"selected ({selection['source']}): the aux states of these layers, in this "
+            "order, taken from the store's; the others are not written",
+        }
+    elif (files.get("layer_convention"), files.get("layer_ids")) != (
         manifest.get("layer_convention"),
         stored_ids,
     ):
@@ -364,6 +405,12 @@ def converted(
             "how": how,
         }
     return out
+
+
+def _selection_source(exporter: Exporter) -> str:
+    if exporter.settings.get("draft_config"):
+        return f"export.draft_config={exporter.settings['draft_config']}"
+    return f"export.layer_ids={exporter.settings.get('layer_ids')}"
 
 
 def export_specforge(

@@ -34,6 +34,7 @@ import yaml
 
 from kimi_pipe.config import CONF_DIR
 from kimi_pipe.errors import ConfigError
+from kimi_pipe.extraction.draft_config import draft_config_paths, read_draft_config
 from kimi_pipe.plugins import load_target
 from kimi_pipe.store import atomic
 
@@ -55,6 +56,11 @@ class ExportContext:
     model_path: str | None
     stores: list[Any] = field(default_factory=list)
 
+    def output_ids(self) -> list[int]:
+        """The "output of layer" ids of the aux states the files hold, in the files' order
+        (the store's, or the layers `Exporter.select_layers` chose)."""
+        return list(self.conventions["output_layer_ids"])
+
 
 class Exporter:
     """Base class with the defaults of a format that writes no per-sample files."""
@@ -69,6 +75,24 @@ class Exporter:
         self.settings: dict[str, Any] = dict(settings or {})
 
     # --- before writing -----------------------------------------------------------------
+    def select_layers(self, ctx: ExportContext) -> list[int] | None:
+        """The aux layers to write ("output of layer" ids, in order), chosen by the format's
+        settings: `draft_config` (the drafter's config file, as its trainer reads it) or
+        `layer_ids`; None: every layer of the store. The engine refuses, before writing, a
+        layer the store does not hold."""
+        paths = draft_config_paths(self.settings.get("draft_config"))
+        ids = self.settings.get("layer_ids")
+        if paths and ids is not None:
+            raise ConfigError("set export.draft_config or export.layer_ids, not both")
+        if len(paths) > 1:
+            raise ConfigError("export.draft_config names one drafter's config per export")
+        if paths:
+            engine = str(self.settings.get("draft_engine") or "sglang")
+            draft = read_draft_config(paths[0], engine=engine)
+            self.draft = draft
+            return list(draft.output_ids)
+        return [int(i) for i in ids] if ids is not None else None
+
     def check(self, ctx: ExportContext) -> dict[str, Any]:
         """Refuse (raise) before anything is written; return summary extras known now."""
         return {}
@@ -81,6 +105,11 @@ class Exporter:
     def write_sample(self, output: Path, index: int, sample: dict[str, torch.Tensor]) -> None:
         """Write one sample (final state already in `final_state`) to `sample_path`."""
         raise NotImplementedError
+
+    def refuse_sample(self, sample: dict[str, torch.Tensor]) -> str | None:
+        """A reason (a short code, counted as `skipped_<code>`) to leave one sample out because
+        the trainer's reader would reject it; None: write it."""
+        return None
 
     def start(self, ctx: ExportContext) -> None:
         """Called once after the per-sample files, before the first `add_row` (in the
@@ -118,13 +147,14 @@ class Exporter:
         """The end of `files` for a format that writes hidden states: their dtype and scale
         layout, the final-state convention, and the layer ids in the trainer's convention
         (`output_of_layer`: the store's output ids; `input_of_layer`: its capture ids)."""
-        key = "output_layer_ids" if layer_convention == "output_of_layer" else "capture_layer_ids"
+        output = ctx.output_ids()
+        ids = output if layer_convention == "output_of_layer" else [i + 1 for i in output]
         return {
             "dtype": dtype,
             "scale_layout": scale_layout,
             "final_state": self.final_state,
             "layer_convention": layer_convention,
-            "layer_ids": list(ctx.conventions[key]),
+            "layer_ids": ids,
         }
 
     # --- the dataset card ---------------------------------------------------------------

@@ -104,6 +104,21 @@ def _policy_rows(policy: dict[str, Any] | None) -> list[str]:
     return rows
 
 
+def _mode_lines(modes: dict[str, Any] | None) -> list[str]:
+    """Samples per model mode (the generate run's `model.mode`, e.g. thinking / instant)."""
+    if not modes or set(modes) == {"unknown"}:
+        return []
+    return [
+        "",
+        "| model mode (generate run's `model.mode`) | samples | tokens | stores |",
+        "| --- | --- | --- | --- |",
+        *[
+            f"| {mode} | {m['samples']} | {m['tokens']} | {m['stores']} |"
+            for mode, m in sorted(modes.items())
+        ],
+    ]
+
+
 def _drawn_lines(policy: dict[str, Any] | None) -> list[str]:
     """A warning at the top of the card when some samples hold ids DRAWN from the target's
     posterior (`posterior_sampled`, opt-in: resolve.posterior_sampled and export.accept)."""
@@ -173,6 +188,7 @@ def dataset_card(summary: dict[str, Any], exporter: Exporter) -> str:
         "| source store | samples | tokens |",
         "| --- | --- | --- |",
         *[f"| `{s['store']}` | {s['samples']} | {s['tokens']} |" for s in summary["per_store"]],
+        *_mode_lines(summary.get("modes")),
         "",
         "## What these files hold",
         "",
@@ -188,8 +204,13 @@ def dataset_card(summary: dict[str, Any], exporter: Exporter) -> str:
             else str(m["dtype"])
         ),
         f"- auxiliary layers: stored as {m['layer_ids']} ({m['layer_convention']}: "
-        f'{m["layer_convention_doc"]}) = "output of layer" {c["output_layer_ids"]}, '
-        "concatenated in that order",
+        f'{m["layer_convention_doc"]}) = "output of layer" '
+        f"{c.get('output_layer_ids_stored', c['output_layer_ids'])}, concatenated in that order"
+        + (
+            f"; these files hold {c['output_layer_ids']} ({c['layer_selection']['source']})"
+            if c.get("layer_selection")
+            else ""
+        ),
         f"- final state in the store: {m['final_state']} ({m['final_state_doc']})",
     ]
     if m.get("final_rounding"):

@@ -66,6 +66,9 @@ class Job:
     output: str
     want: str | None
     rows: bool  # whether fragments carry input_ids / loss_mask (row formats)
+    # The store's aux states the files take (their positions, in the files' order); None: all.
+    aux_columns: list[int] | None = None
+    hidden_size: int = 0
     threads: int = 0  # torch threads a worker process uses (0: torch's default)
 
 
@@ -146,6 +149,15 @@ def run_task(
                 counts["skipped_non_finite"] += 1
                 print(f"export: {store.path} {sid}: NaN/inf state, skipped", file=sys.stderr)
                 continue
+            refused = exporter.refuse_sample(sample)
+            if refused is not None:
+                key = f"skipped_{refused}"
+                counts[key] = counts.get(key, 0) + 1
+                continue
+            if job.aux_columns is not None:
+                sample["aux_hidden_state"] = select_aux(
+                    sample["aux_hidden_state"], job.aux_columns, job.hidden_size
+                )
             if job.want is not None:
                 sample["hidden_state"] = final_state_as(manifest, sample["hidden_state"], job.want)
             exporter.write_sample(out, index, sample)
@@ -174,6 +186,14 @@ def run_task(
     return result
 
 
+def select_aux(aux: torch.Tensor, columns: Sequence[int], hidden_size: int) -> torch.Tensor:
+    """The aux states [L, n*H] of the layers at `columns` (store order), concatenated in that
+    order: [L, len(columns)*H]. Values are copied, never recomputed."""
+    length = aux.shape[0]
+    per_layer = aux.reshape(length, -1, hidden_size)
+    return per_layer[:, list(columns), :].reshape(length, len(columns) * hidden_size).clone()
+
+
 # --------------------------------------------------------------------------- all tasks
 
 
@@ -198,7 +218,7 @@ def run_tasks(
         nonlocal done, last
         fragments[number] = result.fragment
         for k, v in result.counts.items():
-            counts[k] += v
+            counts[k] = counts.get(k, 0) + v
         done += size
         now = time.monotonic()
         if now - last >= 30 or done == total:

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from kimi_pipe.core.evidence import (
     NEVER_USABLE,
     POSTERIOR_SAMPLED,
@@ -32,6 +34,39 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     except (OSError, json.JSONDecodeError):
         return None
     return data if isinstance(data, dict) else None
+
+
+def run_mode(run: Path) -> dict[str, Any]:
+    """The model config a generate run bought its answers under, from the run's saved config:
+    the generate command's (`.hydra/generate/config.yaml`, or `.hydra/config.yaml`), else a
+    pipeline's (`<run>/<pipeline>_config.yaml`). `model.name` and `model.mode` (e.g. a thinking
+    or an instant mode); `mode` None when no saved config says (or the model has no modes)."""
+    candidates = [run / ".hydra" / "generate" / "config.yaml", run / ".hydra" / "config.yaml"]
+    candidates += sorted(run.glob("*_config.yaml"))
+    for path in candidates:
+        try:
+            cfg = yaml.safe_load(path.read_text())
+        except (OSError, yaml.YAMLError):
+            continue
+        model = cfg.get("model") if isinstance(cfg, dict) else None
+        if isinstance(model, dict):
+            mode = model.get("mode")
+            return {"model": model.get("name"), "mode": None if mode is None else str(mode)}
+    return {"model": None, "mode": None}
+
+
+def mode_counts(per_store: Sequence[dict[str, Any]], sources: Sequence[dict[str, Any]]) -> dict:
+    """Exported samples and tokens per model mode (a dataset may mix modes: one store per
+    generate run, each run one mode). A store whose runs disagree counts under "mixed"."""
+    out: dict[str, dict[str, int]] = {}
+    for store, source in zip(per_store, sources, strict=True):
+        modes = {str(r.get("mode")) for r in source["runs"] if r.get("mode") is not None}
+        key = modes.pop() if len(modes) == 1 else ("mixed" if modes else "unknown")
+        slot = out.setdefault(key, {"samples": 0, "tokens": 0, "stores": 0})
+        slot["samples"] += int(store["samples"])
+        slot["tokens"] += int(store["tokens"])
+        slot["stores"] += 1
+    return out
 
 
 def _records_drift(records: Path, ids: set[str]) -> dict[str, Any] | None:
@@ -148,6 +183,7 @@ def source_figures(store: HiddenStore, accept: Sequence[str] | None = None) -> d
         out["runs"].append(
             {
                 "run": str(run),
+                **run_mode(run),
                 "audit": _read_json(run / AUDIT_JSON),
                 "billing_drift_run": summary.get("billing_drift"),
                 "tokens_run": summary.get("tokens"),

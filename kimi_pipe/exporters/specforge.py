@@ -147,6 +147,16 @@ class SpecForgeExporter(Exporter):
         return bool(self.settings.get("compress", False))
 
     def check(self, ctx: ExportContext) -> dict[str, Any]:
+        layers = ctx.output_ids()
+        if len(layers) != 3:
+            # SpecForge's EAGLE3 resolves exactly three capture layers (resolve_eagle_capture_
+            # layers) and its drafter's input is 3H: a store holding several drafters' layers
+            # is exported with the EAGLE-3 drafter's own config.
+            raise ConfigError(
+                f"format=specforge (EAGLE-3) writes exactly three aux layers; these would be "
+                f"{layers}: pass export.draft_config=<the EAGLE-3 drafter's config.json> or "
+                "export.layer_ids=[a,b,c]"
+            )
         self.weight_keys = specforge_weight_keys(ctx.model_path) if ctx.model_path else None
         return {}
 

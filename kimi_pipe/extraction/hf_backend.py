@@ -28,6 +28,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from kimi_pipe.errors import ConfigError, MissingFile
+from kimi_pipe.extraction.draft_config import capture_request, record_drafts
 from kimi_pipe.extraction.layers import resolve_output_ids
 from kimi_pipe.extraction.resolve import HFSuffixScorer
 from kimi_pipe.store.conventions import POST_NORM, PRE_NORM, final_norm_spec, rms_norm
@@ -271,14 +272,16 @@ def open_backend(cfg: DictConfig) -> HFBackend:
     """Build the backend from `cfg.extract` (see conf/extract/hf.yaml)."""
     ecfg = cfg.extract
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True) if "model" in cfg else None
-    layer_ids = ecfg.get("layer_ids")
+    layer_ids, drafts = capture_request(
+        ecfg.get("layer_ids"), ecfg.get("draft_config"), ecfg.get("draft_engine")
+    )
     device = str(ecfg.get("device") or "cpu")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     threads = ecfg.get("threads")
     if threads:
         torch.set_num_threads(int(threads))
-    return HFBackend(
+    backend = HFBackend(
         resolve_model_path(cfg),
         dtype=str(ecfg.dtype),
         store_dtype=ecfg.get("store_dtype"),
@@ -289,3 +292,5 @@ def open_backend(cfg: DictConfig) -> HFBackend:
         model_name=OmegaConf.select(cfg, "model.name", default=None),
         final_state=str(ecfg.get("final_state") or POST_NORM),
     )
+    record_drafts(backend.store_fields, drafts, backend.num_layers)
+    return backend

@@ -112,7 +112,7 @@ def resolve_records(
             counts["not_resolved_backend_cannot_score"],
         )
     elif counts:
-        log.info("target resolution of %s: %s", path, summary)
+        log.debug("target resolution of %s: %s", path, summary)  # the figures (counted below)
     return summary
 
 

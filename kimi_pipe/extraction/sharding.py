@@ -332,7 +332,8 @@ def resolve_for_shard(
         vocab=_split_vocabulary(cfg) if settings.split_check else None,
     )
     if summary.get("counts"):
-        print(f"[extract] target resolution: {summary['counts']}", file=sys.stderr, flush=True)
+        counted = ", ".join(f"{name} {n}" for name, n in summary["counts"].items())
+        print(f"[extract] target resolution: {counted}", file=sys.stderr, flush=True)
     return summary
 
 

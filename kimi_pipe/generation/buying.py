@@ -99,6 +99,7 @@ class Generator(Outcomes, RunSummary):
         self.recovered: tuple[int, float] = (0, 0.0)
         self.spent_before = 0.0
         self.skipped_examples: dict[str, list[str]] = {}
+        self.http_client: Any = None  # made in the running event loop (_run), closed by run()
 
     # --- main loop ----------------------------------------------------------------------
     async def run(self) -> dict[str, Any]:
@@ -141,7 +142,13 @@ class Generator(Outcomes, RunSummary):
                     " (torn last line ignored)" if index.torn_tail else "",
                 )
             self.attempts_before = journal.billed_attempts()
-            return await self._run(core, prompts, index, records_path, errors_path)
+            try:
+                return await self._run(core, prompts, index, records_path, errors_path)
+            finally:
+                # Closed whatever ended the run (a full disk too): else its connections are
+                # reported as "Unclosed client session" tracebacks after the one-line error.
+                if self.http_client is not None:
+                    await self.http_client.close()
 
     async def _run(
         self, core: TokenCore, prompts: Any, index: Any, records_path: Path, errors_path: Path
@@ -292,8 +299,6 @@ class Generator(Outcomes, RunSummary):
                     poller.cancel()
                 self.progress.close()
         await self._read_key_usage()
-        if self.http_client is not None:
-            await self.http_client.close()
         self.stats.stop_reason = self.stats.stop_reason or "done"
         if self.stats.skipped_over_budget and not self.stats.stop_message:
             held = f", {note}," if (note := self.budget.hold_note()) else ""

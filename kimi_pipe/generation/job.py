@@ -78,6 +78,15 @@ def _pointed_at(cfg: DictConfig, endpoint: dict[str, Any]) -> DictConfig:
     return out
 
 
+def _to_log_files(level: int, message: str) -> None:
+    """`message` into the run's log files only (Hydra's `generate.log`), not the terminal,
+    where it is printed once in its own words."""
+    record = log.makeRecord(log.name, level, __file__, 0, "%s", (message,), None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler) and record.levelno >= handler.level:
+            handler.handle(record)
+
+
 def generate(
     cfg: DictConfig, run_dir: Path | None = None, *, buy_probes: BuyProbes | None = None
 ) -> tuple[int, dict[str, Any] | None]:
@@ -100,7 +109,7 @@ def generate(
         )
         if message is None:
             raise  # a bug: keep its traceback
-        log.error("%s", message)
+        _to_log_files(logging.ERROR, message)  # the terminal gets it once, below
         print(f"error: {message}", file=sys.stderr)
         return EXIT_USER_ERROR, None
     except KeyboardInterrupt:
@@ -197,26 +206,35 @@ def run_datasets(
 
 
 def finish_status(run_dir: Path, summary: dict[str, Any]) -> int:
-    """Say how a finished run ended; its exit status (0, stopped, or every request failed)."""
+    """Say how a finished run ended, once; its exit status (0, stopped, or every request
+    failed)."""
+    counts, this_run = summary["counts"], summary["this_run"]
+    stopped = summary["stop_reason"] in ("payment_required", "auth", "too_many_failures")
+    given_up = this_run["given_up_retry_next_run"]
+    failed_now = sum(this_run["failed"].values())  # those given up included
+    retried = f", {given_up} given up after their retries (tried again on the next run)"
+    if not stopped and this_run["answered"] == 0 and failed_now:
+        # Nothing bought at all: a total outage or a wrong setting, never a quiet success
+        # (and not "0 answered, 0 failed" first: the requests given up are failures too).
+        causes = ", ".join(f"{k}: {v}" for k, v in Counter(this_run["failed"]).most_common(3))
+        line = (
+            f"generate: every request of this run failed ({causes}): "
+            f"{failed_now - given_up} failed for good{retried if given_up else ''}, "
+            f"${summary['spend_usd']:.4f} spent; see {run_dir / ATTEMPT_ERRORS} and "
+            f"{run_dir / RECORDS}"
+        )
+        if summary["stop_message"]:
+            print(f"generate: {summary['stop_message']}", file=sys.stderr)
+        _to_log_files(logging.ERROR, line)
+        print(line, file=sys.stderr)
+        return EXIT_ALL_FAILED
     line = (
-        f"generate {summary['stop_reason']}: {summary['counts']['answered']} answered "
-        f"({summary['counts']['ok']} ok, {summary['counts']['flagged']} flagged), "
-        f"{summary['counts']['failed']} failed, ${summary['spend_usd']:.4f} spent "
+        f"generate {summary['stop_reason']}: {counts['answered']} answered "
+        f"({counts['ok']} ok, {counts['flagged']} flagged), {counts['failed']} failed"
+        f"{retried if given_up else ''}, ${summary['spend_usd']:.4f} spent "
         f"-> {run_dir / RECORDS}"
     )
     log.info("%s", line)
     if summary["stop_message"]:
         print(f"generate: {summary['stop_message']}", file=sys.stderr)
-    stopped = summary["stop_reason"] in ("payment_required", "auth", "too_many_failures")
-    this_run = summary["this_run"]
-    failed_now = sum(this_run["failed"].values()) + this_run["given_up_retry_next_run"]
-    if not stopped and this_run["answered"] == 0 and failed_now:
-        # Nothing bought at all: a total outage or a wrong setting, never a quiet success.
-        causes = ", ".join(f"{k}: {v}" for k, v in Counter(this_run["failed"]).most_common(3))
-        print(
-            f"generate: every request of this run failed ({causes}); see "
-            f"{run_dir / ATTEMPT_ERRORS} and {run_dir / RECORDS}",
-            file=sys.stderr,
-        )
-        return EXIT_ALL_FAILED
     return EXIT_STOPPED if stopped else 0

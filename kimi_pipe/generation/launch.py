@@ -24,7 +24,7 @@ from kimi_pipe.errors import EXIT_USER_ERROR
 from kimi_pipe.generation.datasets import dataset_nodes
 from kimi_pipe.generation.errors import GenerateError
 from kimi_pipe.providers.budget import budget_settings
-from kimi_pipe.providers.credentials import key_in_overrides, refuse_secrets
+from kimi_pipe.providers.credentials import api_key, key_in_overrides, refuse_secrets
 from kimi_pipe.providers.settings import ProviderSettings
 from kimi_pipe.store.layout import ATTEMPT_ERRORS, RECORDS, SUMMARY
 from kimi_pipe.store.run_dir import check_run_dir, same_dir
@@ -70,11 +70,15 @@ def run_dir_of(cfg: DictConfig) -> Path:
 
 def check_settings(cfg: DictConfig) -> None:
     """The budget and provider settings as the run reads them: a value that cannot buy
-    (budget.usd=0, provider.concurrency=0) is a ConfigError naming it, raised before Hydra
-    writes the run directory and before serving=auto's probes."""
+    (budget.usd=0, provider.concurrency=0) or a key variable that is not set is a ConfigError
+    naming it, raised before Hydra writes the run directory and before serving=auto's
+    probes."""
     budget_settings(cfg)
-    ProviderSettings.from_config(cfg.provider)
+    provider = ProviderSettings.from_config(cfg.provider)
     dataset_nodes(cfg)
+    # A missing key stops here too: before Hydra or the runner makes the run directory, and
+    # before serving=auto's probes open theirs.
+    api_key(provider.api_key_env)
 
 
 def refuse_keys_on_the_command_line(argv: list[str]) -> None:

@@ -65,7 +65,7 @@ class TokenCore:
             serving, spec, probe = route.profile_for(resp.get("provider"))
             record = replace(builder, serving=serving).build(messages, tools, resp, request)
             record |= {"serving_profile": spec, "serving_probe": probe}
-            return _with_issues(record, answer_issues(resp, asked_model))
+            return _with_issues(record, answer_issues(resp, asked_model, request))
 
         return cls(prompt_len, rebuild)
 

@@ -38,6 +38,7 @@ from kimi_pipe.core.token_yield import yield_line
 from kimi_pipe.errors import EXIT_FAILED, KimiPipeError
 from kimi_pipe.pipeline.runner import PipelineRun, print_run, raise_user_error, run_pipeline
 from kimi_pipe.stages.command import compose_command
+from kimi_pipe.stages.help import HELP
 from kimi_pipe.store.layout import RECONSTRUCTED, RECORDS
 
 DEMO_PROMPTS = DATA_DIR / "demo_prompts.jsonl"
@@ -76,8 +77,9 @@ def summary_table(run: PipelineRun) -> str:
     classes = ", ".join(f"{k} {v}" for k, v in aud["output_mismatch_classes"].items() if v)
     drift = gen.get("billing_drift") or {}
     rows = [
-        ("prompts", f"{gen['prompts']} ({counts['answered']} answered, {counts['ok']} ok, "
-                    f"{counts['flagged']} flagged: {gen.get('flagged_by_issue') or {}})"),
+        ("prompts", f"{gen['prompts']} ({counts['answered']} answered: {counts['ok']} ok, "
+                    f"{counts['flagged']} flagged; issue codes: "
+                    f"{_counted(gen.get('flagged_by_issue')) or 'none'})"),
         ("completion tokens (server usage / reconstructed)",
          f"{gen['tokens']['completion_reported']} / {gen['tokens']['completion_reconstructed']} "
          f"(drift {drift.get('reconstructed_minus_reported')})"),
@@ -88,7 +90,7 @@ def summary_table(run: PipelineRun) -> str:
          "n/a" if rate is None else f"{100 * rate:.1f}% ({aud['exact']} of {aud['audited']})"),
         ("mismatch classes", classes or "none"),
         ("hidden states stored", f"{ext['capture']['written'] + ext['capture']['skipped_done']} "
-                                 f"samples ({ext['counts']})"),
+                                 f"samples ({_counted(ext['counts'])})"),
         ("hidden-state store", _store_line(ext)),
         ("SpecForge export", f"{exp['samples']} samples, {exp['tokens']['total']} tokens"),
     ]  # fmt: skip
@@ -102,6 +104,11 @@ def summary_table(run: PipelineRun) -> str:
     width = max(len(k) for k, _ in rows)
     lines = ["| " + k.ljust(width) + " | " + v + " |" for k, v in rows]
     return "\n".join(lines)
+
+
+def _counted(counts: dict[str, Any] | None) -> str:
+    """`{'truncated': 3, 'x': 1}` as a reader reads it: `truncated 3, x 1`."""
+    return ", ".join(f"{name} {n}" for name, n in (counts or {}).items())
 
 
 def _yield_line(gen: dict[str, Any]) -> str:
@@ -182,7 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
     # conf/pipeline/demo.yaml first, so that the user's overrides win over it.
-    return compose_command(demo_task, ["pipeline=demo", *overrides], usage=__doc__)
+    return compose_command(demo_task, ["pipeline=demo", *overrides], help=HELP["demo"])
 
 
 if __name__ == "__main__":

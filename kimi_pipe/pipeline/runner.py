@@ -37,6 +37,7 @@ from kimi_pipe.generation.launch import refuse_keys_on_the_command_line as refus
 from kimi_pipe.pipeline.registry import resolve_stage
 from kimi_pipe.pipeline.stage import Stage, StageContext
 from kimi_pipe.stages.command import compose_command
+from kimi_pipe.stages.help import HELP
 from kimi_pipe.store import atomic
 from kimi_pipe.store.run_lock import RunDirLocked, RunLock
 
@@ -295,8 +296,12 @@ def _write_summary(run: PipelineRun) -> None:
 def stage_table(run: PipelineRun) -> str:
     rows = [("stage", "status", "time", "outputs")]
     for o in run.outcomes:
-        shown = ", ".join(str(p) for p in o.writes) or "-"
-        status = o.status if o.error is None else f"failed: {o.error}"
+        # A failed stage's reason is said once, in its own line (the `error:` line of a
+        # mistake, the stage's "failed after" line otherwise), not again in the table;
+        # outputs it did not finish are not listed as if they were there.
+        failed = o.error is not None
+        shown = "-" if failed else ", ".join(str(p) for p in o.writes) or "-"
+        status = "failed" if failed else o.status
         rows.append((o.name, status, f"{o.seconds:.1f}s", shown))
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     lines = []
@@ -323,11 +328,8 @@ def _summary_hook(cfg: DictConfig) -> Any:
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     overrides = list(sys.argv[1:] if argv is None else argv)
-    if any(a in ("-h", "--help") for a in overrides):
-        print("usage: python -m kimi_pipe run pipeline=NAME [group=option ...] [key=value ...]\n"
-              "pipelines: " + ", ".join(available_pipelines()))  # fmt: skip
-        return 0
-    refuse(overrides)
+    if not any(a in ("-h", "--help") for a in overrides):
+        refuse(overrides)
 
     def pipeline_task(cfg: DictConfig) -> int:
         hook = _summary_hook(cfg)
@@ -336,7 +338,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise_user_error(run)
         return 0 if run.ok else EXIT_FAILED
 
-    return compose_command(pipeline_task, overrides)
+    return compose_command(pipeline_task, overrides, help=HELP["run"])
 
 
 def raise_user_error(run: PipelineRun) -> None:

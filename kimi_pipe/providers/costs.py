@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from kimi_pipe.providers.account import account_for
-from kimi_pipe.providers.errors import PriceError, ProviderConfigError
+from kimi_pipe.providers.errors import PriceError, ProviderConfigError, ProviderUnreachable
 from kimi_pipe.providers.money import (  # noqa: F401  (re-exported: the cost names callers use)
     MIN_LISTED_USD_PER_MTOK,
     _checked_prices,
@@ -64,8 +64,8 @@ async def fetch_pricing(settings: ProviderSettings, key: str) -> tuple[float, fl
         return fin, fout, "config"
     try:
         return (*await account_for(settings).listed_prices(key), "listing")
-    except PriceError:
-        raise
+    except (PriceError, ProviderUnreachable):
+        raise  # no network is not a missing listing: fallback prices would hide it
     except ProviderConfigError as exc:
         per_m_in = settings.fallback_input_usd_per_mtok
         per_m_out = settings.fallback_output_usd_per_mtok

@@ -17,6 +17,11 @@ class ProviderConfigError(ConfigError, ValueError):
     pass
 
 
+class ProviderUnreachable(ProviderConfigError):
+    """The provider's host could not be reached at all (no network, a wrong api_base): its
+    price listing is not merely missing."""
+
+
 class PriceError(ProviderConfigError, BudgetError):
     """Prices that exist but cannot be trusted: never replaced by fallback prices."""
 

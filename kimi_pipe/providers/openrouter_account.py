@@ -9,7 +9,7 @@ from typing import Any
 from urllib.parse import quote
 
 from kimi_pipe.providers.credentials import scrub
-from kimi_pipe.providers.errors import ProviderConfigError
+from kimi_pipe.providers.errors import ProviderConfigError, ProviderUnreachable
 from kimi_pipe.providers.money import (
     MIN_LISTED_USD_PER_MTOK,
     GenerationBill,
@@ -36,6 +36,8 @@ async def listed_prices(settings: ProviderSettings, key: str) -> tuple[float, fl
     url = base + settings.models_path
     try:
         listing = await get_json(url, key)
+    except ProviderUnreachable:
+        raise  # not a listing to replace by prices of one's own: no provider at all
     except ProviderConfigError as exc:
         raise ProviderConfigError(f"{exc}; {how}") from None
     for entry in listing.get("data", []) if isinstance(listing, dict) else []:
@@ -63,6 +65,11 @@ async def get_json(url: str, key: str, timeout_s: float = 30.0) -> Any:
             if len(resp.content) > 4 << 20:
                 raise ValueError(f"{len(resp.content)} bytes is not a small JSON document")
             return resp.json()
+    except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+        raise ProviderUnreachable(
+            f"cannot reach the provider at {url} ({scrub(str(exc), key)[:200]}): the network "
+            "is down or provider.api_base is wrong"
+        ) from None
     except (httpx.HTTPError, ValueError, RecursionError) as exc:
         raise ProviderConfigError(f"cannot read {url}: {scrub(str(exc), key)[:300]}") from None
 

@@ -175,6 +175,75 @@ def _strengths(s: RunStats, better: RunStats | None, key: Any) -> str:
     return head + f" (behind {better.provider}: {why})"
 
 
+# The target's resolution rate of closed candidate sets measured on the 500-answer calibration
+# (docs/yield.md: 197 of 254 resolved): a rate carried over, not a measurement on the run.
+CALIBRATED_RESOLUTION_RATE = 197 / 254
+
+
+@dataclass(frozen=True)
+class ProviderYield:
+    """What one provider's answers are worth as training data."""
+
+    provider: str
+    answers: int
+    cost_usd: float
+    expected_exact_tokens: float  # proven tokens + resolvable tokens x the resolution rate
+    unexplained_billing: int = 0  # answers whose prompt and completion bills fit no reading
+
+    @property
+    def exact_tokens_per_usd(self) -> float | None:
+        return self.expected_exact_tokens / self.cost_usd if self.cost_usd > 0 else None
+
+
+def run_yield_of(s: RunStats) -> ProviderYield:
+    """A generate run's ProviderYield from its stats (token_yield: proven tokens accepted,
+    tokens of closed candidate sets; the issue counts: bills that fit no reading)."""
+    block = s.token_yield or {}
+    proven = float(block.get("exact_accepted") or 0)
+    resolvable = float(block.get("resolvable_tokens") or 0)
+    return ProviderYield(
+        provider=s.provider,
+        answers=s.answered,
+        cost_usd=s.cost_usd or 0.0,
+        expected_exact_tokens=proven + CALIBRATED_RESOLUTION_RATE * resolvable,
+        unexplained_billing=min(
+            s.issues.get("prompt_unproven", 0), s.issues.get("billing_mismatch", 0)
+        ),
+    )
+
+
+def route_by_exact_tokens(
+    yields: Iterable[ProviderYield], *, max_unexplained_share: float = 0.5
+) -> Recommendation:
+    """`only`: the providers in order of expected exact tokens per dollar, best first;
+    `ignore`: those with no exact token, no known cost, or bills that mostly fit no reading
+    (more than `max_unexplained_share` of their answers: nothing explains what they charge)."""
+    kept: list[ProviderYield] = []
+    ignore: list[str] = []
+    reasons: dict[str, str] = {}
+    for y in yields:
+        if y.answers and y.unexplained_billing / y.answers > max_unexplained_share:
+            ignore.append(y.provider)
+            reasons[y.provider] = (
+                f"ignored: billing nothing explains ({y.unexplained_billing} of {y.answers} "
+                "answers: prompt and completion bills fit no reading)"
+            )
+        elif not y.expected_exact_tokens or y.exact_tokens_per_usd is None:
+            ignore.append(y.provider)
+            reasons[y.provider] = "ignored: no exact token expected (or no cost known)"
+        else:
+            kept.append(y)
+    kept.sort(key=lambda y: -(y.exact_tokens_per_usd or 0.0))
+    for rank, y in enumerate(kept, start=1):
+        reasons[y.provider] = (
+            f"rank {rank}: {y.exact_tokens_per_usd:,.0f} expected exact tokens per $ "
+            f"({y.expected_exact_tokens:,.0f} tokens for {fmt_usd(y.cost_usd)})"
+        )
+    return Recommendation(
+        order=_unique(y.provider for y in kept), ignore=_unique(ignore), reasons=reasons
+    )
+
+
 def _unique(items: Iterable[str]) -> list[str]:
     return list(dict.fromkeys(items))
 

@@ -17,11 +17,14 @@ from kimi_pipe.core.token_yield import yield_line
 from kimi_pipe.reporting.charts import write_charts
 from kimi_pipe.reporting.formatting import counter_text, fmt_num, fmt_pct, fmt_usd, pct
 from kimi_pipe.reporting.recommend import (
+    CALIBRATED_RESOLUTION_RATE,
     Policy,
     Recommendation,
     recommend_with_conformance,
+    route_by_exact_tokens,
     routing_block,
     routing_overrides,
+    run_yield_of,
 )
 from kimi_pipe.reporting.runs import find_run_dirs, load_run
 from kimi_pipe.reporting.stats import RunStats, summarize
@@ -128,6 +131,23 @@ def render_markdown(
         "",
     ]
     lines += [f"- `{p}`: {why}" for p, why in rec.reasons.items()]
+    by_tokens = route_by_exact_tokens(run_yield_of(s) for s in stats)
+    lines += [
+        "",
+        "## Routing by exact tokens per dollar",
+        "",
+        "Expected exact tokens: tokens proven, plus tokens of closed candidate sets times the "
+        "target's resolution rate on the 500-answer calibration "
+        f"({CALIBRATED_RESOLUTION_RATE:.1%}, docs/yield.md; a rate carried over, not measured "
+        "on these runs), per dollar billed:",
+        "",
+        "```",
+        f"provider.routing.only='[{','.join(by_tokens.order)}]' "
+        f"provider.routing.ignore='[{','.join(by_tokens.ignore)}]'",
+        "```",
+        "",
+    ]
+    lines += [f"- `{p}`: {why}" for p, why in by_tokens.reasons.items()]
     lines += [
         "",
         "Policy: a provider is ignored when its reconstruction ok rate is below "
@@ -307,4 +327,6 @@ def report_data(stats: list[RunStats], rec: Recommendation) -> dict[str, Any]:
             }
         )
     routing = {"order": rec.order, "ignore": rec.ignore, "allow_fallbacks": False}
-    return {"runs": rows, "routing": routing}
+    by_tokens = route_by_exact_tokens(run_yield_of(s) for s in stats)
+    exact = {"only": by_tokens.order, "ignore": by_tokens.ignore, "reasons": by_tokens.reasons}
+    return {"runs": rows, "routing": routing, "routing_by_exact_tokens": exact}

@@ -34,6 +34,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from kimi_pipe.errors import MissingFile
 from kimi_pipe.reporting.audit import run_audit
 from kimi_pipe.stages.command import compose_command
+from kimi_pipe.stages.help import HELP
 
 
 def run_stage(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:
@@ -62,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"audit: {summary['audit_json']}", file=sys.stderr)
         return 0
 
-    return compose_command(audit_stage, argv, usage=__doc__)
+    return compose_command(audit_stage, argv, help=HELP["audit"])
 
 
 if __name__ == "__main__":

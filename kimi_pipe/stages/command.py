@@ -18,24 +18,32 @@ into one line and exit 2. A bug keeps its traceback.
 
 from __future__ import annotations
 
+import contextlib
+import difflib
 import functools
 import logging
 import os
+import re
+import shutil
 import sys
+import textwrap
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import hydra
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 from yaml import YAMLError
 
 from kimi_pipe.config import CONF_DIR, compose
 from kimi_pipe.errors import EXIT_USER_ERROR, ConfigError, StoreError, host_error, one_line
+from kimi_pipe.stages.help import StageHelp
 
 # Hydra flags that do not run the task, or run it as a sweep (its overrides are sweep
 # syntax that a plain compose rejects).
@@ -45,6 +53,7 @@ _NOT_A_SINGLE_RUN = {"-m", "--multirun", "-h", "--help", "--hydra-help", "--info
                      "--config-dir", "-cd", "--experimental-rerun"}  # fmt: skip
 
 HYDRA_FULL_ERROR = "HYDRA_FULL_ERROR"
+_MULTIRUN = {"-m", "--multirun"}
 
 # A stage's task: the composed config in; an exit status, or a summary (status 0).
 Task = Callable[[DictConfig], Any]
@@ -60,10 +69,13 @@ def override_key(override: str) -> str:
 
 
 def compose_overrides(
-    overrides: Sequence[str], moved: Mapping[str, str] | None = None
+    overrides: Sequence[str],
+    moved: Mapping[str, str] | None = None,
+    typed: Sequence[str] | None = None,
 ) -> DictConfig:
     """The composed config, or a ConfigError naming the bad override. `moved` maps a key the
-    command took before it was a Hydra app to its config key, said in the message."""
+    command took before it was a Hydra app to its config key, said in the message; `typed`:
+    the command line as given, where `overrides` were derived from it (a multirun's job)."""
 
     try:
         cfg = compose(list(overrides))
@@ -77,9 +89,93 @@ def compose_overrides(
                 + " "
                 + ", ".join(f"{override_key(o)}= is now {moved[override_key(o)]}=" for o in old)
             )
-        raise ConfigError(f"bad override or config: {message}") from None
+            raise ConfigError(f"bad override or config: {message}") from None
+        raise override_error(message, typed or overrides) from None
     check_value_types(overrides)
     return cfg
+
+
+# Hydra's words for a key the config does not have (its hint, `+key=value`, would add it).
+_NO_SUCH_KEY = re.compile(
+    r"Could not override '([^']+)'|Could not delete from config\. '([^']+)' does not exist"
+)
+
+
+def override_error(message: str, overrides: Sequence[str]) -> ConfigError:
+    """The ConfigError for a config that did not compose: a key the config lacks (a typo) is
+    named with the settings it most likely meant, from the keys of the config composed with
+    the same group choices; anything else keeps Hydra's message, on one line."""
+    found = _NO_SUCH_KEY.search(message)
+    if found is None:
+        return ConfigError(f"bad override or config: {message}")
+    key = found.group(1) or found.group(2)
+    typed = next((o for o in overrides if override_key(o) == key), key)
+    close = did_you_mean(key, setting_keys(_choices_only(overrides)))
+    if close:
+        return ConfigError(f"{typed}: no such setting; did you mean {' or '.join(close)}?")
+    return ConfigError(
+        f"{typed}: no such setting (`--help` lists the stage's main ones; a key of your own "
+        f"is added with +{typed.lstrip('+~')})"
+    )
+
+
+def _choices_only(overrides: Sequence[str]) -> DictConfig:
+    """The config composed with the overrides' group choices only (`dataset=jsonl`, a
+    `hydra.searchpath`), else the defaults: the keys a typo is compared with."""
+    choices = [
+        o
+        for o in overrides
+        if "=" in o
+        and not o.startswith(("+", "~"))
+        and ("." not in override_key(o) or override_key(o).startswith("hydra."))
+        and (CONF_DIR / override_key(o)).is_dir() | override_key(o).startswith("hydra.")
+    ]
+    for tried in (choices, []):
+        try:
+            return compose(tried)
+        except (HydraException, OmegaConfBaseException, YAMLError, UnicodeDecodeError):
+            continue
+    return OmegaConf.create({})
+
+
+def setting_keys(cfg: DictConfig) -> list[str]:
+    """Every key of the config, dotted (`dataset`, `dataset.limit`, ...), nothing resolved."""
+    keys: list[str] = []
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, dict):
+            for name, child in node.items():
+                keys.append(f"{prefix}{name}")
+                walk(child, f"{prefix}{name}.")
+
+    walk(OmegaConf.to_container(cfg, resolve=False), "")
+    return keys
+
+
+def did_you_mean(key: str, keys: Sequence[str], most: int = 3) -> list[str]:
+    """The settings `key` most likely meant: a close spelling beside it (`dataset.limt` ->
+    `dataset.limit`), else a close spelling anywhere, else its name under another node (`usd`
+    -> `budget.usd`, `sweep.usd`). Only the closest few, never a list of weak guesses."""
+    parent, _, name = key.rpartition(".")
+
+    def closest(wanted: str, candidates: dict[str, str], cutoff: float) -> list[str]:
+        scored = sorted(
+            (
+                (difflib.SequenceMatcher(None, wanted, text).ratio(), k)
+                for k, text in candidates.items()
+            ),
+            key=lambda pair: -pair[0],
+        )
+        best = scored[0][0] if scored else 0.0
+        return [k for ratio, k in scored if ratio >= max(cutoff, best - 0.05)][:most]
+
+    siblings = {k: k.rpartition(".")[2] for k in keys if k.rpartition(".")[0] == parent}
+    return (
+        closest(name, siblings, 0.7)
+        or closest(key, {k: k for k in keys}, 0.85)
+        or [k for k in keys if k.rpartition(".")[2] == name][:most]
+        or closest(name, {k: k.rpartition(".")[2] for k in keys}, 0.85)
+    )
 
 
 def _expected(default: Any, value: Any) -> str | None:
@@ -133,6 +229,25 @@ def check_value_types(overrides: Sequence[str]) -> None:
             )
 
 
+def first_job(argv: Sequence[str]) -> list[str]:
+    """The overrides of a multirun's first job (each sweep at its first value): the keys a
+    typo names are the same in every job, so this one composes as they all would."""
+    overrides = [a for a in argv if not a.startswith("-")]
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException:
+        return overrides  # compose says what is wrong
+    job = []
+    for item in parsed:
+        if item.is_sweep_override():
+            prefix = "+" * (item.is_add() + 2 * item.is_force_add())
+            first = next(iter(item.sweep_string_iterator()), "")
+            job.append(f"{prefix}{item.key_or_group}={first}")
+        else:
+            job.append(str(item.input_line))
+    return job
+
+
 def report(exc: BaseException) -> int | None:
     """Print a user-facing failure as one line and give its exit status; None for a bug."""
     message = one_line(exc)
@@ -145,19 +260,99 @@ def report(exc: BaseException) -> int | None:
 HELP_FLAGS = ("-h", "--help")
 
 
+def wants_help(argv: Sequence[str]) -> bool:
+    return any(a in HELP_FLAGS for a in argv)
+
+
+def help_text(stage: StageHelp, argv: Sequence[str] = ()) -> str:
+    """`--help`: what the stage does, its main settings with the values they have with the
+    other arguments given (`generate dataset=B5 --help` shows B5's), and two examples."""
+    overrides = [a for a in argv if not a.startswith("-")]
+    cfg = OmegaConf.create({})
+    for tried in (overrides, []):
+        try:
+            with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+                cfg = hydra_compose("config", overrides=tried, return_hydra_config=True)
+            break
+        except (HydraException, OmegaConfBaseException, YAMLError, UnicodeDecodeError):
+            continue
+    choices = OmegaConf.select(cfg, "hydra.runtime.choices", default={})
+    lines = [f"python -m kimi_pipe {stage.name} [key=value ...]", ""]
+    lines += textwrap.wrap(stage.what, 92)
+    lines += ["", "main settings (key=value; `make ... key=value` passes them too), now:"]
+    rows = [
+        (f"{key}={choices.get(key) if _options(key) else _shown(cfg, key)}", about, _options(key))
+        for key, about in stage.settings
+    ]
+    width = min(max(len(left) for left, _, _ in rows), 34)
+    for left, about, options in rows:
+        if len(left) > width:
+            lines += [f"  {left}", f"  {'':<{width}}  {about}"]
+        else:
+            lines.append(f"  {left:<{width}}  {about}")
+        if options:
+            lines += [f"  {'':<{width}}    {part}" for part in textwrap.wrap(options, 60)]
+    lines += ["", "examples:", *(f"  {e}" for e in stage.examples), ""]
+    every = (
+        f"every setting: python -m kimi_pipe {stage.name} --cfg job"
+        if stage.whole_config
+        else "every setting: conf/config.yaml and its groups"
+    )
+    lines.append(every + (f"; more in {stage.more}" if stage.more else ""))
+    return "\n".join(lines)
+
+
+def _options(key: str) -> str:
+    """A config group's options (conf/<key>/*.yaml), said after its line; "" for a value."""
+    if not (CONF_DIR / key).is_dir():
+        return ""
+    return "options: " + " ".join(sorted(p.stem for p in (CONF_DIR / key).glob("*.yaml")))
+
+
+def _shown(cfg: DictConfig, key: str) -> str:
+    """A setting's value as typed on the command line: a group's choice by its name, a value
+    resolved where it can be, else as written; `???` where it must be given."""
+    try:
+        value = OmegaConf.select(
+            cfg, f"{key}.name" if _options(key) else key, throw_on_missing=True
+        )
+        if OmegaConf.is_config(value):
+            value = OmegaConf.to_container(value, resolve=True)
+    except MissingMandatoryValue:
+        return "??? (required)"
+    except OmegaConfBaseException:
+        value = OmegaConf.to_container(cfg, resolve=False)
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value).replace("'", "").replace(" ", "")
+
+
 def compose_command(
     task: Task,
     argv: Sequence[str] | None = None,
     *,
     usage: str | None = None,
     moved: Mapping[str, str] | None = None,
+    help: StageHelp | None = None,  # noqa: A002 (the flag's name)
 ) -> int:
     """Compose the overrides (argv, else sys.argv) and run `task`; exit status returned.
-    `-h`/`--help` prints `usage` (the stage module's docstring) and runs nothing; `moved`:
-    see `compose_overrides`."""
+    `-h`/`--help` prints `help` (else `usage`) and runs nothing; `moved`: see
+    `compose_overrides`."""
     overrides = list(sys.argv[1:] if argv is None else argv)
-    if HELP_FLAGS[0] in overrides or HELP_FLAGS[1] in overrides:
-        print((usage or "usage: [group=option] [key=value ...] (Hydra overrides of conf/)").strip())
+    say_each_line_once()  # where the stage set up its logging (logging.basicConfig)
+    if wants_help(overrides):
+        if help is not None:
+            print(help_text(help, overrides))
+        else:
+            print(
+                (
+                    usage or "usage: [group=option] [key=value ...] (Hydra overrides of conf/)"
+                ).strip()
+            )
         return 0
     try:
         return _status(task(compose_overrides(overrides, moved)))
@@ -166,6 +361,36 @@ def compose_command(
         if status is None:
             raise
         return status
+
+
+class _SaidAlready(logging.Filter):
+    """On the terminal's handler of the root logger: a record that a library's own handler
+    printed already (huggingface_hub's retries, `datasets`' warnings) is not printed a
+    second time; the run's log file still gets it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        logger: logging.Logger | None = logging.getLogger(record.name)
+        root = logging.getLogger()
+        while logger is not None and logger is not root:
+            if any(_is_terminal(h) for h in logger.handlers):
+                return False
+            if not logger.propagate:
+                break
+            logger = logger.parent
+        return True
+
+
+def _is_terminal(handler: logging.Handler) -> bool:
+    return isinstance(handler, logging.StreamHandler) and not isinstance(
+        handler, logging.FileHandler
+    )
+
+
+def say_each_line_once() -> None:
+    """Install `_SaidAlready` on the root logger's terminal handlers (once each)."""
+    for handler in logging.getLogger().handlers:
+        if _is_terminal(handler) and not any(isinstance(f, _SaidAlready) for f in handler.filters):
+            handler.addFilter(_SaidAlready())
 
 
 class _FileLogGuard:
@@ -218,7 +443,7 @@ def _hydra_failure(exc: Exception) -> int | None:
     if isinstance(exc, HydraException | OmegaConfBaseException) and host_error(exc, "") is None:
         # A sweep's overrides (composed only here): Hydra's message, without its search path.
         message = str(exc).split("\nConfig search path", 1)[0]
-        return report(ConfigError(f"bad override or config: {message}"))
+        return report(override_error(message, sys.argv[1:]))
     failure = host_error(exc, _hydra_writes())
     return None if failure is None else report(failure)
 
@@ -232,25 +457,82 @@ def _hydra_writes() -> str:
     return os.getcwd()
 
 
-def hydra_command(task: Task, argv: Sequence[str] | None = None, *, name: str) -> int:
+def new_run_dirs(argv: Sequence[str]) -> list[Path]:
+    """The run directory a single Hydra run of `argv` writes to and those of its parents that
+    do not exist yet, deepest first (none for a multirun, or a config that does not compose):
+    what a refused start may take away again (`remove_if_unused`)."""
+    if _NOT_A_SINGLE_RUN.intersection(a.split("=", 1)[0] for a in argv):
+        return []
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = hydra_compose("config", overrides=list(argv), return_hydra_config=True)
+        where = Path(str(cfg.hydra.run.dir)).absolute()
+    except (HydraException, OmegaConfBaseException, YAMLError, UnicodeDecodeError, ValueError):
+        return []
+    fresh = []
+    while not where.exists() and where != where.parent:
+        fresh.append(where)
+        where = where.parent
+    return fresh
+
+
+def remove_if_unused(fresh: Sequence[Path], name: str) -> None:
+    """After a refused start: a run directory this command made that holds only what Hydra
+    wrote for it (`.hydra/<name>/`, `<name>.log`) and the run's lock goes, with the parents
+    it made; anything else in it keeps it."""
+    if not fresh:
+        return
+    run_dir = fresh[0]
+    hydra_dir = run_dir / ".hydra"
+    ours = {".hydra", f"{name}.log", ".lock"}
+    try:
+        if not run_dir.is_dir() or not {p.name for p in run_dir.iterdir()} <= ours:
+            return
+        if hydra_dir.exists() and {p.name for p in hydra_dir.iterdir()} - {name}:
+            return
+        shutil.rmtree(run_dir)
+        for parent in fresh[1:]:
+            parent.rmdir()  # only an empty one: another run may have begun beside it
+    except OSError:
+        return  # what could not go stays; the error said is the start's own
+
+
+def hydra_command(
+    task: Task,
+    argv: Sequence[str] | None = None,
+    *,
+    name: str,
+    help: StageHelp | None = None,  # noqa: A002 (the flag's name)
+    fresh: Sequence[Path] | None = None,
+) -> int:
     """Run `task` as the Hydra app `name` over conf/ (argv replaces sys.argv[1:] when given).
 
     `name` is Hydra's job name: the saved config goes to `.hydra/<name>/` and the log to
     `<name>.log` in the run directory, whatever module holds the task. A write that fails
-    on the host (a full disk: the saved config, the log) is one line and exit 2 too."""
+    on the host (a full disk: the saved config, the log) is one line and exit 2 too. A run
+    that fails leaves no run directory of Hydra's files alone behind (`fresh`: the
+    directories the command made, from `new_run_dirs` before any of them was made)."""
 
     overrides = list(sys.argv[1:] if argv is None else argv)
+    if help is not None and wants_help(overrides):  # not Hydra's dump of the whole config
+        print(help_text(help, overrides))
+        return 0
     if not any(a.startswith("hydra.job.name=") for a in overrides):
         overrides.append(f"hydra.job.name={name}")
-    if not _NOT_A_SINGLE_RUN.intersection(a.split("=", 1)[0] for a in overrides):
-        try:  # before Hydra creates the run directory and saves the config
-            compose_overrides(overrides)
+    if fresh is None:
+        fresh = new_run_dirs(overrides)
+    flags = _NOT_A_SINGLE_RUN.intersection(a.split("=", 1)[0] for a in overrides)
+    if not flags or flags <= _MULTIRUN:
+        try:  # before Hydra creates the run (or sweep) directory and saves the config
+            compose_overrides(first_job(overrides) if flags else overrides, typed=overrides)
         except ConfigError as exc:
+            remove_if_unused(fresh, name)  # a check before this one may have made it
             return report(exc) or EXIT_USER_ERROR
 
     @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
     def stage_app(cfg: DictConfig) -> None:
         logs = _FileLogGuard()  # Hydra opened the job's log before calling the task
+        say_each_line_once()
         try:
             status = _status(task(cfg))
         except Exception as exc:
@@ -263,16 +545,31 @@ def hydra_command(task: Task, argv: Sequence[str] | None = None, *, name: str) -
             raise SystemExit(status)  # not an Exception: Hydra lets it through
 
     saved, sys.argv = sys.argv, [sys.argv[0], *overrides]
+    status = 0
     try:
         with _hydra_raises():
             stage_app()
     except SystemExit as exc:
-        return exc.code if isinstance(exc.code, int) else (1 if exc.code else 0)
+        status = exc.code if isinstance(exc.code, int) else (1 if exc.code else 0)
     except Exception as exc:
-        status = _hydra_failure(exc)
-        if status is None:
+        status_or_none = _hydra_failure(exc)
+        if status_or_none is None:
             raise
-        return status
+        status = status_or_none
     finally:
         sys.argv = saved
-    return 0
+    if status:
+        _close_file_logs()
+        remove_if_unused(fresh, name)
+    return status
+
+
+def _close_file_logs() -> None:
+    """Hydra's log of the job, closed (and taken off the root logger) before its directory
+    may go."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if isinstance(handler, logging.FileHandler):
+            root.removeHandler(handler)
+            with contextlib.suppress(OSError):  # a full disk: said already (_FileLogGuard)
+                handler.close()

@@ -31,6 +31,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from kimi_pipe.errors import ConfigError
 from kimi_pipe.exporters import CARD_FILE, run_export
 from kimi_pipe.stages.command import hydra_command
+from kimi_pipe.stages.help import HELP
 
 
 def output_dir(cfg: DictConfig, run_dir: Path) -> Path:
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     def export_stage(cfg: DictConfig) -> None:
         run_export(cfg)
 
-    return hydra_command(export_stage, argv, name="export")
+    return hydra_command(export_stage, argv, name="export", help=HELP["export"])
 
 
 if __name__ == "__main__":

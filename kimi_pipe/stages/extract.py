@@ -38,6 +38,7 @@ from kimi_pipe.extraction.executors.worker import UnitSettings
 from kimi_pipe.extraction.sharding import run_sharded
 from kimi_pipe.extraction.token_samples import Backend, load_backend, records_path
 from kimi_pipe.stages.command import hydra_command
+from kimi_pipe.stages.help import HELP
 from kimi_pipe.store.hidden_store import MANIFEST
 
 log = logging.getLogger("kimi_pipe.extract")
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
         run_extract(cfg)
 
-    return hydra_command(extract_stage, argv, name="extract")
+    return hydra_command(extract_stage, argv, name="extract", help=HELP["extract"])
 
 
 if __name__ == "__main__":

@@ -33,7 +33,15 @@ from kimi_pipe.generation.errors import GenerateError
 from kimi_pipe.generation.job import finish_status
 from kimi_pipe.generation.launch import check_before_launch, refuse_keys_on_the_command_line
 from kimi_pipe.generation.probes import generate, run_datasets, run_generate
-from kimi_pipe.stages.command import hydra_command, report
+from kimi_pipe.stages.command import (
+    help_text,
+    hydra_command,
+    new_run_dirs,
+    remove_if_unused,
+    report,
+    wants_help,
+)
+from kimi_pipe.stages.help import HELP
 from kimi_pipe.store.layout import RECORDS, SUMMARY
 from kimi_pipe.store.prompt_datasets import load_prompts
 from kimi_pipe.store.records_index import load_resume_index
@@ -84,15 +92,22 @@ def run_stage(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    if wants_help(args):  # before the checks, which make the run directory
+        print(help_text(HELP["generate"], args))
+        return 0
     refuse_keys_on_the_command_line(args)
+    fresh = new_run_dirs(args)  # what a refused start takes away again
     try:
         check_before_launch(args)  # before Hydra writes .hydra/ and the log
     except (KimiPipeError, OSError) as exc:
         status = report(exc)
         if status is None:
             raise
+        remove_if_unused(fresh, "generate")
         return status
-    return hydra_command(lambda cfg: generate(cfg)[0], args, name="generate")
+    return hydra_command(
+        lambda cfg: generate(cfg)[0], args, name="generate", help=HELP["generate"], fresh=fresh
+    )
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from typing import Any
 from kimi_pipe.conformance.probe import settings_of
 from kimi_pipe.generation.probes import probe
 from kimi_pipe.stages.command import compose_command
+from kimi_pipe.stages.help import HELP
 from kimi_pipe.store.layout import CONFORMANCE_JSON, PROBES_DIR
 
 
@@ -66,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 0
 
-    return compose_command(probe_command, argv, usage=__doc__, moved=MOVED)
+    return compose_command(probe_command, argv, help=HELP["probe"], moved=MOVED)
 
 
 if __name__ == "__main__":

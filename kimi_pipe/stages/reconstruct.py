@@ -8,8 +8,9 @@ Input lines: {"id", "messages", "tools"?, "response"}. Output lines, same order:
  "completion_tokens_reported", "completion_tokens_reconstructed"}, plus "id_sources" and
  "logprobs" when the response carries `logprobs.content[]`: the engine's ids are then used and
  checked (kimi_pipe/core/logprobs.py; `validation.record_ids=reencoded` keeps canonical ids).
-Beside the output, `OUT.jsonl.summary.json` counts the records that are exact, repaired
-(ok with notes) and flagged (ok false), by code; the same counts are printed.
+Beside the output, `OUT.jsonl.summary.json` counts the records that are ok without a note
+(`exact`), ok with notes (`repaired`) and flagged (ok false), by code; the same counts are
+printed ("31 ok (11 without a note, 20 with notes), 1 flagged").
 Exit 0 once the file is processed (bad records are reported in their own line);
 exit 2 with a message for a missing file, an unknown model or a bad tokenizer.
 """
@@ -38,6 +39,7 @@ from kimi_pipe.core.serving import UNKNOWN_PROFILE, ServingProfile, serving_prof
 from kimi_pipe.core.token_record import TokenRecord
 from kimi_pipe.errors import ConfigError, InputError, MissingFile
 from kimi_pipe.stages.command import compose_command
+from kimi_pipe.stages.help import HELP
 from kimi_pipe.store import atomic
 from kimi_pipe.store.layout import RECONSTRUCTED, RECORDS
 from kimi_pipe.store.records import iter_records
@@ -251,14 +253,17 @@ def summary_lines(counts: Counter[str], target: Path) -> list[str]:
         return ", ".join(f"{code}={n}" for code, n in _by(counts, prefix).items()) or "-"
 
     return [
-        f"reconstructed {counts['records']} records -> {target}: {counts['exact']} exact, "
-        f"{counts['repaired']} repaired (ok with notes), {counts['flagged']} flagged (ok false)",
+        # "ok" as generate's summary and the demo say it (ids proven); "exact" is the
+        # audit's word for ids equal to an engine's own.
+        f"reconstructed {counts['records']} records -> {target}: {counts['ok']} ok "
+        f"({counts['exact']} without a note, {counts['repaired']} with notes), "
+        f"{counts['flagged']} flagged (ok false)",
         "  evidence: "
         + ", ".join(f"{rung}={counts[f'evidence:{rung}']}" for rung in LADDER)
         + f" (flagged with a closed candidate set: {counts['candidates:closed']}, "
         f"open: {counts['candidates:open']})",
         f"  flagged by code:  {listed('flagged:')}",
-        f"  repaired by code: {listed('repaired:')}",
+        f"  notes of ok ones: {listed('repaired:')}",
         f"  summary: {summary_path(target)}",
     ]
 
@@ -316,7 +321,7 @@ def compare_with_generate(source: Path, target: Path) -> dict[str, int]:
 
 def main(argv: Sequence[str] | None = None) -> int:
 
-    return compose_command(run_stage, argv, usage=__doc__)
+    return compose_command(run_stage, argv, help=HELP["reconstruct"])
 
 
 def run_configured(

@@ -28,6 +28,7 @@ from kimi_pipe.reporting.report import (  # noqa: F401  (the report's names, as 
     settings_of,
 )
 from kimi_pipe.stages.command import compose_command
+from kimi_pipe.stages.help import HELP
 from kimi_pipe.store.layout import REPORT_JSON
 
 
@@ -54,7 +55,7 @@ MOVED = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    return compose_command(lambda cfg: run_stage(cfg), argv, usage=__doc__, moved=MOVED)
+    return compose_command(lambda cfg: run_stage(cfg), argv, help=HELP["report"], moved=MOVED)
 
 
 if __name__ == "__main__":

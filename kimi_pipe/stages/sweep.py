@@ -46,6 +46,7 @@ from kimi_pipe.generation.job import finish_status
 from kimi_pipe.generation.probes import probe_providers, run_generate
 from kimi_pipe.reporting.report import build_report, policy_of
 from kimi_pipe.stages.command import compose_command, override_key
+from kimi_pipe.stages.help import HELP
 from kimi_pipe.store.layout import PROBES_DIR, RECORDS
 from kimi_pipe.store.prompt_datasets import check_prompt_source
 
@@ -275,7 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return compose_command(
         lambda cfg: sweep(cfg, settings_of(cfg), None, given)[0],
         overrides,
-        usage=__doc__,
+        help=HELP["sweep"],
         moved=MOVED,
     )
 

@@ -81,19 +81,25 @@ MODEL_ID = "moonshotai/kimi-k2.5"
 
 
 class TokenCounter(Protocol):
-    def prompt(self, messages: list[dict], tools: list[dict] | None) -> int: ...
+    def prompt(
+        self, messages: list[dict], tools: list[dict] | None, thinking: bool = True
+    ) -> int: ...
 
-    def completion(self, reasoning: str, content: str, tool_calls: list[dict]) -> int: ...
+    def completion(
+        self, reasoning: str, content: str, tool_calls: list[dict], thinking: bool = True
+    ) -> int: ...
 
 
 class ApproxCounter:
     """About 4 characters per token: enough for a server that only needs plausible usage."""
 
-    def prompt(self, messages: list[dict], tools: list[dict] | None) -> int:
+    def prompt(self, messages: list[dict], tools: list[dict] | None, thinking: bool = True) -> int:
         text = json.dumps(messages) + (json.dumps(tools) if tools else "")
         return len(text) // 4 + 4 * len(messages)
 
-    def completion(self, reasoning: str, content: str, tool_calls: list[dict]) -> int:
+    def completion(
+        self, reasoning: str, content: str, tool_calls: list[dict], thinking: bool = True
+    ) -> int:
         text = reasoning + content + json.dumps(tool_calls)
         return len(text) // 4 + 2
 
@@ -105,19 +111,25 @@ class KimiCounter:
     reconstruction code, from what the model emits in thinking mode:
     {reasoning}</think>{content}[<|tool_calls_section_begin|>(<|tool_call_begin|>{id}
     <|tool_call_argument_begin|>{arguments}<|tool_call_end|>)+<|tool_calls_section_end|>]
-    <|im_end|>  -- every marker is one id."""
+    <|im_end|>  -- every marker is one id. With thinking off (instant mode, OpenRouter's
+    `reasoning.enabled: false` honoured) the model writes no reasoning and no </think>, and the
+    prompt is counted as the `instant` model config renders it (`thinking=false`)."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, instant: Any = None) -> None:
         self.model = model
+        self.instant = instant
         self.enc = model.tokenizer.encode_ordinary
 
-    def prompt(self, messages: list[dict], tools: list[dict] | None) -> int:
+    def prompt(self, messages: list[dict], tools: list[dict] | None, thinking: bool = True) -> int:
         from kimi_pipe.core.prompt_render import prompt_ids
 
-        return len(prompt_ids(self.model, messages, tools))
+        model = self.model if thinking or self.instant is None else self.instant
+        return len(prompt_ids(model, messages, tools))
 
-    def completion(self, reasoning: str, content: str, tool_calls: list[dict]) -> int:
-        n = len(self.enc(reasoning)) + 1 + len(self.enc(content))
+    def completion(
+        self, reasoning: str, content: str, tool_calls: list[dict], thinking: bool = True
+    ) -> int:
+        n = (len(self.enc(reasoning)) + 1 if thinking else 0) + len(self.enc(content))
         if tool_calls:
             n += 2  # section begin/end
             for call in tool_calls:
@@ -129,6 +141,9 @@ class KimiCounter:
 class Behaviour:
     provider_name: str = "FakeProvider"
     reasoning_field: str = "reasoning"
+    # OpenRouter's `reasoning.enabled: false` (instant mode): honoured, the model does not think;
+    # False: a provider that ignores the switch and thinks anyway.
+    honours_reasoning_switch: bool = True
     strip_whitespace: bool = False
     tool_call_ids: str = "native"
     delay_s: float = 0.0
@@ -223,9 +238,17 @@ def build_completion(body: dict, behaviour: Behaviour) -> tuple[dict, float, int
     tools = body.get("tools")
     ans = make_answer(messages, tools, behaviour)
     reasoning, content, calls = ans["reasoning"], ans["content"], ans["tool_calls"]
-    # Billing counts what the model generated, before any parser touched it.
-    prompt_tokens = behaviour.counter.prompt(messages, tools)
-    completion_tokens = behaviour.counter.completion(reasoning, content, calls)
+    switch_off = (body.get("reasoning") or {}).get("enabled") is False
+    thinking = not (switch_off and behaviour.honours_reasoning_switch)
+    if not thinking:
+        reasoning = ""
+    # Billing counts what the model generated, before any parser touched it. (The thinking
+    # keyword only when off: counters written before instant mode take two arguments.)
+    off = {"thinking": False}
+    prompt_tokens = behaviour.counter.prompt(messages, tools, **(off if switch_off else {}))
+    completion_tokens = behaviour.counter.completion(
+        reasoning, content, calls, **({} if thinking else off)
+    )
     finish = "tool_calls" if calls else "stop"
     max_tokens = body.get("max_tokens") or body.get("max_completion_tokens")
     if max_tokens is not None and completion_tokens > int(max_tokens):
@@ -235,7 +258,7 @@ def build_completion(body: dict, behaviour: Behaviour) -> tuple[dict, float, int
     if behaviour.strip_whitespace:
         reasoning, content = reasoning.strip(), content.strip()
     message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
-    field_ = behaviour.reasoning_field
+    field_ = behaviour.reasoning_field if thinking else "none"
     if field_ == "reasoning":
         message["reasoning"] = reasoning
         message["reasoning_details"] = [

@@ -21,7 +21,11 @@ REFERENCE_MAX_CHARS = 400_000
 REFERENCE_MAX_RUN = 25_000
 
 
-def render_reference(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+def render_reference(
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, thinking: bool = True
+) -> str:
+    """The oracle's text; `thinking=False` renders as the official template with
+    `thinking=false` (instant mode); True leaves the variable undefined, as servers do."""
     env = jinja2.Environment(undefined=jinja2.ChainableUndefined)
     env.filters["tojson"] = lambda v: json.dumps(v, ensure_ascii=False)
     template = env.from_string((FIXTURES / "kimi_k25_reference_template.jinja").read_text())
@@ -30,7 +34,8 @@ def render_reference(messages: list[dict[str, Any]], tools: list[dict[str, Any]]
         from kimi_pipe.core.tool_declarations import render_tools
 
         tools_text = render_tools(tools, "typescript")
-    return template.render(messages=messages, tools_text=tools_text)
+    switch = {} if thinking else {"thinking": False}
+    return template.render(messages=messages, tools_text=tools_text, **switch)
 
 
 def cut_runs(text: str, max_run: int) -> Iterator[str]:
@@ -84,5 +89,6 @@ def reference_prompt_ids(
     tokenizer_dir: Path,
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None = None,
+    thinking: bool = True,
 ) -> list[int]:
-    return reference_encode(model, tokenizer_dir, render_reference(messages, tools))
+    return reference_encode(model, tokenizer_dir, render_reference(messages, tools, thinking))

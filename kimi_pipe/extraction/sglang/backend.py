@@ -22,6 +22,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from kimi_pipe.errors import ConfigError
+from kimi_pipe.extraction.draft_config import capture_request, record_drafts
 from kimi_pipe.extraction.layers import output_to_capture_ids, resolve_output_ids
 from kimi_pipe.extraction.output_head import read_output_head
 from kimi_pipe.extraction.sglang.ranks import (
@@ -277,8 +278,11 @@ def open_backend(cfg: DictConfig, rank_factory: RankFactory | None = None) -> SG
     settings = EngineSettings.from_cfg(cfg)
     rank_factory = _factory_of(cfg, settings, rank_factory)
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True) if "model" in cfg else None
-    layer_ids = cfg.extract.get("layer_ids")
-    return SGLangBackend(
+    layer_ids, drafts = capture_request(
+        cfg.extract.get("layer_ids"), cfg.extract.get("draft_config"),
+        cfg.extract.get("draft_engine"),
+    )  # fmt: skip
+    backend = SGLangBackend(
         settings,
         layer_ids=list(layer_ids) if layer_ids is not None else None,
         model_cfg=model_cfg,  # type: ignore[arg-type]
@@ -286,6 +290,8 @@ def open_backend(cfg: DictConfig, rank_factory: RankFactory | None = None) -> SG
         store_dtype=cfg.extract.get("store_dtype"),
         rank_factory=rank_factory,
     )
+    record_drafts(backend.store_fields, drafts, int(backend.store_fields["num_layers"]))
+    return backend
 
 
 def run_extract(cfg: DictConfig, rank_factory: RankFactory | None = None) -> dict[str, Any]:

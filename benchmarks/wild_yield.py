@@ -1,0 +1,173 @@
+"""Yield in the wild: real recorded Kimi K2.5 answers, per provider (README "In the wild").
+
+    python -m benchmarks.wild_yield [--json docs/measured/wild_yield.json]
+
+Every answer of tests/fixtures/wild/kimi_k25_wild.jsonl (public test recordings, provenance
+per row: docs/wild.md) goes through the one reconstruction entry (core/record_builder.py)
+under the default `unknown` profile, as `reconstruct` and `generate` run it. Per provider:
+  proven       ok: ids proven by text, profile and bill
+  resolvable   not ok, a closed candidate set the target resolves at extraction
+  lost         neither; the codes say why
+  expected     exact tokens expected: proven tokens + resolvable tokens x the target's
+               resolution rate measured on the 500-answer calibration (docs/yield.md: 197 of
+               254 closed sets resolved, SmolLM2 as its own target). A rate, not a measurement
+               on these answers: no Kimi K2.5 runs here.
+  $/exact      the answers' billed cost (usage.cost) over the expected exact tokens
+Then the routing that maximises exact tokens per dollar (reporting/recommend.py), and the
+providers whose billing nothing explains, with their evidence. And the other Kimi models'
+answers (other_kimi_wild.jsonl.gz): how many come out `ok` under each shipped profile (0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from kimi_pipe.config import compose
+from kimi_pipe.core.models import load_model
+from kimi_pipe.core.record_builder import RecordBuilder
+from kimi_pipe.core.serving import ServingProfile
+from kimi_pipe.reporting.recommend import ProviderYield, route_by_exact_tokens
+
+ROOT = Path(__file__).resolve().parent.parent
+WILD = ROOT / "tests" / "fixtures" / "wild"
+# docs/yield.md: 197 of 254 closed sets resolved by the target on the 500-answer calibration.
+CALIBRATED_RESOLUTION_RATE = 197 / 254
+PROFILES = ("unknown", "exact", "moonshot", "vllm_0_33", "sglang_0_5_23")
+
+
+def profile(name: str) -> ServingProfile:
+    data = OmegaConf.to_container(compose([f"serving={name}"]).serving)
+    return ServingProfile.from_config(data)  # type: ignore[arg-type]
+
+
+def rows(name: str) -> list[dict[str, Any]]:
+    path = WILD / name
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as handle:  # type: ignore[operator]
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+def build(builder: RecordBuilder, row: dict[str, Any]) -> dict[str, Any]:
+    request = row["request"]
+    return dict(builder.build(request["messages"], request.get("tools"), row["response"], request))
+
+
+def fate(record: dict[str, Any]) -> str:
+    if record["ok"]:
+        return "proven"
+    candidates = record.get("candidates") or {}
+    return "resolvable" if candidates.get("closed") else "lost"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    model = load_model(compose([]).model)
+    unknown = RecordBuilder(model)
+    per: dict[str, dict[str, Any]] = defaultdict(
+        lambda: {"answers": 0, "tokens": 0, "cost": 0.0, "fates": Counter(), "lost": Counter()}
+    )
+    per_fate_tokens: dict[str, Counter[str]] = defaultdict(Counter)
+    unexplained: dict[str, list[str]] = defaultdict(list)
+    for row in rows("kimi_k25_wild.jsonl"):
+        record = build(unknown, row)
+        usage = row["response"].get("usage") or {}
+        tokens = int(usage.get("completion_tokens") or 0)
+        cell = per[row["provider"]]
+        cell["answers"] += 1
+        cell["tokens"] += tokens
+        cell["cost"] += float(usage.get("cost") or 0.0)
+        kind = fate(record)
+        cell["fates"][kind] += 1
+        per_fate_tokens[row["provider"]][kind] += tokens
+        if kind == "lost":
+            cell["lost"].update(c for c in record["issues"] if c not in ("tool_call_ids_rebuilt",))
+        if "prompt_unproven" in record["issues"] and "billing_mismatch" in record["issues"]:
+            unexplained[row["provider"]].append(
+                f"{row['id']}: prompt billed {usage.get('prompt_tokens')} vs "
+                f"{len(record['prompt_ids'])} rendered, completion billed {tokens} vs "
+                f"{record['completion_tokens_reconstructed']} read"
+            )
+    print("| provider | answers | completion tokens | proven by text | resolvable by the target "
+          "| lost (why) | expected exact tokens | $ per exact token |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    yields = []
+    out: dict[str, Any] = {"providers": {}, "resolution_rate": CALIBRATED_RESOLUTION_RATE}
+    for name, cell in sorted(per.items(), key=lambda kv: -kv[1]["answers"]):
+        tokens = per_fate_tokens[name]
+        expected = tokens["proven"] + CALIBRATED_RESOLUTION_RATE * tokens["resolvable"]
+        per_token = cell["cost"] / expected if expected else None
+        why = ", ".join(f"{c} {n}" for c, n in cell["lost"].most_common(3))
+        print(
+            f"| {name} | {cell['answers']} | {cell['tokens']:,} "
+            f"| {cell['fates']['proven']} ({tokens['proven']:,} tok) "
+            f"| {cell['fates']['resolvable']} ({tokens['resolvable']:,} tok) "
+            f"| {cell['fates']['lost']} ({tokens['lost']:,} tok){': ' + why if why else ''} "
+            f"| {expected:,.0f} | {f'${per_token * 1e6:.2f}/M' if per_token else 'none'} |"
+        )
+        yields.append(
+            ProviderYield(
+                provider=name,
+                answers=cell["answers"],
+                cost_usd=cell["cost"],
+                expected_exact_tokens=expected,
+                unexplained_billing=len(unexplained[name]),
+            )
+        )
+        out["providers"][name] = {
+            "answers": cell["answers"],
+            "completion_tokens": cell["tokens"],
+            "fates": dict(cell["fates"]),
+            "fate_tokens": dict(tokens),
+            "lost_codes": dict(cell["lost"]),
+            "cost_usd": cell["cost"],
+            "expected_exact_tokens": expected,
+            "usd_per_exact_token": per_token,
+            "unexplained_billing": list(unexplained[name]),
+        }
+    total = sum(c["tokens"] for c in per.values())
+    reach = sum(t["proven"] + t["resolvable"] for t in per_fate_tokens.values())
+    answers = sum(c["answers"] for c in per.values())
+    reached = sum(c["fates"]["proven"] + c["fates"]["resolvable"] for c in per.values())
+    print(f"\n{reached} of {answers} answers reach training ({reach:,} of {total:,} tokens)")
+    routing = route_by_exact_tokens(yields)
+    print("\nrouting by exact tokens per dollar:")
+    print(f"  provider.routing.only={routing.order}")
+    print(f"  provider.routing.ignore={routing.ignore}")
+    for provider, why in routing.reasons.items():
+        print(f"  {provider}: {why}")
+    for provider, evidence in unexplained.items():
+        if not evidence:
+            continue
+        print(f"\nbilling nothing explains, {provider} ({len(evidence)} answers):")
+        for line in evidence:
+            print(f"  {line}")
+    other = rows("other_kimi_wild.jsonl.gz")
+    ok_by_profile = {}
+    for name in PROFILES:
+        builder = RecordBuilder(model, profile(name))
+        ok_by_profile[name] = sum(build(builder, row)["ok"] for row in other)
+    print(f"\nother Kimi models' answers ({len(other)}): ok under each profile {ok_by_profile}")
+    out.update(
+        reached=reached,
+        answers=answers,
+        tokens_reached=reach,
+        tokens=total,
+        routing={"only": routing.order, "ignore": routing.ignore, "reasons": routing.reasons},
+        other_models={"answers": len(other), "ok_by_profile": ok_by_profile},
+    )
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,235 @@
+"""`--help` of every command: what the stage does, its main settings (each with one line and
+the value it has now) and two examples, instead of Hydra's dump of the whole config.
+
+One `StageHelp` per command, in `HELP`; `stages/command.py` prints it (`help_text`).
+`tests/test_door.py` checks that every setting named here exists in the composed config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StageHelp:
+    """What `python -m kimi_pipe <name> --help` says."""
+
+    name: str
+    what: str  # what the stage does, a few lines
+    settings: tuple[tuple[str, str], ...]  # (setting, one line on it)
+    examples: tuple[str, ...]
+    more: str = ""  # where to read on
+    whole_config: bool = False  # a Hydra app: `--cfg job` prints every setting
+
+
+_GENERATE = StageHelp(
+    "generate",
+    "Buy answers to a dataset's prompts from a provider (LiteLLM) under a hard USD cap and "
+    "store each with its exact token ids (records.jsonl in the run directory). Running the "
+    "same command again resumes: answered prompts are skipped, money spent counts.",
+    (
+        ("dataset", "the prompts: jsonl (dataset.path=FILE) or B3..B8 (downloaded from the Hub)"),
+        ("dataset.path", "dataset=jsonl: the prompt file, one {id, messages, tools?} a line"),
+        ("dataset.limit", "dataset=jsonl: only the first N prompts (null: all)"),
+        ("provider", "where answers are bought: openrouter (key in OPENROUTER_API_KEY) or local"),
+        ("budget.usd", "the hard USD cap of the run directory (earlier runs into it count)"),
+        ("provider.concurrency", "requests in flight at once"),
+        ("provider.params.max_tokens", "the most output tokens an answer may have"),
+        ("serving", "what the provider's stack does to text: auto (probed first) or a profile"),
+        ("model", "the target model's config (tokenizer, markers): conf/model/"),
+        ("output_dir", "the run directory (default: derived from what is bought)"),
+    ),
+    (
+        "python -m kimi_pipe generate dataset=B5 budget.usd=5",
+        "make generate dataset=jsonl dataset.path=prompts.jsonl budget.usd=2 serving=unknown",
+    ),
+    "docs/generate.md",
+    whole_config=True,
+)
+
+_RECONSTRUCT = StageHelp(
+    "reconstruct",
+    "Turn provider answers (one {id, messages, tools?, response} a line) into exact token "
+    "records (prompt_ids, output_ids, loss_mask, issues), checked against the billed "
+    "completion tokens; OUT.jsonl.summary.json counts them. Buys nothing.",
+    (
+        ("input", "the answers (JSONL), e.g. a generate run's records.jsonl"),
+        ("output", "the token records written (JSONL)"),
+        ("model", "the target model's config: conf/model/ (kimi_k25, qwen3_5, smollm2)"),
+        ("model.tokenizer.path", "a directory holding the model's tokenizer files"),
+        ("serving", "what the provider's stack did to text (conf/serving/)"),
+        ("validation.billing_tolerance", "allowed |reconstructed - billed| completion tokens"),
+    ),
+    (
+        "python -m kimi_pipe reconstruct model=kimi_k25 input=IN.jsonl output=OUT.jsonl",
+        "python -m kimi_pipe reconstruct model=smollm2 input=runs/demo/records.jsonl "
+        "output=out.jsonl serving=exact",
+    ),
+    "docs/reconstruct.md",
+)
+
+_AUDIT = StageHelp(
+    "audit",
+    "The fidelity audit: a run's reconstructed ids against ids an engine really produced "
+    "(greedy generation with the same weights), as an exact-match rate and mismatch "
+    "classes (audit.json, audit.md).",
+    (
+        ("audit.run_dir", "a generate run directory (reads its records.jsonl)"),
+        ("audit.records", "or a token-records JSONL file"),
+        ("audit.model_path", "the target's weights (null: the model config's)"),
+        ("audit.limit", "audit only the first N records"),
+        ("audit.device", "cpu | cuda"),
+        ("audit.output_dir", "where audit.json and audit.md go (null: beside the records)"),
+    ),
+    (
+        "python -m kimi_pipe audit model=smollm2 audit.run_dir=runs/demo",
+        "python -m kimi_pipe audit model=smollm2 audit.records=out.jsonl audit.limit=8",
+    ),
+    "docs/demo.md",
+)
+
+_EXTRACT = StageHelp(
+    "extract",
+    "EAGLE-3 hidden states of a run's token records, computed by the target model "
+    "(transformers, or SGLang) into a sharded store (default <run>/hidden_<backend>/). Ids "
+    "come from the records, never re-tokenised; running it again resumes.",
+    (
+        ("extract", "the engine: hf (transformers, CPU or GPU) or sglang"),
+        ("extract.run_dir", "a generate run directory (reads its records.jsonl)"),
+        ("extract.records", "or a token-records JSONL file"),
+        ("extract.model_path", "the target's weights (null: the model config's hf_weights)"),
+        ("extract.device", "cpu | cuda | cuda:N | auto"),
+        ("extract.max_len", "longer samples are truncated or skipped (extract.over_max_len)"),
+        ("extract.store_dtype", "dtype of the stored states (fp8_e4m3, bfloat16, ...)"),
+        ("extract.output_dir", "the store (null: <dir of the records>/hidden_<backend>)"),
+        ("extract.executor", "null (this process), local, ray or submitit: units of work"),
+    ),
+    (
+        "python -m kimi_pipe extract model=smollm2 extract.run_dir=runs/demo",
+        "python -m kimi_pipe extract extract=sglang extract.run_dir=runs/B5/x "
+        "extract.model_path=/models/Kimi-K2.5",
+    ),
+    "docs/extract.md",
+    whole_config=True,
+)
+
+_EXPORT = StageHelp(
+    "export",
+    "Training files for an EAGLE-3 trainer (SpecForge, speculators, ModelOpt or tokens "
+    "only) from hidden-state stores, merged and shuffled deterministically, with a dataset "
+    "card. A killed export resumes.",
+    (
+        ("format", "specforge | speculators | modelopt | tokens (conf/export/)"),
+        ("stores", "the hidden-state stores to export: [DIR,...] (local or URLs)"),
+        ("output", "the export directory"),
+        ("seed", "the shuffle's seed"),
+        ("export.accept", "evidence rungs whose samples reach the training files"),
+        ("export.workers", "processes writing the files (same files for any number)"),
+        ("target_model_path", "the target model directory named in the trainer configs"),
+        ("export.push_to_hub.repo_id", "owner/name: push to the Hugging Face Hub (HF_TOKEN)"),
+    ),
+    (
+        "python -m kimi_pipe export format=specforge stores=[runs/demo/hidden_hf] output=out",
+        "python -m kimi_pipe export format=tokens stores=[runs/B5/x/hidden_hf] output=tok seed=1",
+    ),
+    "docs/export.md",
+    whole_config=True,
+)
+
+_PROBE = StageHelp(
+    "probe",
+    "Conformance probes (conf/probes/<model>.yaml) pinned to each named provider: what its "
+    "serving stack does to text, judged per probe, into runs/probe/conformance.md.",
+    (
+        ("probe.providers", "OpenRouter provider slugs (required): [a,b] or a,b"),
+        ("probe.usd", "USD cap of all providers together (null: the battery's usd_each each)"),
+        ("probe.battery", "a battery file (null: conf/probes/<model.name>.yaml)"),
+        ("probe.output_dir", "where the report goes"),
+        ("model", "the target model's config (conf/model/)"),
+    ),
+    (
+        "python -m kimi_pipe probe probe.providers=[moonshotai,fireworks]",
+        "make probe providers=moonshotai,fireworks usd=0.3",
+    ),
+    "docs/provider-truth.md",
+)
+
+_SWEEP = StageHelp(
+    "sweep",
+    "Compare providers: one pinned generate job per OpenRouter provider on the same first n "
+    "prompts, sharing one budget, then a report (report.md and charts) over them.",
+    (
+        ("sweep.providers", "OpenRouter provider slugs (required): [a,b] or a,b"),
+        ("sweep.n", "prompts per provider"),
+        ("sweep.usd", "the budget of the whole sweep, split evenly (null: budget.usd)"),
+        ("dataset", "the prompts (conf/dataset/)"),
+        ("sweep.dry_run", "print the plan and the generate command, buy nothing"),
+        ("sweep.probes", "conformance probes first"),
+        ("sweep.sweep_dir", "where the jobs write (null: runs/sweep/<dataset name>)"),
+    ),
+    (
+        "python -m kimi_pipe sweep dataset=B5 sweep.providers=[moonshotai,novita] sweep.usd=6",
+        "make sweep dataset=B5 providers=moonshotai,fireworks n=50 usd=6",
+    ),
+    "docs/sweep.md",
+)
+
+_REPORT = StageHelp(
+    "report",
+    "The provider report over finished generate runs: fidelity, cost, speed and the routing "
+    "it recommends (report.md, report.json and charts).",
+    (
+        ("report.sweep_dir", "a run directory, or any directory above several (required)"),
+        ("report.out_dir", "where the report goes (null: report.sweep_dir)"),
+        ("report.min_ok_rate", "share of answers whose ids agree with billing to pass"),
+        ("report.max_error_rate", "share of requests that may end in an error"),
+    ),
+    (
+        "python -m kimi_pipe report report.sweep_dir=runs/sweep/B5",
+        "make report sweep_dir=runs/demo",
+    ),
+    "docs/sweep.md",
+)
+
+_DEMO = StageHelp(
+    "demo",
+    "The whole pipeline offline on SmolLM2-135M served on 127.0.0.1 (no key, no GPU, no "
+    "Hub): generate -> reconstruct -> audit -> extract -> export on the bundled prompts, "
+    "then where everything is and the exact-match rate. Again: finished stages are skipped.",
+    (
+        ("dataset.limit", "only the first N bundled prompts (null: all 32)"),
+        ("provider.params.max_tokens", "the most output tokens an answer may have"),
+        ("output_dir", "the run directory"),
+    ),
+    (
+        "python -m kimi_pipe demo",
+        "make demo dataset.limit=4 provider.params.max_tokens=16 output_dir=runs/demo-small",
+    ),
+    "docs/demo.md",
+)
+
+_RUN = StageHelp(
+    "run",
+    "A whole job from conf/pipeline/NAME.yaml: its stages in order, each skipped when its "
+    "outputs are complete for the same settings; a killed run is finished by running the "
+    "same command again. One table of what ran at the end.",
+    (
+        ("pipeline", "which job: demo, openrouter_sglang or sweep (conf/pipeline/)"),
+        ("output_dir", "the run directory"),
+        ("dataset", "the prompts (conf/dataset/)"),
+        ("budget.usd", "the hard USD cap of what generate buys"),
+    ),
+    (
+        "python -m kimi_pipe run pipeline=demo",
+        "make run pipeline=openrouter_sglang dataset=B5 budget.usd=20 "
+        "extract.model_path=/models/Kimi-K2.5",
+    ),
+    "docs/design.md (the runner)",
+)
+
+HELP: dict[str, StageHelp] = {
+    h.name: h
+    for h in (
+        _GENERATE, _RECONSTRUCT, _AUDIT, _EXTRACT, _EXPORT, _PROBE, _SWEEP, _REPORT, _DEMO, _RUN
+    )
+}  # fmt: skip

@@ -1,0 +1,183 @@
+"""The door a user walks through (issue 42): a typo is answered with what it meant, `--help`
+says what a stage does, and a refused start leaves nothing behind. Each command runs in a
+subprocess, as a user types it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kimi_pipe.config import CONF_DIR, compose
+from kimi_pipe.stages.command import did_you_mean, setting_keys
+from kimi_pipe.stages.help import HELP
+
+REPO = Path(__file__).resolve().parent.parent
+FAKE_KEY = "sk" + "-test-not-a-real-key"
+
+
+def kimi_pipe(*args: str, cwd: Path, key: bool = True) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    env.pop("OPENROUTER_API_KEY", None)
+    if key:
+        env["OPENROUTER_API_KEY"] = FAKE_KEY
+    return subprocess.run(
+        [sys.executable, "-m", "kimi_pipe", *args],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+
+
+def one_error(done: subprocess.CompletedProcess[str]) -> str:
+    """The one line a refused command prints: exit 2, no traceback, nothing said twice."""
+    assert done.returncode == 2, (done.returncode, done.stderr[-2000:])
+    assert "Traceback" not in done.stderr
+    errors = [line for line in (done.stdout + done.stderr).splitlines() if "error" in line.lower()]
+    assert len(errors) == 1, errors
+    assert errors[0].startswith("error: ")
+    return errors[0]
+
+
+KEYS = ["dataset", "dataset.limit", "dataset.path", "dataset.name", "budget", "budget.usd",
+        "sweep.usd", "probe.usd", "export.workers", "format", "seed"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("typed", "meant"),
+    [
+        ("dataset.limt", ["dataset.limit"]),  # beside it
+        ("datset", ["dataset"]),
+        ("budget.ud", ["budget.usd"]),
+        ("usd", ["budget.usd", "probe.usd", "sweep.usd"]),  # the same name under other nodes
+        ("formt", ["format"]),
+        ("colour", []),  # nothing close: no guess
+        ("export.shard_sze", []),
+    ],
+)
+def test_did_you_mean_names_only_close_settings(typed: str, meant: list[str]) -> None:
+    assert sorted(did_you_mean(typed, KEYS)) == meant
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["generate", "dataset.limt=4"],
+         "dataset.limt=4: no such setting; did you mean dataset.limit?"),
+        (["demo", "dataset.limt=4"], "did you mean dataset.limit?"),
+        (["export", "export.workrs=2"], "did you mean export.workers?"),
+        (["generate", "dataset=jsonl", "dataset.pth=x"], "did you mean dataset.path?"),
+        (["sweep", "sweep.provders=[a]"], "did you mean sweep.providers?"),
+        (["generate", "--multirun", "dataset.limt=1,2"],
+         "dataset.limt=1,2: no such setting; did you mean dataset.limit?"),
+        (["generate", "colour=red"], "colour=red: no such setting"),
+    ],
+)  # fmt: skip
+def test_a_typo_is_one_line_with_what_it_meant(args: list[str], said: str, tmp_path: Path) -> None:
+    line = one_error(kimi_pipe(*args, cwd=tmp_path))
+    assert said in line, line
+    assert "To append" not in line  # Hydra's hint would add the typo as a new key
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+# --- `--help` -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stage", sorted(HELP))
+def test_help_says_what_the_stage_does_in_a_page(stage: str, tmp_path: Path) -> None:
+    """Not Hydra's 337-line dump of the config: what it does, its main settings with their
+    values, two examples; nothing run, nothing written."""
+    done = kimi_pipe(stage, "--help", cwd=tmp_path, key=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout
+    lines = out.splitlines()
+    assert lines[0] == f"python -m kimi_pipe {stage} [key=value ...]"
+    assert 10 < len(lines) < 60, len(lines)
+    assert HELP[stage].what.split()[0] in out and "examples:" in out
+    for key, _ in HELP[stage].settings:
+        assert f"  {key}=" in out, key
+    assert "tokenizer:" not in out and "hydra:" not in out  # no config dump
+    assert not any(tmp_path.iterdir())
+
+
+def test_help_shows_the_values_the_other_arguments_give(tmp_path: Path) -> None:
+    out = kimi_pipe("generate", "dataset=B5", "budget.usd=7", "--help", cwd=tmp_path).stdout
+    assert "  dataset=B5 " in out and "  budget.usd=7 " in out
+
+
+@pytest.mark.parametrize("stage", sorted(HELP))
+def test_every_setting_and_example_in_help_is_real(stage: str) -> None:
+    """A setting named in --help exists (a key of the composed config or a group), and every
+    `python -m kimi_pipe` example composes: help cannot drift from the config."""
+    base = ["pipeline=demo"] if stage == "demo" else []
+    keys = set(setting_keys(compose(base)))
+    for key, about in HELP[stage].settings:
+        assert key in keys or (CONF_DIR / key).is_dir(), key
+        assert about and "\n" not in about
+    assert len(HELP[stage].examples) == 2
+    for example in HELP[stage].examples:
+        words = example.split()
+        if words[:3] == ["python", "-m", "kimi_pipe"]:
+            assert words[3] == stage
+            compose(base + words[4:])  # raises on an unknown key or option
+
+
+# --- errors a user reads once, naming the real cause; nothing left behind ------------------
+
+
+def prompts(tmp: Path) -> Path:
+    path = tmp / "prompts.jsonl"
+    path.write_text('{"id": "a", "messages": [{"role": "user", "content": "hi"}]}\n')
+    return path
+
+
+NOBODY = "provider.api_base=http://127.0.0.1:9/v1"  # nothing listens there
+
+
+def test_no_network_is_named_not_the_budget(tmp_path: Path) -> None:
+    """Network down (nothing at the api_base): said as such, not as serving=auto's probes
+    not fitting the budget at the fallback prices."""
+    done = kimi_pipe("generate", f"dataset.path={prompts(tmp_path)}", "output_dir=run", NOBODY,
+                     cwd=tmp_path)  # fmt: skip
+    line = one_error(done)
+    assert "cannot reach the provider at http://127.0.0.1:9/v1/models" in line, line
+    assert "budget" not in line
+
+
+def test_a_refused_start_leaves_no_run_directory(tmp_path: Path) -> None:
+    """No key: refused before Hydra makes the run directory. A value of the wrong kind, an
+    export without an output directory: the directory was made, and it goes again (with the
+    parents the command made)."""
+    done = kimi_pipe("generate", f"dataset.path={prompts(tmp_path)}", cwd=tmp_path, key=False)
+    assert "no API key" in one_error(done)
+    assert not (tmp_path / "runs").exists()
+    # A value of the wrong kind: refused after the launch checks made the run directory.
+    done = kimi_pipe("generate", f"dataset.path={prompts(tmp_path)}",
+                     "provider.params.max_tokens=1.5", cwd=tmp_path)  # fmt: skip
+    assert "provider.params.max_tokens=1.5" in one_error(done)
+    assert not (tmp_path / "runs").exists()
+    done = kimi_pipe("export", "stores=[]", "output_dir=runs/a/b", cwd=tmp_path)
+    assert "pass output=DIR" in one_error(done)
+    assert not (tmp_path / "runs").exists()
+    # A directory that holds anything else stays, with what Hydra wrote.
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("mine")
+    done = kimi_pipe("export", "stores=[]", "output_dir=mine", cwd=tmp_path)
+    assert "pass output=DIR" in one_error(done)
+    assert (tmp_path / "mine" / "notes.txt").exists()
+
+
+def test_every_request_failed_is_said_once_with_its_count(tmp_path: Path) -> None:
+    """Not "0 answered ... 0 failed" and then "every request failed": one line, counting
+    the requests given up after their retries."""
+    done = kimi_pipe("generate", f"dataset.path={prompts(tmp_path)}", "output_dir=run", NOBODY,
+                     "serving=unknown", "provider.pricing.input_usd_per_mtok=1",
+                     "provider.pricing.output_usd_per_mtok=1", "provider.retry.max_attempts=1",
+                     cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 4, done.stderr[-2000:]
+    said = done.stdout + done.stderr
+    assert "0 answered" not in said
+    final = [line for line in said.splitlines() if "every request of this run failed" in line]
+    assert len(final) == 1, said[-2000:]
+    assert "(connection: 1)" in final[0] and "1 given up after their retries" in final[0]
