@@ -57,6 +57,18 @@ RECONSTRUCTION_ERRORS = frozenset(
     }
 )
 
+# Flags whose readings differ in length from the text as returned (a marker space or a moved
+# space that costs an id, a think-end that may be missing): beside them one id fewer has
+# another explanation than a tool section written inside the reasoning.
+LENGTH_AMBIGUOUS = frozenset(
+    {
+        LEADING_SPACE_AFTER_MARKER,
+        "marker_spacing_mismatch",
+        SPACE_BEFORE_TOOL_SECTION,
+        "reasoning_without_think_end",
+    }
+)
+
 # --- reconstruction notes: listed, `ok` kept ----------------------------------------------
 # finish_reason == "length": cut by max_tokens. Its ids are proven like any other (no
 # end-of-turn appended); a cut inside a character is `partial_character`.

@@ -23,6 +23,7 @@ from typing import Any
 from kimi_pipe.core.answer_checks import same_model
 from kimi_pipe.core.formats import Marker, Piece, split_markers
 from kimi_pipe.core.issue_codes import (
+    LENGTH_AMBIGUOUS,
     OTHER_MODEL,
     RAW_MARKERS_IN_REASONING,
     RECONSTRUCTION_ERRORS,
@@ -156,9 +157,11 @@ def output_pieces(
     profile: ServingProfile = UNKNOWN_PROFILE,
     tools: Sequence[Mapping[str, Any]] | None = None,
     think_end: bool = True,
+    reasoning_markers: bool = False,
 ) -> tuple[list[Piece], bool]:
     """The model's output stream as pieces; also whether the end-of-turn was appended.
-    `think_end=False`: the model closed its turn inside the reasoning (no think-end)."""
+    `think_end=False`: the model closed its turn inside the reasoning (no think-end).
+    `reasoning_markers`: marker text in the reasoning read as the markers' ids."""
     out = model.format.output
     truncated = answer.finish_reason in LENGTH_REASONS
     reasoning, content = answer.reasoning, answer.content
@@ -189,9 +192,11 @@ def output_pieces(
         reasoning = _remove_once(reasoning, out.reasoning_trim_suffix, suffix=True)
         content = _remove_once(content, out.content_trim_prefix, suffix=False)
         # A model that writes its tool-call section before the think-end leaves the section's
-        # markers as text in the reasoning (K2-Thinking and K2.5 on some providers).
-        reasoning_pieces = split_markers(reasoning, out.content_markers)
-        if any(isinstance(p, Marker) for p in reasoning_pieces):
+        # markers as text in the reasoning (K2-Thinking and K2.5 on some providers); a model
+        # may also write their names as plain characters. The bill tells which (reconstruct).
+        reasoning_pieces: list[Piece] = [reasoning]
+        if reasoning_markers:
+            reasoning_pieces = split_markers(reasoning, out.content_markers)
             issues.append(RAW_MARKERS_IN_REASONING)
         pieces += out.reasoning.render(reasoning=reasoning_pieces)
 
@@ -664,6 +669,16 @@ def reconstruct(
             answer = undo_serving(model, profile, answer, issues)
             pieces, ended = output_pieces(model, answer, issues, offset, profile, tools)
             output = model.encode(pieces)
+            if reported is not None and abs(reported - len(output)) > billing_tolerance:
+                # Marker names in the reasoning: the markers' ids where only they fit the bill
+                # (a marker is one id, its name as characters several).
+                marked, marked_ended = output_pieces(
+                    model, answer, [], offset, profile, tools, reasoning_markers=True
+                )
+                as_ids = model.encode(marked)
+                if as_ids != output and abs(reported - len(as_ids)) <= billing_tolerance:
+                    pieces, ended, output = marked, marked_ended, as_ids
+                    issues.append(RAW_MARKERS_IN_REASONING)
             if _may_lack_think_end(model, profile, answer) and reported is not None:
                 # The billed length decides between "...</think><end>" and "...<end>".
                 if reported == len(output) - 1 and billing_tolerance == 0:
@@ -733,19 +748,6 @@ def reconstruct(
     )
 
 
-# Flags whose readings differ in length from the text as returned (a marker space or a moved
-# space that costs an id): beside them one id fewer has another explanation than a missing
-# think-end, so the bill cannot tell where the tool-call section was written.
-_LENGTH_AMBIGUOUS = frozenset(
-    {
-        "leading_space_after_marker",
-        "marker_spacing_mismatch",
-        "space_before_tool_section",
-        "reasoning_without_think_end",
-    }
-)
-
-
 def _may_hold_section(model: Model, answer: AnswerFields, issues: Sequence[str]) -> bool:
     """Tool calls and no content at all: the model may have written its tool-call section
     before the think-end (inside its reasoning) and a parser that ends reasoning at the section
@@ -756,7 +758,7 @@ def _may_hold_section(model: Model, answer: AnswerFields, issues: Sequence[str])
         bool(answer.tool_calls)
         and not answer.content
         and out.think_end is not None
-        and not _LENGTH_AMBIGUOUS.intersection(issues)
+        and not LENGTH_AMBIGUOUS.intersection(issues)
     )
 
 
