@@ -825,3 +825,66 @@ def test_sglang_cpu_runs_kimi_k25_classes_at_61_layers(
     assert report.capture_ids == [2, 30, 58]
     assert not report.problems, report.problems[:5]
     assert report.ok, report.table()
+
+
+@pytest.fixture(scope="module")
+def kimi_resolution(kimi_stores: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """Closed candidate sets on the miniature, each the model's own greedy continuation (hf,
+    float32) against one id changed, under three samplings; resolved by hf and by SGLang."""
+    import torch
+
+    from kimi_pipe.extraction.hf_backend import HFBackend
+    from kimi_pipe.store.records import read_records
+
+    hf = HFBackend(kimi_stores["model"], final_state="pre_norm")
+    base = list(read_records(kimi_stores["records"]))
+    rows = []
+    for i, sampling in enumerate(
+        [{"temperature": 1.0}, {"temperature": 0.0}, {"temperature": 1.0, "top_k": 50}]
+    ):
+        prompt = base[i]["prompt_ids"]
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            own = hf.model.generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                max_new_tokens=6, min_new_tokens=6, pad_token_id=163839,
+            )[0, len(prompt) :].tolist()  # fmt: skip
+        other = [*own[:3], (own[3] + 1) % 163584, *own[4:]]
+        options = [
+            {"output_ids": other, "loss_mask": [1] * 6, "label": "other"},
+            {"output_ids": own, "loss_mask": [1] * 6, "label": "own"},
+        ]
+        rows.append({
+            "id": f"r{i}", "ok": False, "evidence": "unresolved",
+            "issues": ["reasoning_tail_unverifiable"], "notes": [], "prompt_ids": prompt,
+            "output_ids": other, "loss_mask": [0] * len(prompt) + [1] * 6, "sampling": sampling,
+            "candidates": {"closed": True, "why_open": None, "classes": ["reasoning_tail"],
+                           "diverge_at": 3, "options": options},
+        })  # fmt: skip
+    hf.close()
+    out = {}
+    for backend, extra in (("hf", ()), ("sglang", ("extract.dtype=bfloat16",))):
+        run = KIMI_OUT / f"resolve_{backend}"
+        run.mkdir()
+        records = run / "records.jsonl"
+        records.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        _kimi_extract(backend, run / "hidden", kimi_stores["model"], records, *extra)
+        out[backend] = list(read_records(records))
+    figures = {b: [r["resolution"] for r in recs] for b, recs in out.items()}
+    (KIMI_OUT / "resolve.json").write_text(json.dumps(figures, indent=1) + "\n")
+    return out
+
+
+def test_sglang_cpu_resolves_kimi_k25_sets_like_hf(
+    kimi_resolution: dict[str, list[dict[str, Any]]],
+) -> None:
+    """Target resolution through SGLang's Kimi K2.5 classes (the prefix's KV in its pool, the
+    options extended on it: the absorbed MLA path) decides as transformers does."""
+    for h, s in zip(kimi_resolution["hf"], kimi_resolution["sglang"], strict=True):
+        print(h["id"], h["resolution"]["logprobs"], s["resolution"]["logprobs"])
+        assert h["evidence"] == s["evidence"] == "target_resolved", (h["id"], s.get("issues"))
+        assert h["resolution"]["chosen"] == s["resolution"]["chosen"] == 1  # the model's own ids
+        for a, b in zip(h["resolution"]["logprobs"], s["resolution"]["logprobs"], strict=True):
+            assert (a is None) == (b is None)  # an option impossible under the sampling
+            if a is not None:
+                assert abs(a - b) < 0.5, (h["id"], a, b)  # bf16 against float32
