@@ -49,7 +49,9 @@ class StandInRank:
 
         self.tp_rank = tp_rank
         self.knobs = dict(settings.server_args)
-        self.model = AutoModel.from_pretrained(settings.model_path, dtype=torch.float32).eval()
+        model = AutoModel.from_pretrained(settings.model_path, dtype=torch.float32).eval()
+        # The text decoder (itself for a plain model; a wrapper's, e.g. Kimi K2.5's DeepSeek-V3).
+        self.model = model.get_decoder()
         self.num_layers = int(self.model.config.num_hidden_layers)
         self.hidden_size = int(self.model.config.hidden_size)
         self.max_total_tokens = int(self.knobs.get("standin_pool_tokens", 10_000))
@@ -97,11 +99,11 @@ class StandInRank:
         """The engine's logits of the rows asked for: here a plain forward per continuation
         over prefix + continuation, no cache (the reference the scorers' arrangement of
         prefix and rows must reproduce)."""
-        from transformers import AutoModelForCausalLM
+        from kimi_pipe.extraction.hf_backend import load_text_model
 
         StandInRank.logit_calls.append((len(prefix), [len(c) for c in continuations]))
         if self.lm is None:
-            self.lm = AutoModelForCausalLM.from_pretrained(self.path, dtype=torch.float32).eval()
+            self.lm = load_text_model(self.path, "float32").eval()
         out = []
         for cont, want in zip(continuations, rows, strict=True):
             logits = self.lm(torch.tensor([prefix + cont])).logits[0, len(prefix) :]

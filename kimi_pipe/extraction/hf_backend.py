@@ -8,14 +8,19 @@ Captured per token:
   export computes the post-norm state exactly (kimi_pipe.store.conventions);
   `final_state=post_norm`: the base model's `last_hidden_state`, i.e. after the final norm.
 
-Only the decoder (`model.base_model`) runs: the LM head's [L, vocab] logits are never built.
+Only the text decoder (`model.get_decoder()`) runs: the LM head's [L, vocab] logits are never
+built. A checkpoint whose class is a wrapper around a text model (a vision-language model such
+as Kimi K2.5: `KimiK25ForConditionalGeneration` around DeepSeek-V3) is loaded with its own
+class (`AutoModelForImageTextToText`) and its text decoder runs alone, on token ids only.
 Batches are right-padded with an attention mask; padding never changes the real rows of a
 causal model because a real token never attends to a later position.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +62,85 @@ def resolve_model_path(cfg: DictConfig) -> Path:
     return path
 
 
+def load_text_model(
+    model_path: str | os.PathLike[str], dtype: str = "float32", trust_remote_code: bool = False
+) -> Any:
+    """The model with its LM head: a causal LM class, else (a checkpoint whose config is a
+    wrapper that transformers maps to no causal LM class, such as a vision-language model) the
+    wrapper's own image-text-to-text class, whose text decoder and head are the target's."""
+    from transformers import (  # heavy import, only when used
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+    )
+
+    try:
+        config = AutoConfig.from_pretrained(str(model_path), trust_remote_code=trust_remote_code)
+    except ValueError:
+        # A wrapper type this transformers does not know (Kimi K2.5 before transformers had
+        # its classes): its text model alone, if transformers knows that one.
+        wrapped = load_wrapped_text_model(model_path, dtype)
+        if wrapped is None:
+            raise
+        return wrapped
+    auto: Any = AutoModelForCausalLM
+    if type(config) not in AutoModelForCausalLM._model_mapping and not (
+        trust_remote_code and "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})
+    ):
+        if type(config) not in AutoModelForImageTextToText._model_mapping:
+            raise ConfigError(
+                f"{model_path}: transformers has no causal LM or image-text-to-text class for "
+                f"{type(config).__name__}; set extract.trust_remote_code=true only for a model "
+                "whose code you trust, or use extract=sglang"
+            )
+        auto = AutoModelForImageTextToText
+    return auto.from_pretrained(
+        str(model_path),
+        config=config,
+        dtype=torch_dtype(dtype),
+        trust_remote_code=trust_remote_code,
+    )
+
+
+def load_wrapped_text_model(model_path: str | os.PathLike[str], dtype: str = "float32") -> Any:
+    """The text model of a wrapper checkpoint, by transformers' own class for it: config.json's
+    `text_config.architectures[0]` (Kimi K2.5: `DeepseekV3ForCausalLM`), its weights read from
+    the checkpoint's names less the wrapper's prefix (the one before `model.embed_tokens.weight`,
+    e.g. `language_model.`). None when the checkpoint is not such a wrapper or transformers has
+    no such class. The wrapper's other parts (a vision tower) are not loaded."""
+    import transformers  # heavy import, only when used
+
+    path = Path(model_path)
+    raw = json.loads((path / "config.json").read_text())
+    text = raw.get("text_config")
+    archs = text.get("architectures") if isinstance(text, dict) else None
+    cls = getattr(transformers, str(archs[0]), None) if archs else None
+    if cls is None or not hasattr(cls, "config_class"):
+        return None
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        names = list(json.loads(index.read_text())["weight_map"])
+    else:
+        from safetensors import safe_open  # with torch
+
+        names = []
+        for file in sorted(path.glob("*.safetensors")):
+            with safe_open(str(file), "pt") as f:
+                names.extend(f.keys())
+    embed = "model.embed_tokens.weight"
+    prefixes = {n[: -len(embed)] for n in names if n.endswith(embed)}
+    if len(prefixes) != 1:
+        return None
+    prefix = prefixes.pop()
+    config = cls.config_class.from_dict({k: v for k, v in text.items() if k != "model_type"})
+    return cls.from_pretrained(
+        str(path),
+        config=config,
+        dtype=torch_dtype(dtype),
+        key_mapping={f"^{re.escape(prefix)}": ""} if prefix else None,
+    )
+
+
 class HFBackend:
     """Holds the model; `forward` returns (aux [L, 3H], final [L, H]) per sequence."""
 
@@ -73,15 +157,12 @@ class HFBackend:
         model_name: str | None = None,
         final_state: str = POST_NORM,
     ) -> None:
-        from transformers import AutoModelForCausalLM  # heavy import, only when used
-
         self.device = torch.device(device)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            str(model_path), dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code
-        ).to(self.device)  # type: ignore[arg-type]
+        self.model = load_text_model(model_path, dtype, trust_remote_code).to(self.device)
         self.model.eval()
-        # The decoder alone: skips the LM head (Kimi's vocab is 163840 wide).
-        self.decoder = self.model.base_model
+        # The text decoder alone: skips the LM head (Kimi's vocab is 163840 wide) and, in a
+        # wrapper, the vision tower (get_decoder() is the base model of a plain causal LM).
+        self.decoder = self.model.get_decoder()
         config = self.model.config.get_text_config()
         self.num_layers = int(config.num_hidden_layers)
         self.hidden_size = int(config.hidden_size)

@@ -148,6 +148,28 @@ def _replace_heads(model: torch.nn.Module, head_type: type) -> list[str]:
 _OK, _OOM, _ERROR = 0, 1, 2  # per-forward status the tensor-parallel ranks all-reduce (MAX)
 
 
+def _torch_native_takes_absorbed_mla() -> None:
+    """MLA models (DeepSeek-V2/V3, Kimi K2/K2.5) on SGLang's torch_native attention.
+
+    SGLang 0.5.14 picks an MLA layer's attention method per backend from its own registry;
+    torch_native has no entry, so it gets triton's: a prefill without a cached prefix (every
+    capture batch) runs the MHA path, which hands the decompressed k and v to the backend with
+    save_kv_cache=False, while torch_native's SDPA reads k and v from the KV pool, which for MLA
+    holds the compressed latent. The dimensions then disagree ("Expected size for first two
+    dimensions of batch2 tensor to be: [4, 24] but got: [4, 40]" on the miniature Kimi K2.5,
+    docs/miniature.md). Registered for torch_native, SGLang's own `_dispatch_mla_subtype`
+    takes the absorbed MLA path every time (what triton's handler does after a cached prefix):
+    the latent is written to the pool and attended over, which torch_native's SDPA serves.
+    Other models never ask the registry. Idempotent; each rank process calls it."""
+    from sglang.srt.models.deepseek_common.attention_backend_handler import (  # optional: sglang
+        AttentionBackendRegistry,
+        _dispatch_mla_subtype,
+    )
+
+    if "torch_native" not in AttentionBackendRegistry._handlers:
+        AttentionBackendRegistry.register("torch_native", _dispatch_mla_subtype)
+
+
 class _RankRunner:
     """One tensor-parallel rank on one GPU (or on the CPU's cores, `device="cpu"`), built
     like sglang.bench_one_batch.load_model."""
@@ -184,6 +206,8 @@ class _RankRunner:
                 # its torch-native layers, and its torch-native attention goes with them.
                 log.info("no AMX on this CPU: SGLang attention_backend=torch_native")
                 kwargs["attention_backend"] = "torch_native"
+        if kwargs.get("attention_backend") == "torch_native":
+            _torch_native_takes_absorbed_mla()
         server_args = ServerArgs(**kwargs)
         # Env of NCCL/CUDA kernels and ulimits, per process; on CPU the CUDA variables are
         # set but read by nothing.
