@@ -100,17 +100,22 @@ def prompt_readings(
     profile: ServingProfile,
 ) -> PromptReadings:
     """The distinct readings of the prompt (raises PromptError like render_prompt)."""
-    seen: dict[tuple[Any, ...], None] = {}
-    readings: list[PromptReading] = []
-    for history in history_renderings(messages, profile):
-        pieces = render_prompt(model.format, messages, tools, history)
-        key = tuple(pieces)
-        if key in seen:
-            continue  # the same text: encoded once
-        seen[key] = None
-        ids = tuple(model.encode_prompt(pieces))
-        if all(r.ids != ids for r in readings):
-            readings.append(PromptReading(history.name, ids))
+    renderings = history_renderings(messages, profile)
+    if len(renderings) == 1:  # no earlier turn to re-render: the common case, one encode
+        pieces = render_prompt(model.format, messages, tools, renderings[0])
+        readings = [PromptReading(renderings[0].name, tuple(model.encode_prompt(pieces)))]
+    else:
+        seen: set[tuple[Any, ...]] = set()
+        readings = []
+        for history in renderings:
+            pieces = render_prompt(model.format, messages, tools, history)
+            key = tuple(pieces)
+            if key in seen:
+                continue  # the same text: encoded once
+            seen.add(key)
+            ids = tuple(model.encode_prompt(pieces))
+            if all(r.ids != ids for r in readings):
+                readings.append(PromptReading(history.name, ids))
     opening = model.format.prompt.generation_open
     open_ids = tuple(model.encode(opening.render())) if opening is not None else ()
     if profile.think_open == "prompt":

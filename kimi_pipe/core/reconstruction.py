@@ -16,6 +16,7 @@ import fnmatch
 import itertools
 import json
 import unicodedata
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -440,18 +441,24 @@ def argument_edge_readings(model: Model, call: Mapping[str, Any]) -> list[tuple[
     count = model.tokenizer.encode_ordinary
     windows = _edge_windows(model, arguments)
     # Whitespace at one edge re-splits only that edge's window (see _edge_windows), so each
-    # reading is counted on a few characters, not on the whole argument ~80 times.
-    base = len(count(arguments)) if windows is None else 0
-    first, first_count, last, last_count = windows or (arguments, base, arguments, base)
-    # An edge that still has whitespace was not stripped (a stack may strip one side only).
+    # reading is counted on a few characters, not on the whole argument ~80 times; a window's
+    # readings depend on its text alone, so arguments that begin or end alike share them.
+    if windows:
+        first, last = windows
+        # An edge that still has whitespace was not stripped (a stack may strip one side only).
+        leads = [""] + ([] if arguments[0].isspace() else list(_readings(model, first, lead=True)))
+        trails = [""] + (
+            [] if arguments[-1].isspace() else list(_readings(model, last, lead=False))
+        )
+        # Disjoint windows: neither edge adds an id, so no pairing of them does.
+        return [(lead, trail) for lead in leads for trail in trails]
+    base = len(count(arguments))
     leads = [""]
     if not arguments[0].isspace():
-        leads += [w for w in _EDGE_LEADS if len(count(w + first)) == first_count]
+        leads += [w for w in _EDGE_LEADS if len(count(w + arguments)) == base]
     trails = [""]
     if not arguments[-1].isspace():
-        trails += [w for w in _EDGE_TRAILS if len(count(last + w)) == last_count]
-    if windows:  # disjoint windows: neither edge adds an id, so no pairing of them does
-        return [(lead, trail) for lead in leads for trail in trails]
+        trails += [w for w in _EDGE_TRAILS if len(count(arguments + w)) == base]
     return [
         (lead, trail)
         for lead in leads
@@ -468,11 +475,12 @@ def _is_safe_cut(text: str, i: int) -> bool:
     return 0 < i < len(text) - 1 and not text[i - 1].isspace() and not text[i + 1].isspace()
 
 
-def _edge_windows(model: Model, arguments: str) -> tuple[str, int, str, int] | None:
-    """The argument's first and last stretch, up to its first and from its last safe cut, with
-    their counts; None when there are no two cuts, or when the tokenizer's split is not known
-    to honour the cuts (`splits_at_lone_spaces`) and the stretches' counts do not add up to
-    the whole's."""
+def _edge_windows(model: Model, arguments: str) -> tuple[str, str] | None:
+    """The argument's first and last stretch, up to its first and from its last safe cut;
+    None when there are no two cuts, or when the tokenizer's split is not known to honour the
+    cuts (`splits_at_lone_spaces`) and the stretches' counts do not add up to the whole's.
+    Under a GPT-style split a final punctuation run after a letter or digit is a piece of its
+    own (no letter or digit piece takes punctuation after it), so it is the last stretch."""
     head = arguments.find(" ")
     while head != -1 and not _is_safe_cut(arguments, head):
         head = arguments.find(" ", head + 1)
@@ -481,14 +489,50 @@ def _edge_windows(model: Model, arguments: str) -> tuple[str, int, str, int] | N
         tail = arguments.rfind(" ", 0, tail)
     if head == -1 or tail <= head:
         return None
-    count = model.tokenizer.encode_ordinary
     first, last = arguments[:head], arguments[tail:]
-    first_count, last_count = len(count(first)), len(count(last))
-    if not getattr(model.tokenizer, "splits_at_lone_spaces", False):
-        middle = len(count(arguments[head:tail]))
-        if first_count + middle + last_count != len(count(arguments)):
-            return None
-    return first, first_count, last, last_count
+    if getattr(model.tokenizer, "splits_at_lone_spaces", False):
+        run = _punctuation_run(last)
+        before = last[-run - 1 : -run] if run else ""
+        if run and before and unicodedata.category(before)[0] in "LN":
+            last = last[-run:]
+        return first, last
+    count = model.tokenizer.encode_ordinary
+    middle = len(count(arguments[head:tail]))
+    if len(count(first)) + middle + len(count(last)) != len(count(arguments)):
+        return None
+    return first, last
+
+
+def _punctuation_run(text: str) -> int:
+    """The length of the text's final run of characters that are not whitespace, letters or
+    digits."""
+    run = 0
+    for char in reversed(text):
+        if char.isspace() or unicodedata.category(char)[0] in "LN":
+            break
+        run += 1
+    return run
+
+
+# Per tokenizer, the whitespace readings of each edge window seen: a pure function of the
+# window's text, kept while the tokenizer lives (keyed by the tokenizer itself, not its id).
+_WINDOW_READINGS: weakref.WeakKeyDictionary[Any, dict[tuple[str, bool], tuple[str, ...]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _readings(model: Model, window: str, *, lead: bool) -> tuple[str, ...]:
+    """The whitespace runs that keep the window's count, written before it (`lead`) or after."""
+    cache = _WINDOW_READINGS.setdefault(model.tokenizer, {})
+    key = (window, lead)
+    if key not in cache:
+        count = model.tokenizer.encode_ordinary
+        base = len(count(window))
+        if lead:
+            cache[key] = tuple(w for w in _EDGE_LEADS if len(count(w + window)) == base)
+        else:
+            cache[key] = tuple(w for w in _EDGE_TRAILS if len(count(window + w)) == base)
+    return cache[key]
 
 
 def undo_serving(
