@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kimi_pipe.core.formats import Marker
 from kimi_pipe.core.issue_codes import (
     PROMPT_AMBIGUOUS,
     PROMPT_HISTORY_RERENDERED,
@@ -117,9 +118,13 @@ def prompt_readings(
             if all(r.ids != ids for r in readings):
                 readings.append(PromptReading(history.name, ids))
     opening = model.format.prompt.generation_open
-    open_ids = tuple(model.encode(opening.render())) if opening is not None else ()
-    if profile.think_open == "prompt":
-        open_ids = ()
+    open_ids: tuple[int, ...] = ()
+    if opening is not None and profile.think_open != "prompt":
+        pieces = opening.render()
+        if all(isinstance(p, Marker) for p in pieces):  # the usual case: markers, no BPE
+            open_ids = tuple(model.markers[p.name] for p in pieces)  # type: ignore[union-attr]
+        else:
+            open_ids = tuple(model.encode(pieces))
     return PromptReadings(tuple(readings), open_ids, profile.think_open == "output")
 
 
