@@ -41,16 +41,30 @@ EAGLE3 = CONFIGS / "smollm2-eagle3.json"
 DFLASH = CONFIGS / "smollm2-dflash.json"
 
 
-def extract(run: Path, out: Path, store_dtype: str) -> None:
+def extract(
+    run: Path,
+    out: Path,
+    store_dtype: str,
+    *,
+    model: str = "smollm2",
+    model_path: Path | None = None,
+    configs: tuple[Path, Path] = (EAGLE3, DFLASH),
+) -> None:
     if (out / "manifest.json").exists():
         return
     cmd = [
-        sys.executable, "-m", "kimi_pipe", "extract", "model=smollm2",
+        sys.executable, "-m", "kimi_pipe", "extract", f"model={model}",
         f"extract.run_dir={run}", "extract.only_ok=false", f"extract.output_dir={out}",
-        f"extract.draft_config=[{EAGLE3},{DFLASH}]", f"extract.store_dtype={store_dtype}",
+        f"extract.draft_config=[{configs[0]},{configs[1]}]", f"extract.store_dtype={store_dtype}",
         f"hydra.run.dir={run}",
     ]  # fmt: skip
+    if model_path is not None:  # written records of a stand-in target: no split check
+        cmd += [f"extract.model_path={model_path}", "resolve.split_check=false"]
     subprocess.run(cmd, cwd=REPO, check=True)
+
+
+def _shown(path: Path) -> str:
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
 
 
 def tree_bytes(root: Path, pattern: str) -> int:
@@ -108,20 +122,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run", required=True, type=Path)
     parser.add_argument("--trainer-python", required=True)
     parser.add_argument("--out", required=True, type=Path)
+    # Another target than the demo's SmolLM2 (benchmarks/drafters_miniature.py: the miniature
+    # Kimi K2.5 with SpecForge's Kimi drafter configs).
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--model-path", type=Path, default=None)
+    parser.add_argument("--eagle3", type=Path, default=EAGLE3)
+    parser.add_argument("--dflash", type=Path, default=DFLASH)
     args = parser.parse_args(argv)
+    eagle3_config, dflash_config = args.eagle3.resolve(), args.dflash.resolve()
     run: Path = args.run.resolve()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     started = time.monotonic()
     stores = {"bfloat16": run / "hidden_drafters", "fp8_e4m3": run / "hidden_drafters_fp8"}
     for dtype, path in stores.items():
-        extract(run, path, dtype)
-    dflash_layers = read_draft_config(DFLASH).output_ids
-    eagle_layers = read_draft_config(EAGLE3).output_ids
+        extract(
+            run, path, dtype, model=args.model, model_path=args.model_path,
+            configs=(eagle3_config, dflash_config),
+        )  # fmt: skip
+    dflash_layers = read_draft_config(dflash_config).output_ids
+    eagle_layers = read_draft_config(eagle3_config).output_ids
     figures: dict[str, Any] = {
         "draft_configs": {
-            "eagle3": {"file": str(EAGLE3.relative_to(REPO)), "output_ids": eagle_layers},
-            "dflash": {"file": str(DFLASH.relative_to(REPO)), "output_ids": dflash_layers},
+            "eagle3": {"file": _shown(eagle3_config), "output_ids": eagle_layers},
+            "dflash": {"file": _shown(dflash_config), "output_ids": dflash_layers},
         },
         "stores": {},
         "exports": {},
@@ -140,10 +164,10 @@ def main(argv: list[str] | None = None) -> int:
         }
     exports_root = run / "drafter_exports"
     plan = [
-        ("dflash", "dflash", DFLASH),
-        ("dspark", "dspark", DFLASH),
-        ("modelopt", "modelopt_dflash", DFLASH),
-        ("specforge", "specforge_eagle3", EAGLE3),
+        ("dflash", "dflash", dflash_config),
+        ("dspark", "dspark", dflash_config),
+        ("modelopt", "modelopt_dflash", dflash_config),
+        ("specforge", "specforge_eagle3", eagle3_config),
     ]
     for dtype, spath in stores.items():
         store = HiddenStore(spath)

@@ -1,0 +1,90 @@
+"""The DFlash-family and DSpark exports of the miniature Kimi K2.5 (docs/miniature.md), loaded
+by SpecForge's own offline reader per strategy and ModelOpt's, every layer against the store.
+
+Builds the miniature (kimi_pipe/store/miniature.py), writes token records in Kimi's real
+prompt format and marker ids, writes SpecForge's Kimi drafter configs' layer facts
+(configs/kimi-k25-eagle3.json: aux [2, 30, 58]; configs/kimi-k2.7-code-dflash.json: target
+layers [1, 12, 24, 35, 47, 58], as tests/test_export_dflash.py quotes them), then runs
+benchmarks/drafters_demo.py on that run with `model=kimi_k25` and the miniature's weights.
+
+    PYTHONPATH=. .venv/bin/python -m benchmarks.drafters_miniature --work DIR \
+        --trainer-python VENV/bin/python --out docs/measured/drafters_miniature.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from benchmarks import drafters_demo
+from kimi_pipe.config import compose
+from kimi_pipe.core.models import load_model
+from kimi_pipe.core.prompt_render import prompt_ids
+from kimi_pipe.store import miniature
+
+# The layer keys of SpecForge's own Kimi drafter configs (sgl-project/SpecForge
+# configs/kimi-k25-eagle3.json at 3f9b5fca, configs/kimi-k2.7-code-dflash.json at 47344eab).
+KIMI_K25_EAGLE3 = {
+    "architectures": ["LlamaForCausalLMEagle3"],
+    "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 30, 58], "use_aux_hidden_state": True},
+}
+KIMI_K27_DFLASH = {
+    "architectures": ["DFlashDraftModel"],
+    "block_size": 8,
+    "dflash_config": {"mask_token_id": 163838, "target_layer_ids": [1, 12, 24, 35, 47, 58]},
+    "num_target_layers": 61,
+}
+QUESTIONS = ("What is 2 + 2?", "Name a prime number.", "Say hello.", "Why is the sky blue?")
+
+
+def records(n: int) -> list[dict]:
+    kimi = load_model(compose(["model=kimi_k25"]).model)
+    think_end, im_end = kimi.markers["</think>"], kimi.markers["<|im_end|>"]
+    rows = []
+    for i in range(n):
+        prompt = prompt_ids(kimi, [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}])
+        output = [
+            *kimi.encode([f"The user asks question {i}."]),
+            think_end,
+            *kimi.encode([f"Answer number {i}, briefly."]),
+            im_end,
+        ]
+        rows.append({
+            "id": f"k{i:02d}", "ok": True, "evidence": "text_proven", "issues": [],
+            "prompt_ids": prompt, "output_ids": output,
+            "loss_mask": [0] * len(prompt) + [1] * len(output),
+            "completion_tokens_reported": len(output),
+            "completion_tokens_reconstructed": len(output),
+        })  # fmt: skip
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work", required=True, type=Path)
+    parser.add_argument("--trainer-python", required=True)
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--samples", type=int, default=6)
+    args = parser.parse_args()
+    work = args.work.resolve()
+    weights = work / "kimi-mini"
+    if not (weights / "config.json").exists():
+        miniature.build(miniature.load_spec("kimi_k25"), weights)
+    run = work / "run"
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records(args.samples)))
+    eagle3, dflash = work / "kimi-k25-eagle3.json", work / "kimi-k2.7-code-dflash.json"
+    eagle3.write_text(json.dumps(KIMI_K25_EAGLE3))
+    dflash.write_text(json.dumps(KIMI_K27_DFLASH))
+    return drafters_demo.main(
+        [
+            "--run", str(run), "--trainer-python", args.trainer_python, "--out", str(args.out),
+            "--model", "kimi_k25", "--model-path", str(weights),
+            "--eagle3", str(eagle3), "--dflash", str(dflash),
+        ]
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
