@@ -805,6 +805,48 @@ def kimi_stores() -> dict[str, Any]:
     return out
 
 
+@pytest.fixture(scope="module")
+def kimi_two_ray_nodes(kimi_stores: dict[str, Any]) -> dict[str, Any]:
+    """The same tp-2 engine over two Ray nodes (extract.nnodes=2: the two ranks are two bundles
+    of one placement group, PACK on this machine), the path Kimi K2.5 takes on 2 x 8 H100."""
+    return _kimi_extract(
+        "sglang", KIMI_OUT / "hidden_sglang_ray2", kimi_stores["model"], kimi_stores["records"],
+        "extract.dtype=bfloat16", "extract.tp_size=2", "extract.nnodes=2",
+        "extract.units.workers=1", "extract.units.unit_samples=4", "extract.executor=ray",
+        "extract.ray.node_strategy=PACK", "extract.ray.num_cpus=2", env=_two_rank_env(),
+    )  # fmt: skip
+
+
+def test_sglang_cpu_kimi_k25_over_two_ray_nodes_stores_what_one_node_stores(
+    kimi_stores: dict[str, Any], kimi_two_ray_nodes: dict[str, Any]
+) -> None:
+    """The miniature's tp-2 engine over two Ray nodes: every sample, bit for bit the one-node
+    tp-2 store, and within hf bf16's own distance of the float32 reference."""
+    import torch
+
+    from kimi_pipe.extraction.parity import compare_stores
+    from kimi_pipe.store.unit_reader import UnitHiddenStore, open_local_store
+
+    two = kimi_two_ray_nodes
+    assert two["complete"] and not two["worker_errors"], two
+    plan = UnitHiddenStore(KIMI_OUT / "hidden_sglang_ray2")
+    one = open_local_store(KIMI_OUT / "hidden_sglang_tp2")
+    ids = sorted(plan.ids)
+    assert len(ids) == kimi_stores["n"]
+    assert plan.manifest["sglang_capture_ids"] == [2, 30, 58]
+    bitwise = sum(all(torch.equal(one[i][k], plan[i][k]) for k in one[i]) for i in ids)
+    report = compare_stores(
+        KIMI_OUT / "hidden_hf", KIMI_OUT / "hidden_sglang_ray2", records=kimi_stores["records"],
+        max_len=MAX_LEN, baseline=KIMI_OUT / "hidden_hf_bf16",
+    )  # fmt: skip
+    figures = {"samples": len(ids), "bit_identical_to_one_node_tp2": bitwise,
+               "against_hf": report.as_dict()}  # fmt: skip
+    (KIMI_OUT / "parity_hidden_sglang_ray2.json").write_text(json.dumps(figures, indent=1) + "\n")
+    print("\nKimi K2.5 miniature, tp 2 over two Ray nodes, against hf:\n" + report.table())
+    assert bitwise == len(ids)
+    assert report.ok and report.compared == len(ids), report.table()
+
+
 @pytest.mark.parametrize("store", ["hidden_sglang", "hidden_sglang_tp2"])
 def test_sglang_cpu_runs_kimi_k25_classes_at_61_layers(
     kimi_stores: dict[str, Any], store: str
