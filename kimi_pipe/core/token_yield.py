@@ -69,15 +69,11 @@ def token_yield(
     bought_by_rung = dict.fromkeys(LADDER, 0)
     accepted = 0
     drawn = 0
-    resolvable = 0
     for record in [*latest.values(), *anonymous]:
         rung = evidence_of(record)
         paid = completion_tokens_bought(record)
         bought += paid
         bought_by_rung[rung] += paid
-        candidates = record.get("candidates")
-        if rung == UNRESOLVED and isinstance(candidates, Mapping) and candidates.get("closed"):
-            resolvable += paid  # a closed set the target may resolve at extraction
         exact = exact_output_tokens(record)
         if rung != UNRESOLVED:
             by_rung[rung] += exact
@@ -85,11 +81,9 @@ def token_yield(
             accepted += exact
             if rung == POSTERIOR_SAMPLED and taken_whole(record, accept):
                 drawn += len(record.get("output_ids") or []) - exact
-    block = yield_block(
+    return yield_block(
         accept, bought, bought_by_rung, by_rung, accepted, drawn, price_out_per_token, spend_usd
     )
-    block["resolvable_tokens"] = resolvable
-    return block
 
 
 def yield_block(

@@ -11,9 +11,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from kimi_pipe.core.evidence import evidence_of, parse_accept
+from kimi_pipe.core.evidence import UNRESOLVED, evidence_of, parse_accept
 from kimi_pipe.core.issue_codes import COST_BELOW_LISTED_PRICE, NONCANONICAL_SPLIT
-from kimi_pipe.core.token_yield import token_yield
+from kimi_pipe.core.token_yield import completion_tokens_bought, token_yield
 from kimi_pipe.reporting.runs import Run
 
 # Notes that prove a record exact rather than doubt it (core/logprobs.py).
@@ -343,9 +343,20 @@ def run_yield(run: Run) -> dict[str, Any]:
     except (ValueError, AttributeError):
         accept = parse_accept(None)
     price = _num(_dig(run.summary, "budget", "price_out_usd_per_mtok"))
-    return token_yield(
+    block = token_yield(
         run.records,
         accept,
         price_out_per_token=price / 1e6 if price is not None else None,
         spend_usd=_num(run.summary.get("spend_usd")),
     )
+    # Tokens of closed candidate sets the target may resolve at extraction (the routing by
+    # exact tokens per dollar counts them at the calibration's resolution rate).
+    block["resolvable_tokens"] = sum(
+        completion_tokens_bought(r)
+        for r in run.records
+        if not r.get("error")
+        and evidence_of(r) == UNRESOLVED
+        and isinstance(r.get("candidates"), dict)
+        and r["candidates"].get("closed")
+    )
+    return block
