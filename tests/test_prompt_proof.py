@@ -6,8 +6,8 @@ from __future__ import annotations
 from kimi_pipe.core.prompt_proof import PromptReading, PromptReadings, prove_prompt
 
 OPEN = 9  # the generation prompt's last id, which a stack may leave to the model
-TEMPLATE = PromptReading("template", (1, 2, 3, OPEN))
-RERENDERED = PromptReading("reasoning_any_field", (1, 2, 7, 7, 3, OPEN))
+TEMPLATE = PromptReading("template", [1, 2, 3, OPEN])
+RERENDERED = PromptReading("reasoning_any_field", [1, 2, 7, 7, 3, OPEN])
 READINGS = PromptReadings((TEMPLATE, RERENDERED), generation_open=(OPEN,))
 
 
@@ -60,7 +60,7 @@ def test_no_reading_fits() -> None:
 
 
 def test_readings_with_other_ids_at_the_billed_count() -> None:
-    twin = PromptReading("arguments_compact", (1, 2, 4, OPEN))
+    twin = PromptReading("arguments_compact", [1, 2, 4, OPEN])
     readings = PromptReadings((TEMPLATE, twin), generation_open=(OPEN,))
     got = prove_prompt(readings, billed_prompt=4, billed_completion=5, output_lengths=[5])
     assert got.issues == ["prompt_ambiguous"]

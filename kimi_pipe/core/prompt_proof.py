@@ -34,13 +34,15 @@ from kimi_pipe.core.prompt_render import (
 )
 from kimi_pipe.core.serving import ServingProfile
 
+TEMPLATE_NAME = TEMPLATE_HISTORY.name  # a lone rendering is always the template's
+
 
 @dataclass(frozen=True)
 class PromptReading:
     """One way the prompt may have been rendered: its name and its ids."""
 
     name: str
-    ids: tuple[int, ...]
+    ids: list[int]  # never changed after it is made: readings of one answer share it
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,7 @@ class PromptProof:
     (the generation prompt's end the model wrote itself), the output reading the bill fits
     (an index into `output_lengths`; 0: the as-returned one), and the codes to add."""
 
-    ids: list[int]
+    ids: list[int]  # a reading's ids, shared: copy before changing them
     moved_to_output: list[int]
     issues: list[str]
     reading: str
@@ -88,6 +90,8 @@ def history_renderings(
     if profile.history == "template":
         return [TEMPLATE_HISTORY]
     reasoning, calls = _has_history(messages)
+    if not (reasoning or calls):
+        return [TEMPLATE_HISTORY]  # the common case: one reading, nothing built
     reasonings = ("template", "any_field", "dropped") if reasoning else ("template",)
     arguments = ("verbatim", "compact", "spaced") if calls else ("verbatim",)
     ids = ("verbatim", "canonical") if calls else ("verbatim",)
@@ -104,7 +108,7 @@ def prompt_readings(
     renderings = history_renderings(messages, profile)
     if len(renderings) == 1:  # no earlier turn to re-render: the common case, one encode
         pieces = render_prompt(model.format, messages, tools, renderings[0])
-        readings = [PromptReading(renderings[0].name, tuple(model.encode_prompt(pieces)))]
+        readings = [PromptReading(TEMPLATE_NAME, model.encode_prompt(pieces))]
     else:
         seen: set[tuple[Any, ...]] = set()
         readings = []
@@ -114,7 +118,7 @@ def prompt_readings(
             if key in seen:
                 continue  # the same text: encoded once
             seen.add(key)
-            ids = tuple(model.encode_prompt(pieces))
+            ids = model.encode_prompt(pieces)
             if all(r.ids != ids for r in readings):
                 readings.append(PromptReading(history.name, ids))
     opening = model.format.prompt.generation_open
@@ -143,7 +147,7 @@ def prove_prompt(
     its bill says why)."""
     template = readings.template
     if billed_prompt is None:
-        return PromptProof(list(template.ids), [], [], template.name)
+        return PromptProof(template.ids, [], [], template.name)
     moved = len(readings.generation_open)
     shifts = [moved] if readings.open_in_output else [0] + ([moved] if moved else [])
     if tolerance:
@@ -151,7 +155,7 @@ def prove_prompt(
         shifts, output_lengths = shifts[:1], output_lengths[:1]
 
     def prompt_fits(reading: PromptReading, shift: int) -> bool:
-        if shift and reading.ids[-shift:] != readings.generation_open:
+        if shift and tuple(reading.ids[-shift:]) != readings.generation_open:
             return False
         return abs(len(reading.ids) - shift - billed_prompt) <= tolerance  # type: ignore[operator]
 
@@ -171,7 +175,7 @@ def prove_prompt(
         alone = [r for r in readings.readings if not readings.open_in_output and prompt_fits(r, 0)]
         if len(alone) != 1:
             code = PROMPT_UNPROVEN if not alone else PROMPT_AMBIGUOUS
-            return PromptProof(list(template.ids), [], [code], template.name)
+            return PromptProof(template.ids, [], [code], template.name)
         both = [(alone[0], 0, 0)]
     if len(both) > 1 and tolerance:
         # Within the slack, the reading nearest the billed count, when one is nearest.
@@ -181,11 +185,11 @@ def prove_prompt(
         nearest = min(map(miss, both))
         both = [fit for fit in both if miss(fit) == nearest]
     if len(both) > 1:
-        return PromptProof(list(template.ids), [], [PROMPT_AMBIGUOUS], template.name)
+        return PromptProof(template.ids, [], [PROMPT_AMBIGUOUS], template.name)
     reading, shift, index = both[0]
     issues = [] if reading is template else [PROMPT_HISTORY_RERENDERED]
-    ids = list(reading.ids)
+    ids = reading.ids
     if shift:
         issues.append(THINK_OPEN_BILLED_AS_OUTPUT)
-        return PromptProof(ids[:-shift], ids[-shift:], issues, reading.name, index)
+        return PromptProof(ids[:-shift], list(ids[-shift:]), issues, reading.name, index)
     return PromptProof(ids, [], issues, reading.name, index)

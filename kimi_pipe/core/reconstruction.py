@@ -680,7 +680,7 @@ def reconstruct(
     if isinstance(prompt, PromptReadings):  # candidate options of one answer share them
         readings = prompt
     elif prompt is not None:
-        readings = PromptReadings((PromptReading("given", tuple(prompt)),))
+        readings = PromptReadings((PromptReading("given", list(prompt)),))
     else:
         try:
             readings = prompt_readings(model, messages, tools, profile)
@@ -688,7 +688,7 @@ def reconstruct(
             readings = None
             issues.append("bad_prompt")
             detail = {"prompt_error": str(exc)}
-    prompt = list(readings.template.ids) if readings is not None else []
+    prompt_seen: list[int] = readings.template.ids if readings is not None else []
     if _other_model(model, response):
         issues.append(OTHER_MODEL)
 
@@ -757,13 +757,14 @@ def reconstruct(
                 output_lengths=[len(o) for o in outputs],
                 tolerance=billing_tolerance,
             )
-            prompt = proof.ids
+            prompt_seen = proof.ids
             issues += proof.issues
             if proof.output_reading:
                 output = outputs[proof.output_reading]
                 issues.append(TOOL_SECTION_IN_REASONING)
-            # The model wrote the generation prompt's end: the output starts with it.
-            output = proof.moved_to_output + output
+            if proof.moved_to_output:
+                # The model wrote the generation prompt's end: the output starts with it.
+                output = proof.moved_to_output + output
             if proof.reading != readings.template.name:
                 detail["prompt_reading"] = proof.reading
         if reported is None:
@@ -777,7 +778,7 @@ def reconstruct(
             issues.append(TOOL_ARGUMENT_TYPES_BILLED)
 
     mask_spec = model.format.loss_mask
-    loss_mask = [mask_spec.prompt] * len(prompt) + [mask_spec.output] * len(output)
+    loss_mask = [mask_spec.prompt] * len(prompt_seen) + [mask_spec.output] * len(output)
     if ended and output and mask_spec.end_token != mask_spec.output:
         end_len = len(model.encode(model.format.output.end.render()))
         loss_mask[len(loss_mask) - end_len :] = [mask_spec.end_token] * end_len
@@ -785,7 +786,8 @@ def reconstruct(
     return Reconstruction(
         ok=not any(code in ERRORS for code in issues),
         issues=issues,
-        prompt_ids=prompt,
+        # The record's own copy where the readings came from the caller (options share them).
+        prompt_ids=list(prompt_seen) if isinstance(prompt, PromptReadings) else prompt_seen,
         output_ids=output,
         loss_mask=loss_mask,
         completion_tokens_reported=reported,
