@@ -17,7 +17,7 @@ import itertools
 import json
 import unicodedata
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -333,8 +333,22 @@ def _check_argument_types(
     written it as a string. Flag unless the profile says arguments are verbatim."""
     if profile.argument_types == "verbatim" or not tools:
         return
-    schemas = {}
-    for tool in tools:
+    for _, properties, values, _ in _schema_typed_calls(calls, tools):
+        if isinstance(values, dict) and any(
+            _typed(properties.get(key)) and not isinstance(value, str)
+            for key, value in values.items()
+        ):
+            issues.append("tool_arguments_maybe_coerced")
+            return
+
+
+def _schema_typed_calls(
+    calls: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None
+) -> Iterator[tuple[str, Mapping[str, Any], Any, bool]]:
+    """(arguments, the declared properties, the parsed arguments, whether they parsed) of each
+    call whose tool declares properties and whose arguments are a string."""
+    schemas: dict[Any, Any] = {}
+    for tool in tools or []:
         function = tool.get("function") if isinstance(tool, Mapping) else None
         if isinstance(function, Mapping):
             schemas[function.get("name")] = (function.get("parameters") or {}).get("properties")
@@ -345,15 +359,10 @@ def _check_argument_types(
         if not isinstance(properties, Mapping) or not isinstance(arguments, str):
             continue
         try:
-            values = json.loads(arguments)
+            values, parsed = json.loads(arguments), True
         except ValueError:
-            continue
-        if isinstance(values, dict) and any(
-            _typed(properties.get(key)) and not isinstance(value, str)
-            for key, value in values.items()
-        ):
-            issues.append("tool_arguments_maybe_coerced")
-            return
+            values, parsed = None, False
+        yield arguments, properties, values, parsed
 
 
 def _types_billed(
@@ -366,21 +375,9 @@ def _types_billed(
     coercing stack would have turned into this) costs at least two ids more than the bill
     allows (the other ambiguities a record may carry move the count by at most one): so the
     model wrote the values as they are. Checked value by value (any quoted set costs more)."""
-    schemas: dict[Any, Any] = {}
-    for tool in tools or []:
-        function = tool.get("function") if isinstance(tool, Mapping) else None
-        if isinstance(function, Mapping):
-            schemas[function.get("name")] = (function.get("parameters") or {}).get("properties")
     count = model.tokenizer.encode_ordinary
-    for call in answer.tool_calls:
-        function = call.get("function") or {}
-        properties = schemas.get(function.get("name"))
-        arguments = function.get("arguments")
-        if not isinstance(properties, Mapping) or not isinstance(arguments, str):
-            continue
-        try:
-            values = json.loads(arguments)
-        except ValueError:
+    for arguments, properties, values, parsed in _schema_typed_calls(answer.tool_calls, tools):
+        if not parsed:
             return False
         if not isinstance(values, dict):
             continue
