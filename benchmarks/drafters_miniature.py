@@ -2,10 +2,11 @@
 by SpecForge's own offline reader per strategy and ModelOpt's, every layer against the store.
 
 Builds the miniature (kimi_pipe/store/miniature.py), writes token records in Kimi's real
-prompt format and marker ids, writes SpecForge's Kimi drafter configs' layer facts
+prompt format and marker ids, and takes SpecForge's Kimi drafter configs' layer facts
 (configs/kimi-k25-eagle3.json: aux [2, 30, 58]; configs/kimi-k2.7-code-dflash.json: target
-layers [1, 12, 24, 35, 47, 58], as tests/test_export_dflash.py quotes them), then runs
-benchmarks/drafters_demo.py on that run with `model=kimi_k25` and the miniature's weights.
+layers [1, 12, 24, 35, 47, 58]) from benchmarks/drafter_configs/, the files
+tests/test_export_dflash.py reads too, then runs benchmarks/drafters_demo.py on that run with
+`model=kimi_k25` and the miniature's weights.
 
     PYTHONPATH=. .venv/bin/python -m benchmarks.drafters_miniature --work DIR \
         --trainer-python VENV/bin/python --out docs/measured/drafters_miniature.json
@@ -23,18 +24,6 @@ from kimi_pipe.core.models import load_model
 from kimi_pipe.core.prompt_render import prompt_ids
 from kimi_pipe.store import miniature
 
-# The layer keys of SpecForge's own Kimi drafter configs (sgl-project/SpecForge
-# configs/kimi-k25-eagle3.json at 3f9b5fca, configs/kimi-k2.7-code-dflash.json at 47344eab).
-KIMI_K25_EAGLE3 = {
-    "architectures": ["LlamaForCausalLMEagle3"],
-    "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 30, 58], "use_aux_hidden_state": True},
-}
-KIMI_K27_DFLASH = {
-    "architectures": ["DFlashDraftModel"],
-    "block_size": 8,
-    "dflash_config": {"mask_token_id": 163838, "target_layer_ids": [1, 12, 24, 35, 47, 58]},
-    "num_target_layers": 61,
-}
 QUESTIONS = ("What is 2 + 2?", "Name a prime number.", "Say hello.", "Why is the sky blue?")
 
 
@@ -74,9 +63,8 @@ def main() -> int:
     run = work / "run"
     run.mkdir(parents=True, exist_ok=True)
     (run / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records(args.samples)))
-    eagle3, dflash = work / "kimi-k25-eagle3.json", work / "kimi-k2.7-code-dflash.json"
-    eagle3.write_text(json.dumps(KIMI_K25_EAGLE3))
-    dflash.write_text(json.dumps(KIMI_K27_DFLASH))
+    eagle3 = drafters_demo.CONFIGS / "kimi-k25-eagle3.json"
+    dflash = drafters_demo.CONFIGS / "kimi-k2.7-code-dflash.json"
     return drafters_demo.main(
         [
             "--run", str(run), "--trainer-python", args.trainer_python, "--out", str(args.out),

@@ -40,19 +40,11 @@ from tests.test_extract_hf import (
 
 REPO = Path(__file__).resolve().parents[1]
 
-# The layer facts of SpecForge's own Kimi drafter configs (sgl-project/SpecForge
-# configs/kimi-k25-eagle3.json at 3f9b5fca, configs/kimi-k2.7-code-dflash.json at 47344eab):
-# only the keys that name layers, the rest of each file is the drafter's architecture.
-KIMI_K25_EAGLE3 = {
-    "architectures": ["LlamaForCausalLMEagle3"],
-    "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 30, 58], "use_aux_hidden_state": True},
-}
-KIMI_K27_DFLASH = {
-    "architectures": ["DFlashDraftModel"],
-    "block_size": 8,
-    "dflash_config": {"mask_token_id": 163838, "target_layer_ids": [1, 12, 24, 35, 47, 58]},
-    "num_target_layers": 61,
-}
+# The layer facts of SpecForge's own Kimi drafter configs (their source in each file's
+# `_source`): the files benchmarks/drafters_miniature.py extracts with too.
+DRAFTER_CONFIGS = REPO / "benchmarks" / "drafter_configs"
+KIMI_K25_EAGLE3 = json.loads((DRAFTER_CONFIGS / "kimi-k25-eagle3.json").read_text())
+KIMI_K27_DFLASH = json.loads((DRAFTER_CONFIGS / "kimi-k2.7-code-dflash.json").read_text())
 
 
 def write_config(path: Path, config: dict) -> Path:
