@@ -9,7 +9,11 @@ returns the chat-completion message that stack sends.
   sglang_0_5_23   reasoning and content as decoded; the tool parser's `\\s*{args}\\s*` strips
                   the arguments' edges; ids rebuilt as functions.{name}:{history + position}
   vllm_0_33       the reasoning's trailing whitespace stripped, a whitespace-only content
-                  before calls dropped; arguments' edges stripped; the model's ids
+                  before calls dropped; arguments' edges stripped, and values coerced to the
+                  request's schema (a whole number written as a string for an integer
+                  property, a number, boolean or null for a string one), the whole object
+                  then written again by json.dumps (its parser engine's `_fix_arg_types`);
+                  the model's ids
   vllm_0_15       spaces_between_special_tokens: one space each side of every kept marker;
                   arguments stripped; ids replaced (chatcmpl-tool-...), dotted names cut
   vllm_0_15_stream  the same stack streaming: only the space after each marker arrives; the
@@ -20,7 +24,8 @@ Each maps to the serving profile it is declared as (`DECLARED`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import json
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +52,7 @@ def _call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def sglang_0_5_23(answer: Answer, history: int) -> Any:
+def sglang_0_5_23(answer: Answer, history: int, tools: Sequence[dict[str, Any]] = ()) -> Any:
     calls = [
         _call(f"functions.{name}:{history + n}", name, args.strip())
         for n, (name, args, _) in enumerate(answer.calls)
@@ -55,9 +60,33 @@ def sglang_0_5_23(answer: Answer, history: int) -> Any:
     return _message(answer.reasoning, answer.content or None, calls)
 
 
-def vllm_0_33(answer: Answer, history: int) -> Any:
+def _schema_coerced(name: str, arguments: str, tools: Sequence[dict[str, Any]]) -> str:
+    """vLLM 0.33's schema coercion, for the schema shapes these tests declare (flat
+    properties typed integer or string)."""
+    properties: dict[str, Any] = {}
+    for tool in tools:
+        if tool["function"]["name"] == name:
+            properties = tool["function"].get("parameters", {}).get("properties", {})
+    try:
+        values = json.loads(arguments)
+    except ValueError:
+        return arguments
+    if not isinstance(values, dict):
+        return arguments
+    changed = False
+    for key, value in values.items():
+        kind = (properties.get(key) or {}).get("type")
+        if kind == "integer" and isinstance(value, str) and value.isdigit():
+            values[key], changed = int(value), True
+        elif kind == "string" and (value is None or isinstance(value, bool | int | float)):
+            values[key], changed = json.dumps(value), True
+    return json.dumps(values, ensure_ascii=False) if changed else arguments
+
+
+def vllm_0_33(answer: Answer, history: int, tools: Sequence[dict[str, Any]] = ()) -> Any:
     calls = [
-        _call(f"functions.{name}:{index}", name, args.strip()) for name, args, index in answer.calls
+        _call(f"functions.{name}:{index}", name, _schema_coerced(name, args.strip(), tools))
+        for name, args, index in answer.calls
     ]
     content: str | None = answer.content
     if calls and not answer.content.strip():
@@ -65,7 +94,7 @@ def vllm_0_33(answer: Answer, history: int) -> Any:
     return _message(answer.reasoning.rstrip() or None, content, calls)
 
 
-def vllm_0_15(answer: Answer, history: int) -> Any:
+def vllm_0_15(answer: Answer, history: int, tools: Sequence[dict[str, Any]] = ()) -> Any:
     calls = [
         _call(f"chatcmpl-tool-{n:016x}", name.rsplit(".", 1)[-1], args.strip())
         for n, (name, args, _) in enumerate(answer.calls)
@@ -79,7 +108,7 @@ def vllm_0_15(answer: Answer, history: int) -> Any:
     return _message(" " + answer.reasoning + " " if answer.reasoning else " ", content, calls)
 
 
-def vllm_0_15_stream(answer: Answer, history: int) -> Any:
+def vllm_0_15_stream(answer: Answer, history: int, tools: Sequence[dict[str, Any]] = ()) -> Any:
     # The streaming tool parser drops the arguments' leading whitespace; what it does with
     # trailing whitespace depends on how the deltas fall (the real corpus covers it), so the
     # model keeps it and the check against the servers leaves such answers out.
@@ -91,7 +120,7 @@ def vllm_0_15_stream(answer: Answer, history: int) -> Any:
     return _message(" " + answer.reasoning if answer.reasoning else None, content, calls)
 
 
-STACKS: dict[str, Callable[[Answer, int], Any]] = {
+STACKS: dict[str, Callable[[Answer, int, Sequence[dict[str, Any]]], Any]] = {
     "sglang_0_5_23": sglang_0_5_23,
     "vllm_0_33": vllm_0_33,
     "vllm_0_15": vllm_0_15,

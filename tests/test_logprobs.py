@@ -351,7 +351,12 @@ def test_generate_writes_the_engines_ids_over_http(
         assert rec["id_sources"][0][2] == "engine"
 
     out2 = tmp_path / "without"
-    status, _ = run_inprocess([*base_overrides(prompts, srv.url(), out2, kimi_dir), *KEPT], out2)
+    # The scripted stack sends the model's arguments as written ({"expr": "12345"} could
+    # otherwise be a coercing stack's text for 12345: core/coercion.py).
+    verbatim = "serving.argument_types=verbatim"
+    status, _ = run_inprocess(
+        [*base_overrides(prompts, srv.url(), out2, kimi_dir), *KEPT, verbatim], out2
+    )
     assert status == 0
     for rec in read_jsonl(out2 / "records.jsonl"):
         truth = stack.emitted[f"Question {int(rec['id'][1:])}: call calc?"]

@@ -38,6 +38,7 @@ from kimi_pipe.core.reconstruction import (
     Reconstruction,
     answer_fields,
     argument_edge_readings,
+    coercion_readings_of,
     reconstruct,
     undo_serving,
 )
@@ -55,6 +56,7 @@ TAIL_ALPHABET = ("\n", "\r")
 MAX_TAIL_CHARS = 16  # newline runs listed at most (open sets, and the search bound's cap)
 MAX_TAIL_NODES = 1024  # search budget; reaching it leaves the set open (never guessed closed)
 MAX_EDGE_READINGS = 64  # argument-edge readings of one answer enumerated; more leave it open
+MAX_OPEN_OPTIONS = 16  # options an open set lists before the rest are skipped
 # Readings kept for the split check miss the bill by at most this many ids: as many as the
 # departures its search follows (core/splits.py, `max_departures`).
 READING_DISTANCE = 3
@@ -105,6 +107,12 @@ class Candidates:
     def proves(self) -> bool:
         """A closed set of exactly one option: the ids are proven."""
         return self.closed and len(self.options) == 1
+
+
+def _enough_for_open(why_open: Sequence[str], options: Sequence[Option]) -> bool:
+    """An open set is never resolved and keeps no readings: once it is known to be open,
+    MAX_OPEN_OPTIONS options show what it holds and the rest are not built."""
+    return bool(why_open) and len(options) >= MAX_OPEN_OPTIONS
 
 
 def _errors(codes: Sequence[str]) -> set[str]:
@@ -170,6 +178,7 @@ def enumerate_candidates(
     if billing_tolerance:
         why_open.append(f"billing tolerance {billing_tolerance}: billing cannot bound the options")
     enum_edges = "tool_arguments_edges_unverifiable" in covered
+    enum_coercion = "tool_arguments_maybe_coerced" in covered
     may_drop_whitespace = profile.reasoning_tail in ("stripped", UNKNOWN)
     if enum_edges and "billing_mismatch" in covered:
         # Whitespace that costs ids may have been stripped from the arguments too: only the
@@ -180,10 +189,14 @@ def enumerate_candidates(
     short: dict[tuple[int, ...], Option] = {}
     long: dict[tuple[int, ...], Option] = {}
     for spacing in spacings:
+        if _enough_for_open(why_open, options):
+            break
         hypothesis = replace(
             profile,
             marker_spacing=spacing,
             reasoning_tail="stripped" if enum_tail else profile.reasoning_tail,
+            # Each coercion reading is rebuilt as the model's own text.
+            argument_types="verbatim" if enum_coercion else profile.argument_types,
         )
         scratch: list[str] = []
         undone = undo_serving(model, hypothesis, answer, scratch)
@@ -193,12 +206,31 @@ def enumerate_candidates(
             # Nothing left to anchor a stripped tail: the whole reasoning may have been
             # whitespace, of any length billing allows.
             why_open.append("the stack may have stripped a whitespace-only reasoning")
-        edge_sets = _edge_assignments(model, undone) if enum_edges else [None]
-        if edge_sets is None:
-            why_open.append("too many argument-edge readings to list")
-            edge_sets = [None]
-        for move, edges in [(m, e) for m in moves for e in edge_sets]:
-            moved = _move_space_to_arguments(undone, trailing=move == 2) if move else undone
+        coerced_readings: list[tuple[AnswerFields, str]] = [(undone, "")]
+        if enum_coercion:
+            coerced_readings, complete = _coercion_assignments(undone, tools)
+            if not complete:
+                why_open.append(
+                    "a coerced value may have had another spelling (a number, boolean or "
+                    "nested value), or too many to list"
+                )
+        branches = []
+        for coerced, coercion in coerced_readings:
+            edge_sets = _edge_assignments(model, coerced) if enum_edges else [None]
+            if edge_sets is None:
+                why_open.append("too many argument-edge readings to list")
+                edge_sets = [None]
+            branches += [(coerced, coercion, m, e) for m in moves for e in edge_sets]
+        if len(branches) > MAX_EDGE_READINGS * len(moves):
+            # Coercion readings times edge readings: too many to rebuild, so the set is open
+            # and only the arguments as returned are listed.
+            why_open.append("too many readings of the coerced arguments to list")
+            edge_sets = _edge_assignments(model, undone) if enum_edges else [None]
+            branches = [(undone, "", m, e) for m in moves for e in edge_sets or [None]]
+        for coerced, coercion, move, edges in branches:
+            if _enough_for_open(why_open, options):
+                break
+            moved = _move_space_to_arguments(coerced, trailing=move == 2) if move else coerced
             if moved is None:
                 continue
             if edges is not None:
@@ -256,7 +288,9 @@ def enumerate_candidates(
                         Option(
                             rebuilt.output_ids,
                             rebuilt.loss_mask,
-                            _label(spacing if len(spacings) > 1 else None, move, tail, edges),
+                            _label(
+                                spacing if len(spacings) > 1 else None, move, tail, edges, coercion
+                            ),
                         ),
                     )
             for tail in tails:
@@ -265,6 +299,7 @@ def enumerate_candidates(
                     _errors(rebuilt.issues)
                     - {"space_before_tool_section"}
                     - ({"tool_arguments_edges_unverifiable"} if enum_edges else set())
+                    - ({"tool_arguments_maybe_coerced"} if enum_coercion else set())
                 ):
                     continue
                 if "space_before_tool_section" in _errors(rebuilt.issues) and (
@@ -279,7 +314,7 @@ def enumerate_candidates(
                     Option(
                         rebuilt.output_ids,
                         rebuilt.loss_mask,
-                        _label(spacing if len(spacings) > 1 else None, move, tail, edges),
+                        _label(spacing if len(spacings) > 1 else None, move, tail, edges, coercion),
                     )
                 )
     if not options:
@@ -500,6 +535,41 @@ def _edge_assignments(model: Model, answer: AnswerFields) -> list[EdgeReadings] 
     return [tuple(combo) for combo in itertools.product(*per_call)]
 
 
+def _coercion_assignments(
+    answer: AnswerFields, tools: Sequence[Mapping[str, Any]] | None
+) -> tuple[list[tuple[AnswerFields, str]], bool]:
+    """Every combination of the calls' coercion readings (core/coercion.py), each with its
+    label, and whether the list is complete (every call's readings are, and there are at most
+    MAX_EDGE_READINGS combinations)."""
+    per_call: list[list[tuple[str | None, str]]] = []
+    complete = True
+    for n, readings in enumerate(coercion_readings_of(answer.tool_calls, tools)):
+        if readings is None:
+            per_call.append([(None, "")])
+            continue
+        complete = complete and readings.complete
+        per_call.append(
+            [(readings.texts[0], "")]
+            + [(text, f"call {n} arguments written {text!r}") for text in readings.texts[1:]]
+        )
+    total = 1
+    for options in per_call:
+        total *= len(options)
+    if total > MAX_EDGE_READINGS:
+        return [(answer, "")], False
+    out = []
+    for combo in itertools.product(*per_call):
+        calls = []
+        for call, (text, _) in zip(answer.tool_calls, combo, strict=True):
+            function = call.get("function")
+            if text is not None and isinstance(function, Mapping):
+                call = {**call, "function": {**function, "arguments": text}}
+            calls.append(call)
+        label = "; ".join(part for _, part in combo if part)
+        out.append((replace(answer, tool_calls=calls), label))
+    return out, complete
+
+
 def _with_edges(answer: AnswerFields, edges: EdgeReadings) -> AnswerFields:
     calls = []
     for call, (lead, trail) in zip(answer.tool_calls, edges, strict=True):
@@ -511,8 +581,14 @@ def _with_edges(answer: AnswerFields, edges: EdgeReadings) -> AnswerFields:
     return replace(answer, tool_calls=calls)
 
 
-def _label(spacing: str | None, move: int, tail: str, edges: EdgeReadings | None = None) -> str:
-    parts = []
+def _label(
+    spacing: str | None,
+    move: int,
+    tail: str,
+    edges: EdgeReadings | None = None,
+    coercion: str = "",
+) -> str:
+    parts = [coercion] if coercion else []
     if spacing == "spaces":
         parts.append("marker spaces removed (the stack's)")
     elif spacing == "leading":

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import fnmatch
 import itertools
-import json
 import unicodedata
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kimi_pipe.core.answer_checks import same_model
+from kimi_pipe.core.coercion import CoercionReadings, coercion_readings
 from kimi_pipe.core.formats import Marker, Piece, split_markers
 from kimi_pipe.core.issue_codes import (
     LENGTH_AMBIGUOUS,
@@ -319,50 +319,41 @@ def _declared_name(
     return name
 
 
-_TYPED = frozenset({"integer", "number", "boolean"})
-
-
 def _check_argument_types(
     profile: ServingProfile,
     calls: Sequence[Mapping[str, Any]],
     tools: Sequence[Mapping[str, Any]] | None,
     issues: list[str],
 ) -> None:
-    """A stack that coerces values to the schema ("30" -> 30) leaves valid JSON of the same
-    length: where the schema declares a typed value and the answer has one, the model may have
-    written it as a string. Flag unless the profile says arguments are verbatim."""
+    """A stack that coerces values to the schema ("30" -> 30) leaves valid JSON: where a call's
+    arguments may be such a stack's rewrite (core/coercion.py), the model may have written
+    other text. Flag unless the profile says arguments are verbatim."""
     if profile.argument_types == "verbatim" or not tools:
         return
-    for _, properties, values, _ in _schema_typed_calls(calls, tools):
-        if isinstance(values, dict) and any(
-            _typed(properties.get(key)) and not isinstance(value, str)
-            for key, value in values.items()
-        ):
-            issues.append("tool_arguments_maybe_coerced")
-            return
+    if any(readings is not None for readings in coercion_readings_of(calls, tools)):
+        issues.append("tool_arguments_maybe_coerced")
 
 
-def _schema_typed_calls(
+def coercion_readings_of(
     calls: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None
-) -> Iterator[tuple[str, Mapping[str, Any], Any, bool]]:
-    """(arguments, the declared properties, the parsed arguments, whether they parsed) of each
-    call whose tool declares properties and whose arguments are a string."""
+) -> list[CoercionReadings | None]:
+    """Per call, in order: the texts a coercing stack may have turned into its arguments
+    (core/coercion.py), None where it cannot have changed them."""
     schemas: dict[Any, Any] = {}
     for tool in tools or []:
         function = tool.get("function") if isinstance(tool, Mapping) else None
         if isinstance(function, Mapping):
             schemas[function.get("name")] = (function.get("parameters") or {}).get("properties")
+    out: list[CoercionReadings | None] = []
     for call in calls:
         function = call.get("function") or {}
         properties = schemas.get(function.get("name"))
         arguments = function.get("arguments")
         if not isinstance(properties, Mapping) or not isinstance(arguments, str):
-            continue
-        try:
-            values, parsed = json.loads(arguments), True
-        except ValueError:
-            values, parsed = None, False
-        yield arguments, properties, values, parsed
+            out.append(None)
+        else:
+            out.append(coercion_readings(arguments, properties))
+    return out
 
 
 def _types_billed(
@@ -371,37 +362,21 @@ def _types_billed(
     tools: Sequence[Mapping[str, Any]] | None,
     tolerance: int,
 ) -> bool:
-    """The bill fits the arguments as returned, and a typed value written as a string (what a
-    coercing stack would have turned into this) costs at least two ids more than the bill
-    allows (the other ambiguities a record may carry move the count by at most one): so the
-    model wrote the values as they are. Checked value by value (any quoted set costs more)."""
+    """The bill fits the arguments as returned, and every other text a coercing stack may
+    have turned into them (any combination across the calls) misses it by at least two ids
+    more than the tolerance (the other ambiguities a record may carry move the count by at
+    most one): so the model wrote the arguments as they are."""
     count = model.tokenizer.encode_ordinary
-    for arguments, properties, values, parsed in _schema_typed_calls(answer.tool_calls, tools):
-        if not parsed:
-            return False
-        if not isinstance(values, dict):
+    changed: set[int] = set()  # count differences of the combinations that read a call anew
+    for readings in coercion_readings_of(answer.tool_calls, tools):
+        if readings is None:
             continue
-        for key, value in values.items():
-            if not _typed(properties.get(key)) or isinstance(value, str):
-                continue
-            literal = json.dumps(value, ensure_ascii=False)
-            quoted = json.dumps(literal, ensure_ascii=False)
-            # The value as returned sits after its key; quote it there, nowhere else.
-            at = arguments.find(literal, arguments.find(json.dumps(key, ensure_ascii=False)))
-            if at < 0:
-                return False
-            as_string = arguments[:at] + quoted + arguments[at + len(literal) :]
-            if len(count(as_string)) - len(count(arguments)) < 2 + tolerance:
-                return False
-    return True
-
-
-def _typed(schema: Any) -> bool:
-    if not isinstance(schema, Mapping):
-        return False
-    kind = schema.get("type")
-    kinds = set(kind) if isinstance(kind, list) else {kind}
-    return bool(kinds & _TYPED)
+        if not readings.complete:
+            return False  # an unlisted spelling may fit the bill
+        returned = len(count(readings.texts[0]))
+        deltas = [len(count(text)) - returned for text in readings.texts[1:]]
+        changed = {s + d for s in changed for d in [0, *deltas]} | set(deltas)
+    return all(abs(d) >= 2 + tolerance for d in changed)
 
 
 def _ends_mergeable(text: str) -> bool:
