@@ -24,15 +24,7 @@ from hydra import compose, initialize_config_dir
 
 from kimi_pipe.core.models import Model
 from kimi_pipe.core.prompt_render import prompt_ids
-from kimi_pipe.exporters import (
-    INDEX_FILE,
-    SPECFORGE_CONFIG,
-    TOKENS_FILE,
-    export,
-    modelopt_path,
-    specforge_path,
-    speculators_path,
-)
+from kimi_pipe.exporters import SPECFORGE_CONFIG
 from kimi_pipe.extraction.hf_backend import HFBackend, load_wrapped_text_model
 from kimi_pipe.extraction.layers import output_to_capture_ids, sglang_config_to_capture_ids
 from kimi_pipe.extraction.resolve import HFSuffixScorer, full_sequence_logprobs
@@ -42,13 +34,14 @@ from kimi_pipe.store import miniature
 from kimi_pipe.store.conventions import rms_norm
 from kimi_pipe.store.hidden_store import HiddenStore, default_layer_ids
 from kimi_pipe.store.records import read_records
+from tests.support.export_readback import read_back_exports, records_by_id
+from tests.support.miniature import QUESTIONS, greedy, split_check_records
 
 REPO = Path(__file__).resolve().parent.parent
 LAYERS = 61  # Kimi K2.5's depth, kept
 HIDDEN = 64  # the miniature's width
 OUTPUT_IDS = [1, 29, 57]  # "output of layer": the default rule at 61 layers
 CAPTURE_IDS = [2, 30, 58]  # SGLang's capture ids = transformers hidden_states indices
-QUESTIONS = ["What is 2+2?", "Name a colour.", "Say hi.", "Count to three."]
 
 
 @pytest.fixture(scope="module")
@@ -61,17 +54,6 @@ def mini(mini_dir: Path) -> Iterator[HFBackend]:
     backend = HFBackend(mini_dir, store_dtype="float32", final_state="pre_norm")
     yield backend
     backend.close()
-
-
-def greedy(backend: HFBackend, prompt: list[int], n: int) -> list[int]:
-    """The miniature's own greedy continuation (transformers' generate, no sampling)."""
-    ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        out = backend.model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-            max_new_tokens=n, min_new_tokens=n, pad_token_id=163839,
-        )  # fmt: skip
-    return [int(t) for t in out[0, len(prompt) :]]
 
 
 def kimi_records(kimi: Model, n: int) -> list[dict[str, Any]]:
@@ -274,55 +256,25 @@ def test_four_exports_read_back_as_the_trainers_read_them(
     float_states: dict[str, tuple[torch.Tensor, torch.Tensor]],
     tmp_path: Path,
 ) -> None:
-    from datasets import load_from_disk
-    from safetensors.torch import load_file
-
     store_dir = store_run / "hidden_hf"
-    store = HiddenStore(store_dir)
-    spec = store.manifest["final_norm"]
+    spec = HiddenStore(store_dir).manifest["final_norm"]
+    # Every sample once in each format, ids and masks equal the records, states equal the store
+    # (SpecForge's post-norm state is the norm applied to the stored pre-norm state).
+    teacher = read_back_exports(
+        store_dir, tmp_path, target_model_path=mini_dir,
+        records=records_by_id(store_run / "records.jsonl"),
+    )  # fmt: skip
     head = mini.model.lm_head.weight.detach().float()
     agree = total = 0
-    for fmt in ("specforge", "speculators", "modelopt", "tokens"):
-        out = tmp_path / fmt
-        export([store_dir], out, fmt, seed=0, target_model_path=str(mini_dir))
-        index = [json.loads(line) for line in (out / INDEX_FILE).read_text().splitlines()]
-        assert sorted(r["id"] for r in index) == sorted(store.ids), fmt  # every sample, once
-        if fmt == "tokens":
-            rows = [json.loads(line) for line in (out / TOKENS_FILE).read_text().splitlines()]
-            for r in rows:
-                assert r["input_ids"] == store.tokens(r["id"])["input_ids"].tolist()
-            continue
-        if fmt == "speculators":
-            ds = load_from_disk(str(out))
-        for row in index:
-            s = store[row["id"]]
-            length = s["input_ids"].numel()
-            if fmt == "specforge":
-                data = torch.load(specforge_path(out, row["index"]))
-                assert data["aux_hidden_state"].shape == (1, length, 3 * HIDDEN)
-                post = data["hidden_state"].reshape(length, HIDDEN)
-                assert torch.equal(post, rms_norm(s["hidden_state"], spec).to(post.dtype))
-                post = post.float()
-                # The teacher: the post-norm state through Kimi's own head predicts what the
-                # model's float32 logits predict (the fp8 store keeps the bf16 store's argmax;
-                # bf16 against float32 may part at a near tie).
-                want = (rms_norm(float_states[row["id"]][1], spec) @ head.T).argmax(-1)
-                agree += int(((post @ head.T).argmax(-1) == want).sum())
-                total += length
-                assert data["input_ids"].tolist() == s["input_ids"].tolist()
-            elif fmt == "speculators":
-                f = load_file(str(speculators_path(out, row["index"])))
-                assert f["hidden_states"].shape == (length, 4, HIDDEN)
-                assert torch.equal(f["hidden_states"][:, 3].float(), s["hidden_state"].float())
-                assert ds[row["index"]]["input_ids"].tolist() == s["input_ids"].tolist()
-            else:
-                data = torch.load(modelopt_path(out, row["index"]), weights_only=True)
-                assert data["aux_hidden_states"].shape[-1] == 3 * HIDDEN
-                assert torch.equal(data["input_ids"], s["input_ids"])
-        readme = (out / "README.md").read_text()
-        if fmt == "speculators":
-            assert "--target-layer-ids 2 30 58" in readme
+    for sid, post in teacher.items():
+        # The teacher: the post-norm state through Kimi's own head predicts what the model's
+        # float32 logits predict (the fp8 store keeps the bf16 store's argmax; bf16 against
+        # float32 may part at a near tie).
+        want = (rms_norm(float_states[sid][1], spec) @ head.T).argmax(-1)
+        agree += int(((post @ head.T).argmax(-1) == want).sum())
+        total += len(want)
     assert agree >= 0.98 * total, (agree, total)
+    assert "--target-layer-ids 2 30 58" in (tmp_path / "speculators" / "README.md").read_text()
     # SpecForge's config names Kimi's checkpoint keys, read from the checkpoint's index.
     train = yaml.safe_load((tmp_path / "specforge" / SPECFORGE_CONFIG).read_text())
     flat = json.dumps(train)
@@ -339,7 +291,7 @@ def greedy_answers(mini: HFBackend, kimi: Model) -> list[tuple[list[int], list[i
     out = []
     for question in QUESTIONS[:3]:
         prompt = prompt_ids(kimi, [{"role": "user", "content": question}])
-        out.append((prompt, greedy(mini, prompt, 8)))
+        out.append((prompt, greedy(mini.model, prompt, 8)))
     return out
 
 
@@ -452,21 +404,7 @@ def test_extract_split_check_recovers_the_models_own_ids(
     """Records rebuilt from text alone (the canonical encoding of the miniature's greedy text,
     billed at the true count): the split check through the stage keeps a canonical answer and
     recovers a non-canonical one, under greedy sampling, on Kimi's 163,840-id vocabulary."""
-    rows, truths = [], {}
-    for i, (prompt, truth) in enumerate(greedy_answers):
-        canonical = kimi.encode([kimi.tokenizer.decode(truth)])
-        same = canonical == truth
-        truths[f"g{i}"] = (truth, same)
-        rows.append({
-            "id": f"g{i}", "ok": len(canonical) == len(truth),
-            "evidence": "text_proven" if len(canonical) == len(truth) else "unresolved",
-            "issues": [] if len(canonical) == len(truth) else ["billing_mismatch"], "notes": [],
-            "prompt_ids": prompt, "output_ids": canonical,
-            "loss_mask": [0] * len(prompt) + [1] * len(canonical),
-            "completion_tokens_reported": len(truth),
-            "completion_tokens_reconstructed": len(canonical),
-            "sampling": {"temperature": 0.0},
-        })  # fmt: skip
+    rows, truths = split_check_records(kimi, greedy_answers)
     # These prompts' greedy texts: one re-encodes to other ids (the case to recover).
     assert any(not same for _, same in truths.values())
     records = tmp_path / "records.jsonl"

@@ -744,13 +744,15 @@ KIMI_OUT = OUT.parent / "sglang_cpu_kimi"
 
 
 def _kimi_extract(backend: str, store: Path, model: Path, records: Path, *extra: str,
-                  env: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
+                  env: dict[str, str] | None = None, split_check: bool = False,
+                  ) -> dict[str, Any]:  # fmt: skip
     """One extract through the real CLI with Kimi K2.5's model config (its layer rule)."""
     cmd = [
         sys.executable, "-m", "kimi_pipe", "extract", f"extract={backend}", "model=kimi_k25",
         f"extract.records={records}", f"extract.model_path={model}",
         f"extract.output_dir={store}", "extract.device=cpu", "extract.store_dtype=bfloat16",
-        "resolve.split_check=false", f"hydra.run.dir={store.parent}/hydra-{store.name}", *extra,
+        f"resolve.split_check={str(split_check).lower()}",
+        f"hydra.run.dir={store.parent}/hydra-{store.name}", *extra,
     ]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
@@ -930,3 +932,180 @@ def test_sglang_cpu_resolves_kimi_k25_sets_like_hf(
             assert (a is None) == (b is None)  # an option impossible under the sampling
             if a is not None:
                 assert abs(a - b) < 0.5, (h["id"], a, b)  # bf16 against float32
+
+
+# The SGLang stores' exports: the miniature's tp-1 and tp-2 stores through the four EAGLE-3
+# exporters, read back as tests/test_kimi_miniature.py reads the hf store's (the same helper),
+# and SpecForge's and ModelOpt's own loaders where a venv holds them.
+KIMI_EXPORTED = ("specforge", "modelopt", "tokens")
+SPECFORGE_PY = os.environ.get("KIMI_PIPE_SPECFORGE_PYTHON")
+
+
+def _kimi_head(model: Path) -> Any:
+    """The miniature's LM head, float32, read from the checkpoint by its own name."""
+    from safetensors import safe_open
+
+    name = "language_model.lm_head.weight"
+    shard = json.loads((model / "model.safetensors.index.json").read_text())["weight_map"][name]
+    with safe_open(str(model / shard), "pt") as f:
+        return f.get_tensor(name).float()
+
+
+@pytest.fixture(scope="module")
+def kimi_exports(kimi_stores: dict[str, Any]) -> dict[str, Any]:
+    """Each SGLang store exported and read back; the teacher (SpecForge's final state through
+    Kimi's own head) against hf float32's, beside hf bf16's (the same measure of bf16)."""
+    from kimi_pipe.exporters import export
+    from kimi_pipe.store.conventions import ConventionError, rms_norm
+    from kimi_pipe.store.hidden_store import HiddenStore
+    from tests.support.export_readback import read_back_exports, records_by_id
+
+    records = records_by_id(kimi_stores["records"])
+    head = _kimi_head(kimi_stores["model"])
+    ref = HiddenStore(KIMI_OUT / "hidden_hf")
+    spec = ref.manifest["final_norm"]
+    want = {i: (rms_norm(ref[i]["hidden_state"], spec) @ head.T).argmax(-1) for i in ref.ids}
+    figures: dict[str, Any] = {}
+    for store in ("hidden_sglang", "hidden_sglang_tp2", "hidden_hf_bf16"):
+        out = KIMI_OUT / f"exports_{store}"
+        start = time.perf_counter()
+        # SpecForge and ModelOpt in their own folder: what tools/interop_check.py is pointed at.
+        formats = KIMI_EXPORTED if store != "hidden_hf_bf16" else ("specforge",)
+        trainers = tuple(f for f in formats if f != "tokens")
+        teacher = read_back_exports(
+            KIMI_OUT / store, out / "trainers", trainers, target_model_path=kimi_stores["model"],
+            records=records,
+        )  # fmt: skip
+        if "tokens" in formats:
+            read_back_exports(KIMI_OUT / store, out, ("tokens",), records=records)
+        refused = None
+        if store != "hidden_hf_bf16":
+            # speculators trains on the pre-norm state; SGLang hands out the post-norm one.
+            with pytest.raises(ConventionError, match="post-norm") as exc:
+                export([KIMI_OUT / store], out / "speculators", "speculators")
+            refused = str(exc.value)
+        agree = sum(int(((teacher[i] @ head.T).argmax(-1) == want[i]).sum()) for i in teacher)
+        total = sum(len(want[i]) for i in teacher)
+        figures[store] = {
+            "samples": len(teacher), "formats_read_back": list(formats),
+            "speculators_refused": refused, "teacher_argmax_equal_hf_float32": agree,
+            "positions": total, "export_and_read_s": round(time.perf_counter() - start, 1),
+        }  # fmt: skip
+    (KIMI_OUT / "exports.json").write_text(json.dumps(figures, indent=1) + "\n")
+    print("\n" + json.dumps(figures, indent=1))
+    return figures
+
+
+@pytest.mark.parametrize("store", ["hidden_sglang", "hidden_sglang_tp2"])
+def test_sglang_cpu_kimi_k25_exports_read_back_as_the_trainers_read_them(
+    kimi_stores: dict[str, Any], kimi_exports: dict[str, Any], store: str
+) -> None:
+    """SpecForge, ModelOpt and tokens exports of SGLang's stores: every sample once, ids and
+    masks equal the records, states equal the store (kimi_exports asserts these while reading);
+    speculators refused (post-norm); the teacher picks hf float32's token as often as
+    transformers' own bf16 run does, within 2 points."""
+    got, base = kimi_exports[store], kimi_exports["hidden_hf_bf16"]
+    assert got["samples"] == kimi_stores["n"] and got["speculators_refused"], got
+    rate = got["teacher_argmax_equal_hf_float32"] / got["positions"]
+    floor = base["teacher_argmax_equal_hf_float32"] / base["positions"]
+    assert rate >= floor - 0.02, (got, base)
+
+
+@pytest.mark.skipif(
+    not SPECFORGE_PY,
+    reason="SpecForge's and ModelOpt's own loaders not run: set KIMI_PIPE_SPECFORGE_PYTHON to "
+    "a venv python holding specforge and nvidia-modelopt (and transformers with Kimi K2.5's "
+    "classes, >= 5.24)",
+)
+@pytest.mark.parametrize("store", ["hidden_sglang", "hidden_sglang_tp2"])
+def test_sglang_cpu_kimi_k25_exports_load_in_specforge_and_modelopt(
+    kimi_stores: dict[str, Any], kimi_exports: dict[str, Any], store: str
+) -> None:
+    """The trainers' own readers (tools/interop_check.py: SpecForge's OfflineManifestReader,
+    its EAGLE-3 normaliser and collator; ModelOpt's OfflineSupervisedDataset and collator) on
+    the SGLang store's exports: every sample, ids and loss masks equal the records, the teacher
+    post-norm (rms(h / w) about 1). The records are random ids, so the readers' argmax check
+    (the records' own next tokens) does not apply, and their aux check is written for a
+    float32-computed store (SGLang computes in bf16: its parity test measures that)."""
+    exports = KIMI_OUT / f"exports_{store}" / "trainers"
+    proc = subprocess.run(
+        [str(SPECFORGE_PY), "-m", "tools.interop_check", "--exports", str(exports),
+         "--records", str(kimi_stores["records"]), "--model", str(kimi_stores["model"])],
+        cwd=REPO, capture_output=True, text=True, timeout=1200,
+    )  # fmt: skip
+    (KIMI_OUT / f"interop_{store}.log").write_text(proc.stdout + proc.stderr)
+    assert (exports / "interop.json").exists(), proc.stderr[-3000:]
+    results = json.loads((exports / "interop.json").read_text())
+    print("\n" + json.dumps(results, indent=1)[:4000])
+    assert set(results) == {"specforge", "modelopt"}, results
+    for name, res in results.items():
+        assert "error" not in res, f"{name}: the trainer's loader failed: {res['error']}"
+        assert res["samples"] == kimi_stores["n"], (name, res)
+        checks = res["checks"]
+        assert checks["ids"] and checks["loss_mask"] and checks["rms"], (name, res)
+
+
+# The split check through SGLang's engine on the miniature: records rebuilt from the text of
+# its own greedy answers, as tests/test_kimi_miniature.py checks them through hf.
+@pytest.fixture(scope="module")
+def kimi_split_check(kimi_stores: dict[str, Any], kimi: Any) -> dict[str, Any]:
+    from kimi_pipe.core.prompt_render import prompt_ids
+    from kimi_pipe.extraction.hf_backend import HFBackend
+    from kimi_pipe.store.records import read_records
+    from tests.support.miniature import QUESTIONS, greedy, split_check_records
+
+    hf = HFBackend(kimi_stores["model"], final_state="pre_norm")
+    answers = []
+    for question in QUESTIONS[:3]:
+        prompt = prompt_ids(kimi, [{"role": "user", "content": question}])
+        answers.append((prompt, greedy(hf.model, prompt, 8)))
+    hf.close()
+    rows, truths = split_check_records(kimi, answers)
+    out: dict[str, Any] = {"truths": truths, "prompts": [p for p, _ in answers]}
+    for backend, extra in (("hf", ()), ("sglang", ("extract.dtype=bfloat16",))):
+        run = KIMI_OUT / f"split_{backend}"
+        run.mkdir()
+        records = run / "records.jsonl"
+        records.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        start = time.perf_counter()
+        summary = _kimi_extract(
+            backend, run / "hidden", kimi_stores["model"], records, *extra,
+            "resolve.billing_splits=true", split_check=True,
+        )  # fmt: skip
+        out[backend] = {
+            "summary": summary, "records": list(read_records(records)),
+            "wall_s": round(time.perf_counter() - start, 1),
+        }  # fmt: skip
+    figures = {
+        b: {"counts": out[b]["summary"]["resolve"]["counts"], "wall_s": out[b]["wall_s"],
+            "evidence": {r["id"]: r["evidence"] for r in out[b]["records"]},
+            "split_check": {r["id"]: r.get("split_check") for r in out[b]["records"]}}
+        for b in ("hf", "sglang")
+    }  # fmt: skip
+    (KIMI_OUT / "split_check.json").write_text(json.dumps(figures, indent=1, default=str) + "\n")
+    print("\n" + json.dumps(figures, indent=1, default=str)[:6000])
+    return out
+
+
+def test_sglang_cpu_kimi_k25_split_check_like_hf(kimi_split_check: dict[str, Any]) -> None:
+    """Through SGLang's Kimi K2.5 classes the split check keeps the answers that re-encode to
+    their own ids and recovers the one that does not, as through transformers."""
+    from kimi_pipe.store.hidden_store import HiddenStore
+
+    truths = kimi_split_check["truths"]
+    assert any(not same for _, same in truths.values())  # one to recover
+    for backend in ("hf", "sglang"):
+        got = kimi_split_check[backend]
+        counts = got["summary"]["resolve"]["counts"]
+        assert sum(counts.values()) == len(truths), (backend, counts)
+        store = HiddenStore(KIMI_OUT / f"split_{backend}" / "hidden")
+        for r in got["records"]:
+            truth, same = truths[r["id"]]
+            assert r["output_ids"] == truth, (backend, r["id"], r.get("split_check"))
+            assert r["evidence"] == ("text_proven" if same else "target_resolved"), (
+                backend, r["id"], r["evidence"],
+            )  # fmt: skip
+            prompt = kimi_split_check["prompts"][int(r["id"][1:])]
+            assert store.tokens(r["id"])["input_ids"].tolist() == prompt + truth
+    hf, sg = (kimi_split_check[b]["summary"]["resolve"]["counts"] for b in ("hf", "sglang"))
+    assert hf == sg, (hf, sg)

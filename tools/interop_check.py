@@ -67,11 +67,17 @@ class Target:
     """The target model in float32: reference states, final norm, LM head."""
 
     def __init__(self, model_dir: Path) -> None:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        # A vision wrapper around a text model (Kimi K2.5's, which transformers maps to no
+        # causal-LM class) loads with its own class; its text decoder and head are the target.
+        config = AutoConfig.from_pretrained(str(model_dir))
+        causal = type(config) in AutoModelForCausalLM._model_mapping
+        auto: Any = AutoModelForCausalLM if causal else AutoModelForImageTextToText
+        self.model = auto.from_pretrained(str(model_dir), dtype=torch.float32)
         self.model.eval()
-        self.norm = self.model.model.norm
+        self.decoder = self.model.get_decoder()
+        self.norm = self.decoder.norm
         self.norm_weight = self.norm.weight.detach().float()
         self.head = self.model.get_output_embeddings().weight.detach().float()
         self._cache: dict[tuple[int, ...], tuple[torch.Tensor, ...]] = {}
@@ -81,7 +87,7 @@ class Target:
         """transformers' hidden_states: index i is the input of layer i (0 = embeddings)."""
         key = tuple(ids)
         if key not in self._cache:
-            out = self.model.model(input_ids=torch.tensor([ids]), output_hidden_states=True)
+            out = self.decoder(input_ids=torch.tensor([ids]), output_hidden_states=True)
             self._cache[key] = tuple(h[0].float() for h in out.hidden_states)
         return self._cache[key]
 
