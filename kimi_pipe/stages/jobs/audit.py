@@ -10,12 +10,13 @@ from omegaconf import DictConfig, OmegaConf
 from kimi_pipe.reporting.audit import AuditJob, AuditSettings
 
 
-def _plain(cfg: DictConfig, key: str) -> dict[str, Any]:
+def _plain(cfg: DictConfig, key: str) -> Any:
+    """The node `key` as plain values (interpolations resolved); {} when absent."""
     node = OmegaConf.select(cfg, key, default=None)
     if node is None:
         return {}
     plain = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
-    return dict(plain) if isinstance(plain, dict) else plain  # type: ignore[return-value]
+    return {str(k): v for k, v in plain.items()} if isinstance(plain, dict) else plain
 
 
 def audit_job(
