@@ -59,6 +59,15 @@ class LocalModelSpec:
         )
 
 
+@dataclass(frozen=True)
+class ModelJob:
+    """What the model stage converts (None: a remote provider's model, nothing to do) and
+    the directory the model group says the weights are in (`model.hf_weights`)."""
+
+    spec: LocalModelSpec | None
+    hf_weights: str | None = None
+
+
 def cache_root() -> Path:
     """`$KIMI_PIPE_CACHE`, else `~/.cache/kimi_pipe`."""
     env = os.environ.get(CACHE_ENV)
