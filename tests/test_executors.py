@@ -605,3 +605,30 @@ def test_a_bad_executor_on_the_command_line_is_one_line_and_exit_2(tmp_path: Pat
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [line for line in proc.stderr.splitlines() if "extract.executor" in line]
     assert len(lines) == 1 and "must be one of" in lines[0] and "Traceback" not in proc.stderr
+
+
+def test_the_extract_job_is_built_at_the_door_and_pickles(tmp_path: Path) -> None:
+    """What the workers receive: the job built once from the config, plain and picklable
+    (Ray and submitit send it to other processes); run dirs travel as arguments."""
+    import pickle
+
+    from kimi_pipe.extraction.job import ExtractJob
+
+    run = tmp_path / "run"
+    cfg = make_cfg(["model=smollm2", f"extract.run_dir={run}", "extract.executor=local"])
+    job = extract_job(cfg)
+    assert isinstance(job, ExtractJob) and job.executor == "local"
+    assert job.records_path() == run / "records.jsonl"
+    assert job.store_path() == run / f"hidden_{job.backend}"
+    assert job.model_name == "smollm2" and job.get("batch_tokens") == cfg.extract.batch_tokens
+    assert pickle.loads(pickle.dumps(job)) == job
+    # A pipeline's run dir replaces extract.run_dir; a default only fills it in when unset.
+    other = tmp_path / "other"
+    assert extract_job(cfg, other).records_path() == other / "records.jsonl"
+    assert extract_job(cfg, default_run_dir=other).records_path() == run / "records.jsonl"
+    bare = make_cfg(["model=smollm2"])
+    assert extract_job(bare, default_run_dir=other).records_path() == other / "records.jsonl"
+    with pytest.raises(ConfigError, match="no input"):
+        extract_job(bare).records_path()
+    # Filling in a run dir wrote nothing into the config itself.
+    assert bare.extract.get("run_dir") is None and cfg.extract.run_dir == str(run)
