@@ -83,10 +83,11 @@ def one_run(
     import ray
 
     from kimi_pipe.extraction.executors.ray_executor import RayPool
+    from kimi_pipe.stages.jobs.extract import extract_job
 
     store = run_dir / "store"
     shutil.rmtree(store, ignore_errors=True)
-    pool = RayPool(config(run_dir, model, args))
+    pool = RayPool(extract_job(config(run_dir, model, args)))
     t0 = time.monotonic()
     try:
         pool.add(workers, ready_first=True)

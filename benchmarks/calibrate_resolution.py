@@ -76,6 +76,7 @@ from kimi_pipe.extraction.split_check import (  # noqa: E402
     checkable,
     vocabulary_of,
 )
+from kimi_pipe.stages.jobs.extract import extract_job  # noqa: E402
 
 TOPICS = [
     "the sea", "a cat", "rain", "Paris", "music", "bread", "a river", "winter", "the moon",
@@ -99,7 +100,7 @@ def load_target() -> tuple[Any, Path, HFBackend, Any, list[int]]:
 
     cfg = compose(["model=smollm2"])
     model = load_model(cfg.model)
-    path = resolve_model_path(cfg)
+    path = resolve_model_path(extract_job(cfg))
     backend = HFBackend(path, model_name="smollm2")
     tok = AutoTokenizer.from_pretrained(str(path))
     return model, path, backend, tok, model.encode(model.format.output.end.render())

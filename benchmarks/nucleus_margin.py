@@ -31,6 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 from kimi_pipe.config import compose  # noqa: E402
 from kimi_pipe.core.models import load_model  # noqa: E402
 from kimi_pipe.extraction.hf_backend import HFBackend, resolve_model_path  # noqa: E402
+from kimi_pipe.stages.jobs.extract import extract_job  # noqa: E402
 
 SLACKS = (0.0, 1e-5, 1e-4, 1e-3, 1e-2, 3e-2)
 
@@ -57,7 +58,7 @@ def main() -> int:
     key, truths = cached["key"], cached["truths"][: args.answers]
     cfg = compose(["model=smollm2"])
     model = load_model(cfg.model)
-    path = resolve_model_path(cfg)
+    path = resolve_model_path(extract_job(cfg))
     from benchmarks.calibrate_resolution import calibration_prompts
 
     prompts = calibration_prompts(model, len(truths))  # the same questions, in the same order

@@ -33,7 +33,7 @@ from typing import Any
 
 from kimi_pipe.errors import ConfigError
 
-# Extraction backends: `extract.backend=<name>` -> a function open_backend(cfg) -> Backend.
+# Extraction backends: `extract.backend=<name>` -> a function open_backend(job) -> Backend.
 BACKENDS: dict[str, str] = {
     "hf": "kimi_pipe.extraction.hf_backend:open_backend",
     "sglang": "kimi_pipe.extraction.sglang:open_backend",

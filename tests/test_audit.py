@@ -166,6 +166,13 @@ def _compose(tmp_path: Path, *overrides: str) -> Any:
     return compose(["model=smollm2", *overrides])
 
 
+def run_audit(cfg: Any) -> dict[str, Any]:
+    """The audit of a composed config, through the stage's door (its job builder)."""
+    from kimi_pipe.stages.jobs.audit import audit_job
+
+    return audit_mod.run_audit(audit_job(cfg))
+
+
 def test_audit_stage_with_engine_replies(smollm2, tmp_path: Path) -> None:
     e = end_id(smollm2)
     # (id, what the server's text said, the ids the engine really produced)
@@ -203,7 +210,7 @@ def test_audit_stage_with_engine_replies(smollm2, tmp_path: Path) -> None:
 
     cfg = _compose(tmp_path, "audit.truth=replies", f"audit.records={records_path}",
                    f"audit.replies={replies_path}")  # fmt: skip
-    summary = audit_mod.run_audit(cfg)
+    summary = run_audit(cfg)
 
     assert summary["audited"] == 7 and summary["exact"] == 1
     assert summary["exact_match_rate"] == pytest.approx(1 / 7)
@@ -234,20 +241,18 @@ def test_audit_truth_from_the_records_own_response(smollm2, tmp_path: Path) -> N
     rec["response"]["choices"][0]["token_ids"] = list(rec["output_ids"])
     path = tmp_path / "records.jsonl"
     path.write_text(json.dumps(rec) + "\n")
-    summary = audit_mod.run_audit(
-        _compose(tmp_path, "audit.truth=response", f"audit.records={path}")
-    )
+    summary = run_audit(_compose(tmp_path, "audit.truth=response", f"audit.records={path}"))
     assert summary["exact"] == summary["audited"] == 1
 
 
 def test_missing_inputs_are_clear_errors(tmp_path: Path) -> None:
     with pytest.raises(audit_mod.AuditError, match="records file not found"):
-        audit_mod.run_audit(_compose(tmp_path, f"audit.run_dir={tmp_path}"))
+        run_audit(_compose(tmp_path, f"audit.run_dir={tmp_path}"))
     (tmp_path / "records.jsonl").write_text("")
     with pytest.raises(audit_mod.AuditError, match="needs audit.replies"):
-        audit_mod.run_audit(_compose(tmp_path, f"audit.run_dir={tmp_path}", "audit.truth=replies"))
+        run_audit(_compose(tmp_path, f"audit.run_dir={tmp_path}", "audit.truth=replies"))
     with pytest.raises(audit_mod.AuditError, match="audit.truth='guess'"):
-        audit_mod.run_audit(_compose(tmp_path, f"audit.run_dir={tmp_path}", "audit.truth=guess"))
+        run_audit(_compose(tmp_path, f"audit.run_dir={tmp_path}", "audit.truth=guess"))
 
 
 @pytest.mark.slow
@@ -280,7 +285,7 @@ def test_hf_greedy_truth_and_resume(smollm2, tmp_path: Path, monkeypatch) -> Non
     (tmp_path / "records.jsonl").write_text(
         json.dumps(rec("good", truth.output_ids)) + "\n" + json.dumps(rec("bad", wrong)) + "\n"
     )
-    first = audit_mod.run_audit(cfg)
+    first = run_audit(cfg)
     assert (first["audited"], first["exact"]) == (2, 1)
     cached = [json.loads(x) for x in (tmp_path / audit_mod.TRUTH_FILE).read_text().splitlines()]
     assert [c["id"] for c in cached] == ["good", "bad"]
@@ -289,7 +294,7 @@ def test_hf_greedy_truth_and_resume(smollm2, tmp_path: Path, monkeypatch) -> Non
         raise AssertionError("truth should come from the cache")
 
     monkeypatch.setattr(audit_mod.HFGreedyTruth, "__init__", no_generation)
-    again = audit_mod.run_audit(cfg)
+    again = run_audit(cfg)
     assert (again["audited"], again["exact"]) == (2, 1)
 
 
@@ -302,9 +307,7 @@ def test_duplicate_ids_count_once_the_last_record_wins(smollm2, tmp_path: Path) 
     stale["response"]["choices"][0]["token_ids"] = enc(smollm2, "No.")  # an earlier attempt
     path = tmp_path / "records.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in (stale, good)))
-    summary = audit_mod.run_audit(
-        _compose(tmp_path, "audit.truth=response", f"audit.records={path}")
-    )
+    summary = run_audit(_compose(tmp_path, "audit.truth=response", f"audit.records={path}"))
     assert summary["exact"] == summary["audited"] == 1
     assert audit_mod.latest_by_id([{"id": "a", "n": 1}, {"id": "b"}, {"id": "a", "n": 2}]) == [
         {"id": "b"},
@@ -325,11 +328,10 @@ def test_hf_greedy_cache_key_holds_dtype_and_threads(tmp_path: Path, monkeypatch
             return TruthIds([1, 2], [3], "x")
 
     monkeypatch.setattr(audit_mod, "HFGreedyTruth", FakeEngine)
-    cfg = OmegaConf.create({"audit": {}})
     rec = {"id": "r1", "messages": [{"role": "user", "content": "hi"}]}
     cache = audit_mod.TruthCache(tmp_path / audit_mod.TRUTH_FILE)
     for dtype, threads in [("float32", 1), ("float32", 1), ("bfloat16", 1), ("float32", 4)]:
         s = audit_mod.AuditSettings(model_path=str(tmp_path), dtype=dtype, threads=threads)
-        audit_mod._truth_source(cfg, s, cache)(rec)
+        audit_mod._truth_source(s, cache, None)(rec)
     cache.close()
     assert made == [("float32", 1), ("bfloat16", 1), ("float32", 4)]  # the repeat is cached

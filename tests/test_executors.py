@@ -28,6 +28,7 @@ from kimi_pipe.errors import ConfigError
 from kimi_pipe.exporters import INDEX_FILE, export
 from kimi_pipe.extraction.parity import compare_stores
 from kimi_pipe.stages.extract import is_complete, run_extract
+from kimi_pipe.stages.jobs.extract import extract_job
 from kimi_pipe.store.hidden_store import HiddenStore
 from kimi_pipe.store.unit_reader import UnitHiddenStore, is_unit_store
 from kimi_pipe.store.units import CorruptUnit, UnitStore
@@ -228,7 +229,7 @@ def test_ray_actor_killed_mid_run_every_id_once(
 
     ids = write_records(tmp_path, 40, SMOL_VOCAB)
     store = tmp_path / "hidden_hf"
-    pool = RayPool(smol_cfg(tmp_path, smollm2_dir, "ray"))
+    pool = RayPool(extract_job(smol_cfg(tmp_path, smollm2_dir, "ray")))
     try:
         pool.add(2)
         # Kill actor 0 while it holds a unit, after it has committed one.
@@ -274,7 +275,7 @@ def test_ray_worker_count_changes_between_and_during_runs_redo_nothing(
     ids = write_records(tmp_path, 40, SMOL_VOCAB, seed=5)
     store = tmp_path / "hidden_hf"
     cfg = smol_cfg(tmp_path, smollm2_dir, "ray", "extract.units.lease_s=30")  # nobody dies
-    first = RayPool(cfg)  # run 1: one worker that leaves after 3 units
+    first = RayPool(extract_job(cfg))  # run 1: one worker that leaves after 3 units
     try:
         first.add(1, wait_for_held=False, max_units=3)
         done1, errors1 = first.wait()
@@ -282,7 +283,7 @@ def test_ray_worker_count_changes_between_and_during_runs_redo_nothing(
         first.close()
     assert not errors1 and len(done1[0]["units_committed"]) == 3
     before = indexes(store)
-    second = RayPool(cfg)  # run 2: one worker, then a second joins while it runs
+    second = RayPool(extract_job(cfg))  # run 2: one worker, then a second joins while it runs
     try:
         second.add(1)
         wait_for(lambda: len(indexes(store)) > len(before), 180, "run 2's first commit")
@@ -309,7 +310,7 @@ def test_submitit_local_job_killed_mid_run_every_id_once(
     ids = write_records(tmp_path, 40, SMOL_VOCAB, seed=9)
     store = tmp_path / "hidden_hf"
     cfg = smol_cfg(tmp_path, smollm2_dir, "submitit", f"extract.submitit.folder={tmp_path}/jobs")
-    jobs = submit(cfg, 2)
+    jobs = submit(extract_job(cfg), 2)
     try:
         wait_for(lambda: committed_by(store, "job0-"), 240, "a commit of job 0")
         victim_unit = wait_for(lambda: held_by(store, "job0-"), 60, "job 0 to hold a unit")
@@ -462,7 +463,7 @@ def test_bad_executor_settings_are_one_line_errors(tmp_path: Path, tiny_dir: Pat
     with pytest.raises(ConfigError, match="submitit.cluster"):
         from kimi_pipe.extraction.executors.submitit_executor import SubmititSettings
 
-        SubmititSettings.from_cfg(make_cfg(["extract.submitit.cluster=pbs"]))
+        SubmititSettings.from_job(extract_job(make_cfg(["extract.submitit.cluster=pbs"])))
 
 
 @pytest.mark.slow
@@ -604,3 +605,30 @@ def test_a_bad_executor_on_the_command_line_is_one_line_and_exit_2(tmp_path: Pat
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [line for line in proc.stderr.splitlines() if "extract.executor" in line]
     assert len(lines) == 1 and "must be one of" in lines[0] and "Traceback" not in proc.stderr
+
+
+def test_the_extract_job_is_built_at_the_door_and_pickles(tmp_path: Path) -> None:
+    """What the workers receive: the job built once from the config, plain and picklable
+    (Ray and submitit send it to other processes); run dirs travel as arguments."""
+    import pickle
+
+    from kimi_pipe.extraction.job import ExtractJob
+
+    run = tmp_path / "run"
+    cfg = make_cfg(["model=smollm2", f"extract.run_dir={run}", "extract.executor=local"])
+    job = extract_job(cfg)
+    assert isinstance(job, ExtractJob) and job.executor == "local"
+    assert job.records_path() == run / "records.jsonl"
+    assert job.store_path() == run / f"hidden_{job.backend}"
+    assert job.model_name == "smollm2" and job.get("batch_tokens") == cfg.extract.batch_tokens
+    assert pickle.loads(pickle.dumps(job)) == job
+    # A pipeline's run dir replaces extract.run_dir; a default only fills it in when unset.
+    other = tmp_path / "other"
+    assert extract_job(cfg, other).records_path() == other / "records.jsonl"
+    assert extract_job(cfg, default_run_dir=other).records_path() == run / "records.jsonl"
+    bare = make_cfg(["model=smollm2"])
+    assert extract_job(bare, default_run_dir=other).records_path() == other / "records.jsonl"
+    with pytest.raises(ConfigError, match="no input"):
+        extract_job(bare).records_path()
+    # Filling in a run dir wrote nothing into the config itself.
+    assert bare.extract.get("run_dir") is None and cfg.extract.run_dir == str(run)

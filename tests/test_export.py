@@ -21,6 +21,7 @@ from kimi_pipe.exporters import (
 )
 from kimi_pipe.extraction.hf_backend import HFBackend
 from kimi_pipe.stages.extract import run_extract
+from kimi_pipe.stages.jobs.export import export_job
 from kimi_pipe.store.hidden_store import HiddenStore, StoreWriter, make_manifest
 from tests.test_extract_hf import (
     TINY_HIDDEN,
@@ -252,4 +253,7 @@ def test_cli_export(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert len(load_like_specforge(out)) == 3
     with pytest.raises(ValueError, match="not supported"):
-        run_export(OmegaConf.create({"format": "eagle", "stores": [str(store)], "output": "x"}))
+        job = export_job(
+            OmegaConf.create({"format": "eagle", "stores": [str(store)], "output": "x"})
+        )
+        run_export(job)

@@ -327,21 +327,28 @@ def test_run_export_reads_format_model_path_and_max_length(tmp_path: Path) -> No
     from omegaconf import OmegaConf
 
     from kimi_pipe.exporters import run_export
+    from kimi_pipe.stages.jobs.export import export_job
 
     tied = write_index(tmp_path / "tied", ["model.embed_tokens.weight"])
     store = make_store(tmp_path / "run" / "store", final_state="pre_norm")
     cfg = {"stores": [str(store)], "seed": 0, "target_model_path": str(tied), "max_length": 64}
     summary = run_export(
-        OmegaConf.create({**cfg, "format": "specforge", "output": str(tmp_path / "a")})
+        export_job(OmegaConf.create({**cfg, "format": "specforge", "output": str(tmp_path / "a")}))
     )
     assert summary["max_length"] == 64
     assert summary["weight_keys"]["lm_head_key"] == "model.embed_tokens.weight"
     summary = run_export(
-        OmegaConf.create({**cfg, "format": "speculators", "output": str(tmp_path / "b")})
+        export_job(
+            OmegaConf.create({**cfg, "format": "speculators", "output": str(tmp_path / "b")})
+        )
     )
     assert summary["conventions"]["final_state_conversion"] == "as_is"
     with pytest.raises(ValueError, match="another export"):  # same directory, other format
-        run_export(OmegaConf.create({**cfg, "format": "modelopt", "output": str(tmp_path / "b")}))
+        run_export(
+            export_job(
+                OmegaConf.create({**cfg, "format": "modelopt", "output": str(tmp_path / "b")})
+            )
+        )
 
 
 def test_pre_norm_is_refused_for_a_norm_export_could_not_recompute(tmp_path: Path) -> None:

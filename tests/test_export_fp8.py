@@ -25,6 +25,7 @@ from kimi_pipe.exporters import (
     specforge_path,
     speculators_path,
 )
+from kimi_pipe.stages.jobs.export import export_job
 from kimi_pipe.store.conventions import final_norm_spec
 from kimi_pipe.store.hidden_store import (
     FP8_MAX,
@@ -322,15 +323,15 @@ def test_export_group_and_format_alias(tmp_path: Path) -> None:
     cfg = compose(["export=speculators", "export.dtype=fp8_e4m3", f"output={tmp_path / 'a'}"])
     assert cfg.format == "speculators"  # format follows the group choice
     cfg.stores = [str(store)]
-    summary = run_export(cfg)
+    summary = run_export(export_job(cfg))
     assert summary["files"]["dtype"] == "float8_e4m3fn"
     cfg = compose(["format=tokens", f"output={tmp_path / 'b'}"])
     cfg.stores = [str(store)]
-    assert run_export(cfg)["format"] == "tokens"
+    assert run_export(export_job(cfg))["format"] == "tokens"
     cfg = compose(["export=specforge", "export.compress=true", f"output={tmp_path / 'c'}"])
     cfg.stores = [str(store)]
-    assert run_export(cfg)["files"]["compression"] == "gzip"
+    assert run_export(export_job(cfg))["files"]["compression"] == "gzip"
     with pytest.raises(ValueError, match="not supported"):
         cfg = compose(["format=nosuch", f"output={tmp_path / 'd'}"])
         cfg.stores = [str(store)]
-        run_export(cfg)
+        run_export(export_job(cfg))

@@ -15,7 +15,13 @@ from typing import Any
 import pytest
 import torch
 from omegaconf import OmegaConf
-from test_extract_sglang import StandInRank, _cfg, _records, tiny_model  # noqa: F401
+from test_extract_sglang import (  # noqa: F401
+    StandInRank,
+    _cfg,
+    _records,
+    run_extract,
+    tiny_model,
+)
 
 from kimi_pipe.errors import ConfigError
 from kimi_pipe.exporters import INDEX_FILE, export
@@ -25,9 +31,10 @@ from kimi_pipe.extraction.executors.nodes import (
     node_rank_of,
     slurm_node,
 )
-from kimi_pipe.extraction.sglang import EngineSettings, node_ranks, run_extract
+from kimi_pipe.extraction.sglang import EngineSettings, node_ranks
 from kimi_pipe.extraction.sglang.backend import serve_follower_node
 from kimi_pipe.extraction.sglang.ranks import free_port
+from kimi_pipe.stages.jobs.extract import extract_job
 from kimi_pipe.store.hidden_store import HiddenStore
 
 REPO = Path(__file__).resolve().parent.parent
@@ -69,16 +76,17 @@ def test_slurm_task_finds_its_node_rank_and_rank_zeros_host() -> None:
 
 
 def _sglang_cfg(*extra: str) -> Any:
+    """The extract job of an SGLang config (built at the stage's door)."""
     from kimi_pipe.config import compose
 
-    return compose(["extract=sglang", "extract.model_path=/m", *extra])
+    return extract_job(compose(["extract=sglang", "extract.model_path=/m", *extra]))
 
 
 def test_engine_node_fills_in_rank_and_address_from_slurm() -> None:
     env = {"SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_NODEID": "1", "SLURM_JOB_ID": "10"}
     cfg = engine_node(_sglang_cfg("extract.nnodes=2", "extract.tp_size=16"), env)
-    assert (cfg.extract.node_rank, cfg.extract.dist_init_addr) == (1, "gpu07:20080")
-    settings = EngineSettings.from_cfg(cfg)
+    assert (cfg.get("node_rank"), cfg.get("dist_init_addr")) == (1, "gpu07:20080")
+    settings = EngineSettings.from_job(cfg)
     assert list(settings.local_ranks) == list(range(8, 16))
     assert node_rank_of(cfg) == 1
     # What the command line says wins over the environment.
@@ -91,19 +99,19 @@ def test_engine_node_fills_in_rank_and_address_from_slurm() -> None:
         ),
         env,
     )
-    assert (cfg.extract.node_rank, cfg.extract.dist_init_addr) == (0, "10.0.0.1:5000")
+    assert (cfg.get("node_rank"), cfg.get("dist_init_addr")) == (0, "10.0.0.1:5000")
     # One node: nothing to fill in, and `auto` means node 0.
     one = _sglang_cfg()
     assert engine_node(one, env) is one and node_rank_of(one) == 0
-    assert EngineSettings.from_cfg(one).dist_init_addr is None
+    assert EngineSettings.from_job(one).dist_init_addr is None
     with pytest.raises(ConfigError, match="outside SLURM"):
         engine_node(_sglang_cfg("extract.nnodes=2", "extract.tp_size=2"), {})
     with pytest.raises(ConfigError, match="executors fill them in"):
-        EngineSettings.from_cfg(_sglang_cfg("extract.nnodes=2", "extract.tp_size=2"))
+        EngineSettings.from_job(_sglang_cfg("extract.nnodes=2", "extract.tp_size=2"))
     from kimi_pipe.config import compose
 
     with pytest.raises(ConfigError, match="only extract=sglang"):
-        engine_node(compose(["extract=hf", "+extract.nnodes=2"]), env)
+        engine_node(extract_job(compose(["extract=hf", "+extract.nnodes=2"])), env)
 
 
 def test_ranks_split_over_nodes_as_sglang_does() -> None:
@@ -178,7 +186,7 @@ def test_real_sglang_server_args_accept_the_nodes(tmp_path: Path, tiny_model: Pa
 def _follower(cfg_yaml: str, out: Any) -> None:
     """Node 1 of the engine, in its own process: it serves ranks it spawns itself."""
     cfg = OmegaConf.create(cfg_yaml)
-    out.put(serve_follower_node(cfg, StandInRank))  # type: ignore[arg-type]
+    out.put(serve_follower_node(extract_job(cfg), StandInRank))
 
 
 def _store_rows(store: Path) -> dict[str, dict[str, torch.Tensor]]:

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+from kimi_pipe.extraction import sglang
 from kimi_pipe.extraction import sharding as xs
 from kimi_pipe.extraction.layers import (
     capture_to_output_ids,
@@ -25,10 +26,22 @@ from kimi_pipe.extraction.layers import (
     resolve_output_ids,
     validate_output_ids,
 )
-from kimi_pipe.extraction.sglang import EngineSettings, run_extract
+from kimi_pipe.extraction.sglang import EngineSettings
+from kimi_pipe.stages.jobs.extract import extract_job
 from kimi_pipe.store.hidden_store import HiddenStore
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def run_extract(cfg: Any, rank_factory: Any = None) -> dict[str, Any]:
+    """SGLang's extract stage on a composed config, through the stage's door."""
+    return sglang.run_extract(extract_job(cfg), rank_factory)
+
+
+def engine_settings(cfg: Any) -> EngineSettings:
+    return EngineSettings.from_job(extract_job(cfg))
+
+
 TINY_LAYERS = 8  # default EAGLE-3 rule gives distinct ids [1, 3, 4]
 VOCAB = 128
 
@@ -258,17 +271,17 @@ def test_engine_settings_pin_capture_flags() -> None:
 
 
 def test_device_reaches_sglang_and_sizes_the_cpu_pool(tmp_path: Path) -> None:
-    cuda = EngineSettings.from_cfg(_cfg(tmp_path / "r.jsonl", tmp_path, tmp_path / "o"))
+    cuda = engine_settings(_cfg(tmp_path / "r.jsonl", tmp_path, tmp_path / "o"))
     kw = cuda.server_args_kwargs(nccl_port=1)
     assert (cuda.device, kw["device"]) == ("cuda", "cuda")
     assert "max_total_tokens" not in kw  # the GPU pool is sized by mem_fraction_static
-    cpu = EngineSettings.from_cfg(
+    cpu = engine_settings(
         _cfg(tmp_path / "r.jsonl", tmp_path, tmp_path / "o", "extract.device=cpu")
     )
     kw = cpu.server_args_kwargs(nccl_port=1)
     # On CPU the pool holds one batch, not a fraction of the host's shared memory.
     assert (kw["device"], kw["max_total_tokens"], cpu.base_gpu_id) == ("cpu", 60, 0)
-    set_pool = EngineSettings.from_cfg(
+    set_pool = engine_settings(
         _cfg(
             tmp_path / "r.jsonl",
             tmp_path,
@@ -339,7 +352,7 @@ def test_missing_engine_and_model_give_clear_errors(tmp_path: Path) -> None:
             _RankRunner(EngineSettings(model_path=str(tmp_path)), 0, 0)
     cfg = _cfg(tmp_path / "r.jsonl", tmp_path / "no-such-model", tmp_path / "out")
     with pytest.raises(FileNotFoundError, match="no-such-model"):
-        open_backend(cfg)
+        open_backend(extract_job(cfg))
 
 
 # --- _RankRunner logic without SGLang (no GPU): set_layers and the ranks' agreement --------

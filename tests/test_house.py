@@ -199,7 +199,7 @@ def test_every_plugin_entry_resolves() -> None:
         assert inspect.isclass(cls) and issubclass(cls, Exporter), path.name
     for name, target in BACKENDS.items():
         open_backend = load_target(target, kind="backend")
-        assert callable(open_backend) and "cfg" in inspect.signature(open_backend).parameters, name
+        assert callable(open_backend) and "job" in inspect.signature(open_backend).parameters, name
     for path in sorted((CONF_DIR / "extract").glob("*.yaml")):
         backend = OmegaConf.load(path).get("backend")
         assert backend is None or backend in BACKENDS, path.name
@@ -275,3 +275,45 @@ def test_every_function_level_import_of_the_package_says_why() -> None:
             if target.startswith("kimi_pipe") and "#" not in source:
                 missing.append(f"{name}:{line} {source.strip()}")
     assert not missing, "say why each stays inside its function: " + "; ".join(missing)
+
+
+# The extract side of issue 42: these packages receive frozen job objects built at the
+# stages' doors (kimi_pipe/stages/jobs/), never the composed config.
+EXTRACT_SIDE = (
+    "kimi_pipe/extraction",
+    "kimi_pipe/exporters",
+    "kimi_pipe/store/local_model.py",
+    "kimi_pipe/store/miniature.py",
+    "kimi_pipe/reporting/audit.py",
+)
+
+
+def omegaconf_imports(path: Path) -> list[int]:
+    """Lines of `path` that import omegaconf (at any depth: inside functions too)."""
+    import ast
+
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom):
+            names = [node.module or ""]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        if any(n.split(".")[0] == "omegaconf" for n in names):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_extraction_side_imports_no_omegaconf() -> None:
+    root = Path(__file__).resolve().parent.parent
+    files = [
+        p
+        for entry in EXTRACT_SIDE
+        for p in ((root / entry).rglob("*.py") if (root / entry).is_dir() else [root / entry])
+    ]
+    assert len(files) > 30  # the packages are there: an empty walk proves nothing
+    found = [
+        f"{p.relative_to(root)}:{line}" for p in sorted(files) for line in omegaconf_imports(p)
+    ]
+    assert not found, "below the door, only job objects travel: " + "; ".join(found)

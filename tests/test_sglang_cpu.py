@@ -473,6 +473,7 @@ def ray_sglang(stores: dict[str, Any]) -> dict[str, Any]:
     from test_executors import committed_by, held_by, leases, wait_for
 
     from kimi_pipe.extraction.executors.ray_executor import RayPool
+    from kimi_pipe.stages.jobs.extract import extract_job
 
     root = OUT / "ray"
     if root.exists():
@@ -483,7 +484,7 @@ def ray_sglang(stores: dict[str, Any]) -> dict[str, Any]:
     store = root / "hidden_sglang"
     cfg = ray_cfg(root, store, stores["model"])
     with ray_cluster():
-        pool = RayPool(cfg)
+        pool = RayPool(extract_job(cfg))
         start = time.perf_counter()
         try:
             pool.add(2, ready_first=True)  # both engines open before either claims a unit
@@ -687,6 +688,7 @@ def test_sglang_cpu_two_node_engine_that_loses_a_node_ends_and_a_rerun_finishes(
 
     from kimi_pipe.extraction.executors.ray_executor import RayPool
     from kimi_pipe.extraction.token_samples import read_token_records
+    from kimi_pipe.stages.jobs.extract import extract_job
 
     shutil.copy(RECORDS, tmp_path / "records.jsonl")
     store = tmp_path / "hidden"
@@ -700,7 +702,7 @@ def test_sglang_cpu_two_node_engine_that_loses_a_node_ends_and_a_rerun_finishes(
     )
     two_ranks = {k: v for k, v in _two_rank_env().items() if k.startswith("SGLANG_")}
     with ray_cluster(**two_ranks):
-        pool = RayPool(cfg)
+        pool = RayPool(extract_job(cfg))
         try:
             pool.add(1)
             wait_for(lambda: committed_by(store, "ray0-"), 600, "the engine's first commit")
@@ -715,7 +717,7 @@ def test_sglang_cpu_two_node_engine_that_loses_a_node_ends_and_a_rerun_finishes(
     assert not done and len(errors) == 1, (done, errors)
     assert "RuntimeError" in errors[0], errors  # the rank's own error, not a hang
     with ray_cluster(**two_ranks):
-        pool = RayPool(cfg)
+        pool = RayPool(extract_job(cfg))
         try:
             pool.add(1)
             again, errors_again = pool.wait()

@@ -18,6 +18,7 @@ from hydra import compose, initialize_config_dir
 from kimi_pipe.errors import ConfigError
 from kimi_pipe.extraction.output_head import head_tensor_name, read_output_head
 from kimi_pipe.stages.extract import run_extract
+from kimi_pipe.stages.jobs.extract import extract_job
 from kimi_pipe.store.conventions import final_norm_spec, final_state_as
 from kimi_pipe.store.hidden_store import HiddenStore, StoreWriter, make_manifest, quantize_rows
 from kimi_pipe.store.teacher_rounding import (
@@ -205,7 +206,7 @@ def test_demo_model_fp8_store_keeps_the_bf16_stores_teacher(tmp_path: Path) -> N
         base = compose(config_name="config", overrides=["model=smollm2"])
     from kimi_pipe.extraction.hf_backend import resolve_model_path
 
-    model_dir = resolve_model_path(base)
+    model_dir = resolve_model_path(extract_job(base))
     text_records(tmp_path / "records.jsonl", model_dir, n=8, length=160)
     stores = {}
     for name, store_dtype, rounding in (

@@ -17,9 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-
-from kimi_pipe.config import whole_number
 from kimi_pipe.errors import ConfigError
 from kimi_pipe.exporters import hub, parallel
 from kimi_pipe.exporters.base import (
@@ -31,6 +28,7 @@ from kimi_pipe.exporters.base import (
     write_atomic,
 )
 from kimi_pipe.exporters.card import dataset_card
+from kimi_pipe.exporters.job import ExportJob
 from kimi_pipe.exporters.modelopt import modelopt_path
 from kimi_pipe.exporters.sources import (  # noqa: F401  (re-exported)
     ExportPolicy,
@@ -451,62 +449,28 @@ def _card_manifest(m: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-# --------------------------------------------------------------------------- Hydra app
+# --------------------------------------------------------------------------- the stage's run
 
 
-def export_choice(cfg: DictConfig) -> tuple[str, dict[str, Any]]:
-    """The format and its settings from a composed config.
-
-    `format=NAME` (root key; by default `${export.name}`, the group choice) names the format.
-    The `export` group's settings apply when they are that format's (`export=NAME`, with
-    `export.KEY=...` overrides); `format=NAME` alone takes conf/export/NAME.yaml as it is.
-    The root `max_length` is kept as an alias of `export.max_length` (SpecForge).
-    """
-    group = OmegaConf.select(cfg, "export", default=None)
-    group_settings: dict[str, Any] = {}
-    if isinstance(group, DictConfig):
-        group_settings = dict(OmegaConf.to_container(group, resolve=True))  # type: ignore[arg-type]
-    fmt = OmegaConf.select(cfg, "format", default=None) or group_settings.get("name") or "specforge"
-    fmt = str(fmt)
-    settings = dict(group_settings) if group_settings.get("name") == fmt else {}
-    settings.pop("name", None)
-    for key in ENGINE_KEYS:  # the engine's settings, not the format's (run_export)
-        settings.pop(key, None)
-
-    if "max_length" in settings:
-        settings["max_length"] = whole_number(settings["max_length"], "export.max_length")
-    max_length = whole_number(OmegaConf.select(cfg, "max_length", default=None), "max_length")
-    if max_length is not None:
-        settings["max_length"] = max_length
-    return fmt, settings
-
-
-# export.* keys the engine reads itself (conf/config.yaml), never passed to an exporter.
-ENGINE_KEYS = ("accept", "workers", "storage_options", "push_to_hub")
-
-
-def run_export(cfg: DictConfig) -> dict[str, Any]:
-    fmt, settings = export_choice(cfg)
-    if fmt not in FORMATS:
-        raise ExportFormatError(f"format={fmt!r} is not supported; choose one of {list(FORMATS)}")
-    stores = OmegaConf.select(cfg, "stores", default=None) or []
-    if isinstance(stores, str):
-        stores = [stores]
-    output = OmegaConf.select(cfg, "output", default=None)
-    if output is None:
+def run_export(job: ExportJob) -> dict[str, Any]:
+    """The export stage's run of a job built at its door (kimi_pipe/stages/jobs/export.py)."""
+    if job.fmt not in FORMATS:
+        raise ExportFormatError(
+            f"format={job.fmt!r} is not supported; choose one of {list(FORMATS)}"
+        )
+    if job.output is None:
         raise ExportFormatError("no output directory: pass output=DIR")
-    seed = int(OmegaConf.select(cfg, "seed", default=0) or 0)
     summary = export(
-        list(stores),
-        output,
-        fmt,
-        seed,
-        target_model_path=OmegaConf.select(cfg, "target_model_path", default=None),
-        settings=settings,
-        accept=OmegaConf.select(cfg, "export.accept", default=None),
-        workers=OmegaConf.select(cfg, "export.workers", default=1),
-        storage_options=_plain(OmegaConf.select(cfg, "export.storage_options", default=None)),
-        push_to_hub=_plain(OmegaConf.select(cfg, "export.push_to_hub", default=None)),
+        list(job.stores),
+        job.output,
+        job.fmt,
+        job.seed,
+        target_model_path=job.target_model_path,
+        settings=job.settings,
+        accept=job.accept,
+        workers=job.workers,
+        storage_options=job.storage_options,
+        push_to_hub=job.push_to_hub,
     )
     print(
         f"export: {summary['samples']} samples, {summary['tokens']['total']} tokens -> "
@@ -514,13 +478,3 @@ def run_export(cfg: DictConfig) -> dict[str, Any]:
         file=sys.stderr,
     )
     return summary
-
-
-def _plain(value: Any) -> dict[str, Any]:
-    if value is None:
-        return {}
-    if isinstance(value, DictConfig):
-        return dict(OmegaConf.to_container(value, resolve=True))  # type: ignore[arg-type]
-    if not isinstance(value, Mapping):
-        raise ConfigError(f"expected a mapping, got {value!r}")
-    return dict(value)

@@ -21,14 +21,15 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 
 from kimi_pipe.errors import ConfigError, MissingFile
 from kimi_pipe.extraction.draft_config import capture_request, record_drafts
+from kimi_pipe.extraction.job import ExtractJob
 from kimi_pipe.extraction.layers import resolve_output_ids
 from kimi_pipe.extraction.resolve import HFSuffixScorer
 from kimi_pipe.store.conventions import POST_NORM, PRE_NORM, final_norm_spec, rms_norm
@@ -36,15 +37,15 @@ from kimi_pipe.store.hidden_store import torch_dtype
 from kimi_pipe.store.local_model import LocalModelSpec, ensure_local_model
 
 
-def resolve_model_path(cfg: DictConfig) -> Path:
+def resolve_model_path(job: ExtractJob) -> Path:
     """Weights directory: `extract.model_path`, else the model config's `hf_weights`, else its
     `local_model` (a GGUF in a pip package, converted once by `kimi_pipe.store.local_model`)."""
-    path = OmegaConf.select(cfg, "extract.model_path", default=None)
+    path = job.get("model_path")
     if path is None:
-        path = OmegaConf.select(cfg, "model.hf_weights", default=None)
-        local = OmegaConf.select(cfg, "model.local_model", default=None)
+        path = job.hf_weights
+        local = (job.model or {}).get("local_model")
         if local is not None and (path is None or not (Path(path) / "config.json").exists()):
-            spec = LocalModelSpec.from_cfg(OmegaConf.to_container(local, resolve=True))  # type: ignore[arg-type]
+            spec = LocalModelSpec.from_cfg(local)
             path = ensure_local_model(spec)  # converts once, then cached
     if path is None:
         raise ConfigError(
@@ -152,7 +153,7 @@ class HFBackend:
         store_dtype: str | None = None,
         device: str = "cpu",
         layer_ids: list[int] | None = None,
-        model_cfg: dict[str, Any] | None = None,
+        model_cfg: Mapping[str, Any] | None = None,
         trust_remote_code: bool = False,
         model_name: str | None = None,
         final_state: str = POST_NORM,
@@ -268,10 +269,9 @@ class HFBackend:
             torch.cuda.empty_cache()
 
 
-def open_backend(cfg: DictConfig) -> HFBackend:
-    """Build the backend from `cfg.extract` (see conf/extract/hf.yaml)."""
-    ecfg = cfg.extract
-    model_cfg = OmegaConf.to_container(cfg.model, resolve=True) if "model" in cfg else None
+def open_backend(job: ExtractJob) -> HFBackend:
+    """Build the backend from the job's `extract.*` settings (see conf/extract/hf.yaml)."""
+    ecfg = job.settings
     layer_ids, drafts = capture_request(
         ecfg.get("layer_ids"), ecfg.get("draft_config"), ecfg.get("draft_engine")
     )
@@ -282,14 +282,14 @@ def open_backend(cfg: DictConfig) -> HFBackend:
     if threads:
         torch.set_num_threads(int(threads))
     backend = HFBackend(
-        resolve_model_path(cfg),
-        dtype=str(ecfg.dtype),
+        resolve_model_path(job),
+        dtype=str(ecfg["dtype"]),
         store_dtype=ecfg.get("store_dtype"),
         device=device,
         layer_ids=list(layer_ids) if layer_ids is not None else None,
-        model_cfg=model_cfg,  # type: ignore[arg-type]
+        model_cfg=job.model,
         trust_remote_code=bool(ecfg.get("trust_remote_code", False)),
-        model_name=OmegaConf.select(cfg, "model.name", default=None),
+        model_name=job.model_name,
         final_state=str(ecfg.get("final_state") or POST_NORM),
     )
     record_drafts(backend.store_fields, drafts, backend.num_layers)

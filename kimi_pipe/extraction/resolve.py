@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import Any, Protocol, cast
 
 import torch
-from omegaconf import OmegaConf
 
 from kimi_pipe.core.evidence import UNRESOLVED as UNRESOLVED
 from kimi_pipe.core.issue_codes import CLASS_OF_CODE, RESOLVED_BY_TARGET, TARGET_UNRESOLVED
@@ -247,18 +246,18 @@ class ResolveSettings:
         return Sampling.from_record(record.get("sampling"), self.default_temperature, *self.slacks)
 
     @classmethod
-    def from_cfg(cls, cfg: Any) -> ResolveSettings:
-        node = OmegaConf.select(cfg, "resolve", default=None)
-        data = OmegaConf.to_container(node, resolve=True) if node is not None else {}
-        assert isinstance(data, dict)
+    def from_values(
+        cls, data: Mapping[str, Any] | None, judge_dtype: Any = None
+    ) -> ResolveSettings:
+        """The `resolve` group's plain values; `judge_dtype`: `extract.dtype` (None: float32)."""
+        data = dict(data or {})
         known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
         unknown = set(data) - set(known)
         if unknown or "judge_dtype" in known:
             extra = sorted(unknown | ({"judge_dtype"} & set(known)))
             raise ConfigError(f"unknown resolve keys {extra} (conf/resolve/default.yaml)")
         # The judge is the extraction model: its compute dtype sets the default slacks.
-        dtype = OmegaConf.select(cfg, "extract.dtype", default=None)
-        return cls(**known, judge_dtype=str(dtype or "float32"))
+        return cls(**known, judge_dtype=str(judge_dtype or "float32"))
 
 
 def decide(logprobs: Sequence[float], min_posterior: float) -> dict[str, Any]:

@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-from omegaconf import OmegaConf
 from safetensors import safe_open
 
 from kimi_pipe.core.models import load_model
@@ -59,16 +58,10 @@ from kimi_pipe.extraction.capture import (  # noqa: F401  (re-exported: the loop
     next_batch,
     nonfinite,
 )
+from kimi_pipe.extraction.job import ExtractJob
 from kimi_pipe.extraction.records_pass import resolve_records
-from kimi_pipe.extraction.resolve import ResolveSettings
 from kimi_pipe.extraction.split_check import LazyVocabulary
-from kimi_pipe.extraction.token_samples import (
-    apply_max_len,
-    loss_mask_convention,
-    output_path,
-    read_token_records,
-    records_path,
-)
+from kimi_pipe.extraction.token_samples import apply_max_len, read_token_records
 from kimi_pipe.store import atomic
 from kimi_pipe.store.hidden_store import (
     FP8,
@@ -315,12 +308,12 @@ def maybe_merge(store: str | os.PathLike[str], num_shards: int) -> dict[str, Any
 
 # --- the sharded stage run (any backend) ------------------------------------------------------
 def resolve_for_shard(
-    cfg: Any, backend: Any, records: Path, shard: int, num_shards: int
+    job: ExtractJob, backend: Any, records: Path, shard: int, num_shards: int
 ) -> dict[str, Any]:
-    """Target resolution (`extraction.resolve`) of this work shard's records, when the config
+    """Target resolution (`extraction.resolve`) of this work shard's records, when the job
     enables it and the backend can score (`backend.suffix_scorer()`)."""
 
-    settings = ResolveSettings.from_cfg(cfg)
+    settings = job.resolve
     if not settings.enabled:
         return {"enabled": False}
     make_scorer = getattr(backend, "suffix_scorer", None)
@@ -329,7 +322,7 @@ def resolve_for_shard(
         make_scorer() if make_scorer is not None else None,
         settings,
         mine=lambda sid: num_shards == 1 or shard_of(sid, num_shards) == shard,
-        vocab=_split_vocabulary(cfg) if settings.split_check else None,
+        vocab=_split_vocabulary(job) if settings.split_check else None,
     )
     if summary.get("counts"):
         counted = ", ".join(f"{name} {n}" for name, n in summary["counts"].items())
@@ -337,17 +330,17 @@ def resolve_for_shard(
     return summary
 
 
-def _split_vocabulary(cfg: Any) -> Any:
+def _split_vocabulary(job: ExtractJob) -> Any:
     """The records' tokenizer as the split check sees it (None: no model config here),
     loaded only when a record is checked (benchmarks/bench_extract.py: seconds per stage run)."""
 
-    node = OmegaConf.select(cfg, "model", default=None)
+    node = job.model
     if node is None:
         return None
     return LazyVocabulary(lambda: load_model(node).tokenizer)
 
 
-def run_sharded(cfg: Any, backend: Any) -> dict[str, Any]:
+def run_sharded(job: ExtractJob, backend: Any) -> dict[str, Any]:
     """Extract work shard `extract.shard` of `extract.num_shards` with `backend` into its part
     of the store, with OOM halving and NaN/inf marking; merge when the last part finishes.
 
@@ -356,39 +349,35 @@ def run_sharded(cfg: Any, backend: Any) -> dict[str, Any]:
     `max_batch_tokens` / `max_batch_samples` (engine limits that cap the budget).
     """
 
-    ecfg = cfg.extract
-    shard = int(OmegaConf.select(cfg, "extract.shard", default=0) or 0)
-    num_shards = int(OmegaConf.select(cfg, "extract.num_shards", default=1) or 1)
+    shard, num_shards = job.shard, job.num_shards
     check_shard(shard, num_shards)
-    records = records_path(cfg)
+    records = job.records_path()
     # Closed candidate sets are decided by the target first, so that the states below are
     # captured on the chosen ids only (the records file is rewritten atomically).
-    resolution = resolve_for_shard(cfg, backend, records, shard, num_shards)
-    samples, counts = read_token_records(
-        records, only_ok=bool(ecfg.get("only_ok", True)), accept=ecfg.get("accept")
-    )
-    samples, len_counts = apply_max_len(samples, ecfg.get("max_len"), str(ecfg.over_max_len))
+    resolution = resolve_for_shard(job, backend, records, shard, num_shards)
+    samples, counts = read_token_records(records, only_ok=job.only_ok, accept=job.accept)
+    samples, len_counts = apply_max_len(samples, job.max_len, job.over_max_len)
     counts.update(len_counts)
     mine = select_shard(samples, shard, num_shards)
     # Longest first: an out-of-memory shows on the first batch, not after hours.
     mine.sort(key=lambda s: (-len(s.input_ids), s.id))
-    store = output_path(cfg, records)
+    store = job.store_path()
     part = part_dir(store, shard, num_shards)
     manifest = make_manifest(
         **backend.store_fields,
-        final_dtype=ecfg.get("final_store_dtype"),
-        loss_mask=loss_mask_convention(cfg),
+        final_dtype=job.get("final_store_dtype"),
+        loss_mask=job.loss_mask_convention(),
         source_runs=[str(records.parent.resolve())],
-        backend=str(ecfg.backend),
+        backend=job.backend,
     )
-    tokens = int(ecfg.batch_tokens)
+    tokens = int(job.settings["batch_tokens"])
     engine_cap = getattr(backend, "max_batch_tokens", None)
     if engine_cap is not None and engine_cap < tokens:
         log.warning(
             "extract.batch_tokens %d > engine capacity %d; using %d", tokens, engine_cap, engine_cap
         )
         tokens = int(engine_cap)
-    caps = [c for c in (ecfg.get("max_batch"), getattr(backend, "max_batch_samples", None)) if c]
+    caps = [c for c in (job.get("max_batch"), getattr(backend, "max_batch_samples", None)) if c]
     max_samples = min(caps) if caps else None
     budget = TokenBudget(tokens, max_samples=max_samples)
     packed = bool(getattr(backend, "packed", False))
@@ -402,9 +391,9 @@ def run_sharded(cfg: Any, backend: Any) -> dict[str, Any]:
     writer = StoreWriter(
         part,
         manifest,
-        shard_samples=int(ecfg.shard_samples),
-        shard_tokens=ecfg.get("shard_tokens"),
-        head_weight=teacher_head(ecfg, backend, manifest),
+        shard_samples=int(job.settings["shard_samples"]),
+        shard_tokens=job.get("shard_tokens"),
+        head_weight=teacher_head(job, backend, manifest),
     )
     issues = IssueLog(part)
     stats = capture_into(backend.forward, mine, writer, issues, budget, padded=not packed)  # type: ignore[arg-type]
@@ -415,9 +404,9 @@ def run_sharded(cfg: Any, backend: Any) -> dict[str, Any]:
         "part": str(part),
         "shard": shard,
         "num_shards": num_shards,
-        "backend": str(ecfg.backend),
-        "max_len": ecfg.get("max_len"),
-        "over_max_len": str(ecfg.over_max_len),
+        "backend": job.backend,
+        "max_len": job.get("max_len"),
+        "over_max_len": job.over_max_len,
         "counts": dict(sorted(counts.items())),
         "capture": stats.as_dict(),
         "final_fp8_rounding": writer.rounding.as_dict() if writer.teacher is not None else None,
@@ -436,9 +425,9 @@ def run_sharded(cfg: Any, backend: Any) -> dict[str, Any]:
 ROUNDINGS = ("keep_teacher", "nearest")
 
 
-def teacher_head(ecfg: Any, backend: object, manifest: dict[str, Any]) -> torch.Tensor | None:
+def teacher_head(job: ExtractJob, backend: object, manifest: dict[str, Any]) -> torch.Tensor | None:
     """The LM head when an fp8 final state is to keep the teacher (extract.final_fp8_rounding)."""
-    how = str(ecfg.get("final_fp8_rounding") or "keep_teacher")
+    how = str(job.get("final_fp8_rounding") or "keep_teacher")
     if how not in ROUNDINGS:
         raise ConfigError(f"extract.final_fp8_rounding must be one of {ROUNDINGS}, not {how!r}")
     if how == "nearest" or state_dtypes(manifest)["hidden_state"] != FP8:
@@ -446,7 +435,7 @@ def teacher_head(ecfg: Any, backend: object, manifest: dict[str, Any]) -> torch.
     head = getattr(backend, "output_head", None)
     if head is None:
         raise ConfigError(
-            f"extract.backend={ecfg.backend} cannot give the LM head that keeps the teacher of "
+            f"extract.backend={job.backend} cannot give the LM head that keeps the teacher of "
             "an fp8 final state; set extract.final_fp8_rounding=nearest or "
             "extract.final_store_dtype=bfloat16"
         )

@@ -2,7 +2,7 @@
 
 Shared by the extract stage and the engine-agnostic capture loop (`sharding`). A backend is
 the module `kimi_pipe.extraction.<backend>_backend` (chosen by `extract.backend`; the package
-`kimi_pipe.extraction.sglang` for `sglang`) with `open_backend(cfg) -> Backend`.
+`kimi_pipe.extraction.sglang` for `sglang`) with `open_backend(job: ExtractJob) -> Backend`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 
 from kimi_pipe.core.evidence import (
     DEFAULT_ACCEPT,
@@ -29,8 +28,8 @@ from kimi_pipe.core.evidence import (
 from kimi_pipe.core.prefix import training_ids
 from kimi_pipe.core.token_record import record_problem
 from kimi_pipe.errors import ConfigError, MissingFile
+from kimi_pipe.extraction.job import ExtractJob
 from kimi_pipe.plugins import BACKENDS, resolve_plugin
-from kimi_pipe.store.layout import RECORDS as RECORDS_FILE
 from kimi_pipe.store.records import ReadStats, iter_records
 
 log = logging.getLogger("kimi_pipe.extract")
@@ -144,52 +143,11 @@ def apply_max_len(
     return kept, counts
 
 
-# --------------------------------------------------------------------------- config
+# --------------------------------------------------------------------------- backend
 
 
-def _select(cfg: DictConfig, *keys: str) -> Any:
-    for key in keys:
-        value = OmegaConf.select(cfg, key, default=None)
-        if value is not None:
-            return value
-    return None
-
-
-def records_path(cfg: DictConfig) -> Path:
-    """Records file from `records` / `extract.records`, or `<run_dir>/records.jsonl`."""
-    records = _select(cfg, "records", "extract.records")
-    if records is not None:
-        return Path(records)
-    run_dir = _select(cfg, "run_dir", "extract.run_dir")
-    if run_dir is not None:
-        return Path(run_dir) / RECORDS_FILE
-    raise ConfigError(
-        "no input: pass extract.run_dir=RUN_DIR (a generate run) or "
-        "extract.records=FILE (token records JSONL)"
-    )
-
-
-def output_path(cfg: DictConfig, records: Path) -> Path:
-    out = _select(cfg, "extract.output_dir")
-    if out is not None:
-        return Path(out)
-    return records.parent / f"hidden_{cfg.extract.backend}"
-
-
-def loss_mask_convention(cfg: DictConfig) -> str:
-    """How the stored loss_mask was made: taken from the records, built per model.loss_mask."""
-    spec = OmegaConf.select(cfg, "model.loss_mask", default=None)
-    name = OmegaConf.select(cfg, "model.name", default="?")
-    if spec is None:
-        return "from token records"
-    settings = OmegaConf.to_container(spec, resolve=True)
-    assert isinstance(settings, dict)
-    parts = ", ".join(f"{k!s}={v}" for k, v in settings.items())
-    return f"from token records ({name} model.loss_mask: {parts}; 1 = trained on)"
-
-
-def load_backend(cfg: DictConfig) -> Backend:
+def load_backend(job: ExtractJob) -> Backend:
     """`extract.backend`: a name in kimi_pipe/plugins.py's BACKENDS, or `package.module:attr`
-    of a function open_backend(cfg) of your own."""
-    open_backend = resolve_plugin("extract.backend", str(cfg.extract.backend), BACKENDS)
-    return open_backend(cfg)  # type: ignore[no-any-return]
+    of a function open_backend(job: ExtractJob) of your own."""
+    open_backend = resolve_plugin("extract.backend", job.backend, BACKENDS)
+    return open_backend(job)  # type: ignore[no-any-return]

@@ -19,8 +19,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-
 from kimi_pipe.config import typed_settings
 from kimi_pipe.core.id_compare import (  # noqa: F401  (re-exported: the audit's vocabulary)
     BILLING_ISSUE,
@@ -452,27 +450,46 @@ class TruthCache:
             self._writer.close()
 
 
-def _model_path(cfg: DictConfig, s: AuditSettings) -> Path:
-    path = s.model_path or OmegaConf.select(cfg, "model.hf_weights", default=None)
+@dataclass(frozen=True)
+class AuditJob:
+    """What one audit runs on, built at the stage's door (kimi_pipe/stages/jobs/audit.py):
+    the `audit` settings and the model group as plain values (`core.models.load_model`)."""
+
+    settings: AuditSettings
+    model: Mapping[str, Any]
+
+    @property
+    def model_name(self) -> str:
+        return str(self.model.get("name"))
+
+    @property
+    def hf_weights(self) -> str | None:
+        path = self.model.get("hf_weights")
+        return str(path) if path else None
+
+
+def _model_path(s: AuditSettings, hf_weights: str | None) -> Path:
+    path = s.model_path or hf_weights
     if not path:
         raise AuditError("audit.truth=hf_greedy needs audit.model_path (or model.hf_weights)")
     return Path(str(path)).expanduser()
 
 
-def run_audit(cfg: DictConfig) -> dict[str, Any]:
-    """Audit the records named by `cfg.audit`; writes audit.json/audit.md, returns the summary."""
+def run_audit(job: AuditJob) -> dict[str, Any]:
+    """Audit the records named by `job.settings`; writes audit.json/audit.md, returns the
+    summary."""
 
-    s = AuditSettings.from_cfg(_audit_cfg(cfg))
+    s = job.settings
     records_path = _records_path(s)
     out_dir = Path(s.output_dir) if s.output_dir else records_path.parent
     out_dir.mkdir(parents=True, exist_ok=True)
-    model = load_model(cfg.model)
+    model = load_model(job.model)
     end_ids = end_ids_of(model, s.end_markers)
     records = latest_by_id(iter_records(records_path))
     if s.limit is not None:
         records = records[: s.limit]
     cache = TruthCache(out_dir / TRUTH_FILE)
-    truth_for = _truth_source(cfg, s, cache)
+    truth_for = _truth_source(s, cache, job.hf_weights)
     started = time.monotonic()
 
     def progress(n: int, row: SampleRow | None, rid: str) -> None:
@@ -490,7 +507,7 @@ def run_audit(cfg: DictConfig) -> dict[str, Any]:
     summary.update(
         records=str(records_path),
         truth_cache=str(out_dir / TRUTH_FILE),
-        model=str(cfg.model.name),
+        model=job.model_name,
         wall_s=round(time.monotonic() - started, 3),
     )
     # Summary keys at the top level (the export's dataset card reads them), rows under samples.
@@ -503,15 +520,8 @@ def run_audit(cfg: DictConfig) -> dict[str, Any]:
     return summary
 
 
-def _audit_cfg(cfg: DictConfig) -> dict[str, Any]:
-    node = OmegaConf.select(cfg, "audit", default=None)
-    if node is None:
-        return {}
-    return OmegaConf.to_container(node, resolve=True)  # type: ignore[return-value]
-
-
 def _truth_source(
-    cfg: DictConfig, s: AuditSettings, cache: TruthCache
+    s: AuditSettings, cache: TruthCache, hf_weights: str | None
 ) -> Callable[[Mapping[str, Any]], TruthIds | None]:
     if s.truth == "response":
         return lambda rec: truth_from_reply(rec.get("response"))
@@ -521,7 +531,7 @@ def _truth_source(
         replies = load_replies(Path(s.replies))
         return lambda rec: replies.get(str(rec.get("id")))
     engine: HFGreedyTruth | None = None
-    model_dir = _model_path(cfg, s)
+    model_dir = _model_path(s, hf_weights)
 
     def greedy(rec: Mapping[str, Any]) -> TruthIds | None:
         nonlocal engine

@@ -29,25 +29,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig
 
 from kimi_pipe.errors import MissingFile
 from kimi_pipe.reporting.audit import run_audit
 from kimi_pipe.stages.command import compose_command
 from kimi_pipe.stages.help import HELP
+from kimi_pipe.stages.jobs.audit import audit_job
 
 
 def run_stage(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:
     """The stage entry: audit the run's records (`audit.run_dir` = run_dir when given)."""
-    cfg = cfg.copy()
-    with open_dict(cfg):
-        if run_dir is not None:
-            OmegaConf.update(cfg, "audit.run_dir", str(run_dir), force_add=True)
-        server = OmegaConf.select(cfg, "provider.server", default=None)
-        if OmegaConf.select(cfg, "audit.threads", default=None) is None and server is not None:
-            # Same CPU thread count as the server: the greedy runs must see the same arithmetic.
-            OmegaConf.update(cfg, "audit.threads", server.get("threads"), force_add=True)
-    return run_audit(cfg)
+    # Same CPU thread count as the server: the greedy runs must see the same arithmetic.
+    return run_audit(audit_job(cfg, run_dir, server_threads=True))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -56,7 +50,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def audit_stage(cfg: DictConfig) -> int:
         try:
-            summary = run_audit(cfg)
+            summary = run_audit(audit_job(cfg))
         except FileNotFoundError as exc:  # a records file named by the user
             raise MissingFile(str(exc)) from None
         print(Path(summary["audit_md"]).read_text(encoding="utf-8"))

@@ -26,23 +26,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig
 
 from kimi_pipe.errors import ConfigError
 from kimi_pipe.exporters import CARD_FILE, run_export
 from kimi_pipe.stages.command import hydra_command
 from kimi_pipe.stages.help import HELP
-
-
-def output_dir(cfg: DictConfig, run_dir: Path) -> Path:
-    out = OmegaConf.select(cfg, "output", default=None)
-    fmt = OmegaConf.select(cfg, "format", default="specforge")
-    return Path(str(out)) if out else run_dir / f"export_{fmt}"
+from kimi_pipe.stages.jobs.export import export_job, stores_of
+from kimi_pipe.stages.jobs.export import output_dir as output_dir
 
 
 def inputs(cfg: DictConfig, run_dir: Path) -> list[Path]:
-    stores = OmegaConf.select(cfg, "stores", default=None) or []
-    return [Path(str(s)) for s in ([stores] if isinstance(stores, str) else stores)]
+    return [Path(s) for s in stores_of(cfg)]
 
 
 def outputs(cfg: DictConfig, run_dir: Path) -> list[Path]:
@@ -53,18 +48,12 @@ def run_stage(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:
     """The stage entry: training files from `stores` (default output: <run_dir>/export_<fmt>)."""
     if not inputs(cfg, run_dir or Path(".")):
         raise ConfigError("no store to export: run an extract stage first or pass stores=[...]")
-    cfg = cfg.copy()
-    with open_dict(cfg):
-        OmegaConf.update(cfg, "stores", [str(p) for p in inputs(cfg, Path("."))], force_add=True)
-        OmegaConf.update(cfg, "seed", int(OmegaConf.select(cfg, "seed", default=0) or 0))
-        if run_dir is not None:
-            OmegaConf.update(cfg, "output", str(output_dir(cfg, run_dir)), force_add=True)
-    return run_export(cfg)
+    return run_export(export_job(cfg, run_dir))
 
 
 def main(argv: list[str] | None = None) -> int:
     def export_stage(cfg: DictConfig) -> None:
-        run_export(cfg)
+        run_export(export_job(cfg))
 
     return hydra_command(export_stage, argv, name="export", help=HELP["export"])
 

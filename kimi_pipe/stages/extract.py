@@ -12,7 +12,7 @@ Running the same command again resumes after the last committed shard.
 
 Backend interface (module `kimi_pipe.extraction.<backend>_backend`, chosen by `extract.backend`)::
 
-    def open_backend(cfg: DictConfig) -> Backend      # cfg = the whole composed config
+    def open_backend(job: ExtractJob) -> Backend      # built at the door: stages/jobs/extract.py
 
     class Backend(Protocol):
         store_fields: dict   # make_manifest() keyword args: model, num_layers, layer_ids,
@@ -30,15 +30,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig
 
 from kimi_pipe.errors import MissingFile
-from kimi_pipe.extraction.executors import executor_of, run_executor
+from kimi_pipe.extraction.executors import run_executor
 from kimi_pipe.extraction.executors.worker import UnitSettings
+from kimi_pipe.extraction.job import ExtractJob
 from kimi_pipe.extraction.sharding import run_sharded
-from kimi_pipe.extraction.token_samples import Backend, load_backend, records_path
+from kimi_pipe.extraction.token_samples import Backend, load_backend
 from kimi_pipe.stages.command import hydra_command
 from kimi_pipe.stages.help import HELP
+from kimi_pipe.stages.jobs.extract import extract_job
 from kimi_pipe.store.hidden_store import MANIFEST
 
 log = logging.getLogger("kimi_pipe.extract")
@@ -49,27 +51,35 @@ SUMMARY_FILE = "extract_summary.json"
 # --------------------------------------------------------------------------- run
 
 
-def run_extract(cfg: DictConfig, backend: Backend | None = None) -> dict[str, Any]:
+def run_extract(
+    cfg: DictConfig, backend: Backend | None = None, run_dir: Path | None = None
+) -> dict[str, Any]:
+    """The composed config's extraction (its job built here, once); see `run_job`.
+    `run_dir`: a pipeline's run, in place of `extract.run_dir`."""
+    return run_job(extract_job(cfg, run_dir), backend)
+
+
+def run_job(job: ExtractJob, backend: Backend | None = None) -> dict[str, Any]:
     """Extract every usable record not yet in the store; return the summary.
 
     The capture loop (length-sorted batches under `extract.batch_tokens`, OOM halving, NaN
     marking, progress, work shards + merge) is `extraction.sharding.run_sharded`, shared by all
     backends; this function only picks and closes the backend.
     """
-    records = records_path(cfg)
+    records = job.records_path()
     if not records.is_file():  # before a model is loaded: the user's first mistake first
         raise MissingFile(
             f"token records {records} not found: run `python -m kimi_pipe generate` "
             "(records.jsonl in its run dir) or `python -m kimi_pipe reconstruct` first"
         )
-    if executor_of(cfg) is not None:  # the unit protocol: docs/distributed.md
-        summary = run_executor(cfg, backend)
+    if job.executor is not None:  # the unit protocol: docs/distributed.md
+        summary = run_executor(job, backend)
         print(f"[extract] unit store {summary['store']}: {summary['status']}", file=sys.stderr)
         return summary
     own_backend = backend is None
-    backend = backend or load_backend(cfg)
+    backend = backend or load_backend(job)
     try:
-        summary = run_sharded(cfg, backend)
+        summary = run_sharded(job, backend)
     finally:
         if own_backend:
             backend.close()
@@ -85,35 +95,29 @@ def run_extract(cfg: DictConfig, backend: Backend | None = None) -> dict[str, An
 
 
 def store_dir(cfg: DictConfig, run_dir: Path) -> Path:
-    out = OmegaConf.select(cfg, "extract.output_dir", default=None)
-    return Path(str(out)) if out else run_dir / f"hidden_{cfg.extract.backend}"
+    return extract_job(cfg, default_run_dir=run_dir).output_dir or (
+        run_dir / f"hidden_{cfg.extract.backend}"
+    )
 
 
 def outputs(cfg: DictConfig, run_dir: Path) -> list[Path]:
 
-    if executor_of(cfg) is not None:
-        root = _unit_settings(cfg, run_dir).local_root
+    job = extract_job(cfg, default_run_dir=run_dir)
+    if job.executor is not None:
+        root = UnitSettings.from_job(job).local_root
         return [root / "plan.c0.json"] if root is not None else []  # a unit store's first record
     return [store_dir(cfg, run_dir) / MANIFEST]
-
-
-def _unit_settings(cfg: DictConfig, run_dir: Path) -> Any:
-
-    cfg = cfg.copy()
-    with open_dict(cfg):
-        if OmegaConf.select(cfg, "extract.run_dir", default=None) is None:
-            OmegaConf.update(cfg, "extract.run_dir", str(run_dir), force_add=True)
-    return UnitSettings.from_cfg(cfg)
 
 
 def is_complete(cfg: DictConfig, run_dir: Path) -> bool:
     """The runner's check: the store's files exist; a unit store has every unit committed."""
     if not all(p.exists() for p in outputs(cfg, run_dir)):
         return False
-    if executor_of(cfg) is None:
+    job = extract_job(cfg, default_run_dir=run_dir)
+    if job.executor is None:
         return True
     try:
-        status = _unit_settings(cfg, run_dir).open().status()
+        status = UnitSettings.from_job(job).open().status()
     except MissingFile:  # no plan yet: nothing was started
         return False
     return bool(status["committed"] == status["units"])
@@ -121,11 +125,7 @@ def is_complete(cfg: DictConfig, run_dir: Path) -> bool:
 
 def run_stage(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:
     """The stage entry: hidden states of the run's records (`extract.run_dir` = run_dir)."""
-    if run_dir is not None:
-        cfg = cfg.copy()
-        with open_dict(cfg):
-            OmegaConf.update(cfg, "extract.run_dir", str(run_dir), force_add=True)
-    return run_extract(cfg)
+    return run_extract(cfg, run_dir=run_dir)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,23 +8,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from kimi_pipe.errors import ConfigError
 from kimi_pipe.stages.command import compose_command
-from kimi_pipe.store.local_model import LocalModelSpec, converted_dir, ensure_local_model
+from kimi_pipe.stages.jobs.model import model_job
+from kimi_pipe.store.local_model import converted_dir, ensure_local_model
 from kimi_pipe.store.local_model import is_complete as converted
-
-
-def _spec(cfg: DictConfig) -> Any:
-
-    node = OmegaConf.select(cfg, "model.local_model", default=None)
-    return None if node is None else LocalModelSpec.from_cfg(node)
 
 
 def outputs(cfg: DictConfig, run_dir: Path) -> list[Path]:
 
-    spec = _spec(cfg)
+    spec = model_job(cfg).spec
     return [] if spec is None else [converted_dir(spec)]
 
 
@@ -35,11 +30,11 @@ def is_complete(cfg: DictConfig, run_dir: Path) -> bool:
 
 def run_stage(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:
 
-    spec = _spec(cfg)
-    if spec is None:
+    job = model_job(cfg)
+    if job.spec is None:
         return {"path": None}
-    path = ensure_local_model(spec)
-    hf_weights = OmegaConf.select(cfg, "model.hf_weights", default=None)
+    path = ensure_local_model(job.spec)
+    hf_weights = job.hf_weights
     if hf_weights is not None and Path(str(hf_weights)).resolve() != path.resolve():
         raise ConfigError(f"model.hf_weights={hf_weights} is not the converted {path}")
     return {"path": str(path)}

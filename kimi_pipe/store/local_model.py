@@ -27,7 +27,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
+import yaml
 
 from kimi_pipe.config import CONF_DIR
 from kimi_pipe.errors import ConfigError
@@ -57,6 +57,15 @@ class LocalModelSpec:
             name=str(cfg["name"]),
             dtype=str(cfg.get("dtype") or "float32"),
         )
+
+
+@dataclass(frozen=True)
+class ModelJob:
+    """What the model stage converts (None: a remote provider's model, nothing to do) and
+    the directory the model group says the weights are in (`model.hf_weights`)."""
+
+    spec: LocalModelSpec | None
+    hf_weights: str | None = None
 
 
 def cache_root() -> Path:
@@ -177,8 +186,9 @@ def main() -> None:
 
     conf = CONF_DIR / "model" / "smollm2.yaml"
     name = sys.argv[1] if len(sys.argv) > 1 else str(conf)
-    cfg = OmegaConf.load(name)
-    print(ensure_local_model(LocalModelSpec.from_cfg(cfg.local_model)))
+    # A model file's `local_model` node holds plain values (no interpolation): plain YAML.
+    node = yaml.safe_load(Path(name).read_text(encoding="utf-8"))
+    print(ensure_local_model(LocalModelSpec.from_cfg(node["local_model"])))
 
 
 if __name__ == "__main__":

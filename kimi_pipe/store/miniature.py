@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
+import yaml
 
 from kimi_pipe.config import CONF_DIR
 from kimi_pipe.errors import EXIT_USER_ERROR, ConfigError
@@ -52,7 +52,7 @@ def load_spec(name_or_path: str | Path, variant: str | None = None) -> dict[str,
     if not path.is_file():
         known = sorted(p.stem for p in SPEC_DIR.glob("*.yaml"))
         raise ConfigError(f"no miniature spec {str(name_or_path)!r}; known: {known}")
-    spec = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    spec = yaml.safe_load(path.read_text(encoding="utf-8"))  # plain YAML: anchors, no interpolation
     if not isinstance(spec, dict):
         raise ConfigError(f"{path}: a miniature spec is a mapping")
     for key in ("name", "seed", "dtype", "config", "tensors", "init"):

@@ -20,43 +20,41 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from omegaconf import DictConfig
-
 from kimi_pipe.extraction.executors.nodes import engine_node, node_rank_of
 from kimi_pipe.extraction.executors.worker import (
-    EXECUTORS,
     executor_of,
     open_worker_backend,
     run_summary,
     run_worker,
     serve_follower,
 )
+from kimi_pipe.extraction.job import EXECUTORS, ExtractJob
 from kimi_pipe.extraction.token_samples import Backend
 
 __all__ = ["EXECUTORS", "executor_of", "run_executor"]
 
 
-def run_executor(cfg: DictConfig, backend: Backend | None = None) -> dict[str, Any]:
+def run_executor(job: ExtractJob, backend: Backend | None = None) -> dict[str, Any]:
     """Run `extract.executor` to the end; the run's summary. `backend` (local only): an open
     engine to use instead of loading one."""
-    name = executor_of(cfg)
+    name = executor_of(job)
     if name == "ray":
         from kimi_pipe.extraction.executors.ray_executor import run_ray  # optional dep: ray
 
-        return run_ray(cfg)
+        return run_ray(job)
     if name == "submitit":
         from kimi_pipe.extraction.executors.submitit_executor import run_submitit  # submitit
 
-        return run_submitit(cfg)
+        return run_submitit(job)
     # A multi-node engine (extract.nnodes > 1) under SLURM: which node this job task is.
-    cfg = engine_node(cfg, os.environ)
-    if node_rank_of(cfg) > 0:
-        return serve_follower(cfg)
+    job = engine_node(job, os.environ)
+    if node_rank_of(job) > 0:
+        return serve_follower(job)
     own = backend is None
-    engine = backend or open_worker_backend(cfg)
+    engine = backend or open_worker_backend(job)
     try:
-        mine = run_worker(cfg, engine)
+        mine = run_worker(job, engine)
     finally:
         if own:
             engine.close()
-    return run_summary(cfg, [mine])
+    return run_summary(job, [mine])

@@ -10,14 +10,12 @@ pick the same one). Settings given on the command line win over the environment.
 
 from __future__ import annotations
 
-import copy
 import re
 from collections.abc import Mapping
 from itertools import product
 
-from omegaconf import DictConfig, open_dict
-
 from kimi_pipe.errors import ConfigError
+from kimi_pipe.extraction.job import ExtractJob
 
 AUTO = "auto"
 PORT_BASE = 20000  # dist_init_addr's port in a SLURM job: PORT_BASE + (job id % PORT_SLOTS) * 8
@@ -86,21 +84,20 @@ def slurm_node(env: Mapping[str, str]) -> tuple[int, str, int] | None:
     return int(rank), expand_nodelist(nodelist)[0], port
 
 
-def engine_node(cfg: DictConfig, env: Mapping[str, str]) -> DictConfig:
-    """`cfg` with `extract.node_rank` and `extract.dist_init_addr` filled in for a multi-node
-    engine (unchanged when `extract.nnodes` is 1 or both are set)."""
-    ecfg = cfg.extract
-    nnodes = int(ecfg.get("nnodes") or 1)
+def engine_node(job: ExtractJob, env: Mapping[str, str]) -> ExtractJob:
+    """`job` with `extract.node_rank` and `extract.dist_init_addr` filled in for a multi-node
+    engine (the same job when `extract.nnodes` is 1 or both are set)."""
+    nnodes = job.nnodes
     if nnodes <= 1:
-        return cfg
-    if str(ecfg.get("backend")) != "sglang":
+        return job
+    if job.backend != "sglang":
         raise ConfigError(
             f"extract.nnodes={nnodes}: only extract=sglang runs one engine over several nodes"
         )
-    rank = ecfg.get("node_rank")
-    addr = ecfg.get("dist_init_addr")
+    rank = job.get("node_rank")
+    addr = job.get("dist_init_addr")
     if rank not in (None, AUTO) and addr not in (None, AUTO):
-        return cfg
+        return job
     try:
         found = slurm_node(env)
     except ValueError as exc:
@@ -112,20 +109,19 @@ def engine_node(cfg: DictConfig, env: Mapping[str, str]) -> DictConfig:
             "extract.executor=ray (docs/distributed.md)"
         )
     slurm_rank, host, port = found
-    out = copy.deepcopy(cfg)
-    with open_dict(out):
-        if rank in (None, AUTO):
-            out.extract.node_rank = slurm_rank
-        if addr in (None, AUTO):
-            out.extract.dist_init_addr = f"{host}:{port}"
-    return out
+    filled: dict[str, object] = {}
+    if rank in (None, AUTO):
+        filled["node_rank"] = slurm_rank
+    if addr in (None, AUTO):
+        filled["dist_init_addr"] = f"{host}:{port}"
+    return job.with_settings(**filled)
 
 
-def node_rank_of(cfg: DictConfig) -> int:
+def node_rank_of(job: ExtractJob) -> int:
     """This process's node in its engine (0 for a one-node engine)."""
-    if int(cfg.extract.get("nnodes") or 1) <= 1:
+    if job.nnodes <= 1:
         return 0
-    rank = cfg.extract.get("node_rank")
+    rank = job.get("node_rank")
     if rank in (None, AUTO):
         raise ConfigError("extract.node_rank is not set (engine_node derives it under SLURM)")
     return int(rank)

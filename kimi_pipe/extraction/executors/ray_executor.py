@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
-
-from omegaconf import DictConfig, OmegaConf
 
 from kimi_pipe.errors import ConfigError, StoreError
 from kimi_pipe.extraction.executors.worker import (
@@ -34,6 +33,7 @@ from kimi_pipe.extraction.executors.worker import (
     run_worker,
     serve_follower,
 )
+from kimi_pipe.extraction.job import ExtractJob
 from kimi_pipe.extraction.sglang.ranks import free_port
 from kimi_pipe.store.units import default_owner
 
@@ -44,9 +44,9 @@ STRATEGIES = ("STRICT_SPREAD", "SPREAD", "PACK", "STRICT_PACK")
 PG_READY_S = 600.0  # an engine's nodes must all be placed within this
 
 
-def with_node(cfg: dict[str, Any], node_rank: int, addr: str) -> dict[str, Any]:
-    """The config of one node of a multi-node engine."""
-    return {**cfg, "extract": {**cfg["extract"], "node_rank": node_rank, "dist_init_addr": addr}}
+def with_node(job: ExtractJob, node_rank: int, addr: str) -> ExtractJob:
+    """The job of one node of a multi-node engine."""
+    return job.with_settings(node_rank=node_rank, dist_init_addr=addr)
 
 
 def node_address() -> tuple[str, int]:
@@ -68,14 +68,13 @@ class RaySettings:
     node_strategy: str = "STRICT_SPREAD"  # a multi-node engine's bundles: one per node
 
     @classmethod
-    def from_cfg(cls, cfg: DictConfig) -> RaySettings:
-        node = OmegaConf.select(cfg, "extract.ray", default=None)
+    def from_job(cls, job: ExtractJob) -> RaySettings:
+        node = job.get("ray")
         raw: dict[str, Any] = {}
         if node is not None:
-            container = OmegaConf.to_container(node, resolve=True)
-            if not isinstance(container, dict):
+            if not isinstance(node, Mapping):
                 raise ConfigError("extract.ray must be a mapping of settings")
-            raw = {str(k): v for k, v in container.items()}
+            raw = {str(k): v for k, v in node.items()}
         try:
             out = cls(
                 address=str(raw["address"]) if raw.get("address") else None,
@@ -105,9 +104,9 @@ class RaySettings:
 class UnitActor:
     """A Ray actor: opens one engine and runs the unit loop on it."""
 
-    def __init__(self, cfg: dict[str, Any], index: int) -> None:
-        self.cfg = OmegaConf.create(cfg)
-        self.backend = open_worker_backend(self.cfg)  # type: ignore[arg-type]
+    def __init__(self, job: ExtractJob, index: int) -> None:
+        self.job = job
+        self.backend = open_worker_backend(job)
         # A new name per process: a restarted actor's attempts never mix with the dead one's.
         self.owner = f"ray{index}-{default_owner()}"
 
@@ -116,7 +115,7 @@ class UnitActor:
 
     def run(self, wait_for_held: bool = True, max_units: int | None = None) -> dict[str, Any]:
         return run_worker(
-            self.cfg,  # type: ignore[arg-type]
+            self.job,
             self.backend,
             owner=self.owner,
             wait_for_held=wait_for_held,
@@ -127,11 +126,11 @@ class UnitActor:
 class NodeActor:
     """A Ray actor on one of the other nodes of a multi-node engine: serves its ranks."""
 
-    def __init__(self, cfg: dict[str, Any]) -> None:
-        self.cfg = OmegaConf.create(cfg)
+    def __init__(self, job: ExtractJob) -> None:
+        self.job = job
 
     def serve(self) -> dict[str, Any]:
-        return serve_follower(self.cfg)  # type: ignore[arg-type]
+        return serve_follower(self.job)
 
 
 def _remote_actor(settings: RaySettings) -> Any:
@@ -148,12 +147,12 @@ def _remote_actor(settings: RaySettings) -> Any:
 class RayPool:
     """Unit workers as Ray actors. `start(n)` then `wait()`; `add(n)` while it runs."""
 
-    def __init__(self, cfg: DictConfig, settings: RaySettings | None = None) -> None:
+    def __init__(self, job: ExtractJob, settings: RaySettings | None = None) -> None:
         import ray  # optional dep: ray
 
-        self.cfg = cfg
-        self.settings = settings or RaySettings.from_cfg(cfg)
-        self.units = UnitSettings.from_cfg(cfg)
+        self.job = job
+        self.settings = settings or RaySettings.from_job(job)
+        self.units = UnitSettings.from_job(job)
         self.units.open()  # a bad store location fails here, before any actor starts
         self._owns_cluster = False
         if not ray.is_initialized():
@@ -164,9 +163,8 @@ class RayPool:
                 log_to_driver=True,
             )
             self._owns_cluster = True
-        self._container = OmegaConf.to_container(cfg, resolve=True)
         self._actor = _remote_actor(self.settings)
-        self.nnodes = int(OmegaConf.select(cfg, "extract.nnodes", default=1) or 1)
+        self.nnodes = job.nnodes
         self.actors: list[Any] = []
         self.calls: list[Any] = []
         self.nodes: list[Any] = []  # actors of the other nodes of multi-node engines
@@ -189,7 +187,7 @@ class RayPool:
         if self.nnodes > 1:
             new = [self._engine_over_nodes(len(self.actors) + i) for i in range(n)]
         else:
-            new = [self._actor.remote(self._container, len(self.actors) + i) for i in range(n)]
+            new = [self._actor.remote(self.job, len(self.actors) + i) for i in range(n)]
         if ready_first:
             ray.get([actor.name.remote() for actor in new])
         for actor in new:
@@ -224,7 +222,6 @@ class RayPool:
         where = ray.remote(num_cpus=0)(node_address).options(scheduling_strategy=on(0))
         host, port = ray.get(where.remote())
         addr = f"{host}:{port}"
-        container: dict[str, Any] = {str(k): v for k, v in dict(self._container).items()}  # type: ignore[arg-type]
         options = {
             "num_cpus": self.settings.cpus_per_worker,
             "num_gpus": self.settings.gpus_per_worker,
@@ -235,11 +232,11 @@ class RayPool:
         head = (
             ray.remote(UnitActor)
             .options(scheduling_strategy=on(0), **options)
-            .remote(with_node(container, 0, addr), index)
+            .remote(with_node(self.job, 0, addr), index)
         )
         for k in range(1, self.nnodes):
             node = node_actor.options(scheduling_strategy=on(k), **options).remote(
-                with_node(container, k, addr)
+                with_node(self.job, k, addr)
             )
             self.nodes.append(node)
             self.node_calls.append(node.serve.remote())
@@ -289,9 +286,9 @@ def _why(exc: BaseException) -> str:
     return f"{name}: {text[0] if text else ''}"
 
 
-def run_ray(cfg: DictConfig) -> dict[str, Any]:
+def run_ray(job: ExtractJob) -> dict[str, Any]:
     """Extract with `extract.units.workers` Ray actors; the run's summary."""
-    pool = RayPool(cfg)
+    pool = RayPool(job)
     started = time.monotonic()
     try:
         pool.add(pool.units.workers)
@@ -299,7 +296,7 @@ def run_ray(cfg: DictConfig) -> dict[str, Any]:
     finally:
         pool.close()
     summary = run_summary(
-        cfg, done, worker_errors=errors, wall_s=round(time.monotonic() - started, 3)
+        job, done, worker_errors=errors, wall_s=round(time.monotonic() - started, 3)
     )
     if not summary["complete"]:
         missing = summary["status"]["units"] - summary["status"]["committed"]

@@ -28,8 +28,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-
 from kimi_pipe.errors import ConfigError, StoreError
 from kimi_pipe.extraction.executors.nodes import engine_node, node_rank_of
 from kimi_pipe.extraction.executors.worker import (
@@ -39,6 +37,7 @@ from kimi_pipe.extraction.executors.worker import (
     run_worker,
     serve_follower,
 )
+from kimi_pipe.extraction.job import ExtractJob
 from kimi_pipe.store.units import default_owner
 
 log = logging.getLogger("kimi_pipe.extract")
@@ -56,14 +55,13 @@ class SubmititSettings:
     parameters: dict[str, Any] = field(default_factory=dict)  # AutoExecutor's (slurm_*, ...)
 
     @classmethod
-    def from_cfg(cls, cfg: DictConfig) -> SubmititSettings:
-        node = OmegaConf.select(cfg, "extract.submitit", default=None)
+    def from_job(cls, job: ExtractJob) -> SubmititSettings:
+        node = job.get("submitit")
         raw: dict[str, Any] = {}
         if node is not None:
-            container = OmegaConf.to_container(node, resolve=True)
-            if not isinstance(container, dict):
+            if not isinstance(node, Mapping):
                 raise ConfigError("extract.submitit must be a mapping of settings")
-            raw = {str(k): v for k, v in container.items()}
+            raw = {str(k): v for k, v in node.items()}
         cluster = str(raw.get("cluster") or "local")
         if cluster not in CLUSTERS:
             raise ConfigError(
@@ -94,28 +92,27 @@ def task_env() -> Mapping[str, str]:
     }
 
 
-def submitit_job(cfg: dict[str, Any], index: int) -> dict[str, Any]:
+def submitit_job(job: ExtractJob, index: int) -> dict[str, Any]:
     """What one job runs (pickled by submitit): open the engine, run the unit loop. A job of
     a multi-node engine runs this on each of its nodes; only rank 0's node is a worker."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    conf = OmegaConf.create(cfg)
-    if int(conf.extract.get("nnodes") or 1) > 1:
-        conf = engine_node(conf, task_env())  # type: ignore[arg-type]
-        if node_rank_of(conf) > 0:  # type: ignore[arg-type]
-            return serve_follower(conf)  # type: ignore[arg-type]
-    backend = open_worker_backend(conf)  # type: ignore[arg-type]
+    if job.nnodes > 1:
+        job = engine_node(job, task_env())
+        if node_rank_of(job) > 0:
+            return serve_follower(job)
+    backend = open_worker_backend(job)
     try:
-        return run_worker(conf, backend, owner=f"job{index}-{default_owner()}")  # type: ignore[arg-type]
+        return run_worker(job, backend, owner=f"job{index}-{default_owner()}")
     finally:
         backend.close()
 
 
-def executor_for(cfg: DictConfig) -> Any:
+def executor_for(job: ExtractJob) -> Any:
     """A submitit executor for `extract.submitit` (LocalExecutor or SLURM's)."""
     import submitit  # optional dep: submitit
 
-    settings = SubmititSettings.from_cfg(cfg)
-    units = UnitSettings.from_cfg(cfg)
+    settings = SubmititSettings.from_job(job)
+    units = UnitSettings.from_job(job)
     folder = settings.folder
     if folder is None:
         root = units.local_root
@@ -125,7 +122,7 @@ def executor_for(cfg: DictConfig) -> Any:
     Path(folder).mkdir(parents=True, exist_ok=True)
     executor: Any
     params = dict(settings.parameters)
-    nnodes = int(cfg.extract.get("nnodes") or 1)
+    nnodes = job.nnodes
     if settings.cluster == "local":
         executor = submitit.LocalExecutor(folder=folder)
         if nnodes > 1:  # one task per "node", all of them on this machine
@@ -139,11 +136,10 @@ def executor_for(cfg: DictConfig) -> Any:
     return executor
 
 
-def submit(cfg: DictConfig, n: int, *, first_index: int = 0) -> list[Any]:
-    """Submit `n` unit-worker jobs; returns their submitit jobs."""
-    executor = executor_for(cfg)
-    container = OmegaConf.to_container(cfg, resolve=True)
-    return [executor.submit(submitit_job, container, first_index + i) for i in range(n)]
+def submit(job: ExtractJob, n: int, *, first_index: int = 0) -> list[Any]:
+    """Submit `n` unit-worker jobs (each pickles the job); returns their submitit jobs."""
+    executor = executor_for(job)
+    return [executor.submit(submitit_job, job, first_index + i) for i in range(n)]
 
 
 def wait(jobs: list[Any]) -> tuple[list[dict[str, Any]], list[str]]:
@@ -161,15 +157,15 @@ def wait(jobs: list[Any]) -> tuple[list[dict[str, Any]], list[str]]:
     return done, errors
 
 
-def run_submitit(cfg: DictConfig) -> dict[str, Any]:
+def run_submitit(job: ExtractJob) -> dict[str, Any]:
     """Extract with `extract.units.workers` submitit jobs and wait for them."""
-    units = UnitSettings.from_cfg(cfg)
+    units = UnitSettings.from_job(job)
     units.open()
     started = time.monotonic()
-    jobs = submit(cfg, units.workers)
+    jobs = submit(job, units.workers)
     done, errors = wait(jobs)
     summary = run_summary(
-        cfg,
+        job,
         done,
         worker_errors=errors,
         jobs=[str(j.job_id) for j in jobs],

@@ -18,10 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-
 from kimi_pipe.errors import ConfigError
 from kimi_pipe.extraction.capture import CaptureStats, IssueLog, TokenBudget, capture_into
+from kimi_pipe.extraction.job import ExtractJob
 from kimi_pipe.extraction.sglang.backend import serve_follower_node
 from kimi_pipe.extraction.sharding import resolve_for_shard, teacher_head
 from kimi_pipe.extraction.token_samples import (
@@ -29,10 +28,7 @@ from kimi_pipe.extraction.token_samples import (
     TokenSample,
     apply_max_len,
     load_backend,
-    loss_mask_convention,
-    output_path,
     read_token_records,
-    records_path,
 )
 from kimi_pipe.store import atomic, objects
 from kimi_pipe.store.hidden_store import FP8, MANIFEST, make_manifest, state_dtypes
@@ -50,18 +46,13 @@ from kimi_pipe.store.units import (
 
 log = logging.getLogger("kimi_pipe.extract")
 
-EXECUTORS = ("local", "ray", "submitit")
 SUMMARY_FILE = "extract_summary.json"
 
 
-def executor_of(cfg: DictConfig) -> str | None:
-    """`extract.executor`: None (the work shards of extraction/sharding.py) or a name."""
-    name = OmegaConf.select(cfg, "extract.executor", default=None)
-    if name is None or str(name) in ("", "none", "null"):
-        return None
-    if str(name) not in EXECUTORS:
-        raise ConfigError(f"extract.executor must be one of {EXECUTORS} or null, not {name!r}")
-    return str(name)
+def executor_of(job: ExtractJob) -> str | None:
+    """`extract.executor`: None (the work shards of extraction/sharding.py) or a name
+    (checked when the job was built)."""
+    return job.executor
 
 
 def _positive(node: Mapping[str, Any], key: str, kind: type, default: Any) -> Any:
@@ -91,15 +82,14 @@ class UnitSettings:
     storage_options: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_cfg(cls, cfg: DictConfig) -> UnitSettings:
-        raw = OmegaConf.select(cfg, "extract.units", default=None)
+    def from_job(cls, job: ExtractJob) -> UnitSettings:
+        raw = job.get("units")
         node: dict[str, Any] = {}
         if raw is not None:
-            container = OmegaConf.to_container(raw, resolve=True)
-            if not isinstance(container, dict):
+            if not isinstance(raw, Mapping):
                 raise ConfigError("extract.units must be a mapping of settings")
-            node = {str(k): v for k, v in container.items()}
-        url = node.get("url") or str(output_path(cfg, records_path(cfg)))
+            node = {str(k): v for k, v in raw.items()}
+        url = node.get("url") or str(job.store_path())
         options = node.get("storage_options") or {}
         if not isinstance(options, dict):
             raise ConfigError("extract.units.storage_options must be a mapping (fsspec options)")
@@ -143,13 +133,13 @@ class UnitIssues(IssueLog):
         self.writer.skip(sample_id, code, detail)
 
 
-def batch_budget(ecfg: Any, backend: Any) -> TokenBudget:
+def batch_budget(job: ExtractJob, backend: Any) -> TokenBudget:
     """`extract.batch_tokens` / `max_batch`, capped by the engine's own limits."""
-    tokens = int(ecfg.batch_tokens)
+    tokens = int(job.settings["batch_tokens"])
     engine_cap = getattr(backend, "max_batch_tokens", None)
     if engine_cap is not None and engine_cap < tokens:
         tokens = int(engine_cap)
-    caps = [c for c in (ecfg.get("max_batch"), getattr(backend, "max_batch_samples", None)) if c]
+    caps = [c for c in (job.get("max_batch"), getattr(backend, "max_batch_samples", None)) if c]
     return TokenBudget(tokens, max_samples=min(caps) if caps else None)
 
 
@@ -166,26 +156,23 @@ class Work:
     records: Path
 
 
-def prepare(cfg: DictConfig, backend: Backend, settings: UnitSettings) -> Work:
+def prepare(job: ExtractJob, backend: Backend, settings: UnitSettings) -> Work:
     """Read the records and write (or check) the store's plan. Every worker calls this."""
-    ecfg = cfg.extract
-    records = records_path(cfg)
+    records = job.records_path()
     # Target resolution rewrites the records before the ids are read; records scored before
     # are passed over, so a second worker only re-reads (docs/distributed.md, limits).
-    resolution = resolve_for_shard(cfg, backend, records, 0, 1)
-    samples, counts = read_token_records(
-        records, only_ok=bool(ecfg.get("only_ok", True)), accept=ecfg.get("accept")
-    )
-    samples, len_counts = apply_max_len(samples, ecfg.get("max_len"), str(ecfg.over_max_len))
+    resolution = resolve_for_shard(job, backend, records, 0, 1)
+    samples, counts = read_token_records(records, only_ok=job.only_ok, accept=job.accept)
+    samples, len_counts = apply_max_len(samples, job.max_len, job.over_max_len)
     counts.update(len_counts)
     manifest = make_manifest(
         **backend.store_fields,
-        final_dtype=ecfg.get("final_store_dtype"),
-        loss_mask=loss_mask_convention(cfg),
+        final_dtype=job.get("final_store_dtype"),
+        loss_mask=job.loss_mask_convention(),
         source_runs=[str(records.parent.resolve())],
-        backend=str(ecfg.backend),
+        backend=job.backend,
     )
-    head = teacher_head(ecfg, backend, manifest)
+    head = teacher_head(job, backend, manifest)
     if head is not None and state_dtypes(manifest)["hidden_state"] == FP8:
         manifest = {**manifest, "final_rounding": ROUNDING_DOC}
     store = settings.open()
@@ -203,7 +190,7 @@ def prepare(cfg: DictConfig, backend: Backend, settings: UnitSettings) -> Work:
 
 
 def run_worker(
-    cfg: DictConfig,
+    job: ExtractJob,
     backend: Backend,
     *,
     owner: str | None = None,
@@ -216,13 +203,12 @@ def run_worker(
     `wait_for_held`: also wait for units other workers hold, taking over those whose lease
     runs out, so the run ends complete while one worker lives. `max_units`: stop after so
     many commits (a worker that leaves early; tests)."""
-    settings = settings or UnitSettings.from_cfg(cfg)
+    settings = settings or UnitSettings.from_job(job)
     owner = check_owner(owner or default_owner())
     started = time.monotonic()
     cpu_started = time.process_time()  # CPU this process got: on a shared host, not the wall
-    work = prepare(cfg, backend, settings)
-    ecfg = cfg.extract
-    budget = batch_budget(ecfg, backend)
+    work = prepare(job, backend, settings)
+    budget = batch_budget(job, backend)
     padded = not bool(getattr(backend, "packed", False))
     totals = CaptureStats()
 
@@ -269,12 +255,12 @@ def run_worker(
     }
 
 
-def serve_follower(cfg: DictConfig) -> dict[str, Any]:
+def serve_follower(job: ExtractJob) -> dict[str, Any]:
     """A node of a multi-node engine other than rank 0's: it serves its tensor-parallel ranks
     until rank 0's node closes the engine, claims no unit and writes nothing. Its summary
     says so, with the store's status as it found it at the end."""
-    node = serve_follower_node(cfg)
-    settings = UnitSettings.from_cfg(cfg)
+    node = serve_follower_node(job)
+    settings = UnitSettings.from_job(job)
     return {
         "store": settings.url,
         "status": settings.open().status(),
@@ -282,22 +268,22 @@ def serve_follower(cfg: DictConfig) -> dict[str, Any]:
     }
 
 
-def open_worker_backend(cfg: DictConfig) -> Backend:
+def open_worker_backend(job: ExtractJob) -> Backend:
     """The engine of one worker (`extract.backend`), as the work-shard path opens it."""
-    return load_backend(cfg)
+    return load_backend(job)
 
 
-def run_summary(cfg: DictConfig, workers: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+def run_summary(job: ExtractJob, workers: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
     """The run's summary once the executor's workers are done: the store's status and each
     worker's part; written beside the units when the store is on local disk."""
-    settings = UnitSettings.from_cfg(cfg)
+    settings = UnitSettings.from_job(job)
     store = settings.open()
     status = store.status()
     summary: dict[str, Any] = {
         "store": settings.url,
-        "records": str(records_path(cfg)),
-        "backend": str(cfg.extract.backend),
-        "executor": executor_of(cfg),
+        "records": str(job.records_path()),
+        "backend": job.backend,
+        "executor": job.executor,
         "status": status,
         "complete": status["committed"] == status["units"],
         "workers": workers,

@@ -14,15 +14,15 @@ from __future__ import annotations
 import importlib
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 
 from kimi_pipe.errors import ConfigError
 from kimi_pipe.extraction.draft_config import capture_request, record_drafts
+from kimi_pipe.extraction.job import ExtractJob
 from kimi_pipe.extraction.layers import output_to_capture_ids, resolve_output_ids
 from kimi_pipe.extraction.output_head import read_output_head
 from kimi_pipe.extraction.sglang.ranks import (
@@ -50,7 +50,7 @@ class SGLangBackend:
         settings: EngineSettings,
         *,
         layer_ids: Sequence[int] | None = None,
-        model_cfg: dict[str, Any] | None = None,
+        model_cfg: Mapping[str, Any] | None = None,
         model_name: str | None = None,
         store_dtype: str | None = None,
         rank_factory: RankFactory | None = None,
@@ -259,10 +259,10 @@ def _import_factory(spec: str) -> RankFactory:
 
 
 def _factory_of(
-    cfg: DictConfig, settings: EngineSettings, rank_factory: RankFactory | None
+    job: ExtractJob, settings: EngineSettings, rank_factory: RankFactory | None
 ) -> RankFactory | None:
-    if rank_factory is None and cfg.extract.get("rank_factory"):
-        rank_factory = _import_factory(str(cfg.extract.rank_factory))
+    if rank_factory is None and job.get("rank_factory"):
+        rank_factory = _import_factory(str(job.get("rank_factory")))
     if rank_factory is None and not Path(settings.model_path).exists():
         raise FileNotFoundError(
             f"{settings.model_path} not found: extract.model_path must be a local Hugging Face "
@@ -272,49 +272,47 @@ def _factory_of(
     return rank_factory
 
 
-def open_backend(cfg: DictConfig, rank_factory: RankFactory | None = None) -> SGLangBackend:
-    """Build the backend from `cfg.extract` (conf/extract/sglang.yaml). In a multi-node
+def open_backend(job: ExtractJob, rank_factory: RankFactory | None = None) -> SGLangBackend:
+    """Build the backend from the job's `extract.*` (conf/extract/sglang.yaml). In a multi-node
     engine only the node of rank 0 opens it; the others run `serve_follower_node`."""
-    settings = EngineSettings.from_cfg(cfg)
-    rank_factory = _factory_of(cfg, settings, rank_factory)
-    model_cfg = OmegaConf.to_container(cfg.model, resolve=True) if "model" in cfg else None
+    settings = EngineSettings.from_job(job)
+    rank_factory = _factory_of(job, settings, rank_factory)
     layer_ids, drafts = capture_request(
-        cfg.extract.get("layer_ids"), cfg.extract.get("draft_config"),
-        cfg.extract.get("draft_engine"),
-    )  # fmt: skip
+        job.get("layer_ids"), job.get("draft_config"), job.get("draft_engine")
+    )
     backend = SGLangBackend(
         settings,
         layer_ids=list(layer_ids) if layer_ids is not None else None,
-        model_cfg=model_cfg,  # type: ignore[arg-type]
-        model_name=OmegaConf.select(cfg, "model.name", default=None),
-        store_dtype=cfg.extract.get("store_dtype"),
+        model_cfg=job.model,
+        model_name=job.model_name,
+        store_dtype=job.get("store_dtype"),
         rank_factory=rank_factory,
     )
     record_drafts(backend.store_fields, drafts, int(backend.store_fields["num_layers"]))
     return backend
 
 
-def run_extract(cfg: DictConfig, rank_factory: RankFactory | None = None) -> dict[str, Any]:
+def run_extract(job: ExtractJob, rank_factory: RankFactory | None = None) -> dict[str, Any]:
     """The extract stage with this backend (`python -m kimi_pipe extract extract=sglang`);
     `rank_factory` swaps the engine rank (tests)."""
-    backend = open_backend(cfg, rank_factory)
+    backend = open_backend(job, rank_factory)
     try:
-        return run_sharded(cfg, backend)
+        return run_sharded(job, backend)
     finally:
         backend.close()
 
 
-def serve_follower_node(cfg: DictConfig, rank_factory: RankFactory | None = None) -> dict[str, Any]:
+def serve_follower_node(job: ExtractJob, rank_factory: RankFactory | None = None) -> dict[str, Any]:
     """A node of a multi-node engine other than rank 0's (`extract.node_rank` > 0): run this
     node's tensor-parallel ranks until rank 0's node closes the engine. It claims no work and
     writes nothing; the executors start it beside the rank-0 worker (docs/distributed.md)."""
-    settings = EngineSettings.from_cfg(cfg)
+    settings = EngineSettings.from_job(job)
     if settings.nnodes < 2 or settings.node_rank == 0:
         raise ConfigError(
             "serve_follower_node is for extract.node_rank >= 1 of an engine with "
             f"extract.nnodes >= 2 (got node_rank={settings.node_rank}, nnodes={settings.nnodes})"
         )
-    factory = _factory_of(cfg, settings, rank_factory) or _sglang_rank
+    factory = _factory_of(job, settings, rank_factory) or _sglang_rank
     relayed = serve_node(settings, factory)
     return {
         "node_rank": settings.node_rank,

@@ -9,14 +9,15 @@ base_gpu_id .. base_gpu_id + tp/nnodes - 1; every rank joins one torch.distribut
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 
 from kimi_pipe.errors import ConfigError
+from kimi_pipe.extraction.job import ExtractJob
 
 SGLANG_VERSION = "0.5.14"  # keep equal to the pin of the `sglang` extra in pyproject.toml
 INSTALL_HINT = (
@@ -131,9 +132,9 @@ class EngineSettings:
         return self.base_gpu_id + tp_rank % self.ranks_per_node
 
     @classmethod
-    def from_cfg(cls, cfg: DictConfig) -> EngineSettings:
-        ecfg = cfg.extract
-        path = ecfg.get("model_path") or OmegaConf.select(cfg, "model.hf_weights", default=None)
+    def from_job(cls, job: ExtractJob) -> EngineSettings:
+        ecfg = job.settings
+        path = ecfg.get("model_path") or job.hf_weights
         if not path:
             raise ConfigError(
                 "extract.backend=sglang needs the target model: set extract.model_path=DIR "
@@ -161,12 +162,12 @@ class EngineSettings:
             disable_cuda_graph=bool(ecfg.get("disable_cuda_graph", True)),
             trust_remote_code=bool(ecfg.get("trust_remote_code", False)),
             load_format=str(ecfg.get("load_format", "auto")),
-            base_gpu_id=_base_gpu_id(cfg) if device == "cuda" else 0,
+            base_gpu_id=_base_gpu_id(ecfg) if device == "cuda" else 0,
             max_total_tokens=int(max_total) if max_total is not None else None,
             nnodes=nnodes,
             node_rank=node_rank,
             dist_init_addr=addr,
-            server_args=dict(OmegaConf.to_container(extra, resolve=True)) if extra else {},  # type: ignore[arg-type]
+            server_args=dict(extra) if extra else {},
         )
 
     def server_args_kwargs(self, nccl_port: int) -> dict[str, Any]:
@@ -227,15 +228,15 @@ def _nodes_of(ecfg: Any) -> tuple[int, int, str | None]:
     return nnodes, node_rank, str(addr) if addr else None
 
 
-def _base_gpu_id(cfg: DictConfig) -> int:
+def _base_gpu_id(ecfg: Mapping[str, Any]) -> int:
     """First GPU of this work shard: extract.base_gpu_id, else shard * tp_size modulo the
     visible GPUs (shards launched together on one node take disjoint GPU groups; a SLURM job
     sees only its own GPUs, so it starts at 0). A multi-node engine starts at 0 on each node."""
-    value = cfg.extract.get("base_gpu_id")
+    value = ecfg.get("base_gpu_id")
     if value is not None:
         return int(value)
     visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if visible == 0 or int(cfg.extract.get("nnodes") or 1) > 1:
+    if visible == 0 or int(ecfg.get("nnodes") or 1) > 1:
         return 0
-    shard = int(cfg.extract.get("shard", 0) or 0)
-    return (shard * int(cfg.extract.get("tp_size", 1))) % visible
+    shard = int(ecfg.get("shard", 0) or 0)
+    return (shard * int(ecfg.get("tp_size", 1))) % visible
