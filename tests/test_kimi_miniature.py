@@ -430,3 +430,33 @@ def test_extract_split_check_recovers_the_models_own_ids(
         assert r["evidence"] == ("text_proven" if same else "target_resolved")
         prompt = greedy_answers[int(r["id"][1:])][0]
         assert store.tokens(r["id"])["input_ids"].tolist() == prompt + truth
+
+
+# --------------------------------------------------------------------------- the audit
+
+
+def test_audit_runs_on_the_miniature_from_the_records_prompts(
+    tmp_path: Path, mini_dir: Path, greedy_answers: list[tuple[list[int], list[int]]]
+) -> None:
+    """The fidelity audit loads the target as extraction does (the vision wrapper's own class,
+    no remote code); the miniature ships no tokenizer or chat template, so each record's
+    prompt ids are the prompt and the output is compared with the model's greedy ids."""
+    from kimi_pipe.reporting.audit import run_audit
+    from kimi_pipe.stages.jobs.audit import audit_job
+
+    rows = []
+    for i, (prompt, answer) in enumerate(greedy_answers[:2]):
+        output = list(answer) if i == 0 else [*answer[:3], (answer[3] + 1) % 1000 + 10, *answer[4:]]
+        rows.append({
+            "id": f"a{i}", "ok": True, "issues": [], "messages": [{"role": "user", "content": "q"}],
+            "request": {"max_tokens": len(answer)},
+            "prompt_ids": prompt, "output_ids": output,
+        })  # fmt: skip
+    records = tmp_path / "records.jsonl"
+    records.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    job = audit_job(
+        cfg_for(["model=kimi_k25", f"audit.records={records}", f"audit.model_path={mini_dir}"])
+    )
+    summary = run_audit(job)
+    assert summary["audited"] == 2 and summary["exact"] == 1, summary
+    assert summary["prompt_checked"] == 0  # no chat template: the prompt is the record's own

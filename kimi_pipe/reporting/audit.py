@@ -144,11 +144,14 @@ def requested_max_tokens(record: Mapping[str, Any]) -> int | None:
 
 class HFGreedyTruth:
     """Greedy generation with transformers, as `transformers serve` does at temperature 0:
-    the prompt is the tokenizer's own chat template over the record's messages."""
+    the prompt is the tokenizer's own chat template over the record's messages. A model
+    directory without a chat template (a miniature target, weights without tokenizer files)
+    generates from the record's own prompt ids: its output is audited, its prompt is not."""
 
     def __init__(self, model_dir: Path, device: str, dtype: str, threads: int | None) -> None:
         import torch  # optional dep
-        from transformers import AutoModelForCausalLM, AutoTokenizer  # optional dep
+
+        from kimi_pipe.extraction.hf_backend import load_text_model  # transformers: heavy
 
         if threads:
             torch.set_num_threads(int(threads))
@@ -158,23 +161,31 @@ class HFGreedyTruth:
                 "model run `python -m kimi_pipe.store.local_model`)"
             )
         self.model_dir = model_dir
-        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        self.model = AutoModelForCausalLM.from_pretrained(
-            str(model_dir), dtype=getattr(torch, dtype), device_map=device
-        )
+        self.tokenizer = _chat_tokenizer(model_dir)
+        # The model's own class, or a wrapper's (Kimi K2.5's vision wrapper) as extraction
+        # loads it; never remote code.
+        self.model = load_text_model(model_dir, dtype).to(device)
         self.model.eval()
         self._torch = torch
 
     def __call__(self, record: Mapping[str, Any], max_new_tokens: int) -> TruthIds:
-
-        inputs = self.tokenizer.apply_chat_template(
-            record["messages"],
-            tools=record.get("tools") or None,
-            add_generation_prompt=True,
-            tokenize=True,
-            return_dict=True,
-            return_tensors="pt",
-        ).to(self.model.device)  # type: ignore[union-attr]
+        if self.tokenizer is not None:
+            inputs = self.tokenizer.apply_chat_template(
+                record["messages"],
+                tools=record.get("tools") or None,
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=True,
+                return_tensors="pt",
+            ).to(self.model.device)  # type: ignore[union-attr]
+        else:
+            ids = record.get("prompt_ids")
+            if not isinstance(ids, list) or not ids:
+                raise AuditError(
+                    f"{self.model_dir} has no chat template and the record no prompt_ids"
+                )
+            tensor = self._torch.tensor([ids], device=self.model.device)
+            inputs = {"input_ids": tensor, "attention_mask": self._torch.ones_like(tensor)}
         config = copy.deepcopy(self.model.generation_config)
         config.do_sample = False  # what temperature=0 means to the server
         config.max_new_tokens = max_new_tokens
@@ -183,9 +194,26 @@ class HFGreedyTruth:
         n = inputs["input_ids"].shape[-1]
         return TruthIds(
             output_ids=out[0, n:].tolist(),
-            prompt_ids=inputs["input_ids"][0].tolist(),
-            source="hf_greedy",
+            prompt_ids=inputs["input_ids"][0].tolist() if self.tokenizer is not None else None,
+            source="hf_greedy" if self.tokenizer is not None else "hf_greedy_record_prompt",
         )
+
+
+def _chat_tokenizer(model_dir: Path) -> Any:
+    """The directory's tokenizer when it has a chat template, else None (logged)."""
+    from transformers import AutoTokenizer  # optional dep
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    except (OSError, ValueError, TypeError) as exc:
+        log.warning(
+            "%s: no tokenizer (%s); the records' prompt ids are the prompts", model_dir, exc
+        )
+        return None
+    if not getattr(tokenizer, "chat_template", None):
+        log.warning("%s: no chat template; the records' prompt ids are the prompts", model_dir)
+        return None
+    return tokenizer
 
 
 def load_replies(path: Path) -> dict[str, TruthIds]:
@@ -503,6 +531,14 @@ def run_audit(job: AuditJob) -> dict[str, Any]:
         )
     finally:
         cache.close()
+    if not rows and skipped.get("truth_failed"):
+        # Nothing was audited and the cause is in the log only: not a result to report as 0.
+        raise AuditError(
+            f"no truth for any of {skipped['truth_failed']} records (audit.truth={s.truth}): "
+            f"see the warnings above; audit.model_path={_model_path(s, job.hf_weights)}"
+            if s.truth == "hf_greedy"
+            else f"no truth for any of {skipped['truth_failed']} records (audit.truth={s.truth})"
+        )
     summary = summarise(rows, skipped, s.truth)
     summary.update(
         records=str(records_path),
