@@ -17,8 +17,7 @@ from kimi_pipe.conformance.probe import (
     load_battery,
 )
 from kimi_pipe.core.models import Model
-from kimi_pipe.generation.probes import run_probes
-from kimi_pipe.stages.probe import main
+from kimi_pipe.stages.probe import main, run_probes
 from tests.support.fake_openrouter import Behaviour, KimiCounter
 from tests.support.fake_stacks import Stack, routed_fake, stacks
 

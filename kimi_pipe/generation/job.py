@@ -4,7 +4,8 @@ line, settings and what a run directory holds: kimi_pipe/stages/generate.py, doc
 
 The job's rooms: generation/buying.py (the buying loop), outcomes.py (what a prompt becomes),
 purchase.py (what a run directory bought), summary.py (summary.json), launch.py (the run
-directory and the checks before Hydra launches)."""
+directory and the checks before Hydra launches). Its settings: `GenerateJob`, made from the
+composed config once, at the stage's door (kimi_pipe/stages/jobs/generate.py)."""
 
 from __future__ import annotations
 
@@ -12,14 +13,15 @@ import asyncio
 import logging
 import sys
 from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf, open_dict
-
 from kimi_pipe.conformance import auto as serving_auto
+from kimi_pipe.conformance.auto import AutoSettings, AutoTarget, Pin
 from kimi_pipe.core.models import load_model
-from kimi_pipe.core.serving import serving_profile
+from kimi_pipe.core.serving import ServingProfile
 from kimi_pipe.errors import (
     EXIT_ALL_FAILED,
     EXIT_INTERRUPTED,
@@ -32,21 +34,16 @@ from kimi_pipe.errors import (
 from kimi_pipe.generation.buying import Generator
 from kimi_pipe.generation.datasets import (
     JOB_STOPS,
-    dataset_cfg,
-    dataset_nodes,
     job_spend,
     plan_left,
     write_job_summary,
 )
 from kimi_pipe.generation.errors import GenerateError
-from kimi_pipe.generation.launch import (
-    RUN_FILES,
-    check_settings,
-    run_dir_of,
-)
-from kimi_pipe.providers.budget import budget_settings
-from kimi_pipe.providers.credentials import refuse_secrets
+from kimi_pipe.generation.launch import RUN_FILES
+from kimi_pipe.providers.budget import BudgetSettings
+from kimi_pipe.providers.credentials import api_key
 from kimi_pipe.providers.local_server import provider_endpoint
+from kimi_pipe.providers.settings import ProviderSettings
 from kimi_pipe.store.layout import ATTEMPT_ERRORS, RECORDS
 from kimi_pipe.store.prompt_datasets import check_prompt_source
 from kimi_pipe.store.run_dir import check_run_dir
@@ -55,6 +52,7 @@ from kimi_pipe.store.run_lock import RunLock
 __all__ = [
     "BuyProbes",
     "GenerateError",
+    "GenerateJob",
     "Generator",
     "finish_status",
     "generate",
@@ -68,14 +66,76 @@ BuyProbes = serving_auto.BuyBattery
 log = logging.getLogger("kimi_pipe.generate")
 
 
-def _pointed_at(cfg: DictConfig, endpoint: dict[str, Any]) -> DictConfig:
-    """A copy of cfg whose provider talks to the started local server."""
-    out = cfg.copy()
-    with open_dict(out):
-        OmegaConf.update(out, "provider.model", endpoint["model"], force_add=True)
-        OmegaConf.update(out, "provider.api_base", endpoint["api_base"], force_add=True)
-        OmegaConf.update(out, "provider.server", None, force_add=True)
-    return out
+@dataclass(frozen=True)
+class GenerateJob:
+    """Everything a generate run reads of its settings, read once from the composed config at
+    the stage's door (kimi_pipe/stages/jobs/generate.py); what a run changes (the fitted
+    route, a dataset's share of the budget, its run directory) is a new job
+    (`dataclasses.replace`), never a write into the config."""
+
+    model: dict[str, Any]  # the `model` node (conf/model), plain values
+    provider: dict[str, Any]  # the `provider` node (conf/provider): routing, server, ...
+    settings: ProviderSettings  # `provider` as checked; kept equal to it by `with_provider`
+    dataset: dict[str, Any]  # the `dataset` node (conf/dataset)
+    budget: BudgetSettings
+    serving: ServingProfile
+    serving_auto: AutoSettings
+    billing_tolerance: int = 0  # validation.billing_tolerance
+    record_ids: str = "engine"  # validation.record_ids
+    accept: Any = None  # export.accept: the evidence rungs the summary's yield counts
+    run_dir: Path | None = None  # None: a job only ever bought into a directory given to it
+    # `datasets`: several datasets under one budget (generation/datasets.py); None: `dataset`.
+    datasets: tuple[dict[str, Any], ...] | None = None
+
+    def with_provider(self, provider: Mapping[str, Any]) -> GenerateJob:
+        """This job buying through `provider` (its settings checked again)."""
+        node = dict(provider)
+        return replace(self, provider=node, settings=ProviderSettings.from_config(node))
+
+    def for_dataset(self, dataset: dict[str, Any], run_dir: Path, usd: float | None) -> GenerateJob:
+        """The job's run of one of its datasets: its node, its run directory, what is left of
+        the job's USD cap as its budget."""
+        budget = self.budget if usd is None else replace(self.budget, usd=usd)
+        return replace(self, dataset=dataset, datasets=None, run_dir=run_dir, budget=budget)
+
+    def pinned(self, pin: Pin | None) -> GenerateJob:
+        """This job as serving=auto's `prepare` changes it (None: unchanged)."""
+        if pin is None:
+            return self
+        out = replace(self, serving=pin.serving)
+        if pin.order is None:
+            return out
+        routing = {
+            **(self.provider.get("routing") or {}),
+            "only": list(pin.order),
+            "order": list(pin.order),
+            "allow_fallbacks": False,
+        }
+        return out.with_provider({**self.provider, "routing": routing})
+
+    def auto_target(self) -> AutoTarget:
+        """What serving=auto reads of this job."""
+        return AutoTarget(
+            model_name=str(self.model.get("name")),
+            provider_model=str(self.provider.get("model", "")),
+            api_base=str(self.provider.get("api_base", "")),
+            routing=dict(self.provider.get("routing") or {}),
+            serving=self.serving,
+            declared=self.provider.get("serving_profile") or None,
+            budget_usd=self.budget.usd,
+            auto=self.serving_auto,
+        )
+
+
+def _pointed_at(job: GenerateJob, endpoint: dict[str, Any]) -> GenerateJob:
+    """The job with its provider talking to the started local server."""
+    provider = {
+        **job.provider,
+        "model": endpoint["model"],
+        "api_base": endpoint["api_base"],
+        "server": None,
+    }
+    return job.with_provider(provider)
 
 
 def _to_log_files(level: int, message: str) -> None:
@@ -87,67 +147,88 @@ def _to_log_files(level: int, message: str) -> None:
             handler.handle(record)
 
 
+def said(exc: BaseException, where: Any) -> int | None:
+    """A user's mistake or the host's fault said as one line on the terminal (and in the
+    run's log files): exit status 2; None where `exc` is a bug, whose traceback is kept.
+    `where`: the run directory, named when a write names no file."""
+    if not isinstance(exc, KimiPipeError | OSError):
+        return None
+    host = host_error(exc, where)  # a write names no file
+    message = (
+        one_line(exc)
+        or (one_line(host) if host is not None else None)
+        or (" ".join(str(exc).split()) if isinstance(exc, FileNotFoundError) else None)
+    )
+    if message is None:
+        return None
+    _to_log_files(logging.ERROR, message)  # the terminal gets it once, below
+    print(f"error: {message}", file=sys.stderr)
+    return EXIT_USER_ERROR
+
+
+def interrupted(where: Any) -> int:
+    """Say that a run was interrupted: every finished answer is already on disk; the
+    requests in flight are lost."""
+    print(f"interrupted; run the same command again to resume ({where})", file=sys.stderr)
+    return EXIT_INTERRUPTED
+
+
 def generate(
-    cfg: DictConfig, run_dir: Path | None = None, *, buy_probes: BuyProbes | None = None
+    job: GenerateJob, run_dir: Path | None = None, *, buy_probes: BuyProbes | None = None
 ) -> tuple[int, dict[str, Any] | None]:
     """Run the stage; returns (exit status, summary). Config/input problems -> status 2,
     said as one line here. `buy_probes`: as for `run_generate`."""
     try:
-        nodes = dataset_nodes(cfg)
-        if nodes is not None:  # several datasets under one budget (generation/datasets.py)
-            run_dir, summary, status = run_datasets(cfg, nodes, run_dir, buy_probes=buy_probes)
+        if job.datasets is not None:  # several datasets under one budget (generation/datasets.py)
+            run_dir, summary, status = run_datasets(job, run_dir, buy_probes=buy_probes)
             return status, summary
-        run_dir, summary = run_generate(cfg, run_dir, buy_probes=buy_probes)
+        run_dir, summary = run_generate(job, run_dir, buy_probes=buy_probes)
     except (KimiPipeError, OSError) as exc:
         # A user's mistake or the host's fault (a full disk, a read-only directory): one
         # line naming the path; every complete record and the journal are on disk.
-        host = host_error(exc, run_dir or cfg.get("output_dir"))  # a write names no file
-        message = (
-            one_line(exc)
-            or (one_line(host) if host is not None else None)
-            or (" ".join(str(exc).split()) if isinstance(exc, FileNotFoundError) else None)
-        )
-        if message is None:
+        said_status = said(exc, run_dir or job.run_dir)
+        if said_status is None:
             raise  # a bug: keep its traceback
-        _to_log_files(logging.ERROR, message)  # the terminal gets it once, below
-        print(f"error: {message}", file=sys.stderr)
-        return EXIT_USER_ERROR, None
+        return said_status, None
     except KeyboardInterrupt:
-        # Every finished answer is already on disk; the requests in flight are lost.
-        where = run_dir if run_dir is not None else cfg.get("output_dir")
-        print(f"interrupted; run the same command again to resume ({where})", file=sys.stderr)
-        return EXIT_INTERRUPTED, None
+        return interrupted(run_dir if run_dir is not None else job.run_dir), None
     return finish_status(run_dir, summary), summary
 
 
+def _run_dir(job: GenerateJob, run_dir: Path | None) -> Path:
+    where = run_dir or job.run_dir
+    if where is None:  # a job made without one is only ever run into a directory given
+        raise GenerateError("generate: no run directory given (output_dir)")
+    return check_run_dir(where, RUN_FILES)
+
+
 def run_generate(
-    cfg: DictConfig, run_dir: Path | None = None, *, buy_probes: BuyProbes | None = None
+    job: GenerateJob, run_dir: Path | None = None, *, buy_probes: BuyProbes | None = None
 ) -> tuple[Path, dict[str, Any]]:
     """The stage's work: (run directory, summary). A user-facing failure is raised, not
     printed (`generate` says it; a sweep or the probes say it once for all their jobs).
     `buy_probes` buys serving=auto's probe battery (generation/probes.py's `buy_battery`,
     passed in: buying probes is itself a generate run)."""
 
-    # Before anything is written: no secret in any value, budget and provider settings that
-    # can buy, a run directory that may be one, a prompt file that is there (before
-    # serving=auto's probes buy anything).
-    refuse_secrets(cfg)
-    check_settings(cfg)
-    check_prompt_source(cfg.dataset)
-    run_dir = check_run_dir(run_dir or run_dir_of(cfg), RUN_FILES)
+    # Before anything is written (the settings were checked as the job was made, secrets
+    # refused at the door): a key that is set, a prompt file that is there (before
+    # serving=auto's probes buy anything), a run directory that may be one.
+    api_key(job.settings.api_key_env)
+    check_prompt_source(job.dataset)
+    run_dir = _run_dir(job, run_dir)
     # One process per run directory, held until the summary is written.
-    with RunLock(run_dir), provider_endpoint(cfg, run_dir) as endpoint:
+    with RunLock(run_dir), provider_endpoint(job.provider, job.model, run_dir) as endpoint:
         # provider=local: its server is started around the run, reached like any other.
         if endpoint.get("server") is not None:
-            cfg = _pointed_at(cfg, endpoint)
-        if serving_auto.is_plain_auto(serving_profile(cfg)):
+            job = _pointed_at(job, endpoint)
+        if serving_auto.is_plain_auto(job.serving):
             # A model config its tokenizer contradicts fails here, once, before the
             # probes buy anything (their own generate runs would each say it again).
-            load_model(cfg.model)
+            load_model(job.model)
         for _ in range(serving_auto.MAX_ROUTE_CHANGES + 1):
             # serving=auto: probes (booked in this run's journal) before any answer.
-            job_cfg, route = serving_auto.prepare(cfg, run_dir, buy=buy_probes)
-            gen = Generator(job_cfg, run_dir, route=route)
+            route, pin = serving_auto.prepare(job.auto_target(), run_dir, buy_probes, job)
+            gen = Generator(job.pinned(pin), run_dir, route=route)
             summary = asyncio.run(gen.run())
             if summary["stop_reason"] != "route_changed":
                 break
@@ -155,8 +236,7 @@ def run_generate(
 
 
 def run_datasets(
-    cfg: DictConfig,
-    nodes: list[DictConfig],
+    job: GenerateJob,
     run_dir: Path | None = None,
     *,
     buy_probes: BuyProbes | None = None,
@@ -164,17 +244,17 @@ def run_datasets(
     """Buy each dataset of `datasets` into its own run directory under the job's directory,
     one after the other, the job's `budget.usd` shared by them all (generation/datasets.py):
     (job directory, the job's summary, exit status: the first dataset's that is not 0)."""
-    refuse_secrets(cfg)
-    check_settings(cfg)
+    nodes = job.datasets or ()
+    api_key(job.settings.api_key_env)
     for node in nodes:  # every prompt source there before anything is bought
         check_prompt_source(node)
-    job_dir = check_run_dir(run_dir or run_dir_of(cfg), RUN_FILES)
-    cap = budget_settings(cfg).usd
+    job_dir = _run_dir(job, run_dir)
+    cap = job.budget.usd
     outcomes: dict[str, dict[str, Any]] = {}
     status = 0
     with RunLock(job_dir):  # one process per job (each dataset's run directory has its own)
         for node in nodes:
-            name = str(node.name)
+            name = str(node["name"])
             sub = job_dir / name
             left = plan_left(cap, job_spend(job_dir, but=name))
             if left is not None and left <= 0:
@@ -182,7 +262,7 @@ def run_datasets(
                 outcomes[name] = {"run_dir": str(sub), "stop_reason": "budget_usd", "usd": left}
                 continue
             where, summary = run_generate(
-                dataset_cfg(cfg, node, sub, left), sub, buy_probes=buy_probes
+                job.for_dataset(node, sub, left), sub, buy_probes=buy_probes
             )
             status = status or finish_status(where, summary)
             outcomes[name] = {
