@@ -23,7 +23,7 @@ from kimi_pipe.conformance.probe import (
     write_conformance,
     write_probe_prompts,
 )
-from kimi_pipe.generation import job
+from kimi_pipe.generation import run as job
 from kimi_pipe.generation.job import GenerateJob
 from kimi_pipe.store.layout import RECORDS
 from kimi_pipe.store.records import iter_records

@@ -29,10 +29,10 @@ from omegaconf import DictConfig
 
 from kimi_pipe.errors import KimiPipeError
 from kimi_pipe.generation import probes
-from kimi_pipe.generation.datasets import dataset_nodes
+from kimi_pipe.generation.datasets import datasets_of
 from kimi_pipe.generation.errors import GenerateError
-from kimi_pipe.generation.job import finish_status, said
 from kimi_pipe.generation.launch import check_before_launch, refuse_keys_on_the_command_line
+from kimi_pipe.generation.run import finish_status, said
 from kimi_pipe.stages.command import (
     help_text,
     hydra_command,
@@ -43,7 +43,7 @@ from kimi_pipe.stages.command import (
 )
 from kimi_pipe.stages.help import HELP
 from kimi_pipe.stages.jobs.generate import generate_job
-from kimi_pipe.stages.jobs.groups import mapping_node
+from kimi_pipe.stages.jobs.groups import mapping_node, plain_node
 from kimi_pipe.store.layout import RECORDS, SUMMARY
 from kimi_pipe.store.prompt_datasets import load_prompts
 from kimi_pipe.store.records_index import load_resume_index
@@ -55,7 +55,7 @@ def outputs(cfg: DictConfig, run_dir: Path) -> list[Path]:
 
 def is_complete(cfg: DictConfig, run_dir: Path) -> bool:
     """Every prompt of the dataset has a record (a run stopped by its budget is not)."""
-    nodes = dataset_nodes(cfg)
+    nodes = datasets_of(plain_node(cfg, "datasets"))
     if nodes is not None:  # several datasets: each in its own run directory under run_dir
         return all(_answered(node, run_dir / str(node["name"])) for node in nodes)
     dataset = mapping_node(cfg, "dataset")

@@ -42,14 +42,15 @@ from kimi_pipe.errors import (
     KimiPipeError,
     one_line,
 )
-from kimi_pipe.generation.job import finish_status
 from kimi_pipe.generation.probes import probe_providers, run_generate
+from kimi_pipe.generation.run import finish_status
 from kimi_pipe.reporting.report import build_report, policy_of
 from kimi_pipe.stages.command import compose_command, override_key
 from kimi_pipe.stages.help import HELP
 from kimi_pipe.stages.jobs.generate import generate_job
 from kimi_pipe.stages.jobs.groups import mapping_node, plain_node, with_overrides
 from kimi_pipe.stages.jobs.probe import probe_job
+from kimi_pipe.stages.jobs.report import read_saved_config
 from kimi_pipe.store.layout import PROBES_DIR, RECORDS
 from kimi_pipe.store.prompt_datasets import check_prompt_source
 
@@ -245,7 +246,8 @@ def sweep(
         run_probe_step(base, settings, sweep_dir)
     status = run_jobs(base, settings, sweep_dir, limit_key)
     if settings.report and any(sweep_dir.rglob(RECORDS)):
-        build_report(sweep_dir, sweep_dir, policy_of(cfg))  # also a partly finished sweep
+        # also a partly finished sweep
+        build_report(sweep_dir, sweep_dir, policy_of(cfg), read_config=read_saved_config)
     return status, summary
 
 
