@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 from yaml import YAMLError
 
-from kimi_pipe.config import CONF_DIR, comma_lists, node_settings
+from kimi_pipe.config import CONF_DIR
 from kimi_pipe.conformance.checks import (  # noqa: F401  (check_answer: re-exported)
     CLEAN,
     NATIVE_ID,
@@ -462,9 +462,8 @@ def check_providers(providers: Sequence[str], key: str) -> None:
         raise ProbeError(f"{key} names {twice} twice")
 
 
-def settings_of(cfg: Any) -> ProbeSettings:
-
-    settings = node_settings(cfg, "probe", ProbeSettings, fix=comma_lists("providers"))
+def check_settings(settings: ProbeSettings) -> ProbeSettings:
+    """The `probe` settings as the probes need them: providers to probe, a cap that can buy."""
     check_providers(settings.providers, "probe.providers")
     if settings.usd is not None and settings.usd <= 0:
         raise ProbeError(f"probe.usd={settings.usd}: give a positive USD cap (or null)")

@@ -11,7 +11,6 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from kimi_pipe.config import comma_lists, node_settings
 from kimi_pipe.core.evidence import LADDER
 from kimi_pipe.core.token_yield import yield_line
 from kimi_pipe.reporting.charts import write_charts
@@ -43,16 +42,6 @@ class ReportSettings(Policy):
         values = {f.name: getattr(self, f.name) for f in fields(Policy)}
         values["ignore_quantizations"] = tuple(values["ignore_quantizations"])
         return Policy(**values)
-
-
-def settings_of(cfg: Any) -> ReportSettings:
-
-    return node_settings(cfg, "report", ReportSettings, fix=comma_lists("ignore_quantizations"))
-
-
-def policy_of(cfg: Any) -> Policy:
-    """The routing policy of a composed config (`report.*`)."""
-    return settings_of(cfg).policy()
 
 
 # --------------------------------------------------------------------------- markdown

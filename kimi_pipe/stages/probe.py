@@ -35,13 +35,13 @@ from kimi_pipe.conformance.probe import (
     battery_of,
     check_providers,
     probe_overrides,
-    settings_of,
 )
 from kimi_pipe.generation.probes import probe_providers
 from kimi_pipe.stages.command import compose_command
 from kimi_pipe.stages.help import HELP
 from kimi_pipe.stages.jobs.groups import plain_node, with_overrides
 from kimi_pipe.stages.jobs.probe import probe_job
+from kimi_pipe.stages.jobs.probe import probe_settings as settings_of
 from kimi_pipe.store.layout import CONFORMANCE_JSON, PROBES_DIR
 
 

@@ -25,11 +25,11 @@ from kimi_pipe.reporting.recommend import Policy
 from kimi_pipe.reporting.report import (  # noqa: F401  (the report's names, as callers know them)
     Recommendation,
     build_report,
-    settings_of,
 )
 from kimi_pipe.stages.command import compose_command
 from kimi_pipe.stages.help import HELP
 from kimi_pipe.stages.jobs.report import read_saved_config
+from kimi_pipe.stages.jobs.report import report_settings as settings_of
 from kimi_pipe.store.layout import REPORT_JSON
 
 

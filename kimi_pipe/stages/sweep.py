@@ -44,13 +44,13 @@ from kimi_pipe.errors import (
 )
 from kimi_pipe.generation.probes import probe_providers, run_generate
 from kimi_pipe.generation.run import finish_status
-from kimi_pipe.reporting.report import build_report, policy_of
+from kimi_pipe.reporting.report import build_report
 from kimi_pipe.stages.command import compose_command, override_key
 from kimi_pipe.stages.help import HELP
 from kimi_pipe.stages.jobs.generate import generate_job
 from kimi_pipe.stages.jobs.groups import mapping_node, plain_node, with_overrides
 from kimi_pipe.stages.jobs.probe import probe_job
-from kimi_pipe.stages.jobs.report import read_saved_config
+from kimi_pipe.stages.jobs.report import read_saved_config, report_settings
 from kimi_pipe.store.layout import PROBES_DIR, RECORDS
 from kimi_pipe.store.prompt_datasets import check_prompt_source
 
@@ -247,7 +247,9 @@ def sweep(
     status = run_jobs(base, settings, sweep_dir, limit_key)
     if settings.report and any(sweep_dir.rglob(RECORDS)):
         # also a partly finished sweep
-        build_report(sweep_dir, sweep_dir, policy_of(cfg), read_config=read_saved_config)
+        build_report(
+            sweep_dir, sweep_dir, report_settings(cfg).policy(), read_config=read_saved_config
+        )
     return status, summary
 
 

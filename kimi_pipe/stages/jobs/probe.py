@@ -6,10 +6,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kimi_pipe.conformance.probe import probe_overrides
+from kimi_pipe.conformance.probe import ProbeSettings, check_settings, probe_overrides
 from kimi_pipe.generation.job import GenerateJob
 from kimi_pipe.stages.jobs.generate import generate_job
-from kimi_pipe.stages.jobs.groups import with_overrides
+from kimi_pipe.stages.jobs.groups import settings_node, with_overrides
+
+
+def probe_settings(cfg: Any) -> ProbeSettings:
+    """The `probe` node, checked: providers to probe (`a,b` or [a, b]), a cap that can buy."""
+    return check_settings(settings_node(cfg, "probe", ProbeSettings, lists=("providers",)))
 
 
 def probe_job(cfg: Any, overrides: Sequence[str] = ()) -> GenerateJob:

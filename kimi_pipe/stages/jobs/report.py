@@ -8,6 +8,15 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from kimi_pipe.reporting.report import ReportSettings
+from kimi_pipe.stages.jobs.groups import settings_node
+
+
+def report_settings(cfg: Any) -> ReportSettings:
+    """The `report` node: where, and the routing policy (`ignore_quantizations` may be given
+    as `a,b`)."""
+    return settings_node(cfg, "report", ReportSettings, lists=("ignore_quantizations",))
+
 
 def read_saved_config(path: Path) -> dict[str, Any]:
     """A run's saved Hydra config, interpolations resolved where they can be.
