@@ -30,9 +30,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 from kimi_pipe.config import compose  # noqa: E402
 from kimi_pipe.generation import buying as generate_stage  # noqa: E402
-from kimi_pipe.generation.probes import generate  # noqa: E402
 from kimi_pipe.providers.calls import get_litellm  # noqa: E402
 from kimi_pipe.providers.settings import ProviderSettings  # noqa: E402
+from kimi_pipe.stages.generate import generate  # noqa: E402
 from tests.support.fake_openrouter import Behaviour, FakeOpenRouter  # noqa: E402
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 from kimi_pipe.config import compose  # noqa: E402
-from kimi_pipe.generation.probes import generate  # noqa: E402
+from kimi_pipe.stages.generate import generate  # noqa: E402
 from tests.support.conftest_generate import FAKE_KEY, base_overrides, write_prompts  # noqa: E402
 from tests.support.fake_openrouter import Behaviour, FakeOpenRouter  # noqa: E402
 

@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 def main() -> int:
     from kimi_pipe.config import compose
     from kimi_pipe.core.models import load_model
-    from kimi_pipe.generation.probes import generate
+    from kimi_pipe.stages.generate import generate
     from tests.support.conftest_generate import FAKE_KEY, base_overrides, read_jsonl, write_prompts
     from tests.support.fake_openrouter import Behaviour, KimiCounter
     from tests.support.fake_stacks import Stack, routed_fake, stacks

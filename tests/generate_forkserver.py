@@ -21,8 +21,8 @@ from pathlib import Path
 def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from kimi_pipe.config import compose
-    from kimi_pipe.generation.probes import generate
     from kimi_pipe.providers.calls import get_litellm
+    from kimi_pipe.stages.generate import generate
 
     get_litellm()
     print("ready", flush=True)

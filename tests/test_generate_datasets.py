@@ -12,13 +12,11 @@ import json
 from pathlib import Path
 
 import pytest
-from omegaconf import OmegaConf
 
 from kimi_pipe.config import compose
 from kimi_pipe.errors import ConfigError
 from kimi_pipe.generation.datasets import dataset_nodes, run_dir_spend
-from kimi_pipe.generation.probes import generate
-from kimi_pipe.stages.generate import is_complete
+from kimi_pipe.stages.generate import generate, is_complete
 from tests.support.conftest_generate import (
     base_overrides,
     read_jsonl,
@@ -117,7 +115,7 @@ def test_a_killed_runs_open_requests_and_a_dropped_dataset_count_against_the_cap
 
 def test_the_datasets_setting_is_checked(tmp_path: Path) -> None:
     cfg = compose(["datasets=[B5,B6]"])
-    assert [n.name for n in dataset_nodes(cfg) or []] == ["B5", "B6"]
+    assert [n["name"] for n in dataset_nodes(cfg) or []] == ["B5", "B6"]
     assert dataset_nodes(compose([])) is None
     for bad, says in (
         ("datasets=[B5,nope]", "no dataset 'nope'"),
@@ -128,7 +126,7 @@ def test_the_datasets_setting_is_checked(tmp_path: Path) -> None:
         with pytest.raises(ConfigError, match=says):
             dataset_nodes(compose([bad]))
     node = dataset_nodes(compose(["datasets=[{name: mine, path: p.jsonl}]"]))
-    assert node is not None and OmegaConf.to_container(node[0])["source"] == "jsonl"
+    assert node is not None and node[0]["source"] == "jsonl"
 
 
 def test_the_command_line_runs_a_job_of_two_datasets(

@@ -179,7 +179,7 @@ def test_probes_tell_a_provider_that_ignores_the_switch(
     kimi: Model, instant: Model, kimi_dir: Path, tmp_path: Path, api_key_env: str
 ) -> None:
     from kimi_pipe.conformance.probe import CLEAN, SEEN, default_battery, load_battery
-    from kimi_pipe.generation.probes import run_probes
+    from kimi_pipe.stages.probe import run_probes
     from tests.support.fake_stacks import routed_fake
 
     counter = KimiCounter(kimi, instant=instant)

@@ -17,8 +17,8 @@ from kimi_pipe.conformance.probe import (
     load_battery,
 )
 from kimi_pipe.core.models import Model
-from kimi_pipe.generation.probes import run_probes
-from kimi_pipe.stages.probe import main
+from kimi_pipe.stages.jobs.report import read_saved_config
+from kimi_pipe.stages.probe import main, run_probes
 from tests.support.fake_openrouter import Behaviour, KimiCounter
 from tests.support.fake_stacks import Stack, routed_fake, stacks
 
@@ -207,7 +207,7 @@ def test_report_routes_only_to_faithful_providers(
         ]
         status, _ = run_inprocess(overrides, out)
         assert status == 0
-    md = build_report(tmp_path, tmp_path).read_text()
+    md = build_report(tmp_path, tmp_path, read_config=read_saved_config).read_text()
     assert "## Conformance and token-level evidence" in md
     assert "| sglang_0514 |" in md and "sglang_0_5_14" in md
     assert "noncanonical_split" in md  # share of answers per code

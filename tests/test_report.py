@@ -16,6 +16,7 @@ from kimi_pipe.reporting.recommend import Policy, exclusion_reasons, recommend, 
 from kimi_pipe.reporting.runs import find_run_dirs, load_run
 from kimi_pipe.reporting.stats import percentile, quantization_of, summarize
 from kimi_pipe.stages import report
+from kimi_pipe.stages.jobs.report import read_saved_config
 
 WEATHER_TOOL = {
     "type": "function",
@@ -175,7 +176,7 @@ def sweep(tmp_path: Path) -> Path:
 
 def test_sweep_report_ranks_and_ignores(sweep: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    path = report.build_report(sweep, out)
+    path = report.build_report(sweep, out, read_config=read_saved_config)
     md = path.read_text()
     routing = routing_from(md)
     # Fidelity first (strip drifts -> ignored; renumber's ids are guessed), then errors
@@ -206,7 +207,7 @@ def test_sweep_report_ranks_and_ignores(sweep: Path, tmp_path: Path) -> None:
 
 
 def test_figures_per_provider(sweep: Path) -> None:
-    stats = {s.provider: s for s in (summarize(load_run(d, sweep))
+    stats = {s.provider: s for s in (summarize(load_run(d, sweep, read_saved_config))
                                      for d in find_run_dirs(sweep))}  # fmt: skip
     strip = stats["strip"]
     assert strip.ok_rate == 0.5
@@ -228,7 +229,7 @@ def test_figures_per_provider(sweep: Path) -> None:
 def test_single_run_gives_one_row_report(tmp_path: Path) -> None:
     run = write_run(tmp_path / "runs" / "B5" / "openrouter",
                     [make_record(i, provider="Moonshot AI") for i in range(3)])  # fmt: skip
-    md = report.build_report(run, run).read_text()
+    md = report.build_report(run, run, read_config=read_saved_config).read_text()
     rows = [ln for ln in md.splitlines() if ln.startswith("| ") and "---" not in ln]
     assert len(rows) == 2  # header + one provider
     # No pinned config: the slug falls back to the provider the answers name.
@@ -249,7 +250,7 @@ def test_tool_call_validity(tmp_path: Path) -> None:
         ],
     )
     run = write_run(tmp_path / "r", [rec], pinned="p")
-    s = summarize(load_run(run, tmp_path))
+    s = summarize(load_run(run, tmp_path, read_saved_config))
     assert (s.tool_calls, s.tool_calls_valid) == (6, 1)
     assert s.tool_problems == {
         "arguments_not_json": 1, "schema_mismatch": 2, "arguments_not_object": 1,
@@ -265,11 +266,11 @@ def test_torn_lines_and_resumed_duplicates(tmp_path: Path) -> None:
     retry = make_record(0)  # the resumed run answered it later
     run = write_run(tmp_path / "r", [first, retry, make_record(1)],
                     extra_lines=['{"id": "s2", "ok": tr'])  # fmt: skip
-    loaded = load_run(run, tmp_path)
+    loaded = load_run(run, tmp_path, read_saved_config)
     assert loaded.bad_lines == 1
     s = summarize(loaded)
     assert (s.requests, s.errors, s.ok) == (2, 0, 2)
-    md = report.build_report(run, tmp_path / "out").read_text()
+    md = report.build_report(run, tmp_path / "out", read_config=read_saved_config).read_text()
     assert "1 unreadable line(s)" in md
 
 
@@ -277,11 +278,11 @@ def test_quantization_sources_and_policy(tmp_path: Path) -> None:
     from_response = write_run(tmp_path / "a", [make_record(0, quantization="FP8")], pinned="a")
     from_config = write_run(tmp_path / "b", [make_record(0)], pinned="b", quantization="fp4")
     absent = write_run(tmp_path / "c", [make_record(0)], pinned="c")
-    q = {p.name: quantization_of(load_run(p, tmp_path))
+    q = {p.name: quantization_of(load_run(p, tmp_path, read_saved_config))
          for p in (from_response, from_config, absent)}  # fmt: skip
     assert q == {"a": "fp8", "b": "fp4", "c": "unknown"}
     rec = recommend(
-        [summarize(load_run(p, tmp_path)) for p in (from_response, from_config)],
+        [summarize(load_run(p, tmp_path, read_saved_config)) for p in (from_response, from_config)],
         Policy(),
     )
     assert rec.order == ["a"] and rec.ignore == ["b"]
@@ -293,7 +294,7 @@ def test_rank_step_lets_price_beat_one_noisy_sample(tmp_path: Path) -> None:
     cheap = [make_record(i, cost=0.0005) for i in range(50)]
     cheap[0] = make_record(0, cost=0.0005, rebuilt=101)
     dear = [make_record(i, cost=0.001) for i in range(50)]
-    stats = [summarize(load_run(write_run(tmp_path / n, r, pinned=n), tmp_path))
+    stats = [summarize(load_run(write_run(tmp_path / n, r, pinned=n), tmp_path, read_saved_config))
              for n, r in (("dear", dear), ("cheap", cheap))]  # fmt: skip
     assert recommend(stats, Policy()).order == ["cheap", "dear"]
     strict = Policy(rank_step=0.0)
@@ -358,7 +359,7 @@ def test_given_up_samples_and_failed_attempt_cost(tmp_path: Path) -> None:
         {"id": "s1", "attempt": 2, "error": {"class": "timeout", "status": 408}, "cost": 0.001},
     ]
     (run / "attempt_errors.jsonl").write_text("".join(json.dumps(a) + "\n" for a in attempts))
-    s = summarize(load_run(run, tmp_path))
+    s = summarize(load_run(run, tmp_path, read_saved_config))
     assert (s.requests, s.answered, s.errors, s.retried) == (2, 1, 1, 2)
     assert s.error_classes == {"timeout (408), given up": 1}
     assert s.cost_usd == pytest.approx(0.004)  # failed attempts were billed too
@@ -376,7 +377,7 @@ def test_sweep_job_config_is_resolved(tmp_path: Path) -> None:
         "    quantizations: [int4, fp8]\n    allow_fallbacks: false\n"
         "output_dir: ${hydra:runtime.output_dir}\n"
     )
-    loaded = load_run(run, tmp_path)
+    loaded = load_run(run, tmp_path, read_saved_config)
     assert loaded.name == "deepinfra/fp8"
     assert loaded.config["output_dir"] == "${hydra:runtime.output_dir}"  # kept as written
     s = summarize(loaded)
@@ -391,7 +392,7 @@ def test_slug_from_request_and_allow_list(tmp_path: Path) -> None:
     (run / ".hydra" / "config.yaml").write_text(
         yaml.safe_dump({"provider": {"routing": {"order": None, "quantizations": ["int4"]}}})
     )
-    s = summarize(load_run(run, tmp_path))
+    s = summarize(load_run(run, tmp_path, read_saved_config))
     assert s.provider == "vendor"
     why = recommend([s], Policy()).reasons["vendor"]
     assert "not in the run's allow-list ['int4']" in why
@@ -405,7 +406,9 @@ def test_run_with_no_answers_still_reports(tmp_path: Path) -> None:
     err = {"class": "payment_required", "message": "402", "status": 402}
     write_run(tmp_path / "sweep" / "broke", [make_record(0, error=err)], pinned="broke")
     write_run(tmp_path / "sweep" / "fine", [make_record(0)], pinned="fine")
-    md = report.build_report(tmp_path / "sweep", tmp_path / "out").read_text()
+    md = report.build_report(
+        tmp_path / "sweep", tmp_path / "out", read_config=read_saved_config
+    ).read_text()
     routing = routing_from(md)
     assert routing["order"] == ["fine"] and routing["ignore"] == ["broke"]
     assert "no answered requests" in md and "error rate 100%" in md

@@ -200,13 +200,13 @@ def test_sweep_stage_runs_the_sweep_as_a_function(
     SweepStage().run(StageContext(stage_config(cfg, sweep_spec.overrides), tmp_path))
     assert not seen[-1][1].probes
     # The probe stage probes the sweep's providers under the sweep's probe budget.
-    from kimi_pipe.conformance import probe
+    from kimi_pipe.stages.jobs.probe import probe_settings
 
     staged = stage_config(
         compose(["pipeline=sweep", "dataset=B5", "sweep.providers=[a,b]", "sweep.probe_usd=0.4"]),
         probe_spec.overrides,
     )
-    assert (probe.settings_of(staged).providers, probe.settings_of(staged).usd) == (["a", "b"], 0.4)
+    assert (probe_settings(staged).providers, probe_settings(staged).usd) == (["a", "b"], 0.4)
     missing = compose(["pipeline=sweep", "dataset=B5"])
     with pytest.raises(Exception, match="sweep.providers"):
         SweepStage().run(StageContext(missing, tmp_path))

@@ -344,11 +344,13 @@ def test_a_fitted_spec_is_what_the_command_line_composes() -> None:
 
 
 def test_the_local_provider_declares_its_profile(tmp_path: Path) -> None:
-    cfg = compose(["provider=local", "model=smollm2"])
-    assert serving_profile(cfg).name == "auto"  # the default
-    job, route = prepare(cfg, tmp_path)
+    from kimi_pipe.stages.jobs.generate import generate_job
+
+    job = generate_job(compose(["provider=local", "model=smollm2"]), tmp_path)
+    assert job.serving.name == "auto"  # the default
+    route, pin = prepare(job.auto_target(), tmp_path)
     assert route.declared == "unknown" and route.declared_by == "provider.serving_profile"
-    assert serving_profile(job).name == "unknown"
+    assert job.pinned(pin).serving.name == "unknown"
     assert not (tmp_path / RUN_FILE).exists()  # nothing probed, nothing bought
 
 

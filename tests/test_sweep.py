@@ -32,6 +32,7 @@ from kimi_pipe.core.reconstruction import reconstruct
 from kimi_pipe.reporting.runs import find_run_dirs, load_run
 from kimi_pipe.reporting.stats import summarize
 from kimi_pipe.stages import sweep
+from kimi_pipe.stages.jobs.report import read_saved_config
 from tests.support.fake_openrouter import Behaviour, FakeOpenRouter, _make_handler
 
 REPO = Path(__file__).resolve().parent.parent
@@ -207,7 +208,7 @@ def test_report_ranks_the_behaviours(swept: Any) -> None:
     }
     stats = {
         s.provider: s
-        for s in (summarize(load_run(d, work / "sweep"))
+        for s in (summarize(load_run(d, work / "sweep", read_saved_config))
                   for d in find_run_dirs(work / "sweep"))
     }  # fmt: skip
     slow, exact, strip, renumber, flaky = (stats[p] for p in PROVIDERS)

@@ -38,11 +38,9 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
-
-from omegaconf import DictConfig, OmegaConf, open_dict
 
 from kimi_pipe.conformance.probe import (
     Battery,
@@ -55,7 +53,7 @@ from kimi_pipe.conformance.probe import (
     profile_spec,
     write_probe_prompts,
 )
-from kimi_pipe.core.serving import CHOICES, UNKNOWN, ServingProfile, serving_profile
+from kimi_pipe.core.serving import CHOICES, UNKNOWN, ServingProfile
 from kimi_pipe.errors import ConfigError
 from kimi_pipe.store.layout import RECORDS, SERVING_AUTO_DIR, SERVING_AUTO_RUN
 from kimi_pipe.store.records import iter_records
@@ -63,9 +61,9 @@ from kimi_pipe.store.spend_journal import JOURNAL, SpendJournal
 
 log = logging.getLogger("kimi_pipe.serving_auto")
 
-# How a battery is bought: (config, battery, prompts file, provider slug or None for the
-# route, USD cap, run dir) -> (records, what did not fit). The generate job passes
-# generation/probes.py's `buy_battery`: this module never imports the job that calls it.
+# How a battery is bought: (the job buying it, battery, prompts file, provider slug or None
+# for the route, USD cap, run dir) -> (records, what did not fit). The generate job passes
+# generation/probes.py's `buy_battery` and itself: this module never imports that job.
 BuyBattery = Callable[
     [Any, Battery, Path, str | None, float, Path], tuple[list[dict[str, Any]], Shortfall | None]
 ]
@@ -76,6 +74,40 @@ PROBE_DIR = SERVING_AUTO_DIR
 ROUTE_RUN = "_route"  # the discovery run: the battery on the route as configured
 INTENT_PREFIX = "serving_auto:"  # journal ids of probe bookings (never a prompt's id)
 MAX_ROUTE_CHANGES = 4  # re-probes per generate call before it gives up
+
+
+@dataclass(frozen=True)
+class AutoSettings:
+    """The `serving_auto` config node (conf/config.yaml says what each setting does)."""
+
+    providers: list[str] | None = None
+    usd_per_provider: float | None = None
+    cache_days: float | None = 7
+    cache_dir: str | None = None
+    battery: str | None = None
+
+
+@dataclass(frozen=True)
+class AutoTarget:
+    """What serving=auto reads of the job it fits a route for."""
+
+    model_name: str  # model.name: its battery is conf/probes/<model_name>.yaml
+    provider_model: str  # provider.model and provider.api_base: the verdict cache's key
+    api_base: str
+    routing: Mapping[str, Any]  # provider.routing as configured
+    serving: ServingProfile  # the job's `serving`
+    declared: str | None  # provider.serving_profile: a provider that declares its profile
+    budget_usd: float | None  # budget.usd: the probes count in it
+    auto: AutoSettings = field(default_factory=AutoSettings)
+
+
+@dataclass(frozen=True)
+class Pin:
+    """How `prepare` changes the job: the serving profile it runs under and, after a fit,
+    the providers it is pinned to (routing only/order, no fallbacks; None: unchanged)."""
+
+    serving: ServingProfile
+    order: list[str] | None = None
 
 
 class ServingAutoError(ConfigError):
@@ -190,11 +222,10 @@ class Route:
         return [f for f in self.fits.values() if f.usable]
 
 
-def named(cfg: DictConfig) -> Route:
+def named(profile: ServingProfile) -> Route:
     """The route of a job that names its profile (serving=NAME [serving.FIELD=VALUE]):
     no probes; records carry NAME plus the fields overridden on the command line."""
 
-    profile = serving_profile(cfg)
     try:
         base = profile_from_spec(profile.name)
         name = profile.name
@@ -212,8 +243,8 @@ def named(cfg: DictConfig) -> Route:
 # Cache of verdicts
 
 
-def cache_dir(cfg: DictConfig) -> Path:
-    configured = OmegaConf.select(cfg, "serving_auto.cache_dir", default=None)
+def cache_dir(auto: AutoSettings) -> Path:
+    configured = auto.cache_dir
     if configured:
         return Path(str(configured))
     root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
@@ -229,12 +260,12 @@ def _safe(name: str) -> str:
 
 
 class VerdictCache:
-    def __init__(self, cfg: DictConfig, battery_sha: str) -> None:
-        self.dir = cache_dir(cfg)
-        days = OmegaConf.select(cfg, "serving_auto.cache_days", default=7)
+    def __init__(self, target: AutoTarget, battery_sha: str) -> None:
+        self.dir = cache_dir(target.auto)
+        days = target.auto.cache_days
         self.lifetime_s = None if days is None else float(days) * 86400.0
-        self.model = str(OmegaConf.select(cfg, "provider.model", default=""))
-        self.api_base = str(OmegaConf.select(cfg, "provider.api_base", default=""))
+        self.model = target.provider_model
+        self.api_base = target.api_base
         self.battery_sha = battery_sha
 
     def _path(self, kind: str, what: Any) -> Path:
@@ -285,23 +316,25 @@ class VerdictCache:
 
 
 class _Prober:
-    def __init__(self, cfg: DictConfig, run_dir: Path, buy: BuyBattery | None = None) -> None:
-        self.cfg, self.run_dir, self.buy_battery = cfg, run_dir, buy
-        path = OmegaConf.select(cfg, "serving_auto.battery", default=None)
-        path = Path(str(path)) if path else default_battery(str(cfg.model.name))
+    def __init__(
+        self, target: AutoTarget, run_dir: Path, buy: BuyBattery | None = None, job: Any = None
+    ) -> None:
+        self.target, self.run_dir, self.buy_battery, self.job = target, run_dir, buy, job
+        given = target.auto.battery
+        path = Path(given) if given else default_battery(target.model_name)
         if not path.is_file():
             raise ServingAutoError(
-                f"serving=auto: no probe battery for model {cfg.model.name!r} ({path}), so "
+                f"serving=auto: no probe battery for model {target.model_name!r} ({path}), so "
                 "nothing can be concluded about the route; name a profile: serving=NAME "
                 "(conf/serving, docs/serving_profiles.md), or give serving_auto.battery=PATH"
             )
         self.battery = load_battery(path)
         self.battery_sha = battery_sha(path)
-        self.cache = VerdictCache(cfg, self.battery_sha)
+        self.cache = VerdictCache(target, self.battery_sha)
         self.base = run_dir / PROBE_DIR
         self.prompts = self.base / "prompts.jsonl"
         write_probe_prompts(self.battery, self.prompts)
-        usd = OmegaConf.select(cfg, "serving_auto.usd_per_provider", default=None)
+        usd = target.auto.usd_per_provider
         self.cap = float(usd) if usd is not None else self.battery.usd_each
         self.cap_key = (
             f"serving_auto.usd_per_provider={self.cap:g}"
@@ -316,7 +349,7 @@ class _Prober:
         """This probe's cap: serving_auto.usd_per_provider within what budget.usd leaves;
         with the setting that bound it and what the job's journal had spent."""
 
-        cap_usd = OmegaConf.select(self.cfg, "budget.usd", default=None)
+        cap_usd = self.target.budget_usd
         if cap_usd is None:
             return self.cap, self.cap_key, 0.0
         with SpendJournal(self.run_dir / JOURNAL) as journal:
@@ -349,7 +382,7 @@ class _Prober:
         try:
             short: Shortfall | None = None
             if cap > 0:
-                records, short = buy_battery(self.cfg, self.battery, self.prompts, slug, cap, run)
+                records, short = buy_battery(self.job, self.battery, self.prompts, slug, cap, run)
             if cap <= 0 or short is not None:
                 self.short[name] = (short, bound_by, spent)
         finally:
@@ -419,10 +452,10 @@ def remember(cache: VerdictCache, conf: Any, usd: float) -> ProviderFit:
     return fit
 
 
-def cache_conformance(cfg: DictConfig, battery_path: Path, results: Sequence[Any]) -> None:
+def cache_conformance(target: AutoTarget, battery_path: Path, results: Sequence[Any]) -> None:
     """The probe stage's verdicts into the cache, so a generate job after a sweep's probes
     buys no battery again."""
-    cache = VerdictCache(cfg, battery_sha(battery_path))
+    cache = VerdictCache(target, battery_sha(battery_path))
     for conf in results:
         remember(cache, conf, 0.0)
 
@@ -435,9 +468,9 @@ def _providers_of(records: Sequence[Mapping[str, Any]]) -> dict[str, list[dict[s
     return out
 
 
-def _configured_providers(cfg: DictConfig) -> list[str] | None:
-    for key in ("serving_auto.providers", "provider.routing.only", "provider.routing.order"):
-        value = OmegaConf.select(cfg, key, default=None)
+def _configured_providers(target: AutoTarget) -> list[str] | None:
+    routing = target.routing or {}
+    for value in (target.auto.providers, routing.get("only"), routing.get("order")):
         if value:
             return [str(v) for v in value]
     return None
@@ -462,17 +495,20 @@ def _answered_providers(run_dir: Path) -> list[str]:
     return sorted(seen)
 
 
-def fit_route(cfg: DictConfig, run_dir: Path, buy: BuyBattery | None = None) -> Route:
+def fit_route(
+    target: AutoTarget, run_dir: Path, buy: BuyBattery | None = None, job: Any = None
+) -> Route:
     """Probe (or read from cache, or from this run's earlier fit) every provider the job
-    will use; raises ServingAutoError where nothing can be concluded."""
-    prober = _Prober(cfg, run_dir, buy)
+    will use; raises ServingAutoError where nothing can be concluded. `job` is what `buy`
+    is given to buy a battery like it."""
+    prober = _Prober(target, run_dir, buy, job)
     earlier = _read_run_file(run_dir)  # a resumed job keeps what it measured
     fits: dict[str, ProviderFit] = {}
-    wanted = _configured_providers(cfg)
+    wanted = _configured_providers(target)
     if wanted is None and earlier:
         wanted = list(earlier)  # a resumed job whose route was discovered
     if wanted is None:
-        routing = OmegaConf.to_container(cfg.provider.get("routing") or {}, resolve=True)
+        routing = dict(target.routing or {})
         wanted = prober.cache.route(routing)
         if not wanted:
             records, usd = prober.buy(None)
@@ -535,25 +571,15 @@ def _write_run_file(run_dir: Path, prober: _Prober, route: Route, wanted: list[s
     tmp.replace(run_dir / RUN_FILE)
 
 
-def pinned(cfg: DictConfig, route: Route) -> DictConfig:
-    """cfg pinned to the route's usable providers (in the order asked for), no fallbacks,
-    with `serving` set to the first one's fitted profile (what .hydra and a plain
-    reconstruct see; records carry each provider's own)."""
+def pinned(target: AutoTarget, route: Route) -> Pin:
+    """The job pinned to the route's usable providers (in the order asked for), no
+    fallbacks, with `serving` set to the first one's fitted profile (records carry each
+    provider's own)."""
     usable = [f.provider for f in route.usable()]
-    wanted = _configured_providers(cfg) or []
+    wanted = _configured_providers(target) or []
     order = [p for p in wanted if p in usable] + [p for p in usable if p not in wanted]
     first = route.fits[order[0]]
-    profile = profile_from_spec(str(first.profile))
-    out = cfg.copy()
-    with open_dict(out):
-        OmegaConf.update(out, "provider.routing.only", order, merge=False, force_add=True)
-        OmegaConf.update(out, "provider.routing.order", order, merge=False, force_add=True)
-        OmegaConf.update(out, "provider.routing.allow_fallbacks", False, force_add=True)
-        fields_ = {k: getattr(profile, k) for k in CHOICES}
-        OmegaConf.update(
-            out, "serving", {"name": profile.name, **fields_}, merge=False, force_add=True
-        )
-    return out
+    return Pin(serving=profile_from_spec(str(first.profile)), order=order)
 
 
 def is_plain_auto(profile: ServingProfile) -> bool:
@@ -563,31 +589,24 @@ def is_plain_auto(profile: ServingProfile) -> bool:
 
 
 def prepare(
-    cfg: DictConfig, run_dir: Path, buy: BuyBattery | None = None
-) -> tuple[DictConfig, Route]:
-    """generate's first step: the route every record of the job is reconstructed under;
-    `buy` buys a probe battery where one must be bought (the generate job passes it)."""
+    target: AutoTarget, run_dir: Path, buy: BuyBattery | None = None, job: Any = None
+) -> tuple[Route, Pin | None]:
+    """generate's first step: the route every record of the job is reconstructed under, and
+    how the job changes for it (None: not at all); `buy` buys a probe battery like `job`
+    where one must be bought (the generate job passes both)."""
 
-    try:
-        profile = serving_profile(cfg)
-    except ValueError as exc:
-        raise ConfigError(f"conf/serving: {exc}") from None
+    profile = target.serving
     if not is_plain_auto(profile):
-        return cfg, named(cfg)
-    declared = OmegaConf.select(cfg, "provider.serving_profile", default=None)
+        return named(profile), None
+    declared = target.declared
     if declared:
         profile = profile_from_spec(str(declared))
-        out = cfg.copy()
-        with open_dict(out):
-            fields_ = {k: getattr(profile, k) for k in CHOICES}
-            OmegaConf.update(
-                out, "serving", {"name": str(declared), **fields_}, merge=False, force_add=True
-            )
-        return out, Route(
+        route = Route(
             declared=str(declared), declared_by="provider.serving_profile", declared_profile=profile
         )
-    route = fit_route(cfg, run_dir, buy)
-    return pinned(cfg, route), route
+        return route, Pin(serving=replace(profile, name=str(declared)))
+    route = fit_route(target, run_dir, buy, job)
+    return route, pinned(target, route)
 
 
 def recorded_profile(record: Mapping[str, Any]) -> ServingProfile | None:
@@ -598,6 +617,9 @@ def recorded_profile(record: Mapping[str, Any]) -> ServingProfile | None:
 
 __all__ = [
     "AUTO",
+    "AutoSettings",
+    "AutoTarget",
+    "Pin",
     "RUN_FILE",
     "ProviderFit",
     "Route",

@@ -17,12 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hydra.core.override_parser.overrides_parser import OverridesParser
-from omegaconf import OmegaConf, open_dict
-from omegaconf.errors import OmegaConfBaseException
+import yaml
 from yaml import YAMLError
 
-from kimi_pipe.config import CONF_DIR, comma_lists, node_settings
+from kimi_pipe.config import CONF_DIR
 from kimi_pipe.conformance.checks import (  # noqa: F401  (check_answer: re-exported)
     CLEAN,
     NATIVE_ID,
@@ -84,8 +82,8 @@ def load_battery(path: Path) -> Battery:
         raise ProbeError(f"probe battery {path} not found; name one: probe.battery=PATH.yaml")
 
     try:
-        data = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-    except (YAMLError, UnicodeDecodeError, OmegaConfBaseException) as exc:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (YAMLError, UnicodeDecodeError) as exc:
         why = str(exc).split("\n", 1)[0]
         raise ProbeError(f"probe battery {path} is not readable YAML: {why}") from None
     if not isinstance(data, dict):
@@ -221,8 +219,9 @@ def load_serving_fields(name: str) -> dict[str, str]:
     path = CONF_DIR / "serving" / f"{name}.yaml"
     if not path.is_file():
         raise ProbeError(f"serving profile {name!r} not found in {path.parent}")
-    data = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-    assert isinstance(data, dict)
+    data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    if not isinstance(data, dict):
+        raise ProbeError(f"serving profile {name!r}: {path} is not a mapping")
     return {str(k): str(v) for k, v in data.items() if k not in ("name", "description", "source")}
 
 
@@ -379,49 +378,6 @@ def write_probe_prompts(battery: Battery, path: Path) -> None:
             fh.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
-def provider_overrides(
-    battery: Battery, prompts: Path, slug: str | None, usd: float, out: Path
-) -> list[str]:
-    """generate's overrides for the battery pinned to one provider (slug None: the route
-    as configured, to find out which providers it reaches)."""
-    pin = (
-        [f"provider.routing.order=[{slug}]", "provider.routing.allow_fallbacks=false"]
-        if slug is not None
-        else []
-    )
-    return [
-        "dataset=jsonl",
-        f"dataset.path={prompts}",
-        *pin,
-        # Ask for logprobs without requiring them: a provider without them must still answer.
-        "++provider.params.logprobs=true",
-        "provider.routing.require_parameters=false",
-        "provider.logprobs=false",
-        f"provider.params.max_tokens={battery.max_tokens}",
-        # The probes judge the text as the provider sent it; nothing declared, nothing fitted.
-        "serving=unknown",
-        f"budget.usd={usd}",
-        f"output_dir={out}",
-    ]
-
-
-def with_overrides(cfg: Any, overrides: Sequence[str]) -> Any:
-    """A copy of a composed config with `key=value` / `++key=value` / `group=choice`
-    overrides applied (a group choice loads conf/<group>/<choice>.yaml), for a job whose
-    config was composed elsewhere (the command line, a pipeline)."""
-
-    out = cfg.copy()
-    with open_dict(out):
-        for item in OverridesParser.create().parse_overrides(list(overrides)):
-            key, value = item.key_or_group, item.value()
-            group = CONF_DIR / key / f"{value}.yaml"
-            if "." not in key and isinstance(value, str) and group.is_file():
-                OmegaConf.update(out, key, OmegaConf.load(group), merge=False, force_add=True)
-                continue
-            OmegaConf.update(out, key, value, merge=False, force_add=True)
-    return out
-
-
 @dataclass(frozen=True)
 class Shortfall:
     """Probes of a battery run that did not fit the budget they were bought under (the
@@ -506,19 +462,18 @@ def check_providers(providers: Sequence[str], key: str) -> None:
         raise ProbeError(f"{key} names {twice} twice")
 
 
-def settings_of(cfg: Any) -> ProbeSettings:
-
-    settings = node_settings(cfg, "probe", ProbeSettings, fix=comma_lists("providers"))
+def check_settings(settings: ProbeSettings) -> ProbeSettings:
+    """The `probe` settings as the probes need them: providers to probe, a cap that can buy."""
     check_providers(settings.providers, "probe.providers")
     if settings.usd is not None and settings.usd <= 0:
         raise ProbeError(f"probe.usd={settings.usd}: give a positive USD cap (or null)")
     return settings
 
 
-def battery_of(cfg: Any, settings: ProbeSettings | None = None) -> Battery:
-    """The battery a probe run uses: `probe.battery`, else conf/probes/<model.name>.yaml."""
+def battery_of(model_name: str, settings: ProbeSettings | None = None) -> Battery:
+    """The battery a probe run uses: `probe.battery`, else conf/probes/<model_name>.yaml."""
     given = settings.battery if settings is not None else None
-    return load_battery(Path(given) if given else default_battery(str(cfg.model.name)))
+    return load_battery(Path(given) if given else default_battery(model_name))
 
 
 def default_battery(model_name: str) -> Path:

@@ -36,13 +36,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from omegaconf import OmegaConf
-
 from kimi_pipe.core.issue_codes import LOGPROB_ERRORS
 from kimi_pipe.core.issue_codes import (
     LOGPROB_NOTES as LOGPROB_NOTES,  # extraction/resolve.py's name
 )
 from kimi_pipe.core.models import Model
+from kimi_pipe.core.plain import select
 from kimi_pipe.core.reconstruction import ERRORS, Reconstruction
 
 RECORD_IDS = ("engine", "reencoded")
@@ -540,9 +539,7 @@ def policy_from_config(cfg: Any) -> LogprobPolicy:
     """From the composed config: `provider.logprobs` (asked for) and `validation`."""
 
     return LogprobPolicy(
-        record_ids=str(OmegaConf.select(cfg, "validation.record_ids", default="engine")),
-        requested=bool(OmegaConf.select(cfg, "provider.logprobs", default=False)),
-        billing_tolerance=int(
-            OmegaConf.select(cfg, "validation.billing_tolerance", default=0) or 0
-        ),
+        record_ids=str(select(cfg, "validation.record_ids", default="engine")),
+        requested=bool(select(cfg, "provider.logprobs", default=False)),
+        billing_tolerance=int(select(cfg, "validation.billing_tolerance", default=0) or 0),
     )

@@ -6,9 +6,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-
 from kimi_pipe.core.formats import Marker, ModelFormat, Piece, parse_format
+from kimi_pipe.core.plain import plain
 from kimi_pipe.core.tokenizers import (
     TextChunking,
     Tokenizer,
@@ -77,10 +76,11 @@ class Model:
         return ids
 
 
-def _as_dict(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
-    if isinstance(cfg, DictConfig):
-        return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
-    return dict(cfg)
+def _as_dict(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    data = plain(cfg)
+    if not isinstance(data, dict):
+        raise ConfigError(f"model: a mapping of settings, not {cfg!r}")
+    return data
 
 
 def validate_markers(tokenizer: Tokenizer, expected: Mapping[str, int]) -> dict[str, int]:
@@ -103,7 +103,7 @@ def validate_markers(tokenizer: Tokenizer, expected: Mapping[str, int]) -> dict[
     return dict(expected)
 
 
-def load_model(cfg: DictConfig | Mapping[str, Any]) -> Model:
+def load_model(cfg: Mapping[str, Any]) -> Model:
     """Load the tokenizer named by `cfg.tokenizer`, validate `cfg.markers`, parse the format."""
     data = _as_dict(cfg)
     spec = TokenizerSpec.from_config(data["tokenizer"])

@@ -13,14 +13,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
-from omegaconf import OmegaConf
-
 from kimi_pipe.core.candidates import Candidates, enumerate_candidates
 from kimi_pipe.core.evidence import UNRESOLVED, evidence_of, sampling_of
 from kimi_pipe.core.issue_codes import RECONSTRUCTION_ERRORS as ERRORS
 from kimi_pipe.core.issue_codes import SINGLE_CANDIDATE
 from kimi_pipe.core.logprobs import LogprobPolicy, apply_logprobs, policy_from_config, record_fields
 from kimi_pipe.core.models import Model
+from kimi_pipe.core.plain import select
 from kimi_pipe.core.prefix import with_prefix
 from kimi_pipe.core.reconstruction import Reconstruction, reconstruct
 from kimi_pipe.core.serving import UNKNOWN_PROFILE, ServingProfile, admitted_stacks, serving_profile
@@ -30,7 +29,7 @@ from kimi_pipe.core.token_record import TokenRecord
 def billing_tolerance(cfg: Any) -> int:
     """`validation.billing_tolerance` of a composed config (absent or null: 0)."""
 
-    value = OmegaConf.select(cfg, "validation.billing_tolerance", default=0)
+    value = select(cfg, "validation.billing_tolerance", default=0)
     return int(value or 0)
 
 

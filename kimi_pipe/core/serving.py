@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from kimi_pipe.core.plain import plain
 
 UNKNOWN = "unknown"
 
@@ -107,6 +107,4 @@ def serving_profile(cfg: Any) -> ServingProfile:
     """The `serving` group of a composed config (absent: unknown)."""
 
     section = cfg.get("serving") if hasattr(cfg, "get") else None
-    if isinstance(section, DictConfig):
-        section = OmegaConf.to_container(section, resolve=True)
-    return ServingProfile.from_config(section)  # type: ignore[arg-type]
+    return ServingProfile.from_config(plain(section))

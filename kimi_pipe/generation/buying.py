@@ -9,9 +9,7 @@ import random
 import time
 import warnings
 from pathlib import Path
-from typing import Any
-
-from omegaconf import DictConfig, OmegaConf
+from typing import TYPE_CHECKING, Any
 
 from kimi_pipe.core.answer_checks import TextRepair
 from kimi_pipe.generation.errors import GenerateError
@@ -32,7 +30,6 @@ from kimi_pipe.providers.budget import (
     Pricing,
     Reservation,
     SlowStart,
-    budget_settings,
 )
 from kimi_pipe.providers.calls import (
     BILLED_UNSEEN,
@@ -48,7 +45,6 @@ from kimi_pipe.providers.errors import (
     ErrorInfo,
 )
 from kimi_pipe.providers.pacing import Sent, shared_pacer
-from kimi_pipe.providers.settings import ProviderSettings
 from kimi_pipe.store import atomic
 from kimi_pipe.store.layout import ATTEMPT_ERRORS, RECORDS, SUMMARY
 from kimi_pipe.store.prompt_datasets import load_prompts
@@ -56,22 +52,25 @@ from kimi_pipe.store.records import RecordWriter
 from kimi_pipe.store.records_index import IndexedRecordWriter, load_resume_index
 from kimi_pipe.store.spend_journal import JOURNAL, SpendJournal
 
+if TYPE_CHECKING:
+    from kimi_pipe.generation.job import GenerateJob
+
 log = logging.getLogger("kimi_pipe.generate")
 
 
 class Generator(Outcomes, RunSummary):
     def __init__(
-        self, cfg: DictConfig, run_dir: Path, progress: Progress | None = None, route: Any = None
+        self, job: GenerateJob, run_dir: Path, progress: Progress | None = None, route: Any = None
     ) -> None:
-        self.cfg = cfg
+        self.job = job
         self.run_dir = run_dir
         self.route = route  # serving_auto.Route: the providers probed and their profiles
-        self.settings = ProviderSettings.from_config(cfg.provider)
+        self.settings = job.settings
         self.key = api_key(self.settings.api_key_env)  # first: a missing key stops before any work
         self.account = account_for(self.settings)
         self.request = self.settings.request_record()
         self.max_tokens = int(self.settings.params.get("max_tokens") or 0)
-        self.caps = budget_settings(cfg)
+        self.caps = job.budget
         self.reserve_factor = self.caps.reserve_factor
         capped = [k for k in ("usd", "max_output_tokens") if getattr(self.caps, k) is not None]
         if capped and self.max_tokens <= 0:
@@ -91,7 +90,7 @@ class Generator(Outcomes, RunSummary):
         self.pacer = pacer if pacer.enabled else None
         self.stats = RunStats()
         self.progress = progress or Progress()
-        self.rng = random.Random(int(OmegaConf.select(cfg, "dataset.seed", default=0) or 0))
+        self.rng = random.Random(int(job.dataset.get("seed") or 0))
         self.stop_event = asyncio.Event()
         self.total = 0
         self.key_start: KeyStatus | None = None
@@ -111,9 +110,9 @@ class Generator(Outcomes, RunSummary):
         index = load_resume_index(records_path, errors_path)
         t0 = time.monotonic()
         try:
-            core = TokenCore.load(self.cfg, self.settings.model, self.route)
+            core = TokenCore.load(self.job, self.settings.model, self.route)
             t1 = time.monotonic()
-            prompts = load_prompts(self.cfg.dataset)
+            prompts = load_prompts(self.job.dataset)
             self.total = len(prompts)
         except (ValueError, RuntimeError) as exc:  # bad model/dataset settings, dataset not
             raise GenerateError(str(exc)) from None  # reachable: the message says what to do

@@ -19,9 +19,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
+import yaml
 
 from kimi_pipe.config import CONF_DIR
+from kimi_pipe.core.plain import plain
 from kimi_pipe.errors import ConfigError
 from kimi_pipe.store import atomic
 from kimi_pipe.store.layout import ATTEMPT_ERRORS, JOURNAL, RECORDS, SUMMARY
@@ -34,39 +35,51 @@ log = logging.getLogger("kimi_pipe.generate")
 JOB_STOPS = frozenset({"payment_required", "auth", "interrupted", "host_error"})
 
 
-def dataset_nodes(cfg: DictConfig) -> list[DictConfig] | None:
-    """The `datasets` setting as dataset config nodes (None: not set, one dataset). An item
-    is a name of conf/dataset/<name>.yaml or a whole dataset node (a mapping with a `name`;
+def _load_node(path: Path) -> dict[str, Any]:
+    """A conf/dataset/*.yaml file as plain values (these files hold no interpolations)."""
+    data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: not a mapping of dataset settings")
+    return data
+
+
+def dataset_nodes(cfg: Mapping[str, Any]) -> list[dict[str, Any]] | None:
+    """`datasets_of` the `datasets` setting of a composed config."""
+    return datasets_of(cfg.get("datasets"))
+
+
+def datasets_of(given: Any) -> list[dict[str, Any]] | None:
+    """The `datasets` setting as dataset nodes (None: not set, one dataset). An item is a
+    name of conf/dataset/<name>.yaml or a whole dataset node (a mapping with a `name`;
     without a `source` it is a local JSONL file, conf/dataset/jsonl.yaml)."""
-    items = OmegaConf.select(cfg, "datasets", default=None)
+    items = plain(given)
     if items is None:
         return None
     if isinstance(items, str):
         items = [s for s in (p.strip() for p in items.split(",")) if s]
-    if not isinstance(items, list | ListConfig) or not items:
+    if not isinstance(items, list) or not items:
         raise ConfigError("datasets: give a list of dataset names, e.g. datasets=[B5,B6]")
-    nodes: list[DictConfig] = []
+    nodes: list[dict[str, Any]] = []
     for item in items:
         if isinstance(item, str):
             path = CONF_DIR / "dataset" / f"{item}.yaml"
             if not path.is_file():
                 known = sorted(p.stem for p in (CONF_DIR / "dataset").glob("*.yaml"))
                 raise ConfigError(f"datasets: no dataset {item!r} (conf/dataset/: {known})")
-            node = OmegaConf.load(path)
-        elif isinstance(item, Mapping | DictConfig):
-            node = OmegaConf.create(dict(item))
+            node = _load_node(path)
+        elif isinstance(item, Mapping):
+            node = dict(item)
             if "name" not in node:  # its run directory's name: never a default's
                 raise ConfigError(f"datasets: {dict(item)} needs a plain name (name: NAME)")
             if "source" not in node:
-                node = OmegaConf.merge(OmegaConf.load(CONF_DIR / "dataset" / "jsonl.yaml"), node)
+                node = {**_load_node(CONF_DIR / "dataset" / "jsonl.yaml"), **node}
         else:
             raise ConfigError(f"datasets: {item!r} is neither a dataset name nor a mapping")
-        assert isinstance(node, DictConfig)
         name = node.get("name")
         if not isinstance(name, str) or not name or "/" in name or name.startswith("."):
             raise ConfigError(f"datasets: a dataset needs a plain name (got {name!r})")
         nodes.append(node)
-    names = [str(n.name) for n in nodes]
+    names = [str(n["name"]) for n in nodes]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise ConfigError(f"datasets: {dup} named twice (each gets its own run directory)")
@@ -99,19 +112,6 @@ def job_spend(job_dir: Path, but: str | None = None) -> dict[str, float]:
         and not d.is_symlink()
         and any((d / f).exists() for f in (JOURNAL, RECORDS, ATTEMPT_ERRORS))
     }
-
-
-def dataset_cfg(cfg: DictConfig, node: DictConfig, run_dir: Path, usd: float | None) -> DictConfig:
-    """The job's config for one dataset: its node, its run directory, what is left of the
-    job's USD cap as its budget."""
-    out = cfg.copy()
-    with open_dict(out):
-        OmegaConf.update(out, "dataset", node, merge=False, force_add=True)
-        OmegaConf.update(out, "datasets", None, force_add=True)
-        OmegaConf.update(out, "output_dir", str(run_dir), force_add=True)
-        if usd is not None:
-            OmegaConf.update(out, "budget.usd", usd, force_add=True)
-    return out
 
 
 def plan_left(cap: float | None, others: dict[str, float]) -> float | None:

@@ -9,11 +9,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from omegaconf import DictConfig
-
 from kimi_pipe.conformance import auto as serving_auto
 from kimi_pipe.core.answer_checks import TextRepair, answer_issues, clean_text
 from kimi_pipe.core.issue_codes import COST_BELOW_LISTED_PRICE
+from kimi_pipe.core.logprobs import LogprobPolicy
 from kimi_pipe.core.models import load_model
 from kimi_pipe.core.prompt_render import prompt_ids
 from kimi_pipe.core.record_builder import RecordBuilder, mark_flagged
@@ -27,6 +26,7 @@ from kimi_pipe.store.layout import RECORDS
 from kimi_pipe.store.records import RecordWriter
 
 if TYPE_CHECKING:
+    from kimi_pipe.generation.job import GenerateJob
     from kimi_pipe.providers.settings import ProviderSettings
 
 log = logging.getLogger("kimi_pipe.generate")
@@ -48,13 +48,18 @@ class TokenCore:
     reconstruct: Callable[..., TokenRecord]
 
     @classmethod
-    def load(cls, cfg: DictConfig, asked_model: str = "", route: Any = None) -> TokenCore:
+    def load(cls, job: GenerateJob, asked_model: str = "", route: Any = None) -> TokenCore:
 
-        model = load_model(cfg.model)
-        builder = RecordBuilder.from_config(cfg, model)
+        model = load_model(job.model)
+        policy = LogprobPolicy(
+            record_ids=job.record_ids,
+            requested=bool(job.provider.get("logprobs")),
+            billing_tolerance=job.billing_tolerance,
+        )
+        builder = RecordBuilder(model, job.serving, job.billing_tolerance, policy)
         # Which serving profile each answer is undone with: the one fitted (serving=auto)
         # or declared for the provider that answered (conformance/auto.py).
-        route = route or serving_auto.named(cfg)
+        route = route or serving_auto.named(job.serving)
 
         def prompt_len(messages: list[dict], tools: list[dict] | None) -> int:
             return len(prompt_ids(model, messages, tools))

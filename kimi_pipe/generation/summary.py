@@ -9,8 +9,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from omegaconf import OmegaConf
-
 from kimi_pipe.core.evidence import (
     LADDER,
     POSTERIOR_SAMPLED,
@@ -23,8 +21,7 @@ from kimi_pipe.store.records import iter_records, record_cost
 from kimi_pipe.store.records_index import iter_digests
 
 if TYPE_CHECKING:
-    from omegaconf import DictConfig
-
+    from kimi_pipe.generation.job import GenerateJob
     from kimi_pipe.providers.account import KeyStatus
     from kimi_pipe.providers.budget import Budget, BudgetSettings, Pricing, SlowStart
     from kimi_pipe.providers.pacing import Pacer
@@ -59,7 +56,7 @@ class RunStats:
 class RunSummary:
     """`summary.json`: a part of `Generator` (generation/buying.py), which sets these."""
 
-    cfg: DictConfig
+    job: GenerateJob
     run_dir: Path
     stats: RunStats
     total: int
@@ -150,7 +147,7 @@ class RunSummary:
                 "ratio": (rebuilt / reported) if reported else None,
             },
             # Of the completion tokens bought, how many reach training exact (issue 33).
-            "yield": _token_yield(self.cfg, tally, self.pricing, total_spend),
+            "yield": _token_yield(self.job.accept, tally, self.pricing, total_spend),
             "this_run": {
                 "startup_s": round(self.startup_s, 3),
                 "wall_s": round(wall, 3),
@@ -189,9 +186,9 @@ class RunSummary:
         }
 
 
-def _token_yield(cfg: Any, tally: RecordTally, pricing: Any, spend: float) -> dict[str, Any]:
-    """The yield block (core/token_yield.py) under the run's `export.accept`."""
-    accept = parse_accept(OmegaConf.select(cfg, "export.accept", default=None))
+def _token_yield(given: Any, tally: RecordTally, pricing: Any, spend: float) -> dict[str, Any]:
+    """The yield block (core/token_yield.py) under the run's `export.accept` (`given`)."""
+    accept = parse_accept(given)
     return tally.token_yield(accept, price_out_per_token=pricing.output_per_token, spend_usd=spend)
 
 

@@ -8,8 +8,7 @@ import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
-
+from kimi_pipe.core.plain import plain
 from kimi_pipe.errors import ConfigError
 from kimi_pipe.providers.errors import MissingApiKey
 
@@ -142,15 +141,12 @@ def refuse_secrets(
 
     environ = os.environ if environ is None else environ
     key_env = None
-    if isinstance(cfg, DictConfig | Mapping):
+    if isinstance(cfg, Mapping):
         key_env = (cfg.get("provider") or {}).get("api_key_env")
     secrets = credential_values(environ, str(key_env) if key_env else None)
     if not secrets:
         return
-    if isinstance(cfg, DictConfig | ListConfig):
-        data = OmegaConf.to_container(cfg, resolve=True)
-    else:
-        data = cfg
+    data = plain(cfg)
     pairs = list(_leaves(data, "")) + list((extra or {}).items())
     for where, value in pairs:
         for text in (str(value) if value is not None else "", where):

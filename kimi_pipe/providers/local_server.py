@@ -191,23 +191,25 @@ def _tail(path: Path, n: int = 40) -> str:
 
 
 @contextlib.contextmanager
-def provider_endpoint(cfg: Any, run_dir: Path) -> Iterator[dict[str, Any]]:
-    """LiteLLM `model` and `api_base` for the composed config's provider.
+def provider_endpoint(
+    provider: Mapping[str, Any], model: Mapping[str, Any], run_dir: Path
+) -> Iterator[dict[str, Any]]:
+    """LiteLLM `model` and `api_base` for the `provider` settings.
 
     A provider with a `server` block (provider=local) gets its server started here, around
-    the block, with the log in `run_dir`; any other provider is passed through unchanged.
+    the block, serving the `model` settings' `local_model`, with the log in `run_dir`; any
+    other provider is passed through unchanged.
     """
-    provider = cfg.provider
     server_cfg = provider.get("server")
     if not server_cfg:
         yield {"model": provider.get("model"), "api_base": provider.get("api_base")}
         return
 
-    local = cfg.model.get("local_model")
+    local = model.get("local_model")
     if not local:
         raise ConfigError(
             f"provider={provider.get('name')} serves a local model, but "
-            f"model={cfg.model.get('name')} has no `local_model` block (try model=smollm2)"
+            f"model={model.get('name')} has no `local_model` block (try model=smollm2)"
         )
     model_dir = ensure_local_model(LocalModelSpec.from_cfg(local))
     with serve_local(model_dir, run_dir, ServerSettings.from_cfg(server_cfg)) as server:

@@ -7,9 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-
 from kimi_pipe.config import whole_number
+from kimi_pipe.core.plain import plain
 from kimi_pipe.providers.credentials import header_carries_credential, valid_env_name
 from kimi_pipe.providers.errors import ProviderConfigError
 
@@ -59,12 +58,10 @@ class ProviderSettings:
     rate_window_s: float = 60.0
 
     @classmethod
-    def from_config(cls, cfg: DictConfig | Mapping[str, Any]) -> ProviderSettings:
-        if isinstance(cfg, DictConfig):
-            data = OmegaConf.to_container(cfg, resolve=True)
-        else:
-            data = dict(cfg)
-        assert isinstance(data, dict)
+    def from_config(cls, cfg: Mapping[str, Any]) -> ProviderSettings:
+        data = plain(cfg)
+        if not isinstance(data, dict):
+            raise ProviderConfigError(f"provider: a mapping of settings, not {cfg!r}")
         if "api_key" in data:
             raise ProviderConfigError(
                 "provider.api_key must not be in the config (it would be saved in .hydra/); "

@@ -11,7 +11,6 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from kimi_pipe.config import comma_lists, node_settings
 from kimi_pipe.core.evidence import LADDER
 from kimi_pipe.core.token_yield import yield_line
 from kimi_pipe.reporting.charts import write_charts
@@ -26,7 +25,7 @@ from kimi_pipe.reporting.recommend import (
     routing_overrides,
     run_yield_of,
 )
-from kimi_pipe.reporting.runs import find_run_dirs, load_run
+from kimi_pipe.reporting.runs import ConfigReader, find_run_dirs, load_run
 from kimi_pipe.reporting.stats import RunStats, summarize
 from kimi_pipe.store import atomic
 from kimi_pipe.store.layout import CONFORMANCE_JSON, PROBES_DIR, REPORT_JSON
@@ -43,16 +42,6 @@ class ReportSettings(Policy):
         values = {f.name: getattr(self, f.name) for f in fields(Policy)}
         values["ignore_quantizations"] = tuple(values["ignore_quantizations"])
         return Policy(**values)
-
-
-def settings_of(cfg: Any) -> ReportSettings:
-
-    return node_settings(cfg, "report", ReportSettings, fix=comma_lists("ignore_quantizations"))
-
-
-def policy_of(cfg: Any) -> Policy:
-    """The routing policy of a composed config (`report.*`)."""
-    return settings_of(cfg).policy()
 
 
 # --------------------------------------------------------------------------- markdown
@@ -190,14 +179,17 @@ def _spread(values: list[float]) -> str:
 # --------------------------------------------------------------------------- entry point
 
 
-def build_report(sweep_dir: Path, out_dir: Path, policy: Policy | None = None) -> Path:
-    """Read every run below `sweep_dir`, write report.md and charts; returns report.md."""
+def build_report(
+    sweep_dir: Path, out_dir: Path, policy: Policy | None = None, *, read_config: ConfigReader
+) -> Path:
+    """Read every run below `sweep_dir` (its saved config through `read_config`), write
+    report.md and charts; returns report.md."""
     policy = policy or Policy()
     run_dirs = find_run_dirs(sweep_dir)
     stats: list[RunStats] = []
     for i, path in enumerate(run_dirs, start=1):
         print(f"[report] {i}/{len(run_dirs)} reading {path}", file=sys.stderr, flush=True)
-        stats.append(summarize(load_run(path, sweep_dir)))
+        stats.append(summarize(load_run(path, sweep_dir, read_config)))
     conformance = _read_conformance(sweep_dir)
     rec = recommend_with_conformance(stats, policy, conformance)
     position = {p: i for i, p in enumerate(rec.order + rec.ignore)}

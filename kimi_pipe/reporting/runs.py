@@ -5,11 +5,10 @@ lists dropped), saved config, summary and attempt errors. Reads only what genera
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-from omegaconf import DictConfig, OmegaConf
 
 from kimi_pipe.errors import MissingFile
 from kimi_pipe.store.layout import ATTEMPT_ERRORS as ATTEMPT_ERRORS_FILE
@@ -49,11 +48,15 @@ def find_run_dirs(root: Path) -> list[Path]:
     return found
 
 
+# How a run's saved config file is read (interpolations resolved where they can be; {} when
+# the file is absent): given by the stage's door (kimi_pipe/stages/jobs/report.py).
+ConfigReader = Callable[[Path], dict[str, Any]]
+
 # Token lists are the bulk of a record and no figure needs them: dropped on load.
 HEAVY_KEYS = ("prompt_ids", "output_ids", "loss_mask")
 
 
-def load_run(path: Path, root: Path) -> Run:
+def load_run(path: Path, root: Path, read_config: ConfigReader) -> Run:
     read = ReadStats()  # torn last line (a crash mid-write) and corrupt lines are skipped
     by_id: dict[Any, dict[str, Any]] = {}
     for i, rec in enumerate(iter_records(path / RECORDS_FILE, read)):
@@ -67,32 +70,12 @@ def load_run(path: Path, root: Path) -> Run:
         path=path,
         records=list(by_id.values()),
         # generate saves its config under .hydra/generate/ (one subdir per stage)
-        config=_read_yaml(path / ".hydra" / "generate" / "config.yaml")
-        or _read_yaml(path / ".hydra" / "config.yaml"),
+        config=read_config(path / ".hydra" / "generate" / "config.yaml")
+        or read_config(path / ".hydra" / "config.yaml"),
         summary=_read_json(path / SUMMARY),
         attempt_errors=list(iter_records(path / ATTEMPT_ERRORS_FILE)),
         bad_lines=len(read.bad_lines) + int(read.torn_tail),
     )
-
-
-def _read_yaml(path: Path) -> dict[str, Any]:
-    """A run's saved Hydra config, interpolations resolved where they can be.
-
-    A sweep job's config holds e.g. `order: [${provider.name}]`; keys whose interpolation
-    cannot be resolved outside Hydra (`${hydra:...}`) are kept as written.
-    """
-    if not path.is_file():
-        return {}
-    cfg = OmegaConf.load(path)
-    if not isinstance(cfg, DictConfig):
-        return {}
-    out: dict[str, Any] = {}
-    for key in cfg:
-        try:
-            out[str(key)] = OmegaConf.to_container(cfg[key], resolve=True)
-        except Exception:  # noqa: BLE001 - an unresolvable interpolation: keep it as text
-            out[str(key)] = OmegaConf.to_container(cfg, resolve=False)[key]  # type: ignore[index]
-    return out
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -28,11 +28,11 @@ from typing import Any
 from omegaconf import DictConfig
 
 from kimi_pipe.errors import KimiPipeError
-from kimi_pipe.generation.datasets import dataset_nodes
+from kimi_pipe.generation import probes
+from kimi_pipe.generation.datasets import datasets_of
 from kimi_pipe.generation.errors import GenerateError
-from kimi_pipe.generation.job import finish_status
 from kimi_pipe.generation.launch import check_before_launch, refuse_keys_on_the_command_line
-from kimi_pipe.generation.probes import generate, run_datasets, run_generate
+from kimi_pipe.generation.run import finish_status, said
 from kimi_pipe.stages.command import (
     help_text,
     hydra_command,
@@ -42,6 +42,8 @@ from kimi_pipe.stages.command import (
     wants_help,
 )
 from kimi_pipe.stages.help import HELP
+from kimi_pipe.stages.jobs.generate import generate_job
+from kimi_pipe.stages.jobs.groups import mapping_node, plain_node
 from kimi_pipe.store.layout import RECORDS, SUMMARY
 from kimi_pipe.store.prompt_datasets import load_prompts
 from kimi_pipe.store.records_index import load_resume_index
@@ -53,13 +55,14 @@ def outputs(cfg: DictConfig, run_dir: Path) -> list[Path]:
 
 def is_complete(cfg: DictConfig, run_dir: Path) -> bool:
     """Every prompt of the dataset has a record (a run stopped by its budget is not)."""
-    nodes = dataset_nodes(cfg)
+    nodes = datasets_of(plain_node(cfg, "datasets"))
     if nodes is not None:  # several datasets: each in its own run directory under run_dir
-        return all(_answered(node, run_dir / str(node.name)) for node in nodes)
-    return all(p.exists() for p in outputs(cfg, run_dir)) and _answered(cfg.dataset, run_dir)
+        return all(_answered(node, run_dir / str(node["name"])) for node in nodes)
+    dataset = mapping_node(cfg, "dataset")
+    return all(p.exists() for p in outputs(cfg, run_dir)) and _answered(dataset, run_dir)
 
 
-def _answered(dataset: DictConfig, run_dir: Path) -> bool:
+def _answered(dataset: dict[str, Any], run_dir: Path) -> bool:
     """Every prompt of `dataset` has a record in `run_dir` (read from the index of ids)."""
     if not (run_dir / RECORDS).exists():
         return False
@@ -76,11 +79,11 @@ def run_stage(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:
 
     A mistake is raised as it is; a run stopped by the provider, or whose every request
     failed, raises GenerateError."""
-    nodes = dataset_nodes(cfg)
-    if nodes is not None:  # several datasets under one budget: the job's summary
-        where, summary, status = run_datasets(cfg, nodes, run_dir)
+    job = generate_job(cfg, run_dir)
+    if job.datasets is not None:  # several datasets under one budget: the job's summary
+        where, summary, status = probes.run_datasets(job, run_dir)
     else:
-        where, summary = run_generate(cfg, run_dir)
+        where, summary = probes.run_generate(job, run_dir)
         status = finish_status(where, summary)
     if status:
         raise GenerateError(
@@ -88,6 +91,25 @@ def run_stage(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:
             f"{where / 'summary.json'}"
         )
     return summary
+
+
+def generate(cfg: DictConfig, run_dir: Path | None = None) -> tuple[int, dict[str, Any] | None]:
+    """The stage on a composed config: (exit status, summary). Its job is made here, at the
+    door; a mistake in it is said as one line (status 2), as a run's own are."""
+    try:
+        job = generate_job(cfg, run_dir)
+    except (KimiPipeError, OSError) as exc:
+        status = said(exc, run_dir or cfg.get("output_dir"))
+        if status is None:
+            raise  # a bug: keep its traceback
+        return status, None
+    return probes.generate(job, run_dir)
+
+
+def run_generate(cfg: DictConfig, run_dir: Path | None = None) -> tuple[Path, dict[str, Any]]:
+    """The stage's work on a composed config: (run directory, summary); a failure is raised
+    (a sweep says it for its job)."""
+    return probes.run_generate(generate_job(cfg, run_dir), run_dir)
 
 
 def main(argv: list[str] | None = None) -> int:

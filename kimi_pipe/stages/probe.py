@@ -27,11 +27,46 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kimi_pipe.conformance.probe import settings_of
-from kimi_pipe.generation.probes import probe
+from kimi_pipe.config import compose
+from kimi_pipe.conformance.probe import (
+    Battery,
+    ProbeSettings,
+    ProviderConformance,
+    battery_of,
+    check_providers,
+    probe_overrides,
+)
+from kimi_pipe.generation.probes import probe_providers
 from kimi_pipe.stages.command import compose_command
 from kimi_pipe.stages.help import HELP
+from kimi_pipe.stages.jobs.groups import plain_node, with_overrides
+from kimi_pipe.stages.jobs.probe import probe_job
+from kimi_pipe.stages.jobs.probe import probe_settings as settings_of
 from kimi_pipe.store.layout import CONFORMANCE_JSON, PROBES_DIR
+
+
+def probe(
+    cfg: Any, out_dir: Path, settings: ProbeSettings | None = None
+) -> list[ProviderConformance]:
+    """The probes the composed config's `probe` node asks for, into `out_dir`."""
+    settings = settings or settings_of(cfg)
+    composed = with_overrides(cfg, probe_overrides(settings.overrides))
+    battery = battery_of(str(plain_node(composed, "model.name")), settings)
+    base = probe_job(composed)
+    return probe_providers(base, settings.providers, out_dir, battery, settings.usd)
+
+
+def run_probes(
+    providers: Sequence[str],
+    out_dir: Path,
+    battery: Battery,
+    usd: float | None,
+    overrides: Sequence[str] = (),
+) -> list[ProviderConformance]:
+    """`probe_providers` on the config composed from `overrides` (for scripts and tests)."""
+    check_providers(providers, "providers")  # before the job's own checks, as the stage does
+    base = probe_job(compose(probe_overrides(overrides)))
+    return probe_providers(base, providers, out_dir, battery, usd)
 
 
 def run_stage(cfg: Any, run_dir: Path | None = None) -> dict[str, Any]:

@@ -25,10 +25,11 @@ from kimi_pipe.reporting.recommend import Policy
 from kimi_pipe.reporting.report import (  # noqa: F401  (the report's names, as callers know them)
     Recommendation,
     build_report,
-    settings_of,
 )
 from kimi_pipe.stages.command import compose_command
 from kimi_pipe.stages.help import HELP
+from kimi_pipe.stages.jobs.report import read_saved_config
+from kimi_pipe.stages.jobs.report import report_settings as settings_of
 from kimi_pipe.store.layout import REPORT_JSON
 
 
@@ -43,7 +44,7 @@ def run_stage(cfg: Any, run_dir: Path | None = None) -> dict[str, Any]:
         out = Path(settings.out_dir or settings.sweep_dir)
     else:
         raise ConfigError("report.sweep_dir=PATH is required (a run or sweep directory)")
-    path = build_report(where, out, settings.policy())
+    path = build_report(where, out, settings.policy(), read_config=read_saved_config)
     data = json.loads((out / REPORT_JSON).read_text(encoding="utf-8"))
     return {"report": str(path), "routing": data.get("routing")}
 

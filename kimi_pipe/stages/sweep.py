@@ -32,7 +32,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from kimi_pipe.config import comma_lists, node_settings
-from kimi_pipe.conformance.probe import battery_of, check_providers, with_overrides
+from kimi_pipe.conformance.probe import battery_of, check_providers
 from kimi_pipe.core.models import load_model
 from kimi_pipe.errors import (
     EXIT_INTERRUPTED,
@@ -42,11 +42,15 @@ from kimi_pipe.errors import (
     KimiPipeError,
     one_line,
 )
-from kimi_pipe.generation.job import finish_status
 from kimi_pipe.generation.probes import probe_providers, run_generate
-from kimi_pipe.reporting.report import build_report, policy_of
+from kimi_pipe.generation.run import finish_status
+from kimi_pipe.reporting.report import build_report
 from kimi_pipe.stages.command import compose_command, override_key
 from kimi_pipe.stages.help import HELP
+from kimi_pipe.stages.jobs.generate import generate_job
+from kimi_pipe.stages.jobs.groups import mapping_node, plain_node, with_overrides
+from kimi_pipe.stages.jobs.probe import probe_job
+from kimi_pipe.stages.jobs.report import read_saved_config, report_settings
 from kimi_pipe.store.layout import PROBES_DIR, RECORDS
 from kimi_pipe.store.prompt_datasets import check_prompt_source
 
@@ -160,14 +164,14 @@ def build_command(
 def run_probe_step(base: DictConfig, settings: SweepSettings, sweep_dir: Path) -> None:
     """Conformance probes pinned to each provider, into <sweep_dir>/probes (resumable)."""
 
-    battery = battery_of(base)
+    battery = battery_of(str(plain_node(base, "model.name")))
     print(
         f"[sweep] conformance probes first ({len(battery.probes)} per provider)",
         file=sys.stderr,
         flush=True,
     )
     probe_providers(
-        base,
+        probe_job(base),
         settings.providers,
         sweep_dir / PROBES_DIR,
         battery,
@@ -191,7 +195,7 @@ def run_jobs(base: DictConfig, settings: SweepSettings, sweep_dir: Path, limit_k
         OmegaConf.save(cfg, saved / "config.yaml")
         print(f"[sweep] {slug} -> {run_dir}", file=sys.stderr, flush=True)
         try:
-            status = finish_status(*run_generate(cfg, run_dir))
+            status = finish_status(*run_generate(generate_job(cfg, run_dir), run_dir))
         except (ConfigError, InputError):
             raise  # the same in every job
         except (KimiPipeError, OSError) as exc:
@@ -236,13 +240,16 @@ def sweep(
 
     # What every job shares is checked once, before the probes buy anything: the prompts,
     # and a model config its tokenizer contradicts.
-    check_prompt_source(base.dataset)
+    check_prompt_source(mapping_node(base, "dataset"))
     load_model(base.model)
     if settings.probes:
         run_probe_step(base, settings, sweep_dir)
     status = run_jobs(base, settings, sweep_dir, limit_key)
     if settings.report and any(sweep_dir.rglob(RECORDS)):
-        build_report(sweep_dir, sweep_dir, policy_of(cfg))  # also a partly finished sweep
+        # also a partly finished sweep
+        build_report(
+            sweep_dir, sweep_dir, report_settings(cfg).policy(), read_config=read_saved_config
+        )
     return status, summary
 
 

@@ -20,12 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import MissingMandatoryValue
-
+from kimi_pipe.core.plain import plain
 from kimi_pipe.errors import ConfigError, InputError, MissingFile
 
 log = logging.getLogger(__name__)
+
+# What a mandatory setting that was never given reads as in a composed config node.
+MISSING = "???"
 
 ROLES = frozenset({"system", "user", "assistant", "tool"})
 # The model answers after one of these; a prompt ending elsewhere has nothing to answer.
@@ -245,15 +246,10 @@ def _make_id(value: Any, fallback: str) -> str:
 # Local JSONL: one {"id", "messages", "tools"?} object per line.
 
 
-def _cfg_get(cfg: DictConfig, key: str, default: Any = None) -> Any:
-    """Read an optional key; a `???` value on a required key becomes a clear error."""
-    try:
-        value = cfg.get(key, default)
-    except MissingMandatoryValue:
-        raise ValueError(
-            f"dataset {cfg.get('name', '?')}: `dataset.{key}` is required (e.g. dataset.{key}=...)"
-        ) from None
-    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+def _cfg_get(cfg: Mapping[str, Any], key: str, default: Any = None) -> Any:
+    """Read an optional key; a mandatory value never given (`???`) reads as unset."""
+    value = cfg.get(key, default)
+    return default if value == MISSING else plain(value)
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
@@ -290,7 +286,7 @@ def _jsonl_converter(drop_trailing_assistant: bool) -> RowConverter:
     return convert
 
 
-def jsonl_prompt_file(cfg: DictConfig) -> Path:
+def jsonl_prompt_file(cfg: Mapping[str, Any]) -> Path:
     """`dataset.path` of a JSONL dataset: a file that holds at least one line, or a
     user-facing error naming it (checked before anything is bought)."""
     raw_path = _cfg_get(cfg, "path")
@@ -312,7 +308,7 @@ def jsonl_prompt_file(cfg: DictConfig) -> Path:
     return path
 
 
-def _limit(cfg: DictConfig, key: str) -> int | None:
+def _limit(cfg: Mapping[str, Any], key: str) -> int | None:
     value = _cfg_get(cfg, key)
     if value is None:
         return None
@@ -321,7 +317,7 @@ def _limit(cfg: DictConfig, key: str) -> int | None:
     return value
 
 
-def check_prompt_source(dataset_cfg: DictConfig) -> None:
+def check_prompt_source(dataset_cfg: Mapping[str, Any]) -> None:
     """What can be checked of a dataset without loading it (a JSONL file: there, a file,
     not empty; the prompt cap a number): before a stage spends anything on it."""
     source = _cfg_get(dataset_cfg, "source", "jsonl")
@@ -330,7 +326,7 @@ def check_prompt_source(dataset_cfg: DictConfig) -> None:
     _limit(dataset_cfg, "limit" if source == "jsonl" else "num_samples")
 
 
-def load_jsonl_prompts(cfg: DictConfig) -> PromptSet:
+def load_jsonl_prompts(cfg: Mapping[str, Any]) -> PromptSet:
     path = jsonl_prompt_file(cfg)
     return PromptSet(
         name=str(_cfg_get(cfg, "name", "jsonl")),
@@ -496,7 +492,7 @@ DATA_FILE_BUILDERS = {
 }
 
 
-def _load_hf(cfg: DictConfig, name: str, streaming: bool) -> Any:
+def _load_hf(cfg: Mapping[str, Any], name: str, streaming: bool) -> Any:
     """`datasets.load_dataset` for a Hub id (or a local dataset folder), or for local
     `data_files` (a path, list or {split: paths}; builder chosen by file extension)."""
     import datasets  # heavy import, only when a Hugging Face source is used
@@ -547,7 +543,7 @@ def _indexed_rows(ds: Any, seed: int | None, chunk: int = 256) -> Iterator[tuple
         yield from zip(indices, ds.select(indices), strict=True)
 
 
-def load_hf_prompts(cfg: DictConfig) -> PromptSet:
+def load_hf_prompts(cfg: Mapping[str, Any]) -> PromptSet:
     name = str(_cfg_get(cfg, "name", "hf"))
     mapping = _cfg_get(cfg, "mapping") or {}
     convert = _hf_converter(mapping, bool(_cfg_get(cfg, "drop_trailing_assistant", True)))
@@ -572,13 +568,13 @@ def load_hf_prompts(cfg: DictConfig) -> PromptSet:
 
 # ---------------------------------------------------------------------------------------
 
-SOURCES: dict[str, Callable[[DictConfig], PromptSet]] = {
+SOURCES: dict[str, Callable[[Mapping[str, Any]], PromptSet]] = {
     "jsonl": load_jsonl_prompts,
     "hf": load_hf_prompts,
 }
 
 
-def load_prompts(dataset_cfg: DictConfig) -> PromptSet:
+def load_prompts(dataset_cfg: Mapping[str, Any]) -> PromptSet:
     """Build the prompt set described by a `conf/dataset/*.yaml` config."""
     source = _cfg_get(dataset_cfg, "source", "jsonl")
     if source not in SOURCES:

@@ -119,7 +119,7 @@ SERVING_AS_IS = ("serving=unknown", "serving.argument_edges=kept")
 def run_inprocess(overrides: Sequence[str], out: Path) -> tuple[int, dict | None]:
     """The stage in this process (no Hydra run dir files; fast)."""
     from kimi_pipe.config import compose
-    from kimi_pipe.generation.probes import generate
+    from kimi_pipe.stages.generate import generate
 
     return generate(compose(list(overrides)), out)
 
