@@ -548,10 +548,9 @@ def _coercion_assignments(
             per_call.append([(None, "")])
             continue
         complete = complete and readings.complete
-        per_call.append(
-            [(readings.texts[0], "")]
-            + [(text, f"call {n} arguments written {text!r}") for text in readings.texts[1:]]
-        )
+        listed: list[tuple[str | None, str]] = [(readings.texts[0], "")]
+        listed += [(text, f"call {n} arguments written {text!r}") for text in readings.texts[1:]]
+        per_call.append(listed)
     total = 1
     for options in per_call:
         total *= len(options)

@@ -73,7 +73,9 @@ def _json_kind(value: Any) -> str:
         return "integer"
     if isinstance(value, float):
         return "number"
-    return {list: "array", dict: "object"}.get(type(value), "string")
+    if isinstance(value, list):
+        return "array"
+    return "object" if isinstance(value, dict) else "string"
 
 
 def _scalar_of(text: str) -> Any:
