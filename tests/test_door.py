@@ -14,6 +14,7 @@ import pytest
 from kimi_pipe.config import CONF_DIR, compose
 from kimi_pipe.stages.command import did_you_mean, setting_keys
 from kimi_pipe.stages.help import HELP
+from tests.support.cases import load_or_skip
 
 REPO = Path(__file__).resolve().parent.parent
 FAKE_KEY = "sk" + "-test-not-a-real-key"
@@ -138,6 +139,7 @@ NOBODY = "provider.api_base=http://127.0.0.1:9/v1"  # nothing listens there
 def test_no_network_is_named_not_the_budget(tmp_path: Path) -> None:
     """Network down (nothing at the api_base): said as such, not as serving=auto's probes
     not fitting the budget at the fallback prices."""
+    load_or_skip("kimi_k25")  # the default model: its tokenizer renders the prompt
     done = kimi_pipe("generate", f"dataset.path={prompts(tmp_path)}", "output_dir=run", NOBODY,
                      cwd=tmp_path)  # fmt: skip
     line = one_error(done)
@@ -171,6 +173,7 @@ def test_a_refused_start_leaves_no_run_directory(tmp_path: Path) -> None:
 def test_every_request_failed_is_said_once_with_its_count(tmp_path: Path) -> None:
     """Not "0 answered ... 0 failed" and then "every request failed": one line, counting
     the requests given up after their retries."""
+    load_or_skip("kimi_k25")  # the default model: its tokenizer renders the prompt
     done = kimi_pipe("generate", f"dataset.path={prompts(tmp_path)}", "output_dir=run", NOBODY,
                      "serving=unknown", "provider.pricing.input_usd_per_mtok=1",
                      "provider.pricing.output_usd_per_mtok=1", "provider.retry.max_attempts=1",
