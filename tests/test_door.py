@@ -184,3 +184,58 @@ def test_every_request_failed_is_said_once_with_its_count(tmp_path: Path) -> Non
     final = [line for line in said.splitlines() if "every request of this run failed" in line]
     assert len(final) == 1, said[-2000:]
     assert "(connection: 1)" in final[0] and "1 given up after their retries" in final[0]
+
+
+# --- the groups' schemas (kimi_pipe/stages/schemas.py) ---------------------------------------
+
+
+def test_each_schema_field_has_a_one_line_description_and_the_yaml_its_keys() -> None:
+    """Every field of every schema says what it is, and each group's yaml sets only fields
+    its schema has (the schema is the yaml's base: a stray key would fail every compose)."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    from kimi_pipe.stages.schemas import SCHEMAS
+
+    assert set(SCHEMAS) >= {"budget", "report", "audit", "probe"}
+    for group, schema in SCHEMAS.items():
+        names = {f.name for f in dataclasses.fields(schema)}
+        for item in dataclasses.fields(schema):
+            about = item.metadata.get("help")
+            assert about and "\n" not in about and len(about) <= 90, (group, item.name)
+        for path in (CONF_DIR / group).glob("*.yaml"):
+            keys = set(OmegaConf.load(path)) - {"defaults"}
+            assert keys <= names, (path.name, keys - names)
+        node = compose([])[group]
+        assert OmegaConf.get_type(node) is schema, group  # the schema is the group's base
+
+
+@pytest.mark.parametrize(
+    ("override", "said"),
+    [
+        ("budget.usd=abc", "budget.usd='abc': expected a number"),
+        ("budget.max_samples=1.5", "budget.max_samples=1.5: expected a whole number"),
+        ("budget.slow_start=maybe", "budget.slow_start='maybe': expected true or false"),
+        ("audit.examples=many", "audit.examples='many': expected a whole number"),
+        ("budget.udss=5", "budget.udss=5: no such setting; did you mean budget.usd?"),
+        ("report.rank_stp=0.1", "did you mean report.rank_step?"),
+    ],
+)
+def test_a_schema_refuses_a_wrong_type_or_key_at_compose(override: str, said: str) -> None:
+    """Refused while composing, before any stage reads the value: one ConfigError line."""
+    from kimi_pipe.errors import ConfigError
+    from kimi_pipe.stages.command import compose_overrides
+
+    with pytest.raises(ConfigError) as refused:
+        compose_overrides([override])
+    assert said in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_a_list_setting_still_takes_one_slug_or_a_comma_list() -> None:
+    """`probe.providers=a` and `report.ignore_quantizations=fp4` stay accepted (the stage's
+    typed read makes the list), as before the schemas."""
+    from kimi_pipe.stages.command import compose_overrides
+
+    cfg = compose_overrides(["probe.providers=moonshotai", "report.ignore_quantizations=fp4"])
+    assert cfg.probe.providers == "moonshotai" and cfg.report.ignore_quantizations == "fp4"

@@ -130,27 +130,28 @@ class Code(StrEnum):
     COST_BELOW_LISTED_PRICE = "cost_below_listed_price"  # stated cost < tokens x listed price
 
 
-# The names the package imports (each the member itself).
+# The names the package imports: each the member itself, typed as the string it equals (a
+# record's codes are plain strings once read back).
 
 # --- the evidence ladder (core/evidence.py), strongest first ---------------------------------
-ENGINE_IDS = Code.ENGINE_IDS
-TEXT_PROVEN = Code.TEXT_PROVEN
-TARGET_RESOLVED = Code.TARGET_RESOLVED
-PREFIX_PROVEN = Code.PREFIX_PROVEN
-POSTERIOR_SAMPLED = Code.POSTERIOR_SAMPLED
-UNRESOLVED = Code.UNRESOLVED
+ENGINE_IDS: str = Code.ENGINE_IDS
+TEXT_PROVEN: str = Code.TEXT_PROVEN
+TARGET_RESOLVED: str = Code.TARGET_RESOLVED
+PREFIX_PROVEN: str = Code.PREFIX_PROVEN
+POSTERIOR_SAMPLED: str = Code.POSTERIOR_SAMPLED
+UNRESOLVED: str = Code.UNRESOLVED
 
 # --- reconstruction (core/reconstruction.py): errors make `ok` false -------------------------
-BILLING_MISMATCH = Code.BILLING_MISMATCH
-PARTIAL_CHARACTER = Code.PARTIAL_CHARACTER
-LEADING_SPACE_AFTER_MARKER = Code.LEADING_SPACE_AFTER_MARKER
-SPACE_BEFORE_TOOL_SECTION = Code.SPACE_BEFORE_TOOL_SECTION
-REASONING_TAIL_UNVERIFIABLE = Code.REASONING_TAIL_UNVERIFIABLE
-TOOL_ARGUMENTS_EDGES_UNVERIFIABLE = Code.TOOL_ARGUMENTS_EDGES_UNVERIFIABLE
-PROMPT_UNPROVEN = Code.PROMPT_UNPROVEN
-PROMPT_AMBIGUOUS = Code.PROMPT_AMBIGUOUS
-OTHER_MODEL = Code.OTHER_MODEL
-RECONSTRUCTION_ERRORS = frozenset(
+BILLING_MISMATCH: str = Code.BILLING_MISMATCH
+PARTIAL_CHARACTER: str = Code.PARTIAL_CHARACTER
+LEADING_SPACE_AFTER_MARKER: str = Code.LEADING_SPACE_AFTER_MARKER
+SPACE_BEFORE_TOOL_SECTION: str = Code.SPACE_BEFORE_TOOL_SECTION
+REASONING_TAIL_UNVERIFIABLE: str = Code.REASONING_TAIL_UNVERIFIABLE
+TOOL_ARGUMENTS_EDGES_UNVERIFIABLE: str = Code.TOOL_ARGUMENTS_EDGES_UNVERIFIABLE
+PROMPT_UNPROVEN: str = Code.PROMPT_UNPROVEN
+PROMPT_AMBIGUOUS: str = Code.PROMPT_AMBIGUOUS
+OTHER_MODEL: str = Code.OTHER_MODEL
+RECONSTRUCTION_ERRORS: frozenset[str] = frozenset(
     {
         BILLING_MISMATCH,
         PROMPT_UNPROVEN,
@@ -182,7 +183,7 @@ RECONSTRUCTION_ERRORS = frozenset(
 # Flags whose readings differ in length from the text as returned (a marker space or a moved
 # space that costs an id, a think-end that may be missing): beside them one id fewer has
 # another explanation than a tool section written inside the reasoning.
-LENGTH_AMBIGUOUS = frozenset(
+LENGTH_AMBIGUOUS: frozenset[str] = frozenset(
     {
         LEADING_SPACE_AFTER_MARKER,
         Code.MARKER_SPACING_MISMATCH,
@@ -192,14 +193,14 @@ LENGTH_AMBIGUOUS = frozenset(
 )
 
 # --- reconstruction notes: listed, `ok` kept ----------------------------------------------
-TRUNCATED = Code.TRUNCATED
-SINGLE_CANDIDATE = Code.SINGLE_CANDIDATE
-PROMPT_HISTORY_RERENDERED = Code.PROMPT_HISTORY_RERENDERED
-THINK_OPEN_BILLED_AS_OUTPUT = Code.THINK_OPEN_BILLED_AS_OUTPUT
-RAW_MARKERS_IN_REASONING = Code.RAW_MARKERS_IN_REASONING
-TOOL_SECTION_IN_REASONING = Code.TOOL_SECTION_IN_REASONING
-TOOL_ARGUMENT_TYPES_BILLED = Code.TOOL_ARGUMENT_TYPES_BILLED
-RECONSTRUCTION_NOTES = frozenset(
+TRUNCATED: str = Code.TRUNCATED
+SINGLE_CANDIDATE: str = Code.SINGLE_CANDIDATE
+PROMPT_HISTORY_RERENDERED: str = Code.PROMPT_HISTORY_RERENDERED
+THINK_OPEN_BILLED_AS_OUTPUT: str = Code.THINK_OPEN_BILLED_AS_OUTPUT
+RAW_MARKERS_IN_REASONING: str = Code.RAW_MARKERS_IN_REASONING
+TOOL_SECTION_IN_REASONING: str = Code.TOOL_SECTION_IN_REASONING
+TOOL_ARGUMENT_TYPES_BILLED: str = Code.TOOL_ARGUMENT_TYPES_BILLED
+RECONSTRUCTION_NOTES: frozenset[str] = frozenset(
     {
         TRUNCATED,
         SINGLE_CANDIDATE,
@@ -220,10 +221,10 @@ RECONSTRUCTION_NOTES = frozenset(
     }
 )
 # Codes that keep a record out of training files whatever the policy: the last id is unknown.
-NEVER_USABLE = frozenset({PARTIAL_CHARACTER})
+NEVER_USABLE: frozenset[str] = frozenset({PARTIAL_CHARACTER})
 
 # --- engine logprobs (core/logprobs.py) -----------------------------------------------------
-LOGPROB_ERRORS = frozenset(
+LOGPROB_ERRORS: frozenset[str] = frozenset(
     {
         Code.LOGPROB_MISMATCH,
         # Entries that are not tokens or do not fit the output: the answer was changed
@@ -231,8 +232,8 @@ LOGPROB_ERRORS = frozenset(
         Code.LOGPROBS_INVALID,
     }
 )
-NONCANONICAL_SPLIT = Code.NONCANONICAL_SPLIT
-LOGPROB_NOTES = frozenset(
+NONCANONICAL_SPLIT: str = Code.NONCANONICAL_SPLIT
+LOGPROB_NOTES: frozenset[str] = frozenset(
     {
         NONCANONICAL_SPLIT,
         Code.LOGPROBS_MISSING,
@@ -243,9 +244,9 @@ LOGPROB_NOTES = frozenset(
 )
 
 # --- answer checks (core/answer_checks.py) --------------------------------------------------
-CONTENT_FILTER = Code.CONTENT_FILTER
-OTHER_PROVIDER = Code.OTHER_PROVIDER
-ANSWER_CODES = frozenset(
+CONTENT_FILTER: str = Code.CONTENT_FILTER
+OTHER_PROVIDER: str = Code.OTHER_PROVIDER
+ANSWER_CODES: frozenset[str] = frozenset(
     {
         OTHER_PROVIDER,
         OTHER_MODEL,  # also: the answer names another model than the one requested
@@ -254,7 +255,7 @@ ANSWER_CODES = frozenset(
         CONTENT_FILTER,
     }
 )
-TEXT_CODES = frozenset(
+TEXT_CODES: frozenset[str] = frozenset(
     {
         Code.PROMPT_TEXT_REPLACED,
         Code.ANSWER_TEXT_REPLACED,
@@ -263,7 +264,7 @@ TEXT_CODES = frozenset(
 )
 
 # --- closed candidate sets (core/candidates.py): flag code -> ambiguity class ------------
-CLASS_OF_CODE = {
+CLASS_OF_CODE: dict[str, str] = {
     REASONING_TAIL_UNVERIFIABLE: "reasoning_tail",
     LEADING_SPACE_AFTER_MARKER: "marker_space",
     SPACE_BEFORE_TOOL_SECTION: "tool_section_space",
@@ -271,26 +272,26 @@ CLASS_OF_CODE = {
 }
 
 # --- the reconstruct stage (stages/reconstruct.py) ----------------------------------------
-MALFORMED_RECORD = Code.MALFORMED_RECORD
-BAD_SERVING_PROFILE = Code.BAD_SERVING_PROFILE
+MALFORMED_RECORD: str = Code.MALFORMED_RECORD
+BAD_SERVING_PROFILE: str = Code.BAD_SERVING_PROFILE
 
 # --- target resolution and split checks (extraction/) -------------------------------------
-TARGET_UNRESOLVED = Code.TARGET_UNRESOLVED
-RESOLVED_BY_TARGET = Code.RESOLVED_BY_TARGET
-SPLIT_CHECKED = Code.SPLIT_CHECKED
-SPLIT_RESOLVED = Code.SPLIT_RESOLVED
-SPLIT_AMBIGUOUS = Code.SPLIT_AMBIGUOUS
-TARGET_DISAGREES = Code.TARGET_DISAGREES
-PREFIX_SPLIT_CHECKED = Code.PREFIX_SPLIT_CHECKED
-PREFIX_SPLIT_AMBIGUOUS = Code.PREFIX_SPLIT_AMBIGUOUS
+TARGET_UNRESOLVED: str = Code.TARGET_UNRESOLVED
+RESOLVED_BY_TARGET: str = Code.RESOLVED_BY_TARGET
+SPLIT_CHECKED: str = Code.SPLIT_CHECKED
+SPLIT_RESOLVED: str = Code.SPLIT_RESOLVED
+SPLIT_AMBIGUOUS: str = Code.SPLIT_AMBIGUOUS
+TARGET_DISAGREES: str = Code.TARGET_DISAGREES
+PREFIX_SPLIT_CHECKED: str = Code.PREFIX_SPLIT_CHECKED
+PREFIX_SPLIT_AMBIGUOUS: str = Code.PREFIX_SPLIT_AMBIGUOUS
 
 # --- extraction's per-sample skip reasons (extraction/sharding.py) ---------------------------
-NONFINITE_HIDDEN_STATE = Code.NONFINITE_HIDDEN_STATE
-CAPTURE_OOM = Code.CAPTURE_OOM
-BAD_CAPTURE = Code.BAD_CAPTURE
+NONFINITE_HIDDEN_STATE: str = Code.NONFINITE_HIDDEN_STATE
+CAPTURE_OOM: str = Code.CAPTURE_OOM
+BAD_CAPTURE: str = Code.BAD_CAPTURE
 
 # --- provider billing flags (providers/calls.py) -----------------------------------------
-TOOL_ARGUMENTS_NOT_STRING = Code.TOOL_ARGUMENTS_NOT_STRING
-BILLED_ERROR_BODY = Code.BILLED_ERROR_BODY
-BILLED_ABOVE_RESERVATION = Code.BILLED_ABOVE_RESERVATION
-COST_BELOW_LISTED_PRICE = Code.COST_BELOW_LISTED_PRICE
+TOOL_ARGUMENTS_NOT_STRING: str = Code.TOOL_ARGUMENTS_NOT_STRING
+BILLED_ERROR_BODY: str = Code.BILLED_ERROR_BODY
+BILLED_ABOVE_RESERVATION: str = Code.BILLED_ABOVE_RESERVATION
+COST_BELOW_LISTED_PRICE: str = Code.COST_BELOW_LISTED_PRICE

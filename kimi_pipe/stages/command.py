@@ -38,11 +38,12 @@ from hydra import initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException, ValidationError
 from yaml import YAMLError
 
-from kimi_pipe.config import CONF_DIR, compose
+from kimi_pipe.config import CONF_DIR, compose, sweep_jobs
 from kimi_pipe.errors import EXIT_USER_ERROR, ConfigError, StoreError, host_error, one_line
+from kimi_pipe.stages import schemas
 from kimi_pipe.stages.help import StageHelp
 
 # Hydra flags that do not run the task, or run it as a sweep (its overrides are sweep
@@ -51,6 +52,8 @@ _NOT_A_SINGLE_RUN = {"-m", "--multirun", "-h", "--help", "--hydra-help", "--info
                      "--cfg", "-c", "--resolve", "--package", "-p", "--shell-completion",
                      "-sc", "--version", "--config-path", "-cp", "--config-name", "-cn",
                      "--config-dir", "-cd", "--experimental-rerun"}  # fmt: skip
+
+schemas.register()  # the groups' schemas, before any compose of a command
 
 HYDRA_FULL_ERROR = "HYDRA_FULL_ERROR"
 _MULTIRUN = {"-m", "--multirun"}
@@ -90,9 +93,28 @@ def compose_overrides(
                 + ", ".join(f"{override_key(o)}= is now {moved[override_key(o)]}=" for o in old)
             )
             raise ConfigError(f"bad override or config: {message}") from None
+        if isinstance(exc.__cause__, ValidationError):  # a group schema refused the value
+            raise wrong_type(exc.__cause__, overrides) from None
         raise override_error(message, typed or overrides) from None
     check_value_types(overrides)
     return cfg
+
+
+# OmegaConf's words for a value a schema's field cannot hold, and what was expected.
+_KINDS = {"to Float": "a number", "to Integer": "a whole number", "valid bool": "true or false"}
+
+
+def wrong_type(exc: ValidationError, overrides: Sequence[str]) -> ConfigError:
+    """A value of the wrong kind for a schema's field, said as the type check says it:
+    `budget.usd='abc': expected a number`."""
+    key = str(exc.full_key)
+    reason = str(exc.msg).split("\n", 1)[0]
+    expected = next((kind for words, kind in _KINDS.items() if words in reason), None)
+    given = next((o for o in overrides if override_key(o) == key), key)
+    if expected is None:
+        return ConfigError(f"{given}: {reason}")
+    value = OverridesParser.create().parse_override(given).value()
+    return ConfigError(f"{key}={value!r}: expected {expected}")
 
 
 # Hydra's words for a key the config does not have (its hint, `+key=value`, would add it).
@@ -230,22 +252,12 @@ def check_value_types(overrides: Sequence[str]) -> None:
 
 
 def first_job(argv: Sequence[str]) -> list[str]:
-    """The overrides of a multirun's first job (each sweep at its first value): the keys a
-    typo names are the same in every job, so this one composes as they all would."""
-    overrides = [a for a in argv if not a.startswith("-")]
+    """The overrides of the command's first job (a multirun's sweeps at their first values):
+    the keys a typo names are the same in every job, so this one composes as they all would."""
     try:
-        parsed = OverridesParser.create().parse_overrides(overrides)
+        return sweep_jobs(argv)[0]
     except HydraException:
-        return overrides  # compose says what is wrong
-    job = []
-    for item in parsed:
-        if item.is_sweep_override():
-            prefix = "+" * (item.is_add() + 2 * item.is_force_add())
-            first = next(iter(item.sweep_string_iterator()), "")
-            job.append(f"{prefix}{item.key_or_group}={first}")
-        else:
-            job.append(str(item.input_line))
-    return job
+        return [a for a in argv if not a.startswith("-")]  # compose says what is wrong
 
 
 def report(exc: BaseException) -> int | None:
@@ -524,7 +536,7 @@ def hydra_command(
     flags = _NOT_A_SINGLE_RUN.intersection(a.split("=", 1)[0] for a in overrides)
     if not flags or flags <= _MULTIRUN:
         try:  # before Hydra creates the run (or sweep) directory and saves the config
-            compose_overrides(first_job(overrides) if flags else overrides, typed=overrides)
+            compose_overrides(first_job(overrides), typed=overrides)
         except ConfigError as exc:
             remove_if_unused(fresh, name)  # a check before this one may have made it
             return report(exc) or EXIT_USER_ERROR
