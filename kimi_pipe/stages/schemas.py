@@ -1,5 +1,5 @@
 """The config groups' schemas, registered in Hydra's ConfigStore as each group's base
-(`conf/<group>/*.yaml` start with `defaults: [optional /schemas@_here_: <group>, _self_]`).
+(conf/config.yaml's defaults list `optional schemas@<group>: <group>` before the group).
 
 A schema is the group's settings dataclass as its module defines it (BudgetSettings, ...),
 copied without `frozen` (Hydra merges the yaml and the overrides into it) and with each
