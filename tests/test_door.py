@@ -239,3 +239,20 @@ def test_a_list_setting_still_takes_one_slug_or_a_comma_list() -> None:
 
     cfg = compose_overrides(["probe.providers=moonshotai", "report.ignore_quantizations=fp4"])
     assert cfg.probe.providers == "moonshotai" and cfg.report.ignore_quantizations == "fp4"
+
+
+def test_cfg_prints_the_composed_config_and_other_hydra_flags_are_one_line(
+    tmp_path: Path,
+) -> None:
+    """`--cfg job` (named in every --help) prints the config the job would get, with the
+    overrides applied, and runs nothing; a Hydra flag the command does not take is one
+    line, exit 2, not a run."""
+    done = kimi_pipe("export", "seed=7", "--cfg", "job", cwd=tmp_path, key=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "\nseed: 7\n" in done.stdout and "hydra:" not in done.stdout
+    assert not any(tmp_path.iterdir())
+    line = one_error(kimi_pipe("export", "--info", cwd=tmp_path, key=False))
+    assert "--info: not a flag of this command" in line
+    line = one_error(kimi_pipe("export", "--cfg", cwd=tmp_path, key=False))
+    assert "give --cfg job, --cfg hydra or --cfg all" in line
+    assert not any(tmp_path.iterdir())
