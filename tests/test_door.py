@@ -193,6 +193,7 @@ def test_each_schema_field_has_a_one_line_description_and_the_yaml_its_keys() ->
     """Every field of every schema says what it is, and each group's yaml sets only fields
     its schema has (the schema is the yaml's base: a stray key would fail every compose)."""
     import dataclasses
+    import pickle
 
     from omegaconf import OmegaConf
 
@@ -209,6 +210,9 @@ def test_each_schema_field_has_a_one_line_description_and_the_yaml_its_keys() ->
             assert keys <= names, (path.name, keys - names)
         node = compose([])[group]
         assert OmegaConf.get_type(node) is schema, group  # the schema is the group's base
+    # Workers get configs pickled (Ray, submitit): a schema's node must travel.
+    cfg = pickle.loads(pickle.dumps(compose(["budget.usd=3"])))
+    assert cfg.budget.usd == 3.0 and OmegaConf.get_type(cfg.budget) is SCHEMAS["budget"]
 
 
 @pytest.mark.parametrize(
