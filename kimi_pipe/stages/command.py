@@ -1,7 +1,7 @@
 """One command line for every stage: Hydra overrides in, one line and exit 2 for a mistake.
 
 A stage module's `main(argv)` is made here, over conf/ through Hydra's compose API (no
-sys.argv swap, no `hydra._internal`), the config composed once for a run:
+sys.argv swap, none of Hydra's private modules), the config composed once for a run:
 
 - `hydra_command(task, argv, name=...)`: the stage runs as a Hydra job
   (`hydra.core.utils.run_job`): run directory, saved config in `.hydra/<name>/`, the log;
