@@ -303,3 +303,4 @@ def test_the_command_side_uses_hydra_public_api_and_passes_argv() -> None:
     for name, value in vars(issue_codes).items():
         if name.isupper() and isinstance(value, str):
             assert isinstance(value, issue_codes.Code) and value == value.value, name
+            assert repr(value) == repr(value.value) and f"{value}" == value.value, name

@@ -16,6 +16,9 @@ class Code(StrEnum):
     """Every code a record, a skip or a flag can carry; each member equals its string
     (`Code.TRUNCATED == "truncated"`), so records, JSON and comparisons are unchanged."""
 
+    def __repr__(self) -> str:
+        return repr(self.value)  # a printed list or table of codes reads as before: 'truncated'
+
     # --- the evidence ladder (core/evidence.py), strongest first ----------------------------------
     ENGINE_IDS = "engine_ids"  # whole-output logprobs confirmed against the text and the bill
     TEXT_PROVEN = "text_proven"  # text + serving profile + billed length prove the ids
