@@ -111,12 +111,6 @@ SCHEMAS: dict[str, type] = {group: schema_of(group, cls) for group, cls in SETTI
 globals().update({schema.__name__: schema for schema in SCHEMAS.values()})
 
 
-def describe(key: str) -> str | None:
-    """A setting's one-line description (`budget.usd`), None where no schema has it."""
-    group, _, name = key.partition(".")
-    return HELP.get(group, {}).get(name)
-
-
 def register() -> None:
     """Each schema as the option `schemas/<group>` (idempotent: the store replaces it)."""
     store = ConfigStore.instance()
