@@ -1,7 +1,7 @@
 """The `kimi-pipe` console command: `kimi-pipe <stage> [hydra overrides | stage options]`.
 
-Each stage is its module's `main()`, run exactly as `python -m kimi_pipe <stage>` runs it
-(the stage reads its arguments from sys.argv). Stage modules are imported only when asked
+Each stage is its module's `main(argv)`, given the arguments after the stage's name, as
+`python -m kimi_pipe <stage>` runs it. Stage modules are imported only when asked
 for, so a light install (`pip install kimi_pipe`) runs `reconstruct` without torch or
 LiteLLM, and a stage whose dependencies are missing says which extra brings them.
 """
@@ -82,10 +82,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:  # the entry names no module of this install
         print(f"error: stage {name!r} is not in this kimi_pipe version ({exc})", file=sys.stderr)
         return EXIT_USER_ERROR
-    # Stages read sys.argv themselves (Hydra's @hydra.main does), as under `python -m`.
-    saved_argv, sys.argv = sys.argv, [f"kimi-pipe {name}", *rest]
     try:
-        status = module.main()
+        status = module.main(rest)
     except ModuleNotFoundError as exc:  # a stage importing an optional dependency lazily
         if (exc.name or "").split(".")[0] == "kimi_pipe":
             raise
@@ -96,8 +94,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"error: {message}", file=sys.stderr)
         return EXIT_USER_ERROR
-    finally:
-        sys.argv = saved_argv
     return int(status or 0)
 
 

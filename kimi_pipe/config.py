@@ -10,6 +10,7 @@ that some other distribution left in site-packages.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -17,6 +18,8 @@ from typing import Any, TypeVar, cast
 
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -75,6 +78,29 @@ def compose(overrides: Sequence[str]) -> DictConfig:
 
     with initialize_config_dir(config_dir=str(require_conf_dir()), version_base="1.3"):
         return hydra_compose(config_name="config", overrides=list(overrides))
+
+
+MULTIRUN = ("-m", "--multirun")
+
+
+def sweep_jobs(argv: Sequence[str]) -> list[list[str]]:
+    """The overrides of every job a command line starts: its one job, or with `-m` each job of
+    the multirun (the product of its sweeps, a later override of a key replacing an earlier
+    one, as Hydra's basic sweeper makes them). Flags are left out; a HydraException for an
+    override that does not parse or a sweep no list can hold (`interval(...)`)."""
+    overrides = [a for a in argv if not a.startswith("-")]
+    if not any(a in MULTIRUN for a in argv):
+        return [overrides]
+    chosen: dict[str, list[str]] = {}
+    for item in OverridesParser.create().parse_overrides(overrides):
+        key = item.get_key_element()
+        if not item.is_sweep_override():
+            chosen[key] = [f"{key}={item.get_value_element_as_str()}"]
+        elif item.is_discrete_sweep():
+            chosen[key] = [f"{key}={value}" for value in item.sweep_string_iterator()]
+        else:
+            raise HydraException(f"{item.input_line}: a multirun sweeps lists and ranges only")
+    return [list(job) for job in itertools.product(*chosen.values())]
 
 
 Settings = TypeVar("Settings")

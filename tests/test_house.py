@@ -308,3 +308,32 @@ def test_nothing_below_the_stages_doors_imports_omegaconf() -> None:
     assert len(files) > 100  # the package is where this test thinks it is
     found = [f for f in files if f not in NOT_YET and imports_omegaconf(root / f)]
     assert not found, "import omegaconf below the stages' doors: " + ", ".join(found)
+
+
+def test_the_command_side_uses_hydra_public_api_and_passes_argv() -> None:
+    """Issue 42, the command layer: no module imports `hydra._internal`; the `kimi-pipe`
+    command hands a stage its arguments (no sys.argv swap); every issue code is a member of
+    the StrEnum, equal to its string."""
+    import ast
+
+    from kimi_pipe.core import issue_codes
+
+    internal = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            targets = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom):
+                targets = [node.module or ""]
+            internal += [f"{name} imports {t}" for t in targets if t.startswith("hydra._internal")]
+    assert not internal, internal
+    cli = ast.parse(modules()["kimi_pipe.cli"].read_text(encoding="utf-8"))
+    swaps = [
+        node.lineno
+        for node in ast.walk(cli)
+        if isinstance(node, ast.Assign) and any("sys.argv" in ast.unparse(t) for t in node.targets)
+    ]
+    assert not swaps, f"kimi_pipe/cli.py sets sys.argv at lines {swaps}"
+    for name, value in vars(issue_codes).items():
+        if name.isupper() and isinstance(value, str):
+            assert isinstance(value, issue_codes.Code) and value == value.value, name
+            assert repr(value) == repr(value.value) and f"{value}" == value.value, name

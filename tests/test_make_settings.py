@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.cases import load_or_skip
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -82,6 +84,7 @@ def test_the_budget_typed_to_make_is_the_runs_budget(tmp_path: Path) -> None:
     """The documented friction, run for real: the plan line of `make generate ...
     budget.usd=5` says $5 (no request sent: the one prompt's worst case is over its cap; the
     prices given, as nothing listens at the api_base)."""
+    load_or_skip("kimi_k25")  # the default model: its tokenizer renders the prompt
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"id": "a", "messages": [{"role": "user", "content": "hi"}]}\n')
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}

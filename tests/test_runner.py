@@ -210,3 +210,17 @@ def test_sweep_stage_runs_the_sweep_as_a_function(
     missing = compose(["pipeline=sweep", "dataset=B5"])
     with pytest.raises(Exception, match="sweep.providers"):
         SweepStage().run(StageContext(missing, tmp_path))
+
+
+def test_a_refused_first_stage_leaves_no_run_directory(tmp_path: Path) -> None:
+    """A pipeline whose first stage cannot start leaves no empty run directory (nor the
+    runner's `.pipeline/`) behind; a directory that existed before stays."""
+    run_dir = tmp_path / "new" / "run"
+    only_total = (
+        f"+pipeline={{name:x,run_dir:'{run_dir}',stages:[{{stage:'pipeline_toy_stages:Total'}}]}}"
+    )
+    run = run_pipeline(compose([only_total]), say=lambda _: None)
+    assert not run.ok and not (tmp_path / "new").exists()
+    run_dir.mkdir(parents=True)
+    run = run_pipeline(compose([only_total]), say=lambda _: None)
+    assert not run.ok and run_dir.is_dir()  # not ours to take away

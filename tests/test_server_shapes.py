@@ -25,7 +25,7 @@ from kimi_pipe.core.formats import Marker
 from kimi_pipe.core.models import Model
 from kimi_pipe.core.reconstruction import ERRORS, NOTES, reconstruct
 from kimi_pipe.core.serving import CHOICES, ServingProfile
-from tests.support.cases import tool_history
+from tests.support.cases import load_or_skip, tool_history
 
 SHAPES = Path(__file__).resolve().parent / "fixtures" / "server_shapes"
 PROFILE_OF_VERSION = {
@@ -364,6 +364,7 @@ def test_reconstruct_stage_reads_the_serving_group(tmp_path: Path) -> None:
     """`python -m kimi_pipe reconstruct serving=...` applies the profile; a bad value exits 2."""
     from kimi_pipe.stages.reconstruct import main
 
+    load_or_skip("kimi_k25")  # reconstruct's model=kimi_k25 (the default)
     # a002: a spaced answer that stays ambiguous under `unknown` (a001 is now proven there:
     # its spaced reading contradicts the text, issue 19's single_candidate).
     record = next(r for stem, r in corpus() if stem == "vllm-0.15.1-spaces" and r["id"] == "a002")

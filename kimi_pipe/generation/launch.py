@@ -1,6 +1,5 @@
 """Before anything is written: the run directory a job writes to and the checks run before
-Hydra launches it (every job of a multirun first; Hydra's sweeper parses the command line
-through `hydra._internal`, used here only)."""
+Hydra launches it (every job of a multirun first)."""
 
 from __future__ import annotations
 
@@ -11,15 +10,13 @@ from pathlib import Path
 
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
-from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.hydra_config import HydraConfig
-from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from omegaconf import DictConfig, open_dict
 from omegaconf.errors import OmegaConfBaseException
 from yaml import YAMLError
 
-from kimi_pipe.config import CONF_DIR
+from kimi_pipe.config import CONF_DIR, sweep_jobs
 from kimi_pipe.errors import EXIT_USER_ERROR
 from kimi_pipe.generation.datasets import dataset_nodes
 from kimi_pipe.generation.errors import GenerateError
@@ -94,15 +91,6 @@ def refuse_keys_on_the_command_line(argv: list[str]) -> None:
         raise SystemExit(EXIT_USER_ERROR)
 
 
-def job_overrides(argv: list[str]) -> list[list[str]]:
-    """The overrides of every job the command line starts (one, or a multirun's each)."""
-    overrides = [a for a in argv if not a.startswith("-")]
-    if not any(a in ("-m", "--multirun") for a in argv):
-        return [overrides]
-    parsed = OverridesParser.create().parse_overrides(overrides)
-    return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
-
-
 def writable(run_dir: Path) -> None:
     """Create the run directory, or raise the OSError (naming it) that says why not."""
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -121,7 +109,7 @@ def check_before_launch(argv: list[str], environ: dict[str, str] | None = None) 
     not_composed = (HydraException, OmegaConfBaseException, YAMLError, UnicodeDecodeError)
     multirun = any(a in ("-m", "--multirun") for a in argv)
     try:
-        jobs = job_overrides(argv)
+        jobs = sweep_jobs(argv)
     except not_composed:
         return
     seen: dict[str, list[str]] = {}

@@ -39,7 +39,7 @@ from kimi_pipe.pipeline.stage import Stage, StageContext
 from kimi_pipe.stages.command import compose_command
 from kimi_pipe.stages.help import HELP
 from kimi_pipe.store import atomic
-from kimi_pipe.store.run_lock import RunDirLocked, RunLock
+from kimi_pipe.store.run_lock import LOCK, RunDirLocked, RunLock
 
 MARKER_DIR = ".pipeline"
 RUN_SUMMARY = "pipeline_summary.json"
@@ -203,6 +203,7 @@ def run_pipeline(cfg: DictConfig, *, say: Any = None) -> PipelineRun:
     specs = stage_specs(cfg)
     run_dir = Path(str(OmegaConf.select(cfg, "pipeline.run_dir", default=None) or cfg.output_dir))
     run_dir = run_dir.resolve()
+    fresh = [d for d in (run_dir, *run_dir.parents) if not d.exists()]  # deepest first
     (run_dir / MARKER_DIR).mkdir(parents=True, exist_ok=True)
     run = PipelineRun(name, cfg, run_dir)
     started = time.monotonic()
@@ -219,8 +220,32 @@ def run_pipeline(cfg: DictConfig, *, say: Any = None) -> PipelineRun:
                 break
             upstream.append(outcome.token or "")
     run.seconds = time.monotonic() - started
-    _write_summary(run)
+    if fresh and all(o.status == "failed" for o in run.outcomes) and _only_the_lock(run_dir):
+        _remove(fresh)  # a refused start: no empty run directory left behind
+    else:
+        _write_summary(run)
     return run
+
+
+def _only_the_lock(run_dir: Path) -> bool:
+    """The run directory holds nothing but the runner's own `.pipeline/` with its lock."""
+    try:
+        return [p.name for p in run_dir.iterdir()] == [MARKER_DIR] and {
+            p.name for p in (run_dir / MARKER_DIR).iterdir()
+        } <= {LOCK}
+    except OSError:
+        return False
+
+
+def _remove(fresh: Sequence[Path]) -> None:
+    """The directories this run made (deepest first), each only while it is empty: another
+    run may have begun beside it."""
+    with contextlib.suppress(OSError):  # what cannot go stays; the run's error is said
+        for left in (fresh[0] / MARKER_DIR).iterdir():
+            left.unlink()  # the lock's file (released)
+        (fresh[0] / MARKER_DIR).rmdir()
+        for directory in fresh:
+            directory.rmdir()
 
 
 def _run_one(

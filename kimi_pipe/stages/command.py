@@ -1,19 +1,20 @@
 """One command line for every stage: Hydra overrides in, one line and exit 2 for a mistake.
 
-A stage module exposes `run_stage(cfg, run_dir) -> summary` and a `main()` made here:
+A stage module's `main(argv)` is made here, over conf/ through Hydra's compose API (no
+sys.argv swap, none of Hydra's private modules), the config composed once for a run:
 
-- `hydra_command(task)`: the stage runs as a Hydra app (`@hydra.main` over `conf/`): run
-  directory, saved config in `.hydra/<stage>/`, `--multirun` sweeps. Used by stages that
-  write a run directory (generate, extract, export).
-- `compose_command(task, argv)`: the same overrides composed without a Hydra job (no
-  `.hydra/` written): stages that read runs and write one file or table (reconstruct,
-  audit, report, probe, sweep). A stage's own settings are a config group
-  (`conf/<stage>/default.yaml`: `audit.*`, `probe.*`, `sweep.*`, `report.*`), read
-  through `kimi_pipe.config.node_settings` (typed: a wrong value is one line, exit 2).
+- `hydra_command(task, argv, name=...)`: the stage runs as a Hydra job
+  (`hydra.core.utils.run_job`): run directory, saved config in `.hydra/<name>/`, the log;
+  `-m` runs each job of the sweep through the configured launcher (Hydra's basic one, or
+  submitit's). Stages that write a run directory (generate, extract, export).
+- `compose_command(task, argv)`: the same overrides composed, nothing written: stages that
+  read runs and write one file or table (reconstruct, audit, report, probe, sweep).
 
-Both check the overrides first (an unknown group option or key is one line, exit 2, not
-Hydra's traceback or exit 1), and turn every `kimi_pipe.errors` failure raised by the task
-into one line and exit 2. A bug keeps its traceback.
+Both check the overrides first: an unknown group option or key (with a did-you-mean), a
+value of another kind than its setting's (the groups' schemas, kimi_pipe/stages/schemas.py,
+else the yaml's default) is one line and exit 2, before anything is written. Every
+`kimi_pipe.errors` failure raised by the task is one line and exit 2; a bug keeps its
+traceback.
 """
 
 from __future__ import annotations
@@ -26,37 +27,36 @@ import os
 import re
 import shutil
 import sys
-import textwrap
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import hydra
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.plugins import Plugins
+from hydra.core.utils import run_job, setup_globals
 from hydra.errors import HydraException
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+from hydra.types import HydraContext
+from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException, ValidationError
 from yaml import YAMLError
 
-from kimi_pipe.config import CONF_DIR, compose
+from kimi_pipe.config import CONF_DIR, MULTIRUN, require_conf_dir, sweep_jobs
 from kimi_pipe.errors import EXIT_USER_ERROR, ConfigError, StoreError, host_error, one_line
-from kimi_pipe.stages.help import StageHelp
+from kimi_pipe.stages import schemas
+from kimi_pipe.stages.help import StageHelp, help_text
 
-# Hydra flags that do not run the task, or run it as a sweep (its overrides are sweep
-# syntax that a plain compose rejects).
-_NOT_A_SINGLE_RUN = {"-m", "--multirun", "-h", "--help", "--hydra-help", "--info", "-i",
-                     "--cfg", "-c", "--resolve", "--package", "-p", "--shell-completion",
-                     "-sc", "--version", "--config-path", "-cp", "--config-name", "-cn",
-                     "--config-dir", "-cd", "--experimental-rerun"}  # fmt: skip
+schemas.register()  # the groups' schemas, before any compose of a command
 
-HYDRA_FULL_ERROR = "HYDRA_FULL_ERROR"
-_MULTIRUN = {"-m", "--multirun"}
+__all__ = ["help_text"]  # re-exported: stages print their help through the command layer
 
 # A stage's task: the composed config in; an exit status, or a summary (status 0).
 Task = Callable[[DictConfig], Any]
+NOT_COMPOSED = (HydraException, OmegaConfBaseException, YAMLError, UnicodeDecodeError)
+HELP_FLAGS = ("-h", "--help")
+SHOW_CONFIG = ("--cfg", "-c")  # `--cfg job|hydra|all`: print the composed config, run nothing
 
 
 def _status(result: Any) -> int:
@@ -68,30 +68,46 @@ def override_key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~")
 
 
-def compose_overrides(
-    overrides: Sequence[str],
-    moved: Mapping[str, str] | None = None,
-    typed: Sequence[str] | None = None,
-) -> DictConfig:
-    """The composed config, or a ConfigError naming the bad override. `moved` maps a key the
-    command took before it was a Hydra app to its config key, said in the message; `typed`:
-    the command line as given, where `overrides` were derived from it (a multirun's job)."""
+def wants_help(argv: Sequence[str]) -> bool:
+    return any(a in HELP_FLAGS for a in argv)
 
+
+def compose_hydra(overrides: Sequence[str], typed: Sequence[str] | None = None) -> DictConfig:
+    """The config composed with its `hydra` node (inside an initialized Hydra, or one made
+    for the call), every value checked; a ConfigError naming the bad override otherwise.
+    `typed`: the command line as given, where `overrides` were derived from it."""
     try:
-        cfg = compose(list(overrides))
-    except (HydraException, OmegaConfBaseException, YAMLError, UnicodeDecodeError) as exc:
-        # Hydra appends its search path to a missing group option: noise on one line.
-        message = str(exc).split("\nConfig search path", 1)[0]
-        old = [o for o in overrides if override_key(o) in (moved or {})]
-        if old and moved:  # Hydra's own hint (`+key=value`) would add a stray key
-            message = (
-                message.split("\n", 1)[0]
-                + " "
-                + ", ".join(f"{override_key(o)}= is now {moved[override_key(o)]}=" for o in old)
-            )
-            raise ConfigError(f"bad override or config: {message}") from None
-        raise override_error(message, typed or overrides) from None
-    check_value_types(overrides)
+        cfg = _compose(overrides, with_hydra=True)
+    except NOT_COMPOSED as exc:
+        raise compose_error(exc, typed or overrides) from None
+    check_value_types(cfg, overrides)
+    return cfg
+
+
+def _compose(overrides: Sequence[str], with_hydra: bool = False) -> DictConfig:
+    """Hydra's compose, in the Hydra the command initialized (a job's), else one of its own."""
+    if GlobalHydra.instance().is_initialized():
+        return hydra_compose("config", overrides=list(overrides), return_hydra_config=with_hydra)
+    with initialize_config_dir(config_dir=str(require_conf_dir()), version_base="1.3"):
+        return hydra_compose("config", overrides=list(overrides), return_hydra_config=with_hydra)
+
+
+def compose_overrides(
+    overrides: Sequence[str], moved: Mapping[str, str] | None = None
+) -> DictConfig:
+    """The composed config a stage reads (no `hydra` node), or a ConfigError naming the bad
+    override. `moved` maps a key the command took before it was a Hydra app to its config
+    key, said in the message (Hydra's own hint, `+key=value`, would add a stray key)."""
+    old = [override_key(o) for o in overrides if override_key(o) in (moved or {})]
+    try:
+        cfg = compose_hydra(overrides)
+    except ConfigError as exc:
+        if old and moved:
+            keys = ", ".join(f"{key}= is now {moved[key]}=" for key in old)
+            raise ConfigError(f"bad override or config: {exc} {keys}") from None
+        raise
+    with open_dict(cfg):
+        del cfg["hydra"]
     return cfg
 
 
@@ -99,12 +115,25 @@ def compose_overrides(
 _NO_SUCH_KEY = re.compile(
     r"Could not override '([^']+)'|Could not delete from config\. '([^']+)' does not exist"
 )
+# OmegaConf's words for a value a schema's field cannot hold, and what was expected.
+_KINDS = {"to Float": "a number", "to Integer": "a whole number", "valid bool": "true or false"}
 
 
-def override_error(message: str, overrides: Sequence[str]) -> ConfigError:
+def compose_error(exc: BaseException, overrides: Sequence[str]) -> ConfigError:
     """The ConfigError for a config that did not compose: a key the config lacks (a typo) is
     named with the settings it most likely meant, from the keys of the config composed with
-    the same group choices; anything else keeps Hydra's message, on one line."""
+    the same group choices; a value a schema refuses says what was expected; anything else
+    keeps Hydra's message, on one line (without Hydra's search path)."""
+    cause = exc.__cause__
+    if isinstance(cause, ValidationError):
+        key, reason = str(cause.full_key), str(cause.msg).split("\n", 1)[0]
+        given = next((o for o in overrides if override_key(o) == key), key)
+        kind = next((k for words, k in _KINDS.items() if words in reason), None)
+        if kind is None:
+            return ConfigError(f"{given}: {reason}")
+        value = OverridesParser.create().parse_override(given).value()
+        return ConfigError(f"{key}={value!r}: expected {kind}")
+    message = str(exc).split("\nConfig search path", 1)[0]
     found = _NO_SUCH_KEY.search(message)
     if found is None:
         return ConfigError(f"bad override or config: {message}")
@@ -119,7 +148,7 @@ def override_error(message: str, overrides: Sequence[str]) -> ConfigError:
     )
 
 
-def _choices_only(overrides: Sequence[str]) -> DictConfig:
+def _choices_only(overrides: Sequence[str]) -> Any:
     """The config composed with the overrides' group choices only (`dataset=jsonl`, a
     `hydra.searchpath`), else the defaults: the keys a typo is compared with."""
     choices = [
@@ -131,10 +160,8 @@ def _choices_only(overrides: Sequence[str]) -> DictConfig:
         and (CONF_DIR / override_key(o)).is_dir() | override_key(o).startswith("hydra.")
     ]
     for tried in (choices, []):
-        try:
-            return compose(tried)
-        except (HydraException, OmegaConfBaseException, YAMLError, UnicodeDecodeError):
-            continue
+        with contextlib.suppress(*NOT_COMPOSED):
+            return _compose(tried)
     return OmegaConf.create({})
 
 
@@ -160,10 +187,7 @@ def did_you_mean(key: str, keys: Sequence[str], most: int = 3) -> list[str]:
 
     def closest(wanted: str, candidates: dict[str, str], cutoff: float) -> list[str]:
         scored = sorted(
-            (
-                (difflib.SequenceMatcher(None, wanted, text).ratio(), k)
-                for k, text in candidates.items()
-            ),
+            ((difflib.SequenceMatcher(None, wanted, t).ratio(), k) for k, t in candidates.items()),
             key=lambda pair: -pair[0],
         )
         best = scored[0][0] if scored else 0.0
@@ -194,58 +218,35 @@ def _expected(default: Any, value: Any) -> str | None:
     return None
 
 
-def check_value_types(overrides: Sequence[str]) -> None:
-    """`budget.usd=abc`, `seed=1.5`, `sweep.probes=maybe`: a value of another kind than the
-    setting's default (a number, a whole number, true/false) is a ConfigError naming it,
-    before a stage reads it deep inside. Settings whose default is null are the stage's to
-    check; new keys (`+key=`) and interpolations are not checked."""
-
-    try:
+def check_value_types(cfg: DictConfig, overrides: Sequence[str]) -> None:
+    """`seed=1.5`, `provider.concurrency=abc`: a value of another kind than the setting's
+    default in its yaml (the group option chosen, else conf/config.yaml) is a ConfigError
+    naming it, before a stage reads it deep inside. Read from the files, not composed again;
+    settings whose default is null are the stage's to check, new keys (`+key=`) and
+    interpolations are not checked (the schemas' groups were checked at compose)."""
+    with contextlib.suppress(HydraException):
         parsed = OverridesParser.create().parse_overrides(list(overrides))
-    except HydraException:
-        return  # compose said it already
-    values = [
-        o
-        for o in parsed
-        if not (CONF_DIR / o.key_or_group).is_dir()  # a group choice: Hydra checks it
-        and not o.key_or_group.startswith("hydra")
-        and not (o.is_add() or o.is_force_add() or o.is_delete() or o.is_sweep_override())
-        and isinstance(o.value(), str | int | float | bool)
-    ]
-    if not values:
-        return
-    # The defaults of the same groups: the choices and Hydra settings without the values.
-    base = compose([str(o.input_line) for o in parsed if o not in values])
-    for item in values:
-        try:
-            default = OmegaConf.select(base, item.key_or_group, throw_on_missing=False)
-        except OmegaConfBaseException:
-            continue
-        expected = _expected(default, item.value())
-        if expected is not None:
-            raise ConfigError(
-                f"{item.key_or_group}={item.value()!r}: expected {expected} "
-                f"(its default is {default!r})"
-            )
-
-
-def first_job(argv: Sequence[str]) -> list[str]:
-    """The overrides of a multirun's first job (each sweep at its first value): the keys a
-    typo names are the same in every job, so this one composes as they all would."""
-    overrides = [a for a in argv if not a.startswith("-")]
-    try:
-        parsed = OverridesParser.create().parse_overrides(overrides)
-    except HydraException:
-        return overrides  # compose says what is wrong
-    job = []
-    for item in parsed:
-        if item.is_sweep_override():
-            prefix = "+" * (item.is_add() + 2 * item.is_force_add())
-            first = next(iter(item.sweep_string_iterator()), "")
-            job.append(f"{prefix}{item.key_or_group}={first}")
-        else:
-            job.append(str(item.input_line))
-    return job
+        choices = OmegaConf.select(cfg, "hydra.runtime.choices", default={})
+        for item in parsed:
+            key, value = item.key_or_group, item.value()
+            group, _, rest = key.partition(".")
+            if (
+                (CONF_DIR / key).is_dir()  # a group choice: Hydra checks it
+                or key.startswith("hydra")
+                or item.is_add() | item.is_force_add() | item.is_delete()
+                or not isinstance(value, str | int | float | bool)
+            ):
+                continue
+            option = CONF_DIR / group / f"{choices.get(group)}.yaml"
+            path, where = (rest, option) if rest and option.is_file() else (key, None)
+            default: Any = OmegaConf.to_container(OmegaConf.load(where or CONF_DIR / "config.yaml"))
+            for part in path.split("."):  # as written: an interpolation is not resolved
+                default = default.get(part) if isinstance(default, dict) else None
+            expected = _expected(default, value)
+            if expected is not None:
+                raise ConfigError(
+                    f"{key}={value!r}: expected {expected} (its default is {default!r})"
+                )
 
 
 def report(exc: BaseException) -> int | None:
@@ -257,80 +258,6 @@ def report(exc: BaseException) -> int | None:
     return EXIT_USER_ERROR
 
 
-HELP_FLAGS = ("-h", "--help")
-
-
-def wants_help(argv: Sequence[str]) -> bool:
-    return any(a in HELP_FLAGS for a in argv)
-
-
-def help_text(stage: StageHelp, argv: Sequence[str] = ()) -> str:
-    """`--help`: what the stage does, its main settings with the values they have with the
-    other arguments given (`generate dataset=B5 --help` shows B5's), and two examples."""
-    overrides = [a for a in argv if not a.startswith("-")]
-    cfg = OmegaConf.create({})
-    for tried in (overrides, []):
-        try:
-            with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-                cfg = hydra_compose("config", overrides=tried, return_hydra_config=True)
-            break
-        except (HydraException, OmegaConfBaseException, YAMLError, UnicodeDecodeError):
-            continue
-    choices = OmegaConf.select(cfg, "hydra.runtime.choices", default={})
-    lines = [f"python -m kimi_pipe {stage.name} [key=value ...]", ""]
-    lines += textwrap.wrap(stage.what, 92)
-    lines += ["", "main settings (key=value; `make ... key=value` passes them too), now:"]
-    rows = [
-        (f"{key}={choices.get(key) if _options(key) else _shown(cfg, key)}", about, _options(key))
-        for key, about in stage.settings
-    ]
-    width = min(max(len(left) for left, _, _ in rows), 34)
-    for left, about, options in rows:
-        if len(left) > width:
-            lines += [f"  {left}", f"  {'':<{width}}  {about}"]
-        else:
-            lines.append(f"  {left:<{width}}  {about}")
-        if options:
-            lines += [f"  {'':<{width}}    {part}" for part in textwrap.wrap(options, 60)]
-    lines += ["", "examples:", *(f"  {e}" for e in stage.examples), ""]
-    every = (
-        f"every setting: python -m kimi_pipe {stage.name} --cfg job"
-        if stage.whole_config
-        else "every setting: conf/config.yaml and its groups"
-    )
-    lines.append(every + (f"; more in {stage.more}" if stage.more else ""))
-    return "\n".join(lines)
-
-
-def _options(key: str) -> str:
-    """A config group's options (conf/<key>/*.yaml), said after its line; "" for a value."""
-    if not (CONF_DIR / key).is_dir():
-        return ""
-    return "options: " + " ".join(sorted(p.stem for p in (CONF_DIR / key).glob("*.yaml")))
-
-
-def _shown(cfg: DictConfig, key: str) -> str:
-    """A setting's value as typed on the command line: a group's choice by its name, a value
-    resolved where it can be, else as written; `???` where it must be given."""
-    try:
-        value = OmegaConf.select(
-            cfg, f"{key}.name" if _options(key) else key, throw_on_missing=True
-        )
-        if OmegaConf.is_config(value):
-            value = OmegaConf.to_container(value, resolve=True)
-    except MissingMandatoryValue:
-        return "??? (required)"
-    except OmegaConfBaseException:
-        value = OmegaConf.to_container(cfg, resolve=False)
-        for part in key.split("."):
-            value = value.get(part) if isinstance(value, dict) else None
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return str(value).lower()
-    return str(value).replace("'", "").replace(" ", "")
-
-
 def compose_command(
     task: Task,
     argv: Sequence[str] | None = None,
@@ -339,20 +266,14 @@ def compose_command(
     moved: Mapping[str, str] | None = None,
     help: StageHelp | None = None,  # noqa: A002 (the flag's name)
 ) -> int:
-    """Compose the overrides (argv, else sys.argv) and run `task`; exit status returned.
+    """Compose the overrides (argv, else sys.argv[1:]) and run `task`; exit status returned.
     `-h`/`--help` prints `help` (else `usage`) and runs nothing; `moved`: see
     `compose_overrides`."""
     overrides = list(sys.argv[1:] if argv is None else argv)
     say_each_line_once()  # where the stage set up its logging (logging.basicConfig)
     if wants_help(overrides):
-        if help is not None:
-            print(help_text(help, overrides))
-        else:
-            print(
-                (
-                    usage or "usage: [group=option] [key=value ...] (Hydra overrides of conf/)"
-                ).strip()
-            )
+        default = "usage: [group=option] [key=value ...] (Hydra overrides of conf/)"
+        print(help_text(help, overrides) if help is not None else (usage or default).strip())
         return 0
     try:
         return _status(task(compose_overrides(overrides, moved)))
@@ -422,58 +343,25 @@ class _FileLogGuard:
         return EXIT_USER_ERROR
 
 
-@contextmanager
-def _hydra_raises() -> Iterator[None]:
-    """Hydra's own failures (saving the config to `.hydra/`, opening the log) raised to the
-    caller instead of printed as a traceback and exit 1 (HYDRA_FULL_ERROR, restored)."""
-    saved = os.environ.get(HYDRA_FULL_ERROR)
-    os.environ[HYDRA_FULL_ERROR] = "1"
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(HYDRA_FULL_ERROR, None)
-        else:
-            os.environ[HYDRA_FULL_ERROR] = saved
-
-
-def _hydra_failure(exc: Exception) -> int | None:
-    """A failure raised by Hydra around the task, as one line and exit 2; None for a bug."""
-
-    if isinstance(exc, HydraException | OmegaConfBaseException) and host_error(exc, "") is None:
-        # A sweep's overrides (composed only here): Hydra's message, without its search path.
-        message = str(exc).split("\nConfig search path", 1)[0]
-        return report(override_error(message, sys.argv[1:]))
-    failure = host_error(exc, _hydra_writes())
-    return None if failure is None else report(failure)
-
-
-def _hydra_writes() -> str:
-    """Where the Hydra job that failed writes: the directory of the log Hydra opened for it
-    (its run directory) before saving its config; else the cwd."""
-    for handler in logging.getLogger().handlers:
-        if isinstance(handler, logging.FileHandler):
-            return str(Path(handler.baseFilename).parent)
-    return os.getcwd()
+def _fresh_dirs(where: Path) -> list[Path]:
+    """`where` and those of its parents that do not exist yet, deepest first."""
+    fresh, where = [], where.absolute()
+    while not where.exists() and where != where.parent:
+        fresh.append(where)
+        where = where.parent
+    return fresh
 
 
 def new_run_dirs(argv: Sequence[str]) -> list[Path]:
     """The run directory a single Hydra run of `argv` writes to and those of its parents that
     do not exist yet, deepest first (none for a multirun, or a config that does not compose):
     what a refused start may take away again (`remove_if_unused`)."""
-    if _NOT_A_SINGLE_RUN.intersection(a.split("=", 1)[0] for a in argv):
+    if any(a.startswith("-") for a in argv):
         return []
     try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            cfg = hydra_compose("config", overrides=list(argv), return_hydra_config=True)
-        where = Path(str(cfg.hydra.run.dir)).absolute()
-    except (HydraException, OmegaConfBaseException, YAMLError, UnicodeDecodeError, ValueError):
+        return _fresh_dirs(Path(str(_compose(argv, with_hydra=True).hydra.run.dir)))
+    except (*NOT_COMPOSED, ValueError):  # a value of the wrong kind: the dir is still known
         return []
-    fresh = []
-    while not where.exists() and where != where.parent:
-        fresh.append(where)
-        where = where.parent
-    return fresh
 
 
 def remove_if_unused(fresh: Sequence[Path], name: str) -> None:
@@ -497,6 +385,52 @@ def remove_if_unused(fresh: Sequence[Path], name: str) -> None:
         return  # what could not go stays; the error said is the start's own
 
 
+class _NoCallbacks:
+    """Hydra's job callbacks (`hydra.callbacks`; conf/ configures none): run_job and the
+    launchers call these hooks around each job, with nothing to do in them here."""
+
+    def on_job_start(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def on_job_end(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+def _job(task: Task, cfg: DictConfig) -> None:
+    """One Hydra job's task: its summary, or a mistake said in one line; a status other
+    than 0 leaves as SystemExit (Hydra's run_job keeps an Exception, not a SystemExit)."""
+    logs = _FileLogGuard()  # run_job opened the job's log before calling the task
+    say_each_line_once()
+    try:
+        status = _status(task(cfg))
+    except Exception as exc:
+        status_or_none = report(exc)
+        if status_or_none is None:
+            raise
+        status = status_or_none
+    status = logs.status(status)
+    if status:
+        raise SystemExit(status)
+
+
+def _run(task: Task, cfg: DictConfig, jobs: list[list[str]], multirun: bool) -> None:
+    """Run the composed job (or launch each of a multirun's) as Hydra's own entry does."""
+    setup_globals()
+    context = HydraContext(
+        config_loader=GlobalHydra.instance().config_loader(),
+        callbacks=_NoCallbacks(),  # type: ignore[arg-type]
+    )
+    job = functools.partial(_job, task)
+    if not multirun:
+        _ = run_job(job, cfg, "hydra.run.dir", None, hydra_context=context).return_value
+        return  # (return_value raises a task's bug, with its traceback)
+    launcher = Plugins.instance().instantiate_launcher(
+        hydra_context=context, task_function=job, config=cfg
+    )
+    for done in launcher.launch(jobs, initial_job_idx=0):
+        _ = done.return_value  # a job's bug raised here, with its traceback
+
+
 def hydra_command(
     task: Task,
     argv: Sequence[str] | None = None,
@@ -505,63 +439,76 @@ def hydra_command(
     help: StageHelp | None = None,  # noqa: A002 (the flag's name)
     fresh: Sequence[Path] | None = None,
 ) -> int:
-    """Run `task` as the Hydra app `name` over conf/ (argv replaces sys.argv[1:] when given).
+    """Run `task` as the Hydra job `name` over conf/ (argv, else sys.argv[1:]).
 
     `name` is Hydra's job name: the saved config goes to `.hydra/<name>/` and the log to
     `<name>.log` in the run directory, whatever module holds the task. A write that fails
     on the host (a full disk: the saved config, the log) is one line and exit 2 too. A run
     that fails leaves no run directory of Hydra's files alone behind (`fresh`: the
-    directories the command made, from `new_run_dirs` before any of them was made)."""
-
-    overrides = list(sys.argv[1:] if argv is None else argv)
-    if help is not None and wants_help(overrides):  # not Hydra's dump of the whole config
-        print(help_text(help, overrides))
+    directories the command made, from `new_run_dirs` before any of them was made; else
+    those the run directory composed here needs)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if help is not None and wants_help(args):  # not Hydra's dump of the whole config
+        print(help_text(help, args))
         return 0
+    show = next((args[i + 1] for i, a in enumerate(args[:-1]) if a in SHOW_CONFIG), None)
+    flags = {a for a in args if a.startswith("-")} - {*MULTIRUN, *SHOW_CONFIG, "--resolve"}
+    multirun = any(a in MULTIRUN for a in args)
+    overrides = [a for a in args if not a.startswith("-") and a != show]
     if not any(a.startswith("hydra.job.name=") for a in overrides):
         overrides.append(f"hydra.job.name={name}")
-    if fresh is None:
-        fresh = new_run_dirs(overrides)
-    flags = _NOT_A_SINGLE_RUN.intersection(a.split("=", 1)[0] for a in overrides)
-    if not flags or flags <= _MULTIRUN:
-        try:  # before Hydra creates the run (or sweep) directory and saves the config
-            compose_overrides(first_job(overrides) if flags else overrides, typed=overrides)
-        except ConfigError as exc:
-            remove_if_unused(fresh, name)  # a check before this one may have made it
-            return report(exc) or EXIT_USER_ERROR
-
-    @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
-    def stage_app(cfg: DictConfig) -> None:
-        logs = _FileLogGuard()  # Hydra opened the job's log before calling the task
-        say_each_line_once()
-        try:
-            status = _status(task(cfg))
-        except Exception as exc:
-            status_or_none = report(exc)
-            if status_or_none is None:
-                raise
-            status = status_or_none
-        status = logs.status(status)
-        if status:
-            raise SystemExit(status)  # not an Exception: Hydra lets it through
-
-    saved, sys.argv = sys.argv, [sys.argv[0], *overrides]
     status = 0
     try:
-        with _hydra_raises():
-            stage_app()
+        if any(a in SHOW_CONFIG for a in args) and show not in ("job", "hydra", "all"):
+            raise ConfigError(f"--cfg {show or ''}: give --cfg job, --cfg hydra or --cfg all")
+        if flags:
+            raise ConfigError(
+                f"{' '.join(sorted(flags))}: not a flag of this command (it takes key=value "
+                "overrides, -m/--multirun, --cfg job|hydra|all [--resolve], --help)"
+            )
+        jobs = sweep_jobs([*MULTIRUN[:1], *overrides] if multirun else overrides)
+        mode = ["hydra.mode=MULTIRUN"] if multirun else []
+        with initialize_config_dir(str(require_conf_dir()), version_base="1.3", job_name=name):
+            cfg = compose_hydra([*jobs[0], *mode], typed=overrides)  # before anything is written
+            if fresh is None:
+                fresh = [] if multirun else _fresh_dirs(Path(str(cfg.hydra.run.dir)))
+            if show is not None:
+                shown = cfg.hydra if show == "hydra" else cfg
+                if show == "job":
+                    with open_dict(cfg):
+                        del cfg["hydra"]
+                print(OmegaConf.to_yaml(shown, resolve="--resolve" in args), end="")
+                return 0
+            _run(task, cfg, jobs, multirun)
     except SystemExit as exc:
         status = exc.code if isinstance(exc.code, int) else (1 if exc.code else 0)
     except Exception as exc:
-        status_or_none = _hydra_failure(exc)
+        failure = exc if isinstance(exc, ConfigError) else _hydra_failure(exc, overrides)
+        status_or_none = None if failure is None else report(failure)
         if status_or_none is None:
             raise
         status = status_or_none
-    finally:
-        sys.argv = saved
     if status:
         _close_file_logs()
-        remove_if_unused(fresh, name)
+        remove_if_unused(fresh or [], name)
     return status
+
+
+def _hydra_failure(exc: Exception, overrides: Sequence[str]) -> Exception | None:
+    """A failure raised by Hydra around the task (a sweep's job that does not compose, a
+    write to a full disk) as the error to say; None for a bug."""
+    if isinstance(exc, NOT_COMPOSED) and host_error(exc, "") is None:
+        return compose_error(exc, overrides)
+    return host_error(exc, _hydra_writes())
+
+
+def _hydra_writes() -> str:
+    """Where the Hydra job that failed writes: the directory of the log Hydra opened for it
+    (its run directory) before saving its config; else the cwd."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            return str(Path(handler.baseFilename).parent)
+    return os.getcwd()
 
 
 def _close_file_logs() -> None:

@@ -1,13 +1,24 @@
 """`--help` of every command: what the stage does, its main settings (each with one line and
 the value it has now) and two examples, instead of Hydra's dump of the whole config.
 
-One `StageHelp` per command, in `HELP`; `stages/command.py` prints it (`help_text`).
+One `StageHelp` per command, in `HELP`; `help_text` renders it (the commands print it).
 `tests/test_door.py` checks that every setting named here exists in the composed config.
 """
 
 from __future__ import annotations
 
+import textwrap
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+from yaml import YAMLError
+
+from kimi_pipe.config import CONF_DIR
 
 
 @dataclass(frozen=True)
@@ -233,3 +244,72 @@ HELP: dict[str, StageHelp] = {
         _GENERATE, _RECONSTRUCT, _AUDIT, _EXTRACT, _EXPORT, _PROBE, _SWEEP, _REPORT, _DEMO, _RUN
     )
 }  # fmt: skip
+
+
+def help_text(stage: StageHelp, argv: Sequence[str] = ()) -> str:
+    """`--help`: what the stage does, its main settings with the values they have with the
+    other arguments given (`generate dataset=B5 --help` shows B5's), and two examples."""
+    overrides = [a for a in argv if not a.startswith("-")]
+    cfg = OmegaConf.create({})
+    for tried in (overrides, []):
+        try:
+            with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+                cfg = hydra_compose("config", overrides=tried, return_hydra_config=True)
+            break
+        except (HydraException, OmegaConfBaseException, YAMLError, UnicodeDecodeError):
+            continue
+    choices = OmegaConf.select(cfg, "hydra.runtime.choices", default={})
+    lines = [f"python -m kimi_pipe {stage.name} [key=value ...]", ""]
+    lines += textwrap.wrap(stage.what, 92)
+    lines += ["", "main settings (key=value; `make ... key=value` passes them too), now:"]
+    rows = [
+        (f"{key}={choices.get(key) if _options(key) else _shown(cfg, key)}", about, _options(key))
+        for key, about in stage.settings
+    ]
+    width = min(max(len(left) for left, _, _ in rows), 34)
+    for left, about, options in rows:
+        if len(left) > width:
+            lines += [f"  {left}", f"  {'':<{width}}  {about}"]
+        else:
+            lines.append(f"  {left:<{width}}  {about}")
+        if options:
+            lines += [f"  {'':<{width}}    {part}" for part in textwrap.wrap(options, 60)]
+    lines += ["", "examples:", *(f"  {e}" for e in stage.examples), ""]
+    every = (
+        f"every setting: python -m kimi_pipe {stage.name} --cfg job"
+        if stage.whole_config
+        else "every setting: conf/config.yaml and its groups"
+    )
+    lines.append(every + (f"; more in {stage.more}" if stage.more else ""))
+    return "\n".join(lines)
+
+
+def _options(key: str) -> str:
+    """A config group's options (conf/<key>/*.yaml), said after its line; "" for a value."""
+    if not (CONF_DIR / key).is_dir():
+        return ""
+    return "options: " + " ".join(sorted(p.stem for p in (CONF_DIR / key).glob("*.yaml")))
+
+
+def _shown(cfg: DictConfig, key: str) -> str:
+    """A setting's value as typed on the command line: a group's choice by its name, a value
+    resolved where it can be, else as written; `???` where it must be given."""
+    try:
+        value = OmegaConf.select(
+            cfg, f"{key}.name" if _options(key) else key, throw_on_missing=True
+        )
+        if OmegaConf.is_config(value):
+            value = OmegaConf.to_container(value, resolve=True)
+    except MissingMandatoryValue:
+        return "??? (required)"
+    except OmegaConfBaseException:
+        value = OmegaConf.to_container(cfg, resolve=False)
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):  # a schema's float: 7, not 7.0, as it was typed
+        return f"{value:g}"
+    return str(value).replace("'", "").replace(" ", "")
