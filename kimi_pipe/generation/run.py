@@ -37,10 +37,9 @@ from kimi_pipe.generation.datasets import (
 )
 from kimi_pipe.generation.errors import GenerateError
 from kimi_pipe.generation.job import GenerateJob
-from kimi_pipe.generation.launch import RUN_FILES
 from kimi_pipe.providers.credentials import api_key
 from kimi_pipe.providers.local_server import provider_endpoint
-from kimi_pipe.store.layout import ATTEMPT_ERRORS, RECORDS
+from kimi_pipe.store.layout import ATTEMPT_ERRORS, RECORDS, RUN_FILES
 from kimi_pipe.store.prompt_datasets import check_prompt_source
 from kimi_pipe.store.run_dir import check_run_dir
 from kimi_pipe.store.run_lock import RunLock

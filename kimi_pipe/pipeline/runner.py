@@ -33,11 +33,11 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from kimi_pipe.config import CONF_DIR
 from kimi_pipe.errors import EXIT_FAILED, KimiPipeError, one_line
-from kimi_pipe.generation.launch import refuse_keys_on_the_command_line as refuse
 from kimi_pipe.pipeline.registry import resolve_stage
 from kimi_pipe.pipeline.stage import Stage, StageContext
 from kimi_pipe.stages.command import compose_command
 from kimi_pipe.stages.help import HELP
+from kimi_pipe.stages.launch import refuse_keys_on_the_command_line as refuse
 from kimi_pipe.store import atomic
 from kimi_pipe.store.run_lock import LOCK, RunDirLocked, RunLock
 

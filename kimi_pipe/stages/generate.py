@@ -31,7 +31,6 @@ from kimi_pipe.errors import KimiPipeError
 from kimi_pipe.generation import probes
 from kimi_pipe.generation.datasets import datasets_of
 from kimi_pipe.generation.errors import GenerateError
-from kimi_pipe.generation.launch import check_before_launch, refuse_keys_on_the_command_line
 from kimi_pipe.generation.run import finish_status, said
 from kimi_pipe.stages.command import (
     help_text,
@@ -44,6 +43,7 @@ from kimi_pipe.stages.command import (
 from kimi_pipe.stages.help import HELP
 from kimi_pipe.stages.jobs.generate import generate_job
 from kimi_pipe.stages.jobs.groups import mapping_node, plain_node
+from kimi_pipe.stages.launch import check_before_launch, refuse_keys_on_the_command_line
 from kimi_pipe.store.layout import RECORDS, SUMMARY
 from kimi_pipe.store.prompt_datasets import load_prompts
 from kimi_pipe.store.records_index import load_resume_index

@@ -30,3 +30,16 @@ CONFORMANCE_JSON = "conformance.json"
 CONFORMANCE_MD = "conformance.md"
 REPORT_JSON = "report.json"
 REPORT_MD = "report.md"
+
+# Every file a generate run writes in its directory: none may be a symlink.
+RUN_FILES = (
+    RECORDS,
+    ATTEMPT_ERRORS,
+    JOURNAL,
+    SUMMARY,
+    LOCK,
+    RECORDS + ".torn",
+    ATTEMPT_ERRORS + ".torn",
+    JOURNAL + ".torn",
+    SUMMARY + ".partial",
+)

@@ -9,7 +9,6 @@ from typing import Any
 from kimi_pipe.conformance.auto import AutoSettings
 from kimi_pipe.generation.datasets import datasets_of
 from kimi_pipe.generation.job import GenerateJob
-from kimi_pipe.generation.launch import run_dir_of
 from kimi_pipe.providers.credentials import api_key, refuse_secrets
 from kimi_pipe.providers.settings import ProviderSettings
 from kimi_pipe.stages.jobs.groups import (
@@ -19,6 +18,7 @@ from kimi_pipe.stages.jobs.groups import (
     serving_of,
     settings_node,
 )
+from kimi_pipe.stages.launch import run_dir_of
 
 
 def generate_job(cfg: Any, run_dir: Path | None = None, *, own_dir: bool = True) -> GenerateJob:

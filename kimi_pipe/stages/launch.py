@@ -1,5 +1,5 @@
-"""Before anything is written: the run directory a job writes to and the checks run before
-Hydra launches it (every job of a multirun first)."""
+"""Before anything is written: the run directory a generate job writes to and the checks run
+before Hydra launches it (every job of a multirun first). At the door: it reads the config."""
 
 from __future__ import annotations
 
@@ -23,23 +23,7 @@ from kimi_pipe.generation.errors import GenerateError
 from kimi_pipe.providers.budget import budget_settings
 from kimi_pipe.providers.credentials import api_key, key_in_overrides, refuse_secrets
 from kimi_pipe.providers.settings import ProviderSettings
-from kimi_pipe.store.layout import ATTEMPT_ERRORS, RECORDS, SUMMARY
 from kimi_pipe.store.run_dir import check_run_dir, same_dir
-from kimi_pipe.store.run_lock import LOCK
-from kimi_pipe.store.spend_journal import JOURNAL
-
-# Every file a run writes in its directory: none may be a symlink.
-RUN_FILES = (
-    RECORDS,
-    ATTEMPT_ERRORS,
-    JOURNAL,
-    SUMMARY,
-    LOCK,
-    RECORDS + ".torn",
-    ATTEMPT_ERRORS + ".torn",
-    JOURNAL + ".torn",
-    SUMMARY + ".partial",
-)
 
 
 def run_dir_of(cfg: DictConfig) -> Path:
