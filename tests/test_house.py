@@ -337,3 +337,93 @@ def test_the_command_side_uses_hydra_public_api_and_passes_argv() -> None:
         if name.isupper() and isinstance(value, str):
             assert isinstance(value, issue_codes.Code) and value == value.value, name
             assert repr(value) == repr(value.value) and f"{value}" == value.value, name
+
+
+# --- `Generator` by composition: every attribute set in `__init__` (issue 42) --------------
+
+# The modules `Generator` (generation/buying.py) and its parts are defined in.
+GENERATOR_PARTS = ("buying", "dispatch", "outcomes", "spending", "summary")
+
+
+def self_attributes(fn: ast.AST) -> set[str]:
+    """The names `fn` assigns as `self.X` (`=`, `+=`, annotated, in tuples, in closures)."""
+    found: set[str] = set()
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AnnAssign | ast.AugAssign):
+            targets = [node.target]
+        else:
+            continue
+        for target in targets:
+            for e in ast.walk(target):
+                if (
+                    isinstance(e, ast.Attribute)
+                    and isinstance(e.ctx, ast.Store)
+                    and isinstance(e.value, ast.Name)
+                    and e.value.id == "self"
+                ):
+                    found.add(e.attr)
+    return found
+
+
+def set_outside_init(cls: ast.ClassDef) -> dict[str, list[str]]:
+    """Attributes a method other than `__init__` assigns that `__init__` does not (a
+    dataclass's fields are its `__init__`'s): {attribute: [methods]}."""
+    in_init: set[str] = set()
+    if any("dataclass" in ast.unparse(d) for d in cls.decorator_list):
+        in_init |= {
+            n.target.id
+            for n in cls.body
+            if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+        }
+    elsewhere: dict[str, list[str]] = {}
+    for fn in cls.body:
+        if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        if fn.name == "__init__":
+            in_init |= self_attributes(fn)
+            continue
+        for name in self_attributes(fn):
+            elsewhere.setdefault(name, []).append(fn.name)
+    return {k: v for k, v in sorted(elsewhere.items()) if k not in in_init}
+
+
+def test_the_attribute_walk_sees_an_attribute_first_set_in_run() -> None:
+    source = """
+class Part:
+    def __init__(self):
+        self.a, self.b = 1, 2
+    def run(self):
+        self.a += 1
+        self.c: int = 3
+        def inner():
+            self.d = 4
+"""
+    cls = ast.parse(source).body[0]
+    assert isinstance(cls, ast.ClassDef)
+    assert set_outside_init(cls) == {"c": ["run"], "d": ["run"]}
+
+
+def test_generator_and_its_parts_set_every_attribute_in_init() -> None:
+    root = Path(__file__).resolve().parent.parent / "kimi_pipe" / "generation"
+    classes = {
+        f"{mod}.{node.name}": node
+        for mod in GENERATOR_PARTS
+        for node in ast.parse((root / f"{mod}.py").read_text(encoding="utf-8")).body
+        if isinstance(node, ast.ClassDef)
+    }
+    assert {"buying.Generator", "dispatch.Dispatch", "outcomes.Outcomes", "spending.Spending"} <= (
+        set(classes)
+    )
+    # By composition: no part is a base of another (no mixins sharing one `self`).
+    names = {key.split(".")[1] for key in classes}
+    mixins = [
+        f"{key}({ast.unparse(b)})"
+        for key, cls in classes.items()
+        for b in cls.bases
+        if ast.unparse(b) in names
+    ]
+    assert not mixins, "parts inherited, not held: " + ", ".join(mixins)
+    late = {key: found for key, cls in classes.items() if (found := set_outside_init(cls))}
+    assert not late, f"attributes first set outside __init__: {late}"

@@ -17,7 +17,6 @@ from kimi_pipe.core.models import load_model
 from kimi_pipe.core.prompt_render import prompt_ids
 from kimi_pipe.core.record_builder import RecordBuilder, mark_flagged
 from kimi_pipe.core.token_record import TokenRecord
-from kimi_pipe.generation.spending import Spending
 from kimi_pipe.providers.budget import BudgetGate
 from kimi_pipe.providers.calls import CallResult
 from kimi_pipe.providers.credentials import scrub
@@ -27,6 +26,8 @@ from kimi_pipe.store.records import RecordWriter
 
 if TYPE_CHECKING:
     from kimi_pipe.generation.job import GenerateJob
+    from kimi_pipe.generation.spending import Spending
+    from kimi_pipe.generation.stats import RunStats
     from kimi_pipe.providers.settings import ProviderSettings
 
 log = logging.getLogger("kimi_pipe.generate")
@@ -115,16 +116,29 @@ def _error_record(prompt: Any, request: dict, err: ErrorInfo, attempts: int) -> 
     }
 
 
-class Outcomes(Spending):
-    """What each purchase becomes, and stopping the run: a part of `Generator`
-    (generation/buying.py), which sets these."""
+class Outcomes:
+    """What each purchase becomes (its record, counted in the run's stats), and stopping the
+    run where an outcome says to."""
 
-    request: dict[str, Any]
-    route: Any  # conformance/auto.py's Route, or None
-    stop_event: asyncio.Event
-    settings: ProviderSettings
+    def __init__(
+        self,
+        settings: ProviderSettings,
+        key: str,
+        request: dict[str, Any],
+        route: Any,
+        stop_event: asyncio.Event,
+        stats: RunStats,
+        spending: Spending,
+    ) -> None:
+        self.settings = settings
+        self.key = key  # scrubbed from what is said, and from the answers kept
+        self.request = request
+        self.route = route  # conformance/auto.py's Route, or None
+        self.stop_event = stop_event  # shared with the dispatch: set, nothing new is sent
+        self.stats = stats
+        self.spending = spending
 
-    def _finish(
+    def finish(
         self,
         prompt: Any,
         result: CallResult,
@@ -155,7 +169,7 @@ class Outcomes(Spending):
             ):
                 # The route changed: stop buying until the new provider is probed (generate()
                 # probes it and resumes); this answer is kept, reconstructed as unknown.
-                self._stop(
+                self.stop(
                     gate,
                     "route_changed",
                     f"{resp.get('provider')} answered but was "
@@ -207,7 +221,7 @@ class Outcomes(Spending):
             self.stats.consecutive_failures += 1
             limit = self.settings.retry.max_consecutive_failures
             if self.stats.consecutive_failures >= limit and not self.stop_event.is_set():
-                self._stop(
+                self.stop(
                     gate,
                     "too_many_failures",
                     (
@@ -219,13 +233,13 @@ class Outcomes(Spending):
                 )
         elif err is NO_BUDGET:
             if not self.stop_event.is_set():
-                self._stop_for_budget(0.0)
+                self.spending.stop_for_budget(0.0)
         elif err is STOPPED:
             pass  # not answered: tried again on the next run
         elif err.action == "stop":
             self.stats.failed[err.cls] += 1
             if not self.stop_event.is_set():
-                self._stop(
+                self.stop(
                     gate,
                     err.cls,
                     _STOP_MESSAGES.get(err.cls, "the provider refused: ") + err.message,
@@ -240,7 +254,7 @@ class Outcomes(Spending):
                 err.cls,
             )
 
-    def _stop(self, gate: BudgetGate, reason: str, message: str) -> None:
+    def stop(self, gate: BudgetGate, reason: str, message: str) -> None:
         """Stop dispatching: requests in flight finish, nothing new is sent."""
         self.stop_event.set()
         gate.close()

@@ -2,9 +2,10 @@
 with exact token ids, resumable (a killed run is finished by running it again). Its command
 line, settings and what a run directory holds: kimi_pipe/stages/generate.py, docs/generate.md.
 
-The job's rooms: generation/buying.py (the buying loop), outcomes.py (what a prompt becomes),
-purchase.py (what a run directory bought), summary.py (summary.json), launch.py (the run
-directory and the checks before Hydra launches). Its settings: generation/job.py's
+The job's rooms: generation/buying.py (one run, `Generator`, made of parts: dispatch.py the
+buying loop, spending.py what it pays, outcomes.py what a prompt becomes, stats.py what it
+counts), purchase.py (what a run directory bought), summary.py (summary.json), launch.py (the
+run directory and the checks before Hydra launches). Its settings: generation/job.py's
 `GenerateJob`, made from the composed config once, at the stage's door
 (kimi_pipe/stages/jobs/generate.py)."""
 

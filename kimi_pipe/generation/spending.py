@@ -1,5 +1,6 @@
 """What the job pays: prices, worst cases, the key's own account, and what the budget says
-when a sample does not fit. A part of `Generator` (generation/buying.py)."""
+when a sample does not fit. Two parts of `Generator` (generation/buying.py): `Prices`, made
+once the prices are known, and `Spending`, made once the budget is."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import logging
 from collections.abc import Callable
 
 from kimi_pipe.generation.errors import GenerateError
-from kimi_pipe.generation.summary import RunStats
+from kimi_pipe.generation.stats import RunStats
 from kimi_pipe.providers.account import Account, KeyStatus
 from kimi_pipe.providers.budget import Budget, BudgetSettings, Pricing
 from kimi_pipe.providers.money import usd, usd_pair
@@ -19,43 +20,44 @@ log = logging.getLogger("kimi_pipe.generate")
 REMAINING = "the remaining budget"
 
 
-class Spending:
-    """The money side of `Generator`: set up by its constructor and `run`."""
+class Prices:
+    """The run's prices and what they make of tokens: fallbacks, floors, worst cases."""
 
-    pricing: Pricing
-    price_source: str
-    max_tokens: int
-    reserve_factor: float
-    account: Account
-    key: str
-    budget: Budget
-    caps: BudgetSettings
-    journal: SpendJournal
-    stats: RunStats
-    spent_before: float
-    key_start: KeyStatus | None
-    key_delta: float
+    def __init__(
+        self,
+        pricing: Pricing,
+        source: str,
+        account: Account,
+        key: str,
+        max_tokens: int,
+        reserve_factor: float,
+    ) -> None:
+        self.pricing = pricing
+        self.source = source  # "config", "listing" or the fallback prices
+        self.account = account
+        self.key = key
+        self.max_tokens = max_tokens
+        self.reserve_factor = reserve_factor
 
-    # --- budget -------------------------------------------------------------------------
-    def _price_fallback(self, prompt_tokens: int, completion_tokens: int) -> float:
+    def fallback(self, prompt_tokens: int, completion_tokens: int) -> float:
         return (
             prompt_tokens * self.pricing.input_per_token
             + completion_tokens * self.pricing.output_per_token
         )
 
     @property
-    def price_floor(self) -> Callable[[int, int], float] | None:
+    def floor(self) -> Callable[[int, int], float] | None:
         """Tokens x listed prices, below which no stated cost is believed; None with the
         fallback prices (set above the real ones on purpose: no floor)."""
-        return self._price_fallback if self.price_source in ("config", "listing") else None
+        return self.fallback if self.source in ("config", "listing") else None
 
-    async def _generation_cost(self, generation_id: str) -> float | None:
+    async def generation_cost(self, generation_id: str) -> float | None:
         """What the provider says one generation cost, never below its tokens at the listed
         prices (None: it cannot say)."""
         bill = await self.account.generation_bill(self.key, generation_id)
         if bill is None or bill.usd is None:
             return None
-        floor = self.price_floor
+        floor = self.floor
         if (
             floor is not None
             and bill.prompt_tokens is not None
@@ -64,41 +66,69 @@ class Spending:
             return max(bill.usd, floor(bill.prompt_tokens, bill.completion_tokens))
         return bill.usd
 
-    def _worst_case(self, prompt_tokens: int) -> float:
+    def worst_case(self, prompt_tokens: int) -> float:
         return self.pricing.worst_case(prompt_tokens, self.max_tokens, self.reserve_factor)
 
-    # --- the key's own account (OpenRouter GET /key) ----------------------------------
-    async def _check_key(self) -> KeyStatus | None:
-        """Read the key's usage and limit; refuse to start when its limit cannot cover what
-        is left of budget.usd (the provider would stop us half-way, or worse, another
-        client shares it)."""
-        status = await self.account.key_status(self.key)
-        if status is None:
-            return None
-        left = None if self.budget.cap_usd is None else self.budget.cap_usd - self.spent_before
-        if status.limit is None:
-            log.warning(
-                "the API key has no credit limit: give the run's key a limit on "
-                "OpenRouter (the one cap that holds whatever a client does)"
-            )
-        elif (
-            left is not None
-            and status.limit_remaining is not None
-            and (status.limit_remaining < left)
-        ):
-            raise GenerateError(
-                f"the API key's remaining credit limit ${status.limit_remaining:.4f} cannot "
-                f"cover the run's remaining budget ${max(left, 0.0):.4f} (budget.usd="
-                f"{self.budget.cap_usd}); lower budget.usd or raise the key's limit"
-            )
-        log.info("API key: $%.4f used, limit %s", status.usage, status.limit)
-        return status
 
-    async def _read_key_usage(self) -> None:
+# --- the key's own account (OpenRouter GET /key) --------------------------------------
+async def check_key(
+    account: Account, key: str, budget: Budget, spent_before: float
+) -> KeyStatus | None:
+    """Read the key's usage and limit; refuse to start when its limit cannot cover what
+    is left of budget.usd (the provider would stop us half-way, or worse, another
+    client shares it)."""
+    status = await account.key_status(key)
+    if status is None:
+        return None
+    left = None if budget.cap_usd is None else budget.cap_usd - spent_before
+    if status.limit is None:
+        log.warning(
+            "the API key has no credit limit: give the run's key a limit on "
+            "OpenRouter (the one cap that holds whatever a client does)"
+        )
+    elif (
+        left is not None and status.limit_remaining is not None and (status.limit_remaining < left)
+    ):
+        raise GenerateError(
+            f"the API key's remaining credit limit ${status.limit_remaining:.4f} cannot "
+            f"cover the run's remaining budget ${max(left, 0.0):.4f} (budget.usd="
+            f"{budget.cap_usd}); lower budget.usd or raise the key's limit"
+        )
+    log.info("API key: $%.4f used, limit %s", status.usage, status.limit)
+    return status
+
+
+class Spending:
+    """The money side of a run once its budget is known: the budget, its journal, the key's
+    own count, and what is said when a sample does not fit."""
+
+    def __init__(
+        self,
+        prices: Prices,
+        caps: BudgetSettings,
+        budget: Budget,
+        journal: SpendJournal,
+        stats: RunStats,
+        *,
+        spent_before: float,
+        recovered: tuple[int, float],
+        key_start: KeyStatus | None,
+    ) -> None:
+        self.prices = prices
+        self.caps = caps
+        self.budget = budget
+        self.journal = journal
+        self.stats = stats  # shared with the run's other parts
+        self.spent_before = spent_before  # USD booked by earlier runs of this directory
+        self.recovered = recovered  # (requests, USD) a killed run sent and never booked
+        self.key_start = key_start  # None: the provider has no key account to read
+        self.key_delta = 0.0  # USD the key's usage grew by during this run
+
+    async def read_key_usage(self) -> None:
         """Count what the key says this run spent, when that is more than we counted."""
         if self.key_start is None:
             return
-        status = await self.account.key_status(self.key)
+        status = await self.prices.account.key_status(self.prices.key)
         if status is None:
             return
         self.key_delta = max(self.key_delta, status.usage - self.key_start.usage)
@@ -106,13 +136,13 @@ class Spending:
         # Kept in the journal: a resumed run starts from it, not from our lower count.
         self.journal.raise_floor(self.spent_before + self.key_delta)
 
-    async def _poll_key(self) -> None:
+    async def poll_key(self) -> None:
         every = self.caps.key_poll_s
         while True:
             await asyncio.sleep(every)
-            await self._read_key_usage()
+            await self.read_key_usage()
 
-    def _skip_over_budget(
+    def skip_over_budget(
         self, rid: str, worst: float, limit_name: str, limit: float, held: float | None = None
     ) -> None:
         """Say why a sample is skipped: the amount printed is the one compared with `limit`
@@ -140,8 +170,8 @@ class Spending:
             left,
         )
 
-    def _stop_for_budget(self, worst: float) -> None:
-        reason = self.budget.blocker(worst, self.max_tokens, True) or "budget_usd"
+    def stop_for_budget(self, worst: float) -> None:
+        reason = self.budget.blocker(worst, self.prices.max_tokens, True) or "budget_usd"
         self.stats.stop_reason = self.stats.stop_reason or reason
         b = self.budget
         held = b.held(worst)

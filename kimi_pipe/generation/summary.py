@@ -1,4 +1,4 @@
-"""The run's state while it buys (`RunStats`) and `summary.json`, written at its end."""
+"""`summary.json`, written at a generate run's end (its counts: generation/stats.py)."""
 
 from __future__ import annotations
 
@@ -22,168 +22,131 @@ from kimi_pipe.store.records_index import iter_digests
 
 if TYPE_CHECKING:
     from kimi_pipe.generation.job import GenerateJob
-    from kimi_pipe.providers.account import KeyStatus
-    from kimi_pipe.providers.budget import Budget, BudgetSettings, Pricing, SlowStart
+    from kimi_pipe.generation.spending import Spending
+    from kimi_pipe.providers.budget import SlowStart
     from kimi_pipe.providers.pacing import Pacer
-    from kimi_pipe.providers.settings import ProviderSettings
-    from kimi_pipe.store.spend_journal import SpendJournal
 
 
-@dataclass
-class RunStats:
-    started: float = field(default_factory=time.monotonic)
-    answered: int = 0
-    failed: Counter[str] = field(default_factory=Counter)  # this session, by error class
-    given_up: int = 0  # retryable failures that ran out of attempts (tried again next run)
-    attempts: int = 0
-    retries: int = 0
-    output_tokens: int = 0
-    in_flight: int = 0
-    skipped_done: int = 0
-    stop_reason: str | None = None
-    stop_message: str | None = None
-    consecutive_failures: int = 0  # samples in a row that failed without retry
-    skipped_over_budget: int = 0  # samples whose worst case alone cannot fit (tried next run)
-    # Of those skipped for the remaining budget: their worst cases together, the smallest as
-    # the budget held it, and what was left (what serving=auto says of probes that did not
-    # fit; summary "this_run.over_budget").
-    over_budget_usd: float = 0.0
-    over_budget_held_usd: float | None = None
-    over_budget_left_usd: float | None = None
-    attempts_exhausted: int = 0  # ids bought retry.max_attempts times over all runs
-
-
-class RunSummary:
-    """`summary.json`: a part of `Generator` (generation/buying.py), which sets these."""
-
-    job: GenerateJob
-    run_dir: Path
-    stats: RunStats
-    total: int
-    skipped_examples: dict[str, list[str]]
-    journal: SpendJournal
-    spent_before: float
-    key_delta: float
-    key_start: KeyStatus | None
-    recovered: tuple[int, float]
-    budget: Budget
-    caps: BudgetSettings
-    reserve_factor: float
-    pricing: Pricing
-    price_source: str
-    startup_s: float
-    settings: ProviderSettings
-    window: SlowStart
-    pacer: Pacer | None
-
-    def summary(
-        self, records_path: Path, errors_path: Path, skipped_rows: Counter[str]
-    ) -> dict[str, Any]:
-        """`summary.json` of a finished (or stopped) run."""
-        tally = tally_records(records_path)
-        counts, flagged, failed = tally.counts, tally.flagged, tally.failed
-        providers, spend = tally.providers, tally.spend
-        prompt_tokens, reported, rebuilt = tally.prompt_tokens, tally.reported, tally.rebuilt
-        failed_attempts_cost = sum(record_cost(r) for r in iter_records(errors_path))
-        journal_spend = self.journal.spent()
-        # Every count is a lower bound of what was billed: the spend is the largest.
-        total_spend = max(
-            spend + failed_attempts_cost, journal_spend, self.spent_before + self.key_delta
-        )
-        wall = time.monotonic() - self.stats.started
-        s = self.stats
-        return {
-            "run_dir": str(self.run_dir),
-            "stop_reason": s.stop_reason,
-            "stop_message": s.stop_message,
-            "prompts": self.total,
-            "prompt_rows_skipped": dict(skipped_rows),
-            "prompt_rows_skipped_examples": self.skipped_examples,
-            "counts": {
-                "records": counts["records"],
-                "answered": counts["answered"],
-                "ok": counts["ok"],
-                "flagged": counts["flagged"],
-                "failed": sum(failed.values()),
-            },
-            "flagged_by_issue": dict(flagged),
-            "evidence": {rung: counts[f"evidence:{rung}"] for rung in LADDER},
-            "failed_by_class": dict(failed),
-            "providers": dict(providers),
-            "spend_usd": total_spend,
-            "spend_usd_records": spend,
-            "spend_usd_failed_attempts": failed_attempts_cost,
-            "spend_usd_journal": journal_spend,
-            "key": None
-            if self.key_start is None
+def run_summary(
+    job: GenerateJob,
+    run_dir: Path,
+    spending: Spending,
+    *,
+    records_path: Path,
+    errors_path: Path,
+    prompts: int,
+    skipped_rows: Counter[str],
+    skipped_examples: dict[str, list[str]],
+    startup_s: float,
+    concurrency: int,
+    window: SlowStart,
+    pacer: Pacer | None,
+) -> dict[str, Any]:
+    """`summary.json` of a finished (or stopped) run."""
+    tally = tally_records(records_path)
+    counts, flagged, failed = tally.counts, tally.flagged, tally.failed
+    providers, spend = tally.providers, tally.spend
+    prompt_tokens, reported, rebuilt = tally.prompt_tokens, tally.reported, tally.rebuilt
+    failed_attempts_cost = sum(record_cost(r) for r in iter_records(errors_path))
+    journal_spend = spending.journal.spent()
+    # Every count is a lower bound of what was billed: the spend is the largest.
+    total_spend = max(
+        spend + failed_attempts_cost, journal_spend, spending.spent_before + spending.key_delta
+    )
+    wall = time.monotonic() - spending.stats.started
+    s = spending.stats
+    return {
+        "run_dir": str(run_dir),
+        "stop_reason": s.stop_reason,
+        "stop_message": s.stop_message,
+        "prompts": prompts,
+        "prompt_rows_skipped": dict(skipped_rows),
+        "prompt_rows_skipped_examples": skipped_examples,
+        "counts": {
+            "records": counts["records"],
+            "answered": counts["answered"],
+            "ok": counts["ok"],
+            "flagged": counts["flagged"],
+            "failed": sum(failed.values()),
+        },
+        "flagged_by_issue": dict(flagged),
+        "evidence": {rung: counts[f"evidence:{rung}"] for rung in LADDER},
+        "failed_by_class": dict(failed),
+        "providers": dict(providers),
+        "spend_usd": total_spend,
+        "spend_usd_records": spend,
+        "spend_usd_failed_attempts": failed_attempts_cost,
+        "spend_usd_journal": journal_spend,
+        "key": None
+        if spending.key_start is None
+        else {
+            "usage_at_start": spending.key_start.usage,
+            "limit": spending.key_start.limit,
+            "usage_delta_this_run": spending.key_delta,
+        },
+        "journal": {
+            "recovered_requests": spending.recovered[0],
+            "recovered_usd": spending.recovered[1],
+        },
+        "budget": {
+            "usd": spending.budget.cap_usd,
+            "max_samples": spending.budget.max_samples,
+            "max_output_tokens": spending.budget.max_output_tokens,
+            "reserve_factor": spending.prices.reserve_factor,
+            "price_in_usd_per_mtok": spending.prices.pricing.input_per_token * 1e6,
+            "price_out_usd_per_mtok": spending.prices.pricing.output_per_token * 1e6,
+            "price_source": spending.prices.source,
+            "overruns": spending.budget.overruns,
+            "overbill_ratio": spending.budget.overbill_ratio,
+            "max_usd_per_sample": spending.caps.max_usd_per_sample,
+        },
+        "tokens": {
+            "prompt": prompt_tokens,
+            "completion_reported": reported,
+            "completion_reconstructed": rebuilt,
+        },
+        "billing_drift": {
+            "reconstructed_minus_reported": rebuilt - reported,
+            "ratio": (rebuilt / reported) if reported else None,
+        },
+        # Of the completion tokens bought, how many reach training exact (issue 33).
+        "yield": _token_yield(job.accept, tally, spending.prices.pricing, total_spend),
+        "this_run": {
+            "startup_s": round(startup_s, 3),
+            "wall_s": round(wall, 3),
+            "answered": s.answered,
+            "failed": dict(s.failed),
+            "given_up_retry_next_run": s.given_up,
+            "skipped_already_done": s.skipped_done,
+            "skipped_over_budget": s.skipped_over_budget,
+            "over_budget": None
+            if s.over_budget_held_usd is None
             else {
-                "usage_at_start": self.key_start.usage,
-                "limit": self.key_start.limit,
-                "usage_delta_this_run": self.key_delta,
+                "worst_usd": s.over_budget_usd,
+                "held_usd": s.over_budget_held_usd,
+                "left_usd": s.over_budget_left_usd,
+                "hold": spending.budget.hold_note(),
             },
-            "journal": {
-                "recovered_requests": self.recovered[0],
-                "recovered_usd": self.recovered[1],
+            "attempts_exhausted": s.attempts_exhausted,
+            "attempts": s.attempts,
+            "retries": s.retries,
+            "output_tokens_billed": s.output_tokens,
+            "samples_per_s": s.answered / wall if wall > 0 else None,
+            "output_tokens_per_s": s.output_tokens / wall if wall > 0 else None,
+            "concurrency": concurrency,
+            "concurrency_reached": window.peak,
+            # Requests held back to stay within provider.rpm / tpm (None: not paced).
+            "paced": None
+            if pacer is None
+            else {
+                "rpm": pacer.rpm,
+                "tpm": pacer.tpm,
+                "window_s": pacer.window_s,
+                "requests_waited": pacer.paced,
+                "wait_s": round(pacer.waited_s, 3),
             },
-            "budget": {
-                "usd": self.budget.cap_usd,
-                "max_samples": self.budget.max_samples,
-                "max_output_tokens": self.budget.max_output_tokens,
-                "reserve_factor": self.reserve_factor,
-                "price_in_usd_per_mtok": self.pricing.input_per_token * 1e6,
-                "price_out_usd_per_mtok": self.pricing.output_per_token * 1e6,
-                "price_source": self.price_source,
-                "overruns": self.budget.overruns,
-                "overbill_ratio": self.budget.overbill_ratio,
-                "max_usd_per_sample": self.caps.max_usd_per_sample,
-            },
-            "tokens": {
-                "prompt": prompt_tokens,
-                "completion_reported": reported,
-                "completion_reconstructed": rebuilt,
-            },
-            "billing_drift": {
-                "reconstructed_minus_reported": rebuilt - reported,
-                "ratio": (rebuilt / reported) if reported else None,
-            },
-            # Of the completion tokens bought, how many reach training exact (issue 33).
-            "yield": _token_yield(self.job.accept, tally, self.pricing, total_spend),
-            "this_run": {
-                "startup_s": round(self.startup_s, 3),
-                "wall_s": round(wall, 3),
-                "answered": s.answered,
-                "failed": dict(s.failed),
-                "given_up_retry_next_run": s.given_up,
-                "skipped_already_done": s.skipped_done,
-                "skipped_over_budget": s.skipped_over_budget,
-                "over_budget": None
-                if s.over_budget_held_usd is None
-                else {
-                    "worst_usd": s.over_budget_usd,
-                    "held_usd": s.over_budget_held_usd,
-                    "left_usd": s.over_budget_left_usd,
-                    "hold": self.budget.hold_note(),
-                },
-                "attempts_exhausted": s.attempts_exhausted,
-                "attempts": s.attempts,
-                "retries": s.retries,
-                "output_tokens_billed": s.output_tokens,
-                "samples_per_s": s.answered / wall if wall > 0 else None,
-                "output_tokens_per_s": s.output_tokens / wall if wall > 0 else None,
-                "concurrency": self.settings.concurrency,
-                "concurrency_reached": self.window.peak,
-                # Requests held back to stay within provider.rpm / tpm (None: not paced).
-                "paced": None
-                if self.pacer is None
-                else {
-                    "rpm": self.pacer.rpm,
-                    "tpm": self.pacer.tpm,
-                    "window_s": self.pacer.window_s,
-                    "requests_waited": self.pacer.paced,
-                    "wait_s": round(self.pacer.waited_s, 3),
-                },
-            },
-        }
+        },
+    }
 
 
 def _token_yield(given: Any, tally: RecordTally, pricing: Any, spend: float) -> dict[str, Any]:
