@@ -3,7 +3,9 @@ format (tests/support/fake_openrouter.py), with the real Kimi tokenizer."""
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -199,6 +201,37 @@ def test_402_stops_dispatch_cleanly_and_resume_finishes(
     final = [r["id"] for r in read_jsonl(out / "records.jsonl")]
     assert sorted(final) == sorted(ids) and len(final) == len(set(final))
     assert summary["spend_usd"] == pytest.approx(srv.total_cost(), rel=1e-9)
+
+
+def test_a_stop_is_said_once_on_the_terminal(
+    tmp_path: Path,
+    fake_openrouter,
+    kimi_dir: Path,
+    api_key_env: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The provider's stop reaches the terminal once, at the end of the run; the run's log
+    files keep the moment it happened."""
+    srv = fake_openrouter(default=Behaviour(error_rate=1.0, error_mode="401"))
+    prompts = tmp_path / "p.jsonl"
+    write_prompts(prompts, 6)
+    out = tmp_path / "run"
+    terminal = io.StringIO()
+    handler = logging.StreamHandler(terminal)  # what Hydra's console handler shows
+    root = logging.getLogger()
+    level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    try:
+        status, summary = run_inprocess(
+            base_overrides(prompts, srv.url(), out, kimi_dir, concurrency=2), out
+        )
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+    said = terminal.getvalue() + capsys.readouterr().err
+    assert status == 3 and summary is not None and summary["stop_message"]
+    assert said.count(summary["stop_message"]) == 1, said
 
 
 def test_401_ends_the_run(

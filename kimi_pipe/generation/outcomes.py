@@ -32,6 +32,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kimi_pipe.generate")
 
+
+def to_log_files(level: int, message: str) -> None:
+    """`message` into the run's log files only (Hydra's `generate.log`), not the terminal,
+    where it is printed once in its own words."""
+    record = log.makeRecord(log.name, level, __file__, 0, "%s", (message,), None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler) and record.levelno >= handler.level:
+            handler.handle(record)
+
+
 _STOP_MESSAGES = {
     "payment_required": "the provider answered 402 (out of credits or the key's limit); "
     "add credits or raise the key limit, then run the same command again "
@@ -260,4 +270,5 @@ class Outcomes:
         gate.close()
         self.stats.stop_reason = reason
         self.stats.stop_message = scrub(message, self.key)
-        log.error("stopping: %s", self.stats.stop_message)
+        # The terminal gets the stop once, at the end of the run (generation/run.py).
+        to_log_files(logging.ERROR, f"stopping: {self.stats.stop_message}")

@@ -38,6 +38,7 @@ from kimi_pipe.generation.datasets import (
 )
 from kimi_pipe.generation.errors import GenerateError
 from kimi_pipe.generation.job import GenerateJob
+from kimi_pipe.generation.outcomes import to_log_files as _to_log_files
 from kimi_pipe.providers.credentials import api_key
 from kimi_pipe.providers.local_server import provider_endpoint
 from kimi_pipe.store.layout import ATTEMPT_ERRORS, RECORDS, RUN_FILES
@@ -71,15 +72,6 @@ def _pointed_at(job: GenerateJob, endpoint: dict[str, Any]) -> GenerateJob:
         "server": None,
     }
     return job.with_provider(provider)
-
-
-def _to_log_files(level: int, message: str) -> None:
-    """`message` into the run's log files only (Hydra's `generate.log`), not the terminal,
-    where it is printed once in its own words."""
-    record = log.makeRecord(log.name, level, __file__, 0, "%s", (message,), None)
-    for handler in logging.getLogger().handlers:
-        if isinstance(handler, logging.FileHandler) and record.levelno >= handler.level:
-            handler.handle(record)
 
 
 def said(exc: BaseException, where: Any) -> int | None:
