@@ -44,7 +44,14 @@ from omegaconf.errors import OmegaConfBaseException, ValidationError
 from yaml import YAMLError
 
 from kimi_pipe.config import CONF_DIR, MULTIRUN, require_conf_dir, sweep_jobs
-from kimi_pipe.errors import EXIT_USER_ERROR, ConfigError, StoreError, host_error, one_line
+from kimi_pipe.errors import (
+    EXIT_USER_ERROR,
+    ConfigError,
+    KimiPipeError,
+    StoreError,
+    host_error,
+    one_line,
+)
 from kimi_pipe.stages import schemas
 from kimi_pipe.stages.help import StageHelp, help_text
 
@@ -352,18 +359,6 @@ def _fresh_dirs(where: Path) -> list[Path]:
     return fresh
 
 
-def new_run_dirs(argv: Sequence[str]) -> list[Path]:
-    """The run directory a single Hydra run of `argv` writes to and those of its parents that
-    do not exist yet, deepest first (none for a multirun, or a config that does not compose):
-    what a refused start may take away again (`remove_if_unused`)."""
-    if any(a.startswith("-") for a in argv):
-        return []
-    try:
-        return _fresh_dirs(Path(str(_compose(argv, with_hydra=True).hydra.run.dir)))
-    except (*NOT_COMPOSED, ValueError):  # a value of the wrong kind: the dir is still known
-        return []
-
-
 def remove_if_unused(fresh: Sequence[Path], name: str) -> None:
     """After a refused start: a run directory this command made that holds only what Hydra
     wrote for it (`.hydra/<name>/`, `<name>.log`) and the run's lock goes, with the parents
@@ -437,17 +432,20 @@ def hydra_command(
     *,
     name: str,
     help: StageHelp | None = None,  # noqa: A002 (the flag's name)
-    fresh: Sequence[Path] | None = None,
+    before_launch: Callable[[DictConfig, list[list[str]], bool], None] | None = None,
 ) -> int:
     """Run `task` as the Hydra job `name` over conf/ (argv, else sys.argv[1:]).
 
     `name` is Hydra's job name: the saved config goes to `.hydra/<name>/` and the log to
     `<name>.log` in the run directory, whatever module holds the task. A write that fails
     on the host (a full disk: the saved config, the log) is one line and exit 2 too. A run
-    that fails leaves no run directory of Hydra's files alone behind (`fresh`: the
-    directories the command made, from `new_run_dirs` before any of them was made; else
-    those the run directory composed here needs)."""
+    that fails leaves no run directory of Hydra's files alone behind (the directories its
+    run directory needs, known from the composed config before any is made).
+    `before_launch(cfg, jobs, multirun)` checks the composed config before Hydra writes
+    anything; its KimiPipeError or OSError is one line, exit 2, and the directories made are
+    taken away again."""
     args = list(sys.argv[1:] if argv is None else argv)
+    fresh: list[Path] = []
     if help is not None and wants_help(args):  # not Hydra's dump of the whole config
         print(help_text(help, args))
         return 0
@@ -470,8 +468,7 @@ def hydra_command(
         mode = ["hydra.mode=MULTIRUN"] if multirun else []
         with initialize_config_dir(str(require_conf_dir()), version_base="1.3", job_name=name):
             cfg = compose_hydra([*jobs[0], *mode], typed=overrides)  # before anything is written
-            if fresh is None:
-                fresh = [] if multirun else _fresh_dirs(Path(str(cfg.hydra.run.dir)))
+            fresh = [] if multirun else _fresh_dirs(Path(str(cfg.hydra.run.dir)))
             if show is not None:
                 shown = cfg.hydra if show == "hydra" else cfg
                 if show == "job":
@@ -479,7 +476,15 @@ def hydra_command(
                         del cfg["hydra"]
                 print(OmegaConf.to_yaml(shown, resolve="--resolve" in args), end="")
                 return 0
-            _run(task, cfg, jobs, multirun)
+            if before_launch is not None:
+                try:
+                    before_launch(cfg, jobs, multirun)
+                except (KimiPipeError, OSError) as exc:
+                    status = report(exc) or 0
+                    if not status:
+                        raise
+            if not status:
+                _run(task, cfg, jobs, multirun)
     except SystemExit as exc:
         status = exc.code if isinstance(exc.code, int) else (1 if exc.code else 0)
     except Exception as exc:
@@ -490,7 +495,7 @@ def hydra_command(
         status = status_or_none
     if status:
         _close_file_logs()
-        remove_if_unused(fresh or [], name)
+        remove_if_unused(fresh, name)
     return status
 
 

@@ -35,9 +35,6 @@ from kimi_pipe.generation.run import finish_status, said
 from kimi_pipe.stages.command import (
     help_text,
     hydra_command,
-    new_run_dirs,
-    remove_if_unused,
-    report,
     wants_help,
 )
 from kimi_pipe.stages.help import HELP
@@ -118,17 +115,12 @@ def main(argv: list[str] | None = None) -> int:
         print(help_text(HELP["generate"], args))
         return 0
     refuse_keys_on_the_command_line(args)
-    fresh = new_run_dirs(args)  # what a refused start takes away again
-    try:
-        check_before_launch(args)  # before Hydra writes .hydra/ and the log
-    except (KimiPipeError, OSError) as exc:
-        status = report(exc)
-        if status is None:
-            raise
-        remove_if_unused(fresh, "generate")
-        return status
     return hydra_command(
-        lambda cfg: generate(cfg)[0], args, name="generate", help=HELP["generate"], fresh=fresh
+        lambda cfg: generate(cfg)[0],
+        args,
+        name="generate",
+        help=HELP["generate"],
+        before_launch=check_before_launch,  # before Hydra writes .hydra/ and the log
     )
 
 

@@ -3,20 +3,20 @@ before Hydra launches it (every job of a multirun first). At the door: it reads 
 
 from __future__ import annotations
 
+import copy
 import errno
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from hydra import compose as hydra_compose
-from hydra import initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException
 from omegaconf import DictConfig, open_dict
 from omegaconf.errors import OmegaConfBaseException
 from yaml import YAMLError
 
-from kimi_pipe.config import CONF_DIR, sweep_jobs
 from kimi_pipe.errors import EXIT_USER_ERROR
 from kimi_pipe.generation.datasets import dataset_nodes
 from kimi_pipe.generation.errors import GenerateError
@@ -83,45 +83,51 @@ def writable(run_dir: Path) -> None:
         raise OSError(err, os.strerror(err), str(run_dir))
 
 
-def check_before_launch(argv: list[str], environ: dict[str, str] | None = None) -> None:
+def check_before_launch(
+    cfg: DictConfig,
+    jobs: Sequence[Sequence[str]],
+    multirun: bool,
+    environ: dict[str, str] | None = None,
+) -> None:
     """What Hydra would write before the stage runs (`.hydra/`, the log, the run directory
     itself), checked for every job first: no secret in any resolved value or directory
-    name, a run directory that may be one, one directory per job. Raises a KimiPipeError;
-    a config Hydra cannot compose is left for Hydra to report."""
-    # A config that does not compose is reported by the command (one line), before Hydra
-    # writes anything.
+    name, a run directory that may be one, one directory per job. Raises a KimiPipeError.
+    `cfg`: the command's own composed config (with its `hydra` node), the single run's job;
+    a multirun's jobs are composed here, each for its own directory (a job that does not
+    compose is left for Hydra to report)."""
     not_composed = (HydraException, OmegaConfBaseException, YAMLError, UnicodeDecodeError)
-    multirun = any(a in ("-m", "--multirun") for a in argv)
-    try:
-        jobs = sweep_jobs(argv)
-    except not_composed:
-        return
     seen: dict[str, list[str]] = {}
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        for job in jobs:
-            try:
-                cfg = hydra_compose(config_name="config", overrides=job, return_hydra_config=True)
-                hydra_node = cfg.hydra
-                if multirun:
-                    where = "hydra.sweep.dir/subdir"
-                    run_dir = os.path.join(str(hydra_node.sweep.dir), str(hydra_node.sweep.subdir))
-                else:
-                    where, run_dir = "hydra.run.dir", str(hydra_node.run.dir)
-                output_dir = str(cfg.output_dir)
-                with open_dict(cfg):
-                    del cfg["hydra"]
-            except not_composed:
-                return
-            refuse_secrets(cfg, environ, {where: run_dir})
-            check_settings(cfg)
-            check_run_dir(run_dir)
-            if not multirun and not same_dir(run_dir, output_dir):
-                raise GenerateError(
-                    f"hydra.run.dir ({run_dir}) differs from output_dir ({output_dir}): records "
-                    "would go to one and the logs to the other; set output_dir only"
+    for job in jobs if multirun else [None]:
+        try:
+            job_cfg = (
+                cfg
+                if job is None
+                else hydra_compose(
+                    config_name="config", overrides=list(job), return_hydra_config=True
                 )
-            writable(Path(run_dir))  # Hydra creates it and writes its log there first
-            seen.setdefault(os.path.realpath(run_dir), []).append(" ".join(job))
+            )
+            hydra_node = job_cfg.hydra
+            if multirun:
+                where = "hydra.sweep.dir/subdir"
+                run_dir = os.path.join(str(hydra_node.sweep.dir), str(hydra_node.sweep.subdir))
+            else:
+                where, run_dir = "hydra.run.dir", str(hydra_node.run.dir)
+            output_dir = str(job_cfg.output_dir)
+            settings = copy.deepcopy(job_cfg)  # the command's config keeps its hydra node
+            with open_dict(settings):
+                del settings["hydra"]
+        except not_composed:
+            return
+        refuse_secrets(settings, environ, {where: run_dir})
+        check_settings(settings)
+        check_run_dir(run_dir)
+        if not multirun and not same_dir(run_dir, output_dir):
+            raise GenerateError(
+                f"hydra.run.dir ({run_dir}) differs from output_dir ({output_dir}): records "
+                "would go to one and the logs to the other; set output_dir only"
+            )
+        writable(Path(run_dir))  # Hydra creates it and writes its log there first
+        seen.setdefault(os.path.realpath(run_dir), []).append(" ".join(job or ()))
     shared = {d: js for d, js in seen.items() if len(js) > 1}
     if shared:
         run_dir, js = next(iter(shared.items()))
