@@ -216,7 +216,7 @@ def _tap_final_norm(model: torch.nn.Module, heads: list[_StatesOnlyHead]) -> dic
     probe = torch.randn(4, weight.numel(), generator=torch.Generator().manual_seed(0))
     probe = probe.to(weight.dtype)
     with torch.no_grad():
-        got = norm(probe.to(weight.device))
+        got = norm(probe.to(weight.device, copy=True))  # a fused kernel may write in place
     got = (got[0] if isinstance(got, tuple) else got).float().cpu()
     if not torch.allclose(rms_norm(probe, spec), got, rtol=1e-2, atol=1e-3):
         raise RuntimeError(
