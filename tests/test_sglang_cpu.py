@@ -186,10 +186,12 @@ def test_sglang_cpu_pre_norm_store_holds_the_final_norms_input(
     stores: dict[str, Any], pre_norm_stores: dict[str, Any], store: str
 ) -> None:
     """The pre-norm SGLang store: Llama's `model.norm` named with its eps; every demo sample,
-    parity against hf float32 on every state, the pre-norm state as stored included; the
-    post-norm state recomputed from it is the engine's own post-norm state (the default
-    store, tp 1) within bf16 rounding (a wrong tap, e.g. hidden without residual, is off by
-    order 1); speculators exports every sample, its final state the stored one."""
+    parity against hf float32 on the final state, post-norm and as stored (pre-norm), and at
+    tp 1 on every state (at tp 2 the aux rows are reported, as for the two-node tp-2 engine
+    below: a tp-2 engine sums its partial results in another order); the post-norm state
+    recomputed from it is the engine's own post-norm state (the default store, tp 1) within
+    bf16 rounding (a wrong tap, e.g. hidden without residual, is off by order 1); speculators
+    exports every sample, its final state the stored one."""
     import torch
 
     from kimi_pipe.extraction.parity import PRE_NORM_ROW, StateParity
@@ -207,7 +209,8 @@ def test_sglang_cpu_pre_norm_store_holds_the_final_norms_input(
     assert report.compared == report.samples_candidate == len(pre.ids) > 0
     assert report.states[-1].name == PRE_NORM_ROW
     assert not report.problems, report.problems[:5]
-    assert report.ok, report.table()
+    checked = report.states if store == "hidden_sglang_pre" else report.states[-2:]
+    assert all(s.ok for s in checked), report.table()
     if store == "hidden_sglang_pre":
         post = HiddenStore(OUT / "hidden_sglang")
         same = StateParity("post-norm from pre-norm against the engine's post-norm")
