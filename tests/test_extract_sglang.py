@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+from kimi_pipe.errors import ConfigError
 from kimi_pipe.extraction import sglang
 from kimi_pipe.extraction import sharding as xs
 from kimi_pipe.extraction.layers import (
@@ -73,6 +74,15 @@ class StandInRank:
         self.lm: Any = None
         self.capture: list[int] = []
         self.count = 0
+        # extract.final_state=pre_norm: the final norm's input, as the SGLang rank's hook keeps.
+        self.final_norm: dict[str, Any] | None = None
+        self._pre_norm: list[torch.Tensor] = []
+        if settings.final_state == "pre_norm":
+            from kimi_pipe.store.conventions import final_norm_spec
+
+            norm = self.model.norm
+            self.final_norm = final_norm_spec(norm.weight, norm.variance_epsilon, "norm")
+            norm.register_forward_pre_hook(lambda _m, args: self._pre_norm.append(args[0]))
 
     def set_layers(self, output_ids: Sequence[int]) -> list[int]:
         self.capture = [i + 1 for i in output_ids]  # SGLang's rule: input of the next layer
@@ -95,7 +105,7 @@ class StandInRank:
             out = self.model(torch.tensor([seq]), output_hidden_states=True)
             # hidden_states[c] is the input of layer c: what SGLang captures for id c.
             aux = torch.cat([out.hidden_states[c][0] for c in self.capture], dim=-1)
-            final = out.last_hidden_state[0]
+            final = out.last_hidden_state[0] if self.final_norm is None else self._pre_norm.pop()[0]
             if self.knobs.get("standin_nan_token") in seq:
                 aux = aux.clone()
                 aux[0, 0] = float("nan")
@@ -325,6 +335,85 @@ def test_heads_held_by_the_model_itself_are_replaced() -> None:
         _replace_heads(Head(), Head)
 
 
+class _FusedRMSNorm(torch.nn.Module):
+    """SGLang's RMSNorm as its fused CPU/CUDA kernels run it: `norm(x, residual)` writes
+    x + residual into residual and the normed rows into x, in place. `one_plus`: a Gemma-style
+    (1 + weight) norm, which the stored formula cannot recompute."""
+
+    def __init__(self, width: int, one_plus: bool = False) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.rand(width) + 0.5)
+        self.variance_epsilon = 1e-5
+        self.one_plus = one_plus
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
+        if residual is not None:
+            residual.add_(x)
+            x.copy_(residual)
+        w = 1 + self.weight if self.one_plus else self.weight
+        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon) * w
+        x.copy_(normed)
+        return x if residual is None else (x, residual)
+
+
+class _TextModel(torch.nn.Module):
+    def __init__(self, width: int, one_plus: bool = False) -> None:
+        super().__init__()
+        self.layers_to_capture: list[int] = []
+        self.norm = _FusedRMSNorm(width, one_plus)
+
+
+class _Wrapper(torch.nn.Module):  # Kimi K2.5's shape: language_model.model holds the norm
+    def __init__(self, width: int, one_plus: bool = False) -> None:
+        super().__init__()
+        self.language_model = torch.nn.Module()
+        self.language_model.model = _TextModel(width, one_plus)
+
+
+@torch.no_grad()
+def test_pre_norm_tap_keeps_the_norm_input_a_fused_kernel_overwrites() -> None:
+    """extract.final_state=pre_norm on the SGLang rank: the hook on the capturing text model's
+    norm keeps x + residual (or x) before the fused kernel overwrites both in place; the head
+    returns it instead of the post-norm rows; the manifest entry names the norm and recomputes
+    the post-norm rows the module returned."""
+    from kimi_pipe.extraction.sglang.runner import _Captured, _StatesOnlyHead, _tap_final_norm
+    from kimi_pipe.store.conventions import rms_norm
+
+    model, head = _Wrapper(8), _StatesOnlyHead()
+    spec = _tap_final_norm(model, [head])
+    norm = model.language_model.model.norm
+    assert spec["module"] == "language_model.model.norm" and spec["eps"] == 1e-5
+    assert spec["weight"] == norm.weight.tolist()
+    x, res = torch.randn(5, 8), torch.randn(5, 8)
+    want = x + res
+    post, _ = norm(x, res)
+    got = head(None, post, None, None, aux_hidden_states=[torch.zeros(5, 24)])
+    assert isinstance(got, _Captured) and torch.equal(got.final, want)
+    assert torch.allclose(rms_norm(got.final, spec), post, atol=1e-6)  # export's recompute
+    x = torch.randn(3, 8)
+    want = x.clone()
+    post = norm(x)  # no residual (a model whose first layer's residual is None)
+    assert torch.equal(head(None, post, None, None, aux_hidden_states=[post]).final, want)
+    with pytest.raises(RuntimeError, match="did not run"):  # taken once per forward
+        head(None, post, None, None, aux_hidden_states=[post])
+    norm(torch.randn(3, 8))
+    with pytest.raises(RuntimeError, match="not one full row per token"):
+        head(None, torch.zeros(3, 4), None, None, aux_hidden_states=[post])
+
+
+def test_pre_norm_tap_refuses_a_norm_it_cannot_store() -> None:
+    from kimi_pipe.extraction.sglang.runner import _tap_final_norm
+
+    with pytest.raises(RuntimeError, match="rsqrt"):  # (1 + weight): export would be wrong
+        _tap_final_norm(_Wrapper(8, one_plus=True), [])
+    two = torch.nn.Module()
+    two.a, two.b = _TextModel(8), _TextModel(8)
+    with pytest.raises(RuntimeError, match="expected one text model"):
+        _tap_final_norm(two, [])
+    with pytest.raises(ConfigError, match="final_state"):
+        EngineSettings(model_path="m", final_state="prenorm")
+
+
 def test_cpu_engine_switch_is_checked_against_the_device(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -457,6 +546,51 @@ def test_store_matches_hf_backend_per_layer(tmp_path: Path, tiny_model: Path) ->
             )
             assert diff < 1e-5, (rec["id"], k, float(diff))  # both float32
         assert (got["hidden_state"].float() - final_ref).abs().max() < 1e-5
+
+
+def test_pre_norm_store_from_the_engine_serves_speculators(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    """extract=sglang extract.final_state=pre_norm: the manifest says pre_norm with the rank's
+    final_norm, the states are hf's pre-norm states, and speculators (pre-norm) exports every
+    sample; a rank that gives no final_norm is refused at open."""
+    from kimi_pipe.exporters import INDEX_FILE, export
+    from kimi_pipe.extraction.hf_backend import HFBackend
+
+    recs = _records(tmp_path / "records.jsonl", n=5)
+    out = tmp_path / "store"
+    cfg = _cfg(tmp_path / "records.jsonl", tiny_model, out, "extract.final_state=pre_norm")
+    summary = run_extract(cfg, StandInRank)
+    assert summary["capture"]["written"] == len(recs)
+    store = HiddenStore(out)
+    assert store.manifest["final_state"] == "pre_norm"
+    assert store.manifest["final_norm"]["module"] == "norm"
+    hf = HFBackend(tiny_model, dtype="float32", layer_ids=[1, 3, 4], final_state="pre_norm")
+    assert (
+        store.manifest["final_norm"]["weight"] == hf.store_fields["extra"]["final_norm"]["weight"]
+    )
+    for rec in recs:
+        _, final_ref = hf.forward([_ids(rec)])[0]
+        assert (store[rec["id"]]["hidden_state"].float() - final_ref).abs().max() < 1e-5
+    export([out], tmp_path / "speculators", "speculators")
+    index = (tmp_path / "speculators" / INDEX_FILE).read_text().splitlines()
+    assert len(index) == len(recs)
+
+    class NoNorm(StandInRank):
+        def __init__(self, *args: Any) -> None:
+            super().__init__(*args)
+            self.final_norm = None
+
+    with pytest.raises(RuntimeError, match="gave no final_norm"):
+        run_extract(
+            _cfg(
+                tmp_path / "records.jsonl",
+                tiny_model,
+                tmp_path / "s2",
+                "extract.final_state=pre_norm",
+            ),
+            NoNorm,
+        )
 
 
 def test_crash_then_resume_stores_every_id_once(tmp_path: Path, tiny_model: Path) -> None:

@@ -163,6 +163,67 @@ def test_sglang_cpu_manifest_names_the_engine_and_device(stores: dict[str, Any])
     assert manifest["layer_ids"] == HiddenStore(OUT / "hidden_hf").manifest["layer_ids"]
 
 
+@pytest.fixture(scope="module")
+def pre_norm_stores(stores: dict[str, Any]) -> dict[str, Any]:
+    """SmolLM2 through SGLang with extract.final_state=pre_norm (the hook on the final norm's
+    input), tp 1 and tp 2, on the demo's records."""
+    common = (
+        "extract.device=cpu", "extract.dtype=bfloat16", "extract.store_dtype=bfloat16",
+        "extract.final_state=pre_norm",
+    )  # fmt: skip
+    model = stores["model"]
+    return {
+        "hidden_sglang_pre": _extract("sglang", OUT / "hidden_sglang_pre", model, *common),
+        "hidden_sglang_pre_tp2": _extract(
+            "sglang", OUT / "hidden_sglang_pre_tp2", model, *common, "extract.tp_size=2",
+            env=_two_rank_env(),
+        ),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("store", ["hidden_sglang_pre", "hidden_sglang_pre_tp2"])
+def test_sglang_cpu_pre_norm_store_holds_the_final_norms_input(
+    stores: dict[str, Any], pre_norm_stores: dict[str, Any], store: str
+) -> None:
+    """The pre-norm SGLang store: Llama's `model.norm` named with its eps; every demo sample,
+    parity against hf float32 on the final state, post-norm and as stored (pre-norm), and at
+    tp 1 on every state (at tp 2 the aux rows are reported, as for the two-node tp-2 engine
+    below: a tp-2 engine sums its partial results in another order); the post-norm state
+    recomputed from it is the engine's own post-norm state (the default store, tp 1) within
+    bf16 rounding (a wrong tap, e.g. hidden without residual, is off by order 1); speculators
+    exports every sample, its final state the stored one."""
+    import torch
+
+    from kimi_pipe.extraction.parity import PRE_NORM_ROW, StateParity
+    from kimi_pipe.store.conventions import rms_norm
+    from kimi_pipe.store.hidden_store import HiddenStore
+    from tests.support.export_readback import read_back_exports
+
+    pre = HiddenStore(OUT / store)
+    assert pre.manifest["final_state"] == "pre_norm"
+    assert pre.manifest["final_norm"]["module"] == "model.norm"
+    assert pre.manifest["final_norm"]["eps"] == pytest.approx(1e-5)
+    report = against_hf(OUT / store)
+    (OUT / f"parity_{store}.json").write_text(json.dumps(report.as_dict(), indent=1) + "\n")
+    print("\n" + report.table())
+    assert report.compared == report.samples_candidate == len(pre.ids) > 0
+    assert report.states[-1].name == PRE_NORM_ROW
+    assert not report.problems, report.problems[:5]
+    checked = report.states if store == "hidden_sglang_pre" else report.states[-2:]
+    assert all(s.ok for s in checked), report.table()
+    if store == "hidden_sglang_pre":
+        post = HiddenStore(OUT / "hidden_sglang")
+        same = StateParity("post-norm from pre-norm against the engine's post-norm")
+        for sid in post.ids:
+            mine = rms_norm(pre[sid]["hidden_state"], pre.manifest["final_norm"])
+            same.add(post[sid]["hidden_state"].float(), mine.to(torch.bfloat16).float())
+        print(same.row())
+        assert same.rel_l2 < 5e-3 and same.max_rel_err < 1.5e-2, same.row()
+    read_back_exports(
+        OUT / store, OUT / f"exports_{store}", ("speculators",), target_model_path=stores["model"]
+    )
+
+
 def test_sglang_cpu_speed_against_hf_same_run(stores: dict[str, Any]) -> None:
     """Measured, not asserted: the figures go to runs/sglang_cpu/speed.json and the log."""
     rows: dict[str, Any] = {}
@@ -195,9 +256,10 @@ INTEROP_PY = (
 )
 def test_sglang_cpu_exports_load_in_the_trainers_own_loaders(stores: dict[str, Any]) -> None:
     """SpecForge, ModelOpt and tokens exports of the SGLang store, read by each trainer's own
-    loader (tools/interop_check.py in the trainers' venv). The store is post-norm (SGLang
-    hands the states after the final norm), so speculators, which needs pre-norm, is refused
-    with the reason, as for any post-norm store."""
+    loader (tools/interop_check.py in the trainers' venv). The store is post-norm (the
+    default, extract.final_state=post_norm: the states SGLang's head receives), so
+    speculators, which needs pre-norm, is refused with the reason, as for any post-norm store
+    (the miniature Kimi's pre-norm SGLang stores below export to it)."""
     from kimi_pipe.exporters import export
     from kimi_pipe.store.conventions import ConventionError
 
@@ -743,6 +805,7 @@ def test_sglang_cpu_two_node_engine_that_loses_a_node_ends_and_a_rerun_finishes(
 
 
 KIMI_OUT = OUT.parent / "sglang_cpu_kimi"
+KIMI_PRE_NORM = ("extract.final_state=pre_norm",)
 
 
 def _kimi_extract(backend: str, store: Path, model: Path, records: Path, *extra: str,
@@ -799,12 +862,15 @@ def kimi_stores() -> dict[str, Any]:
     out["hf_bf16"] = _kimi_extract(
         "hf", KIMI_OUT / "hidden_hf_bf16", model, records, "extract.dtype=bfloat16"
     )
+    # SGLang's stores keep the pre-norm final state (a hook on language_model.model.norm), so
+    # all four exports take them; the SmolLM2 stores above keep the default post-norm one.
     out["sglang"] = _kimi_extract(
-        "sglang", KIMI_OUT / "hidden_sglang", model, records, "extract.dtype=bfloat16"
-    )
+        "sglang", KIMI_OUT / "hidden_sglang", model, records, "extract.dtype=bfloat16",
+        *KIMI_PRE_NORM,
+    )  # fmt: skip
     out["sglang_tp2"] = _kimi_extract(
         "sglang", KIMI_OUT / "hidden_sglang_tp2", model, records, "extract.dtype=bfloat16",
-        "extract.tp_size=2", env=_two_rank_env(),
+        "extract.tp_size=2", *KIMI_PRE_NORM, env=_two_rank_env(),
     )  # fmt: skip
     return out
 
@@ -815,7 +881,7 @@ def kimi_two_ray_nodes(kimi_stores: dict[str, Any]) -> dict[str, Any]:
     of one placement group, PACK on this machine), the path Kimi K2.5 takes on 2 x 8 H100."""
     return _kimi_extract(
         "sglang", KIMI_OUT / "hidden_sglang_ray2", kimi_stores["model"], kimi_stores["records"],
-        "extract.dtype=bfloat16", "extract.tp_size=2", "extract.nnodes=2",
+        "extract.dtype=bfloat16", "extract.tp_size=2", "extract.nnodes=2", *KIMI_PRE_NORM,
         "extract.units.workers=1", "extract.units.unit_samples=4", "extract.executor=ray",
         "extract.ray.node_strategy=PACK", "extract.ray.num_cpus=2", env=_two_rank_env(),
     )  # fmt: skip
@@ -861,6 +927,13 @@ def test_sglang_cpu_runs_kimi_k25_classes_at_61_layers(
     manifest = HiddenStore(KIMI_OUT / store).manifest
     assert (manifest["num_layers"], manifest["layer_ids"]) == (61, [1, 29, 57])
     assert manifest["sglang_capture_ids"] == [2, 30, 58]
+    # The pre-norm state of the text model's own final norm, whose weight is the checkpoint's
+    # (in the engine's bf16) and whose eps is the config's.
+    assert manifest["final_state"] == "pre_norm"
+    norm = manifest["final_norm"]
+    assert norm["module"] == "language_model.model.norm" and norm["eps"] == 1e-5
+    weight = _kimi_tensor(kimi_stores["model"], "language_model.model.norm.weight")
+    assert norm["weight"] == weight.bfloat16().float().tolist()
     report = compare_stores(
         KIMI_OUT / "hidden_hf", KIMI_OUT / store, records=kimi_stores["records"],
         max_len=MAX_LEN, baseline=KIMI_OUT / "hidden_hf_bf16",
@@ -869,6 +942,7 @@ def test_sglang_cpu_runs_kimi_k25_classes_at_61_layers(
     print("\n" + report.table())
     assert report.compared == report.samples_candidate == kimi_stores["n"]  # every sample
     assert report.capture_ids == [2, 30, 58]
+    assert report.states[-1].name == "final state (pre-norm)"  # compared as stored, too
     assert not report.problems, report.problems[:5]
     assert report.ok, report.table()
 
@@ -939,26 +1013,29 @@ def test_sglang_cpu_resolves_kimi_k25_sets_like_hf(
 # The SGLang stores' exports: the miniature's tp-1 and tp-2 stores through the four EAGLE-3
 # exporters, read back as tests/test_kimi_miniature.py reads the hf store's (the same helper),
 # and SpecForge's and ModelOpt's own loaders where a venv holds them.
-KIMI_EXPORTED = ("specforge", "modelopt", "tokens")
+KIMI_EXPORTED = ("specforge", "speculators", "modelopt", "tokens")
 SPECFORGE_PY = os.environ.get("KIMI_PIPE_SPECFORGE_PYTHON")
 
 
-def _kimi_head(model: Path) -> Any:
-    """The miniature's LM head, float32, read from the checkpoint by its own name."""
+def _kimi_tensor(model: Path, name: str) -> Any:
+    """One of the miniature's weights, float32, read from the checkpoint by its own name."""
     from safetensors import safe_open
 
-    name = "language_model.lm_head.weight"
     shard = json.loads((model / "model.safetensors.index.json").read_text())["weight_map"][name]
     with safe_open(str(model / shard), "pt") as f:
         return f.get_tensor(name).float()
+
+
+def _kimi_head(model: Path) -> Any:
+    """The miniature's LM head, float32."""
+    return _kimi_tensor(model, "language_model.lm_head.weight")
 
 
 @pytest.fixture(scope="module")
 def kimi_exports(kimi_stores: dict[str, Any]) -> dict[str, Any]:
     """Each SGLang store exported and read back; the teacher (SpecForge's final state through
     Kimi's own head) against hf float32's, beside hf bf16's (the same measure of bf16)."""
-    from kimi_pipe.exporters import export
-    from kimi_pipe.store.conventions import ConventionError, rms_norm
+    from kimi_pipe.store.conventions import rms_norm
     from kimi_pipe.store.hidden_store import HiddenStore
     from tests.support.export_readback import read_back_exports, records_by_id
 
@@ -973,24 +1050,24 @@ def kimi_exports(kimi_stores: dict[str, Any]) -> dict[str, Any]:
         start = time.perf_counter()
         # SpecForge and ModelOpt in their own folder: what tools/interop_check.py is pointed at.
         formats = KIMI_EXPORTED if store != "hidden_hf_bf16" else ("specforge",)
-        trainers = tuple(f for f in formats if f != "tokens")
+        trainers = tuple(f for f in formats if f in ("specforge", "modelopt"))
         teacher = read_back_exports(
             KIMI_OUT / store, out / "trainers", trainers, target_model_path=kimi_stores["model"],
             records=records,
         )  # fmt: skip
-        if "tokens" in formats:
-            read_back_exports(KIMI_OUT / store, out, ("tokens",), records=records)
-        refused = None
-        if store != "hidden_hf_bf16":
-            # speculators trains on the pre-norm state; SGLang hands out the post-norm one.
-            with pytest.raises(ConventionError, match="post-norm") as exc:
-                export([KIMI_OUT / store], out / "speculators", "speculators")
-            refused = str(exc.value)
+        # speculators reads the pre-norm state as stored; tokens the ids only.
+        others = tuple(f for f in formats if f not in trainers)
+        if others:
+            read_back_exports(
+                KIMI_OUT / store, out, others, target_model_path=kimi_stores["model"],
+                records=records,
+            )  # fmt: skip
         agree = sum(int(((teacher[i] @ head.T).argmax(-1) == want[i]).sum()) for i in teacher)
         total = sum(len(want[i]) for i in teacher)
         figures[store] = {
             "samples": len(teacher), "formats_read_back": list(formats),
-            "speculators_refused": refused, "teacher_argmax_equal_hf_float32": agree,
+            "final_state": HiddenStore(KIMI_OUT / store).manifest["final_state"],
+            "teacher_argmax_equal_hf_float32": agree,
             "positions": total, "export_and_read_s": round(time.perf_counter() - start, 1),
         }  # fmt: skip
     (KIMI_OUT / "exports.json").write_text(json.dumps(figures, indent=1) + "\n")
@@ -1002,12 +1079,14 @@ def kimi_exports(kimi_stores: dict[str, Any]) -> dict[str, Any]:
 def test_sglang_cpu_kimi_k25_exports_read_back_as_the_trainers_read_them(
     kimi_stores: dict[str, Any], kimi_exports: dict[str, Any], store: str
 ) -> None:
-    """SpecForge, ModelOpt and tokens exports of SGLang's stores: every sample once, ids and
-    masks equal the records, states equal the store (kimi_exports asserts these while reading);
-    speculators refused (post-norm); the teacher picks hf float32's token as often as
-    transformers' own bf16 run does, within 2 points."""
+    """SpecForge, speculators, ModelOpt and tokens exports of SGLang's pre-norm stores: every
+    sample once, ids and masks equal the records, states equal the store (speculators' final
+    state the stored pre-norm one, SpecForge's and ModelOpt's its post-norm through the stored
+    norm; kimi_exports asserts these while reading); the teacher picks hf float32's token as
+    often as transformers' own bf16 run does, within 2 points."""
     got, base = kimi_exports[store], kimi_exports["hidden_hf_bf16"]
-    assert got["samples"] == kimi_stores["n"] and got["speculators_refused"], got
+    assert got["samples"] == kimi_stores["n"] and got["final_state"] == "pre_norm", got
+    assert got["formats_read_back"] == list(KIMI_EXPORTED), got
     rate = got["teacher_argmax_equal_hf_float32"] / got["positions"]
     floor = base["teacher_argmax_equal_hf_float32"] / base["positions"]
     assert rate >= floor - 0.02, (got, base)

@@ -36,6 +36,7 @@ from kimi_pipe.extraction.sglang.runner import _sglang_rank
 from kimi_pipe.extraction.sglang.scoring import SGLangSuffixScorer, SGLangTarget
 from kimi_pipe.extraction.sglang.settings import SGLANG_VERSION, EngineSettings
 from kimi_pipe.extraction.sharding import run_sharded
+from kimi_pipe.store.conventions import PRE_NORM
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +114,7 @@ class SGLangBackend:
             "hidden_size": self.hidden_size,
             "dtype": store_dtype or settings.dtype,
             "layer_convention": "output_of_layer",
-            "final_state": "post_norm",
+            "final_state": settings.final_state,
             "extra": {
                 "engine": f"sglang=={SGLANG_VERSION}",
                 "device": settings.device,
@@ -124,6 +125,18 @@ class SGLangBackend:
                 "model_path": settings.model_path,
             },
         }
+        if settings.final_state == PRE_NORM:
+            # The norm's weight and eps, so export can compute the post-norm state exactly.
+            spec = getattr(self.rank, "final_norm", None)
+            if not spec:
+                rank_type = type(self.rank).__name__
+                self.close()
+                raise RuntimeError(
+                    f"extract.final_state=pre_norm: the engine rank {rank_type} "
+                    "gave no final_norm (the pre-norm state and its norm); use "
+                    "extract.final_state=post_norm"
+                )
+            self.store_fields["extra"]["final_norm"] = spec
         backend = getattr(self.rank, "attention_backend", None)
         if backend:
             self.store_fields["extra"]["attention_backend"] = backend

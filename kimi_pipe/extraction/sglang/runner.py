@@ -13,6 +13,8 @@ lists (SGLang issue #8003: 4x-15x slower). Here, per tensor-parallel rank:
   is 1, so the ids are set explicitly when its rule disagrees);
 * every `LogitsProcessor` is replaced by `_StatesOnlyHead`, which returns the auxiliary states
   and the post-norm final state and never multiplies by the LM head (no [T, vocab] logits);
+  with `final_state=pre_norm`, a forward pre-hook on the text model's final norm
+  (`_PreNormTap`) keeps the norm's input (hidden + residual) and the head returns that instead;
 * the batch is fed as token ids (`Req.origin_input_ids`), never re-tokenised, and the states
   are copied to host memory as whole tensors (no `tolist`).
 
@@ -44,6 +46,7 @@ from kimi_pipe.extraction.sglang.settings import (
     SGLANG_VERSION,
     EngineSettings,
 )
+from kimi_pipe.store.conventions import PRE_NORM, final_norm_spec, rms_norm
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +85,45 @@ def _import_sglang(device: str = "cuda") -> Any:
     return sglang
 
 
+class _PreNormTap:
+    """Forward pre-hook on the text model's final norm, called as `norm(x)` or
+    `norm(x, residual)` (SGLang's fused add + RMSNorm): keeps the norm's input, x + residual,
+    the last layer's output. The sum is a new tensor, so the fused kernels that overwrite x
+    and residual in place cannot change it; formed in float32 as SGLang's native RMSNorm
+    forms it (the store casts it to its own dtype)."""
+
+    def __init__(self) -> None:
+        self.state: torch.Tensor | None = None
+
+    def __call__(
+        self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        names = ("x", "residual", "post_residual_addition")
+        given = dict(zip(names, args, strict=False)) | {k: kwargs[k] for k in names if k in kwargs}
+        x = given.get("x")
+        if not isinstance(x, torch.Tensor):
+            raise RuntimeError(f"the final norm was called without its input tensor: {kwargs}")
+        state = x.float()
+        for extra in ("residual", "post_residual_addition"):
+            if given.get(extra) is not None:
+                state = state + given[extra].float()
+        # x.float() of a float32 x is x itself, which a fused kernel may overwrite: copy it.
+        self.state = state.clone() if state.data_ptr() == x.data_ptr() else state
+
+    def take(self, like: torch.Tensor) -> torch.Tensor:
+        """The state kept for this forward, checked against the head's input `like` (one row
+        per token, full hidden width); a missing or other-shaped state is an error."""
+        state, self.state = self.state, None
+        if state is None:
+            raise RuntimeError("the final norm did not run in this forward; no pre-norm state")
+        if state.shape != like.shape:
+            raise RuntimeError(
+                f"the final norm's input has shape {tuple(state.shape)}, the head's "
+                f"{tuple(like.shape)}: the pre-norm state is not one full row per token here"
+            )
+        return state
+
+
 class _StatesOnlyHead(torch.nn.Module):
     """Stands where the model's LogitsProcessor was: returns the states and computes no
     logits, except when the runner asks for the logits of chosen token rows (`logit_rows`,
@@ -93,6 +135,7 @@ class _StatesOnlyHead(torch.nn.Module):
         # A bound method, not the module: the processor must not stay a submodule of the model.
         self._get_logits = getattr(processor, "_get_logits", None)
         self.logit_rows: torch.Tensor | None = None
+        self.pre_norm: _PreNormTap | None = None  # set with final_state=pre_norm
 
     def forward(
         self,
@@ -104,6 +147,8 @@ class _StatesOnlyHead(torch.nn.Module):
         hidden_states_before_norm: torch.Tensor | None = None,
     ) -> _Captured | _Logits:
         if self.logit_rows is not None:
+            if self.pre_norm is not None:
+                self.pre_norm.state = None  # not a capture: drop it
             if self._get_logits is None:
                 raise RuntimeError("this head replaced no LogitsProcessor; it has no logits")
             from sglang.srt.layers.logits_processor import LogitsMetadata  # optional: sglang
@@ -115,7 +160,8 @@ class _StatesOnlyHead(torch.nn.Module):
         if not aux_hidden_states:
             raise RuntimeError("the model returned no auxiliary states: capture is not enabled")
         # hidden_states is the last layer's output after the final norm, one row per token.
-        return _Captured(torch.cat(aux_hidden_states, dim=-1), hidden_states)
+        final = hidden_states if self.pre_norm is None else self.pre_norm.take(hidden_states)
+        return _Captured(torch.cat(aux_hidden_states, dim=-1), final)
 
 
 @dataclass
@@ -143,6 +189,46 @@ def _replace_heads(model: torch.nn.Module, head_type: type) -> list[str]:
         parent = model.get_submodule(parent_name)
         setattr(parent, child, _StatesOnlyHead(getattr(parent, child)))
     return heads
+
+
+def _tap_final_norm(model: torch.nn.Module, heads: list[_StatesOnlyHead]) -> dict[str, Any]:
+    """Hook a `_PreNormTap` on the final norm of the text model that captures (the module
+    holding `layers_to_capture`, e.g. Kimi K2.5's language_model.model) and hand it to the
+    heads; returns the manifest's `final_norm` entry for that norm. The norm must compute
+    x * rsqrt(mean(x^2) + eps) * weight, which export recomputes from the entry: checked on
+    random rows through the module itself, before the hook is on."""
+    holders = [(name, m) for name, m in model.named_modules() if hasattr(m, "layers_to_capture")]
+    if len(holders) != 1:
+        raise RuntimeError(
+            f"extract.final_state=pre_norm: expected one text model holding layers_to_capture, "
+            f"found {[n for n, _ in holders]}"
+        )
+    prefix, text_model = holders[0]
+    norm = getattr(text_model, "norm", None)
+    weight = getattr(norm, "weight", None)
+    eps = getattr(norm, "variance_epsilon", None)
+    if not isinstance(norm, torch.nn.Module) or not isinstance(weight, torch.Tensor) or eps is None:
+        raise RuntimeError(
+            f"extract.final_state=pre_norm: {type(text_model).__name__} has no final RMSNorm at "
+            "`.norm` (weight + variance_epsilon); use extract.final_state=post_norm"
+        )
+    spec = final_norm_spec(weight, float(eps), f"{prefix}.norm" if prefix else "norm")
+    probe = torch.randn(4, weight.numel(), generator=torch.Generator().manual_seed(0))
+    probe = probe.to(weight.dtype)
+    with torch.no_grad():
+        got = norm(probe.to(weight.device, copy=True))  # a fused kernel may write in place
+    got = (got[0] if isinstance(got, tuple) else got).float().cpu()
+    if not torch.allclose(rms_norm(probe, spec), got, rtol=1e-2, atol=1e-3):
+        raise RuntimeError(
+            f"extract.final_state=pre_norm: the final norm {type(norm).__name__} is not "
+            "x * rsqrt(mean(x^2) + eps) * weight, so export could not recompute it; use "
+            "extract.final_state=post_norm"
+        )
+    tap = _PreNormTap()
+    norm.register_forward_pre_hook(tap, with_kwargs=True)
+    for head in heads:
+        head.pre_norm = tap
+    return spec
 
 
 _OK, _OOM, _ERROR = 0, 1, 2  # per-forward status the tensor-parallel ranks all-reduce (MAX)
@@ -244,6 +330,12 @@ class _RankRunner:
         self.max_requests = int(self.runner.req_to_token_pool.size)
         self.attention_backend = str(server_args.attention_backend)
         _replace_heads(self.runner.model, LogitsProcessor)
+        # The manifest's final_norm entry when the store keeps the pre-norm state (the backend
+        # reads it from rank 0); None: the post-norm state, what the head receives.
+        self.final_norm: dict[str, Any] | None = None
+        if settings.final_state == PRE_NORM:
+            heads = [m for m in self.runner.model.modules() if isinstance(m, _StatesOnlyHead)]
+            self.final_norm = _tap_final_norm(self.runner.model, heads)
         self._cpu_group = None
         if self.tp_size > 1:
             from sglang.srt.distributed.parallel_state import get_world_group  # optional: sglang

@@ -18,6 +18,7 @@ import torch
 
 from kimi_pipe.errors import ConfigError
 from kimi_pipe.extraction.job import ExtractJob
+from kimi_pipe.store.conventions import POST_NORM, PRE_NORM
 
 SGLANG_VERSION = "0.5.14"  # keep equal to the pin of the `sglang` extra in pyproject.toml
 INSTALL_HINT = (
@@ -84,8 +85,15 @@ class EngineSettings:
     node_rank: int = 0
     dist_init_addr: str | None = None
     server_args: dict[str, Any] = field(default_factory=dict)
+    # The final state kept: post_norm (what SGLang's head receives) or pre_norm (the final
+    # norm's input, taken by a hook on the text model's norm; its weight goes in the manifest).
+    final_state: str = POST_NORM
 
     def __post_init__(self) -> None:
+        if self.final_state not in (PRE_NORM, POST_NORM):
+            raise ConfigError(
+                f"extract.final_state must be {PRE_NORM} or {POST_NORM}, not {self.final_state!r}"
+            )
         if self.device not in DEVICES:
             raise ConfigError(
                 f"extract.device must be one of {DEVICES} (or auto), not {self.device!r}"
@@ -168,6 +176,7 @@ class EngineSettings:
             node_rank=node_rank,
             dist_init_addr=addr,
             server_args=dict(extra) if extra else {},
+            final_state=str(ecfg.get("final_state") or POST_NORM),
         )
 
     def server_args_kwargs(self, nccl_port: int) -> dict[str, Any]:
