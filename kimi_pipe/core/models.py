@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kimi_pipe.core.formats import Marker, ModelFormat, Piece, parse_format
@@ -22,6 +22,9 @@ class MarkerMismatch(ConfigError):
     """A configured marker id disagrees with the tokenizer: refuse to start."""
 
 
+SHORT_SEGMENT = 64  # prompt segments this short are encoded once per model (_short_segments)
+
+
 @dataclass(frozen=True)
 class Model:
     name: str
@@ -32,6 +35,11 @@ class Model:
     # Names an answer's `model` may carry for this model (`model.served_names`; a dated
     # variant such as -0127 is the same model). Empty: not checked (a local server's path).
     served_names: tuple[str, ...] = ()
+    # The ids of short prompt segments (role names, a system prompt, tool ids), which repeat
+    # in every request of a dataset: a pure function of the text, kept with the model.
+    _short_segments: dict[str, list[int]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def encode(self, pieces: Iterable[Piece]) -> list[int]:
         """Encode rendered pieces: adjacent text is joined first, markers are hard ids.
@@ -66,6 +74,14 @@ class Model:
     def _encode_text(self, text: str, chunking: TextChunking | None) -> list[int]:
         if chunking is None:
             return self.tokenizer.encode_ordinary(text)
+        if len(text) <= SHORT_SEGMENT:
+            known = self._short_segments.get(text)
+            if known is None:
+                known = self._short_segments[text] = self._encode_chunked(text, chunking)
+            return known
+        return self._encode_chunked(text, chunking)
+
+    def _encode_chunked(self, text: str, chunking: TextChunking) -> list[int]:
         encode = self.tokenizer.encode_ordinary
         parts = split_for_bpe(text, chunking)
         if len(parts) == 1:
