@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kimi_pipe.core.issue_codes import CLASS_OF_CODE
+from kimi_pipe.core.issue_codes import CLASS_OF_CODE, Code
 from kimi_pipe.core.issue_codes import SINGLE_CANDIDATE as SINGLE_CANDIDATE  # tests' name
 from kimi_pipe.core.models import Model
 from kimi_pipe.core.prompt_proof import PromptReadings
@@ -177,8 +177,8 @@ def enumerate_candidates(
         why_open.append("the stack may have stripped other whitespace around the arguments")
     if billing_tolerance:
         why_open.append(f"billing tolerance {billing_tolerance}: billing cannot bound the options")
-    enum_edges = "tool_arguments_edges_unverifiable" in covered
-    enum_coercion = "tool_arguments_maybe_coerced" in covered
+    enum_edges = Code.TOOL_ARGUMENTS_EDGES_UNVERIFIABLE in covered
+    enum_coercion = Code.TOOL_ARGUMENTS_MAYBE_COERCED in covered
     may_drop_whitespace = profile.reasoning_tail in ("stripped", UNKNOWN)
     if enum_edges and "billing_mismatch" in covered:
         # Whitespace that costs ids may have been stripped from the arguments too: only the
@@ -298,8 +298,8 @@ def enumerate_candidates(
                 if (
                     _errors(rebuilt.issues)
                     - {"space_before_tool_section"}
-                    - ({"tool_arguments_edges_unverifiable"} if enum_edges else set())
-                    - ({"tool_arguments_maybe_coerced"} if enum_coercion else set())
+                    - ({Code.TOOL_ARGUMENTS_EDGES_UNVERIFIABLE} if enum_edges else set())
+                    - ({Code.TOOL_ARGUMENTS_MAYBE_COERCED} if enum_coercion else set())
                 ):
                     continue
                 if "space_before_tool_section" in _errors(rebuilt.issues) and (

@@ -272,7 +272,7 @@ CLASS_OF_CODE: dict[str, str] = {
     LEADING_SPACE_AFTER_MARKER: "marker_space",
     SPACE_BEFORE_TOOL_SECTION: "tool_section_space",
     TOOL_ARGUMENTS_EDGES_UNVERIFIABLE: "argument_edges",
-    "tool_arguments_maybe_coerced": "argument_types",
+    Code.TOOL_ARGUMENTS_MAYBE_COERCED: "argument_types",
 }
 
 # --- the reconstruct stage (stages/reconstruct.py) ----------------------------------------

@@ -31,6 +31,7 @@ from kimi_pipe.core.issue_codes import (
     RECONSTRUCTION_NOTES,
     TOOL_ARGUMENT_TYPES_BILLED,
     TOOL_SECTION_IN_REASONING,
+    Code,
 )
 from kimi_pipe.core.models import Model
 from kimi_pipe.core.prompt_proof import (
@@ -331,7 +332,7 @@ def _check_argument_types(
     if profile.argument_types == "verbatim" or not tools:
         return
     if any(readings is not None for readings in coercion_readings_of(calls, tools)):
-        issues.append("tool_arguments_maybe_coerced")
+        issues.append(Code.TOOL_ARGUMENTS_MAYBE_COERCED)
 
 
 def coercion_readings_of(
@@ -596,7 +597,7 @@ def undo_serving(
         and profile.argument_edges != "kept"
         and any(len(argument_edge_readings(model, c)) > 1 for c in calls)
     ):
-        issues.append("tool_arguments_edges_unverifiable")
+        issues.append(Code.TOOL_ARGUMENTS_EDGES_UNVERIFIABLE)
     # Reasoning only: the model ended inside its reasoning, or a detokenizer dropped the
     # think-end and the reply is in the reasoning (same length). Only a stack that keeps the
     # marker lets the billed length decide (reconstruct).
@@ -743,10 +744,10 @@ def reconstruct(
             issues.append("no_usage")
         elif abs(reported - len(output)) > billing_tolerance:
             issues.append("billing_mismatch")
-        elif "tool_arguments_maybe_coerced" in issues and _types_billed(
+        elif Code.TOOL_ARGUMENTS_MAYBE_COERCED in issues and _types_billed(
             model, answer, tools, billing_tolerance
         ):
-            issues.remove("tool_arguments_maybe_coerced")
+            issues.remove(Code.TOOL_ARGUMENTS_MAYBE_COERCED)
             issues.append(TOOL_ARGUMENT_TYPES_BILLED)
 
     mask_spec = model.format.loss_mask
