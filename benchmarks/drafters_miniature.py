@@ -21,32 +21,14 @@ from pathlib import Path
 from benchmarks import drafters_demo
 from kimi_pipe.config import compose
 from kimi_pipe.core.models import load_model
-from kimi_pipe.core.prompt_render import prompt_ids
 from kimi_pipe.store import miniature
+from tests.support.miniature import kimi_records
 
 QUESTIONS = ("What is 2 + 2?", "Name a prime number.", "Say hello.", "Why is the sky blue?")
 
 
 def records(n: int) -> list[dict]:
-    kimi = load_model(compose(["model=kimi_k25"]).model)
-    think_end, im_end = kimi.markers["</think>"], kimi.markers["<|im_end|>"]
-    rows = []
-    for i in range(n):
-        prompt = prompt_ids(kimi, [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}])
-        output = [
-            *kimi.encode([f"The user asks question {i}."]),
-            think_end,
-            *kimi.encode([f"Answer number {i}, briefly."]),
-            im_end,
-        ]
-        rows.append({
-            "id": f"k{i:02d}", "ok": True, "evidence": "text_proven", "issues": [],
-            "prompt_ids": prompt, "output_ids": output,
-            "loss_mask": [0] * len(prompt) + [1] * len(output),
-            "completion_tokens_reported": len(output),
-            "completion_tokens_reconstructed": len(output),
-        })  # fmt: skip
-    return rows
+    return kimi_records(load_model(compose(["model=kimi_k25"]).model), n, QUESTIONS)
 
 
 def main() -> int:

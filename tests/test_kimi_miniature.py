@@ -35,7 +35,7 @@ from kimi_pipe.store.conventions import rms_norm
 from kimi_pipe.store.hidden_store import HiddenStore, default_layer_ids
 from kimi_pipe.store.records import read_records
 from tests.support.export_readback import read_back_exports, records_by_id
-from tests.support.miniature import QUESTIONS, greedy, split_check_records
+from tests.support.miniature import QUESTIONS, greedy, kimi_records, split_check_records
 
 REPO = Path(__file__).resolve().parent.parent
 LAYERS = 61  # Kimi K2.5's depth, kept
@@ -54,29 +54,6 @@ def mini(mini_dir: Path) -> Iterator[HFBackend]:
     backend = HFBackend(mini_dir, store_dtype="float32", final_state="pre_norm")
     yield backend
     backend.close()
-
-
-def kimi_records(kimi: Model, n: int) -> list[dict[str, Any]]:
-    """Token records with Kimi's real prompt format and marker ids (reasoning, </think>,
-    content, <|im_end|>), as reconstruction writes them."""
-    think_end, im_end = kimi.markers["</think>"], kimi.markers["<|im_end|>"]
-    rows = []
-    for i in range(n):
-        prompt = prompt_ids(kimi, [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}])
-        output = [
-            *kimi.encode([f"The user asks question {i}."]),
-            think_end,
-            *kimi.encode([f"Answer number {i}, briefly."]),
-            im_end,
-        ]
-        rows.append({
-            "id": f"k{i:02d}", "ok": True, "evidence": "text_proven", "issues": [], "notes": [],
-            "prompt_ids": prompt, "output_ids": output,
-            "loss_mask": [0] * len(prompt) + [1] * len(output),
-            "completion_tokens_reported": len(output),
-            "completion_tokens_reconstructed": len(output),
-        })  # fmt: skip
-    return rows
 
 
 def cfg_for(overrides: list[str]) -> Any:

@@ -4,11 +4,13 @@ continuations, and the split check's records rebuilt from their text."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from kimi_pipe.core.models import Model
+from kimi_pipe.core.prompt_render import prompt_ids
 
 PAD_ID = 163839  # Kimi K2.5's [PAD] (the miniature's config.json keeps it)
 # Questions rendered with Kimi's prompt format; the split check uses the first three (their
@@ -49,3 +51,26 @@ def split_check_records(
             "sampling": {"temperature": 0.0},
         })  # fmt: skip
     return rows, truths
+
+
+def kimi_records(kimi: Model, n: int, questions: Sequence[str] = QUESTIONS) -> list[dict[str, Any]]:
+    """Token records with Kimi's real prompt format and marker ids (reasoning, </think>,
+    content, <|im_end|>), as reconstruction writes them (also benchmarks/drafters_miniature.py)."""
+    think_end, im_end = kimi.markers["</think>"], kimi.markers["<|im_end|>"]
+    rows = []
+    for i in range(n):
+        prompt = prompt_ids(kimi, [{"role": "user", "content": questions[i % len(questions)]}])
+        output = [
+            *kimi.encode([f"The user asks question {i}."]),
+            think_end,
+            *kimi.encode([f"Answer number {i}, briefly."]),
+            im_end,
+        ]
+        rows.append({
+            "id": f"k{i:02d}", "ok": True, "evidence": "text_proven", "issues": [], "notes": [],
+            "prompt_ids": prompt, "output_ids": output,
+            "loss_mask": [0] * len(prompt) + [1] * len(output),
+            "completion_tokens_reported": len(output),
+            "completion_tokens_reconstructed": len(output),
+        })  # fmt: skip
+    return rows
