@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import multiprocessing
 from pathlib import Path
 
 import pytest
@@ -36,7 +37,7 @@ def test_a_symlink_planted_at_the_temporary_name_is_never_written_through(
     outside.write_text("precious\n")
     run = tmp_path / "run"
     run.mkdir()
-    (run / "summary.json.tmp").symlink_to(outside)
+    atomic.temporary_name(run / "summary.json").symlink_to(outside)
     with pytest.raises(OSError) as info:
         atomic.write_text(run / "summary.json", "{}\n")
     assert info.value.errno == errno.ELOOP
@@ -60,4 +61,24 @@ def test_a_directory_is_renamed_over_its_target(tmp_path: Path) -> None:
         tmp.mkdir()
         (tmp / "data.arrow").write_bytes(b"x")
     assert (target / "data.arrow").read_bytes() == b"x"
-    assert not (tmp_path / "tokens.tmp").exists()
+    assert not tmp.exists()
+
+
+def _write_often(target: str, tag: str, times: int) -> None:
+    for i in range(times):
+        atomic.write_json(target, {"writer": tag, "i": i}, durable=False)
+
+
+def test_two_processes_writing_one_target_never_break_each_other(tmp_path: Path) -> None:
+    """The workers of a job array each write the run's summary: with one shared temporary
+    name, one renamed the other's file away and the other's rename failed (ENOENT)."""
+    target = tmp_path / "extract_summary.json"
+    ctx = multiprocessing.get_context("spawn")
+    writers = [ctx.Process(target=_write_often, args=(str(target), tag, 400)) for tag in ("a", "b")]
+    for w in writers:
+        w.start()
+    for w in writers:
+        w.join(timeout=120)
+    assert [w.exitcode for w in writers] == [0, 0]
+    assert json.loads(target.read_text())["i"] == 399
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["extract_summary.json"]

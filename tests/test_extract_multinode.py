@@ -246,6 +246,20 @@ def test_two_node_engine_stores_what_one_node_stores(tmp_path: Path, tiny_model:
     assert exported == _export(two, tmp_path / "x2")
 
 
+def test_a_free_port_comes_with_its_rank_channel_free() -> None:
+    """dist_init_addr's port and the next (the rank channel) are both bindable, on every
+    interface as the channel's listener binds: CI once drew a port whose successor was
+    taken, and rank 0 failed with EADDRINUSE."""
+    import socket
+
+    for _ in range(20):
+        port = free_port()
+        for p in (port, port + 1):
+            with socket.socket() as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind(("", p))
+
+
 def test_follower_node_alone_gives_up_with_a_clear_error(tmp_path: Path, tiny_model: Path) -> None:  # noqa: F811
     from kimi_pipe.extraction.sglang import ranks
 

@@ -39,6 +39,7 @@ from kimi_pipe.extraction.resolve import (
 )
 from kimi_pipe.extraction.token_samples import read_token_records
 from kimi_pipe.stages.jobs.extract import resolve_settings
+from kimi_pipe.store.atomic import temporary_name
 
 PROMPT = [5, 6]
 TAIL = "reasoning_tail_unverifiable"
@@ -223,7 +224,7 @@ def test_the_rewrite_goes_through_the_stores_atomic_writer(tmp_path: Path) -> No
     before = path.read_bytes()
     victim = tmp_path / "victim"
     victim.write_text("keep")
-    os.symlink(victim, tmp_path / f"records.jsonl.resolve-{os.getpid()}.tmp")
+    os.symlink(victim, temporary_name(path, ".resolve.tmp"))
     with pytest.raises(OSError):
         _pass(path)
     assert victim.read_text() == "keep" and path.read_bytes() == before

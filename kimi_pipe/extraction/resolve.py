@@ -467,7 +467,7 @@ def rewrite_records(
     write_bytes(
         path,
         b"".join(lines),
-        suffix=f".resolve-{os.getpid()}.tmp",
+        suffix=".resolve.tmp",
         mode=path.stat().st_mode & 0o777,
     )
     return replaced

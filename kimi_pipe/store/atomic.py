@@ -2,7 +2,10 @@
 
 Every output is written to a temporary name in the same directory, fsynced, renamed over
 the target (`os.replace`: atomic on POSIX), and the directory is fsynced so the rename
-itself is on disk. A failure (a full disk, a kill) leaves the old target and no temporary.
+itself is on disk. The temporary name carries the writer's pid: two processes writing one
+target (the workers of a job array, each writing the run's summary) never share one, so
+neither renames the other's half-written file away from under it. A failure (a full disk,
+a kill) leaves the old target and no temporary.
 Files are created with `O_NOFOLLOW`: a symlink planted at the temporary name (or at an
 append-only output, see `open_append`) is refused with ELOOP, never written through.
 """
@@ -23,6 +26,7 @@ __all__ = [
     "open_append",
     "open_new",
     "replace",
+    "temporary_name",
     "write_bytes",
     "write_json",
     "write_text",
@@ -58,6 +62,11 @@ def _fsync_tree(path: Path) -> None:
             os.fsync(fh.fileno())
 
 
+def temporary_name(path: Path, suffix: str = ".tmp") -> Path:
+    """This process's temporary name for `path`: beside it, ending in `suffix`."""
+    return path.with_name(f"{path.name}.{os.getpid()}{suffix}")
+
+
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
@@ -79,7 +88,7 @@ def write_bytes(
     path: str | Path, data: bytes, durable: bool = True, suffix: str = ".tmp", mode: int = 0o644
 ) -> None:
     path = Path(path)
-    tmp = path.with_name(path.name + suffix)
+    tmp = temporary_name(path, suffix)
     try:
         fd = os.open(tmp, _CREATE, mode)
         try:
@@ -122,7 +131,7 @@ def atomic_path(path: str | Path, durable: bool = True, suffix: str = ".tmp") ->
     """A temporary path for a writer that wants a file name (torch.save, safetensors, a
     datasets directory): renamed over `path` when the block succeeds, removed when not."""
     path = Path(path)
-    tmp = path.with_name(path.name + suffix)
+    tmp = temporary_name(path, suffix)
     if tmp.is_symlink():
         tmp.unlink()  # never let a writer follow a planted link
     elif tmp.exists():

@@ -41,5 +41,4 @@ RUN_FILES = (
     RECORDS + ".torn",
     ATTEMPT_ERRORS + ".torn",
     JOURNAL + ".torn",
-    SUMMARY + ".partial",
 )

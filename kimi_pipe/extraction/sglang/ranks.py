@@ -78,10 +78,30 @@ class ScoringRank(Rank, Protocol):
 RankFactory = Callable[[EngineSettings, int, int], Rank]  # (settings, tp_rank, nccl_port)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def free_port(span: int = 2, attempts: int = 64) -> int:
+    """A port that is free with the `span - 1` after it: an engine's dist_init_addr port is
+    followed by its rank channel (`control_address`), so a port whose successor is taken
+    fails at bind time. Both are held while checked; another process may still take one
+    after this returns, as with any free-port probe."""
+    for _ in range(attempts):
+        with socket.socket() as first:
+            first.bind(("", 0))  # every interface, as the rank channel's listener binds
+            port = int(first.getsockname()[1])
+            if port + span - 1 > 65535:
+                continue
+            held = []
+            try:
+                for offset in range(1, span):
+                    s = socket.socket()
+                    held.append(s)
+                    s.bind(("", port + offset))
+            except OSError:
+                continue
+            finally:
+                for s in held:
+                    s.close()
+            return port
+    raise RuntimeError(f"no {span} consecutive free ports in {attempts} tries")
 
 
 def control_address(settings: EngineSettings) -> tuple[str, int]:
