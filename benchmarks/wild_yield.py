@@ -6,7 +6,8 @@ Every answer of tests/fixtures/wild/kimi_k25_wild.jsonl (public test recordings,
 per row: docs/wild.md) goes through the one reconstruction entry (core/record_builder.py)
 under the default `unknown` profile, as `reconstruct` and `generate` run it. Per provider:
   proven       ok: ids proven by text, profile and bill
-  resolvable   not ok, a closed candidate set the target resolves at extraction
+  resolvable   not ok, a closed candidate set extraction's target resolution takes
+               (extraction/resolve.resolvable)
   lost         neither; the codes say why
   expected     exact tokens expected: proven tokens + resolvable tokens x the target's
                resolution rate measured on the 500-answer calibration (docs/yield.md: 197 of
@@ -33,6 +34,7 @@ from kimi_pipe.config import compose
 from kimi_pipe.core.models import load_model
 from kimi_pipe.core.record_builder import RecordBuilder
 from kimi_pipe.core.serving import ServingProfile
+from kimi_pipe.extraction.resolve import resolvable
 from kimi_pipe.reporting.recommend import ProviderYield, route_by_exact_tokens
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,10 +62,11 @@ def build(builder: RecordBuilder, row: dict[str, Any]) -> dict[str, Any]:
 
 
 def fate(record: dict[str, Any]) -> str:
+    """As extraction sees the record: proven, or one its target resolution takes
+    (extraction/resolve.resolvable: a closed set and nothing else blocking), or lost."""
     if record["ok"]:
         return "proven"
-    candidates = record.get("candidates") or {}
-    return "resolvable" if candidates.get("closed") else "lost"
+    return "resolvable" if resolvable(record) is None else "lost"
 
 
 def main() -> int:

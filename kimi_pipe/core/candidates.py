@@ -14,6 +14,12 @@ not (`why_open`) and must never be resolved. One option in a closed set is a pro
 record becomes `text_proven` (note `single_candidate`). Two or more are left to the target
 model (extraction/resolve.py). Schema: the `candidates` field in docs/design.md.
 
+Argument edges of several calls multiply (two calls of 20 readings each: 400 sequences), so past
+MAX_EDGE_READINGS combinations they are not listed: each option carries one choice point per
+call instead (`ChoicePoint`: the ids of the call's arguments between their two markers, and
+every same-count reading of their edges as an id span of the same length there). The option
+then stands for every combination; extraction/resolve.py weighs them point by point.
+
 Why about 530 lines: the enumerations of every ambiguity class build on one another (a tail
 and an argument edge in the same answer multiply), and each is proven against the same stack
 models (tests/test_closed_sets.py); apart, the product of two classes would have no home.
@@ -43,7 +49,7 @@ from kimi_pipe.core.reconstruction import (
     undo_serving,
 )
 from kimi_pipe.core.serving import UNKNOWN, ServingProfile
-from kimi_pipe.core.token_record import CandidateOption, CandidateSet
+from kimi_pipe.core.token_record import CandidateOption, CandidatePoint, CandidateSet
 
 # Flag code -> ambiguity class this module enumerates (CLASS_OF_CODE, core/issue_codes.py).
 ENUMERABLE = frozenset(CLASS_OF_CODE)
@@ -64,13 +70,34 @@ NO_OPTION_FITS = "no reading fits the bill at its canonical split"
 
 
 @dataclass(frozen=True)
+class ChoicePoint:
+    """Ids `at` .. `at + n` of an option may be any of `alternatives` (each n long, the
+    option's own first): the readings of one call's argument edges, factored out of the set."""
+
+    at: int
+    alternatives: list[list[int]]
+    labels: list[str]
+
+    def to_record(self) -> CandidatePoint:
+        return {"at": self.at, "alternatives": self.alternatives, "labels": self.labels}
+
+
+@dataclass(frozen=True)
 class Option:
     output_ids: list[int]
     loss_mask: list[int]
     label: str
+    points: list[ChoicePoint] = field(default_factory=list)
 
     def to_record(self) -> CandidateOption:
-        return {"output_ids": self.output_ids, "loss_mask": self.loss_mask, "label": self.label}
+        out: CandidateOption = {
+            "output_ids": self.output_ids,
+            "loss_mask": self.loss_mask,
+            "label": self.label,
+        }
+        if self.points:
+            out["points"] = [p.to_record() for p in self.points]
+        return out
 
 
 @dataclass(frozen=True)
@@ -105,8 +132,8 @@ class Candidates:
 
     @property
     def proves(self) -> bool:
-        """A closed set of exactly one option: the ids are proven."""
-        return self.closed and len(self.options) == 1
+        """A closed set of exactly one option and no choice point: the ids are proven."""
+        return self.closed and len(self.options) == 1 and not self.options[0].points
 
 
 def _enough_for_open(why_open: Sequence[str], options: Sequence[Option]) -> bool:
@@ -214,19 +241,21 @@ def enumerate_candidates(
                     "a coerced value may have had another spelling (a number, boolean or "
                     "nested value), or too many to list"
                 )
-        branches = []
+        branches: list[tuple[AnswerFields, str, int, EdgeReadings | None]] = []
+        factored = False  # the edges as choice points of each option, not listed
         for coerced, coercion in coerced_readings:
             edge_sets = _edge_assignments(model, coerced) if enum_edges else [None]
             if edge_sets is None:
-                why_open.append("too many argument-edge readings to list")
-                edge_sets = [None]
+                factored, edge_sets = True, [None]
             branches += [(coerced, coercion, m, e) for m in moves for e in edge_sets]
-        if len(branches) > MAX_EDGE_READINGS * len(moves):
-            # Coercion readings times edge readings: too many to rebuild, so the set is open
-            # and only the arguments as returned are listed.
-            why_open.append("too many readings of the coerced arguments to list")
-            edge_sets = _edge_assignments(model, undone) if enum_edges else [None]
-            branches = [(undone, "", m, e) for m in moves for e in edge_sets or [None]]
+        if factored or len(branches) > MAX_EDGE_READINGS * len(moves):
+            # Coercion readings times edge readings, or edges of several calls: too many to
+            # rebuild one by one, so each option carries its calls' edges as choice points.
+            factored = True
+            branches = [(c, label, m, None) for c, label in coerced_readings for m in moves]
+            if len(branches) > MAX_EDGE_READINGS * len(moves):
+                why_open.append("too many readings of the coerced arguments to list")
+                branches = [(undone, "", m, None) for m in moves]
         for coerced, coercion, move, edges in branches:
             if _enough_for_open(why_open, options):
                 break
@@ -310,11 +339,18 @@ def enumerate_candidates(
                 if key in seen:
                     continue
                 seen.add(key)
+                points: list[ChoicePoint] = []
+                if factored and enum_edges:
+                    found = _edge_points(model, moved, rebuilt.output_ids)
+                    if found is None:
+                        why_open.append("an argument's ids could not be told apart in the output")
+                    points = found or []
                 options.append(
                     Option(
                         rebuilt.output_ids,
                         rebuilt.loss_mask,
                         _label(spacing if len(spacings) > 1 else None, move, tail, edges, coercion),
+                        points,
                     )
                 )
     if not options:
@@ -332,11 +368,16 @@ def enumerate_candidates(
             short=list(short.values()),
             long=list(long.values()),
         )
+    diverge = _diverge_at([o.output_ids for o in options])
+    starts = [p.at for o in options for p in o.points]
+    if starts:
+        # Nothing at or after a choice point is shared by every reading.
+        diverge = min(starts) if diverge is None else min(diverge, *starts)
     return Candidates(
         closed=not why_open,
         why_open="; ".join(dict.fromkeys(why_open)) or None,
         classes=classes,
-        diverge_at=_diverge_at([o.output_ids for o in options]),
+        diverge_at=diverge,
         options=options,
         short=[o for key, o in short.items() if key not in seen],
         long=[o for key, o in long.items() if key not in seen],
@@ -533,6 +574,60 @@ def _edge_assignments(model: Model, answer: AnswerFields) -> list[EdgeReadings] 
     if total > MAX_EDGE_READINGS:
         return None
     return [tuple(combo) for combo in itertools.product(*per_call)]
+
+
+def _edge_points(
+    model: Model, answer: AnswerFields, output_ids: Sequence[int]
+) -> list[ChoicePoint] | None:
+    """One choice point per call whose argument edges have several same-count readings: where
+    its arguments' ids stand alone between two markers (encoded on their own there, so any
+    reading's ids can replace them), every reading's ids. None when a call's arguments are
+    not found that way, or a reading's ids differ in length (never a guessed position)."""
+    encode = model.tokenizer.encode_ordinary
+    markers = set(model.markers.values())
+    points: list[ChoicePoint] = []
+    cursor = 0
+    for n, call in enumerate(answer.tool_calls):
+        readings = argument_edge_readings(model, call)
+        if len(readings) < 2:
+            continue
+        arguments = call["function"]["arguments"]  # a string: argument_edge_readings said so
+        own = encode(arguments)
+        at = _isolated_span(output_ids, own, cursor, markers)
+        if at is None:
+            return None
+        alternatives: dict[tuple[int, ...], str] = {}
+        for lead, trail in readings:
+            ids = tuple(encode(lead + arguments + trail))
+            if len(ids) != len(own):
+                return None
+            label = (
+                f"call {n} arguments' edges {lead!r} / {trail!r} restored" if lead or trail else ""
+            )
+            alternatives.setdefault(ids, label or "as returned")
+        if len(alternatives) > 1:
+            points.append(
+                ChoicePoint(at, [list(ids) for ids in alternatives], list(alternatives.values()))
+            )
+        cursor = at + len(own)
+    return points
+
+
+def _isolated_span(
+    ids: Sequence[int], span: Sequence[int], start: int, markers: set[int]
+) -> int | None:
+    """The first index >= start where `span` stands between two markers (or an end)."""
+    n = len(span)
+    if not n:
+        return None
+    for at in range(start, len(ids) - n + 1):
+        if (
+            ids[at : at + n] == list(span)
+            and (at == 0 or ids[at - 1] in markers)
+            and (at + n == len(ids) or ids[at + n] in markers)
+        ):
+            return at
+    return None
 
 
 def _coercion_assignments(

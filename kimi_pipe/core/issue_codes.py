@@ -221,6 +221,9 @@ RECONSTRUCTION_NOTES: frozenset[str] = frozenset(
         Code.TOOL_INDEX_REPAIRED,
         Code.TOOL_NAME_REPAIRED,
         Code.NO_THINK_END,
+        # Only the reading with the tool section before `</think>` fits both bills (a note,
+        # as docs/reconstruct.md says; unlisted, extraction took it for a blocking code).
+        Code.TOOL_SECTION_IN_REASONING,
     }
 )
 # Codes that keep a record out of training files whatever the policy: the last id is unknown.

@@ -93,6 +93,8 @@ def drawable(record: Mapping[str, Any], blocking: set[str], covered: frozenset[s
         return False
     if not isinstance(options, list):
         return False
+    if any(isinstance(o, Mapping) and o.get("points") for o in options):
+        return False  # an option with choice points stands for many sequences: none is drawn
     logprobs = res.get("logprobs")
     if not isinstance(logprobs, list) or len(logprobs) != len(options) or len(options) < 2:
         return False

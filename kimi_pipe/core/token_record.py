@@ -10,7 +10,16 @@ carries usable ids before a reader trusts them.
 
 from __future__ import annotations
 
-from typing import Any, TypedDict
+from typing import Any, NotRequired, TypedDict
+
+
+class CandidatePoint(TypedDict):
+    """One place in an option where a few same-length id spans fit equally (core/candidates.py,
+    `ChoicePoint`): `alternatives[0]` is the option's own ids at `at`."""
+
+    at: int
+    alternatives: list[list[int]]
+    labels: list[str]
 
 
 class TokenIds(TypedDict):
@@ -31,6 +40,8 @@ class CandidateOption(TypedDict):
     output_ids: list[int]
     loss_mask: list[int]
     label: str
+    # Choice points: the option stands for every combination of their alternatives.
+    points: NotRequired[list[CandidatePoint]]
 
 
 class ProvenAgainst(TypedDict):

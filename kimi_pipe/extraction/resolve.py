@@ -287,6 +287,88 @@ def decide(logprobs: Sequence[float], min_posterior: float) -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True)
+class _Chain:
+    """One option walked through its choice points, the likeliest alternative taken at each."""
+
+    logprob: float  # log P(the chain's whole output | prompt)
+    choices: list[int]
+    # log P of each sequence that leaves the chain at a point (its output up to that point's
+    # end): an upper bound on the mass of every continuation of it.
+    departures: list[float]
+
+
+def _walk(
+    prompt: list[int], option: Mapping[str, Any], scorer: SuffixScorer, sampling: Sampling
+) -> _Chain:
+    ids = list(option["output_ids"])
+    total, end = 0.0, 0  # log P(ids[:end] | prompt)
+    choices: list[int] = []
+    departures: list[float] = []
+    for point in option.get("points") or []:
+        at, alternatives = point["at"], point["alternatives"]
+        between = ids[end:at]
+        scores = scorer.score_suffixes(
+            prompt + ids[:end], [between + a for a in alternatives], sampling
+        )
+        best = max(range(len(scores)), key=lambda i: scores[i])
+        departures += [total + lp for i, lp in enumerate(scores) if i != best and lp > -math.inf]
+        total += scores[best]
+        choices.append(best)
+        if total == -math.inf:
+            # No alternative can be drawn here: every sequence through this option is impossible.
+            return _Chain(
+                -math.inf, choices + [0] * (len(option["points"]) - len(choices)), departures
+            )
+        ids[at : at + len(alternatives[best])] = alternatives[best]
+        end = at + len(alternatives[best])
+    if end < len(ids):
+        total += scorer.score_suffixes(prompt + ids[:end], [ids[end:]], sampling)[0]
+    return _Chain(total, choices, departures)
+
+
+def decide_points(
+    prompt: list[int],
+    options: Sequence[Mapping[str, Any]],
+    scorer: SuffixScorer,
+    sampling: Sampling,
+    settings: ResolveSettings,
+) -> dict[str, Any]:
+    """Options with choice points (core/candidates.ChoicePoint) stand for every combination of
+    their alternatives, too many to score one by one. Each option is walked point by point,
+    the likeliest alternative kept at each (`_walk`); every sequence that leaves the walk at a
+    point is counted at its probability up to that point's end, which bounds the total of all
+    its continuations (distinct continuations of one prefix are disjoint events). So
+    `posterior` is a LOWER BOUND on the chosen sequence's posterior among all of them:
+    resolved only when even the bound reaches resolve.min_posterior."""
+    chains = [_walk(prompt, o, scorer, sampling) for o in options]
+    logprobs = [c.logprob for c in chains]
+    n = len(options)
+    impossible = [i for i, lp in enumerate(logprobs) if lp == -math.inf]
+    best = max(range(n), key=lambda i: logprobs[i])
+    departures = [lp for c in chains for lp in c.departures]
+    listed = {"n": n, "impossible": impossible, "bound": "lower", "departures": len(departures)}
+    if logprobs[best] == -math.inf:
+        return {
+            **listed, "chosen": None, "choices": None, "posterior": None, "margin": None,
+            "logprobs": [None] * n, "resolved": False,
+        }  # fmt: skip
+    rivals = [lp for i, lp in enumerate(logprobs) if i != best] + departures
+    top = logprobs[best]
+    mass = 1.0 + sum(math.exp(lp - top) for lp in rivals if lp > -math.inf)
+    second = max(rivals, default=-math.inf)
+    posterior = 1.0 / mass
+    return {
+        **listed,
+        "chosen": best,
+        "choices": chains[best].choices,
+        "posterior": posterior,
+        "margin": None if second == -math.inf else top - second,
+        "logprobs": [None if lp == -math.inf else lp for lp in logprobs],
+        "resolved": posterior >= settings.min_posterior,
+    }
+
+
 def covered_issues(candidates: Mapping[str, Any]) -> frozenset[str]:
     """Error codes a candidate set accounts for (its classes', core/issue_codes.CLASS_OF_CODE)."""
     table = CLASS_OF_CODE
@@ -313,7 +395,9 @@ def resolvable(record: Mapping[str, Any]) -> str | None:
     if cands.get("closed") is not True:
         return "open_set"
     options = cands.get("options")
-    if not isinstance(options, list) or len(options) < 2:
+    if not isinstance(options, list) or not options:
+        return "no_options"
+    if len(options) < 2 and not (isinstance(options[0], Mapping) and options[0].get("points")):
         return "no_options"
     diverge = cands.get("diverge_at")
     if not isinstance(diverge, int) or diverge < 0:
@@ -327,12 +411,51 @@ def resolvable(record: Mapping[str, Any]) -> str | None:
             return "bad_option"
         if len(mask) not in (len(ids), len(record.get("prompt_ids") or []) + len(ids)):
             return "bad_option"
+        if opt.get("points") is not None and not _points_fit(opt["points"], ids):
+            return "bad_option"
     if len({tuple(o["output_ids"]) for o in options}) != len(options):
         return "duplicate_options"
     rest = blocking_issues(record.get("issues") or []) - covered_issues(cands) - {TARGET_UNRESOLVED}
     if rest:
         return "other_issues"  # only a record whose one ambiguity is this set may be resolved
     return None
+
+
+def _points_fit(points: Any, ids: Sequence[int]) -> bool:
+    """An option's choice points (core/candidates.ChoicePoint) are well formed: in order, apart,
+    inside the option, each alternative as long as the span it replaces, the option's own ids
+    first, no two alike."""
+    if not isinstance(points, list) or not points:
+        return False
+    end = 0
+    for point in points:
+        at = point.get("at") if isinstance(point, Mapping) else None
+        alternatives = point.get("alternatives") if isinstance(point, Mapping) else None
+        if not isinstance(at, int) or at < end or not isinstance(alternatives, list):
+            return False
+        if not alternatives or not all(
+            isinstance(a, list) and all(isinstance(t, int) and t >= 0 for t in a)
+            for a in alternatives
+        ):
+            return False
+        n = len(alternatives[0])
+        if not n or at + n > len(ids) or any(len(a) != n for a in alternatives):
+            return False
+        if list(ids[at : at + n]) != alternatives[0]:
+            return False
+        if len({tuple(a) for a in alternatives}) != len(alternatives):
+            return False
+        end = at + n
+    return True
+
+
+def option_ids(option: Mapping[str, Any], choices: Sequence[int] | None) -> list[int]:
+    """An option's ids with alternative `choices[k]` at its k-th choice point."""
+    ids = list(option["output_ids"])
+    for point, choice in zip(option.get("points") or [], choices or [], strict=True):
+        chosen = point["alternatives"][choice]
+        ids[point["at"] : point["at"] + len(chosen)] = chosen
+    return ids
 
 
 def apply_resolution(
@@ -358,7 +481,8 @@ def apply_resolution(
     out["issues"] = [c for c in issues if c not in covered]
     notes = list(record.get("notes") or [])
     out["notes"] = list(dict.fromkeys([*notes, RESOLVED_NOTE, *moved]))
-    out["output_ids"] = list(option["output_ids"])
+    # Choice points: the alternative chosen at each (same lengths, so the mask holds).
+    out["output_ids"] = option_ids(option, numbers.get("choices"))
     prompt_len = len(record.get("prompt_ids") or [])
     mask = list(option["loss_mask"])
     # An option's mask may cover the output only or, as a record's does, prompt + output.
@@ -386,12 +510,17 @@ def score_record(
     options = cands["options"]
     if len(options) > settings.max_options:
         return None
-    diverge = int(cands["diverge_at"])
-    first = options[0]["output_ids"]
-    prefix = list(record.get("prompt_ids") or []) + list(first[:diverge])
-    suffixes = [list(o["output_ids"][diverge:]) for o in options]
-    logprobs = scorer.score_suffixes(prefix, suffixes, sampling)
-    numbers = decide(logprobs, settings.min_posterior)
+    if any(o.get("points") for o in options):
+        numbers = decide_points(
+            list(record.get("prompt_ids") or []), options, scorer, sampling, settings
+        )
+    else:
+        diverge = int(cands["diverge_at"])
+        first = options[0]["output_ids"]
+        prefix = list(record.get("prompt_ids") or []) + list(first[:diverge])
+        suffixes = [list(o["output_ids"][diverge:]) for o in options]
+        logprobs = scorer.score_suffixes(prefix, suffixes, sampling)
+        numbers = decide(logprobs, settings.min_posterior)
     extra = {
         "model": scorer.model_name,
         "min_posterior": settings.min_posterior,
