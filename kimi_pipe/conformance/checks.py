@@ -9,6 +9,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from kimi_pipe.core.issue_codes import Code
+
 CLEAN, SEEN, UNKNOWN = "clean", "seen", "unknown"
 NATIVE_ID = re.compile(r"^functions\.(?P<name>[^:\s]+):(?P<index>\d+)$")
 
@@ -118,7 +120,7 @@ def _no_reasoning(
     rebuilt = record.get("completion_tokens_reconstructed")
     if isinstance(reported, int) and isinstance(rebuilt, int) and rebuilt < reported:
         return {name: (SEEN, f"billing counts {reported - rebuilt} token(s) the text lacks")}
-    if not content.strip() or "billing_mismatch" in issues:
+    if not content.strip() or Code.BILLING_MISMATCH in issues:
         return {}
     return {name: (CLEAN, "no reasoning, and the bill equals the text")}
 
@@ -138,7 +140,7 @@ def _reasoning_whitespace(reasoning: str, record: Mapping[str, Any], issues: set
     reported = record.get("completion_tokens_reported")
     rebuilt = record.get("completion_tokens_reconstructed")
     if (
-        "billing_mismatch" in issues
+        Code.BILLING_MISMATCH in issues
         and isinstance(reported, int)
         and isinstance(rebuilt, int)
         and rebuilt < reported
@@ -201,7 +203,7 @@ def _tool_checks(
         # The model writes JSON as its template does (", " and ": "); other spacing with a
         # token count or engine tokens that disagree is a server's re-serialisation.
         respaced = text != json.dumps(args, ensure_ascii=False)
-        doubted = issues & {"billing_mismatch", "logprob_mismatch"}
+        doubted = issues & {Code.BILLING_MISMATCH, Code.LOGPROB_MISMATCH}
         if value == spec["value"] and respaced and doubted:
             why = f"arguments {text!r} re-spaced ({', '.join(sorted(doubted))})"
             out["argument_reserialised"] = (SEEN, why)

@@ -31,6 +31,7 @@ from kimi_pipe.conformance.checks import (  # noqa: F401  (check_answer: re-expo
     message_of,
     tool_calls_of,
 )
+from kimi_pipe.core.issue_codes import Code
 from kimi_pipe.core.serving import CHOICES
 from kimi_pipe.core.serving import UNKNOWN as PROFILE_UNKNOWN  # a profile field's, not a verdict's
 from kimi_pipe.errors import ConfigError
@@ -257,7 +258,7 @@ class ProviderConformance:
             "logprobs": self.logprobs,
             "logprob_answers": self.logprob_answers,
             "logprob_agree": self.logprob_agree,
-            "logprob_mismatch": self.logprob_mismatch,
+            Code.LOGPROB_MISMATCH: self.logprob_mismatch,
             "noncanonical_splits": self.noncanonical_splits,
             "issues": dict(self.issues),
             "fields": self.fields,

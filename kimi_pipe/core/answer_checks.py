@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from kimi_pipe.core.issue_codes import CONTENT_FILTER, OTHER_PROVIDER
+from kimi_pipe.core.issue_codes import CONTENT_FILTER, OTHER_PROVIDER, Code
 
 # finish_reason values a provider really sends for a completed answer (OpenAI's and the
 # native ones OpenRouter passes on in `native_finish_reason`), lower-cased.
@@ -79,7 +79,7 @@ def answer_issues(
     issues: list[str] = []
     answered = response.get("model")
     if isinstance(answered, str) and answered and not same_model(answered, asked_model):
-        issues.append("other_model")
+        issues.append(Code.OTHER_MODEL)
     if other_provider(response, request):
         issues.append(OTHER_PROVIDER)
     choices = response.get("choices") or [{}]
@@ -92,13 +92,13 @@ def answer_issues(
     else:
         finish = choice.get("finish_reason")
     if finish is None:
-        issues.append("finish_reason_null")
+        issues.append(Code.FINISH_REASON_NULL)
     elif not isinstance(finish, str):
-        issues.append("finish_reason_unknown")
+        issues.append(Code.FINISH_REASON_UNKNOWN)
     elif finish.lower() == CONTENT_FILTER or choice.get("finish_reason") == CONTENT_FILTER:
         issues.append(CONTENT_FILTER)
     elif finish.lower() not in KNOWN_FINISH_REASONS and finish.lower() != "error":
-        issues.append("finish_reason_unknown")
+        issues.append(Code.FINISH_REASON_UNKNOWN)
     return issues
 
 

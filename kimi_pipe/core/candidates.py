@@ -175,30 +175,30 @@ def enumerate_candidates(
     reported = rec.completion_tokens_reported
     # A letter-ended tail whose stripped newline billing saw: billing_mismatch, one id short.
     tail_billing = (
-        "billing_mismatch" in errors
+        Code.BILLING_MISMATCH in errors
         and profile.reasoning_tail in ("stripped", UNKNOWN)
         and reported is not None
         and reported > rec.completion_tokens_reconstructed
     )
-    if tail_billing or (covered and "billing_mismatch" in errors):
+    if tail_billing or (covered and Code.BILLING_MISMATCH in errors):
         # Every option is rebuilt and billed on its own: the count decides among them.
-        covered = covered | {"billing_mismatch"}
-    if errors - covered or (not covered - {"billing_mismatch"} and not tail_billing):
+        covered = covered | {Code.BILLING_MISMATCH}
+    if errors - covered or (not covered - {Code.BILLING_MISMATCH} and not tail_billing):
         return None
-    enum_tail = "reasoning_tail_unverifiable" in covered or tail_billing
+    enum_tail = Code.REASONING_TAIL_UNVERIFIABLE in covered or tail_billing
     spacings = (
         ["none", "spaces", "leading"]
-        if "leading_space_after_marker" in covered
+        if Code.LEADING_SPACE_AFTER_MARKER in covered
         else [profile.marker_spacing]
     )
-    moves = [0, 1, 2] if "space_before_tool_section" in covered else [0]
+    moves = [0, 1, 2] if Code.SPACE_BEFORE_TOOL_SECTION in covered else [0]
     classes = sorted(
         {CLASS_OF_CODE[c] for c in covered if c in CLASS_OF_CODE}
         | ({"reasoning_tail"} if enum_tail else set())
     )
 
     why_open: list[str] = []
-    if "space_before_tool_section" in covered:
+    if Code.SPACE_BEFORE_TOOL_SECTION in covered:
         # Seen in SGLang 0.5.14's corpus: the stack that moves the leading space also strips
         # the arguments' trailing one, and the same count can hide other whitespace there.
         why_open.append("the stack may have stripped other whitespace around the arguments")
@@ -207,7 +207,7 @@ def enumerate_candidates(
     enum_edges = Code.TOOL_ARGUMENTS_EDGES_UNVERIFIABLE in covered
     enum_coercion = Code.TOOL_ARGUMENTS_MAYBE_COERCED in covered
     may_drop_whitespace = profile.reasoning_tail in ("stripped", UNKNOWN)
-    if enum_edges and "billing_mismatch" in covered:
+    if enum_edges and Code.BILLING_MISMATCH in covered:
         # Whitespace that costs ids may have been stripped from the arguments too: only the
         # readings at the same count are listed.
         why_open.append("billing leaves room for whitespace stripped from the arguments")
@@ -227,7 +227,7 @@ def enumerate_candidates(
         )
         scratch: list[str] = []
         undone = undo_serving(model, hypothesis, answer, scratch)
-        if "marker_spacing_mismatch" in scratch:
+        if Code.MARKER_SPACING_MISMATCH in scratch:
             continue  # a stack that spaces every marker cannot have written this answer
         if enum_tail and answer.reasoning_source is not None and not undone.reasoning.strip():
             # Nothing left to anchor a stripped tail: the whole reasoning may have been
@@ -309,7 +309,7 @@ def enumerate_candidates(
                 off = rebuilt.completion_tokens_reconstructed - (reported or 0)
                 if (
                     reported is not None
-                    and _errors(rebuilt.issues) == {"billing_mismatch"}
+                    and _errors(rebuilt.issues) == {Code.BILLING_MISMATCH}
                     and 0 < abs(off) <= READING_DISTANCE
                 ):
                     (short if off < 0 else long).setdefault(
@@ -326,13 +326,13 @@ def enumerate_candidates(
                 rebuilt = rebuild(tail, billing_tolerance)
                 if (
                     _errors(rebuilt.issues)
-                    - {"space_before_tool_section"}
+                    - {Code.SPACE_BEFORE_TOOL_SECTION}
                     - ({Code.TOOL_ARGUMENTS_EDGES_UNVERIFIABLE} if enum_edges else set())
                     - ({Code.TOOL_ARGUMENTS_MAYBE_COERCED} if enum_coercion else set())
                 ):
                     continue
-                if "space_before_tool_section" in _errors(rebuilt.issues) and (
-                    "space_before_tool_section" not in covered
+                if Code.SPACE_BEFORE_TOOL_SECTION in _errors(rebuilt.issues) and (
+                    Code.SPACE_BEFORE_TOOL_SECTION not in covered
                 ):
                     continue
                 key = tuple(rebuilt.output_ids)

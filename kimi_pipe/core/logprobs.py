@@ -36,7 +36,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from kimi_pipe.core.issue_codes import LOGPROB_ERRORS
+from kimi_pipe.core.issue_codes import LOGPROB_ERRORS, Code
 from kimi_pipe.core.issue_codes import (
     LOGPROB_NOTES as LOGPROB_NOTES,  # extraction/resolve.py's name
 )
@@ -209,7 +209,7 @@ def apply_logprobs(
             return rec  # nothing asked, nothing sent: the record keeps its plain layout
         details["logprobs"] = {"present": False}
         details["id_sources"] = reencoded_only
-        return replace(rec, issues=_unique([*rec.issues, "logprobs_missing"]), details=details)
+        return replace(rec, issues=_unique([*rec.issues, Code.LOGPROBS_MISSING]), details=details)
 
     summary: dict[str, Any] = {"present": True, "tokens": len(entries)}
     details["logprobs"] = summary
@@ -223,14 +223,14 @@ def apply_logprobs(
         engine = engine_ids(model, entries)
     except BadLogprobs as exc:
         summary["invalid"] = str(exc)
-        issues = _unique([*rec.issues, "logprobs_invalid"])
+        issues = _unique([*rec.issues, Code.LOGPROBS_INVALID])
         return replace(rec, ok=False, issues=issues, details=details)
     if not engine:  # e.g. content-only logprobs of an empty content: nothing to compare
         summary["coverage"] = "none"
         return replace(rec, details=details)
     if not output:  # nothing was reconstructed to compare with (a malformed answer)
         summary["invalid"] = "no reconstructed output to place the tokens in"
-        issues = _unique([*rec.issues, "logprobs_invalid"])
+        issues = _unique([*rec.issues, Code.LOGPROBS_INVALID])
         return replace(rec, ok=False, issues=issues, details=details)
 
     token_bytes = model.tokenizer.token_bytes
@@ -245,7 +245,7 @@ def apply_logprobs(
         seen += len(out_pieces[end - start])
         end += 1
     out_text = b"".join(out_pieces[: end - start])
-    coerced_ok = "tool_arguments_maybe_coerced" in rec.issues
+    coerced_ok = Code.TOOL_ARGUMENTS_MAYBE_COERCED in rec.issues
     lead = output[start - 1] if start else None
     trims = (
         _stack_trims(model, output[start:], engine, coerced_ok, lead)
@@ -276,7 +276,7 @@ def apply_logprobs(
         }
         # Kept for inspection, not used: either these or the text were changed.
         summary["engine_ids"] = engine
-        issues = _unique([*rec.issues, "logprob_mismatch"])
+        issues = _unique([*rec.issues, Code.LOGPROB_MISMATCH])
         return replace(rec, ok=_ok(issues), issues=issues, details=details)
 
     covered = output[start:end]
@@ -298,7 +298,7 @@ def apply_logprobs(
                 "why": "a marker on one side is text on the other",
             }
             summary["engine_ids"] = engine
-            issues = _unique([*rec.issues, "logprob_mismatch"])
+            issues = _unique([*rec.issues, Code.LOGPROB_MISMATCH])
             return replace(rec, ok=_ok(issues), issues=issues, details=details)
     summary["agree"] = not runs
     summary["splits"] = [
@@ -311,7 +311,7 @@ def apply_logprobs(
     ]
     issues = list(rec.issues)
     if runs:
-        issues.append("noncanonical_split")
+        issues.append(Code.NONCANONICAL_SPLIT)
     if policy.record_ids == "reencoded" or not runs:
         # "confirmed": re-encoded ids the engine's tokens agree with, id for id.
         sources: list[list[Any]] = [[start, end, "confirmed" if not runs else "reencoded"]]
@@ -324,7 +324,7 @@ def apply_logprobs(
     tail = [[tail_start, len(new_output), "reencoded"]] if tail_start < len(new_output) else []
     details["id_sources"] = head + sources + tail
 
-    cleared = {"billing_mismatch", *_covered_codes(coverage)}
+    cleared = {Code.BILLING_MISMATCH, *_covered_codes(coverage)}
     issues = [code for code in issues if code not in cleared]
     return _billed(rec, policy, details, new_output, issues)
 
@@ -339,7 +339,7 @@ def _billed(
     """The record on `output` (the ids it will carry), with the billing check redone on them."""
     reported = rec.completion_tokens_reported
     if reported is not None and abs(reported - len(output)) > policy.billing_tolerance:
-        issues = [*issues, "billing_mismatch"]
+        issues = [*issues, Code.BILLING_MISMATCH]
     issues = _unique(issues)
     return replace(
         rec,
@@ -356,14 +356,14 @@ def _covered_codes(coverage: str) -> set[str]:
     """Flags the engine's own bytes settle where they cover the output: the tool calls (their
     arguments verbatim) from the content on; with the whole output also the reasoning's tail
     (a newline after final punctuation) and the spaces beside every marker."""
-    codes = set()
+    codes: set[str] = set()
     if coverage in ("whole", "content"):
         # The section's bytes: arguments as written (types, edges) and the model's own index.
-        codes |= {"tool_arguments_maybe_coerced", "tool_arguments_edges_unverifiable"}
-        codes |= {"tool_index_unverifiable"}
+        codes |= {Code.TOOL_ARGUMENTS_MAYBE_COERCED, Code.TOOL_ARGUMENTS_EDGES_UNVERIFIABLE}
+        codes |= {Code.TOOL_INDEX_UNVERIFIABLE}
     if coverage == "whole":
-        codes |= {"reasoning_tail_unverifiable", "leading_space_after_marker"}
-        codes |= {"space_before_tool_section"}
+        codes |= {Code.REASONING_TAIL_UNVERIFIABLE, Code.LEADING_SPACE_AFTER_MARKER}
+        codes |= {Code.SPACE_BEFORE_TOOL_SECTION}
     return codes
 
 
@@ -501,9 +501,9 @@ def _engine_ids_over_trims(
     tail = [[start + len(engine), len(new_output), "reencoded"]] if end < len(output) else []
     details["id_sources"] = head + [[start, start + len(engine), "engine"]] + tail
     summary["agree"] = False
-    cleared = {"billing_mismatch", *_covered_codes(str(summary.get("coverage")))}
+    cleared = {Code.BILLING_MISMATCH, *_covered_codes(str(summary.get("coverage")))}
     issues = [code for code in rec.issues if code not in cleared]
-    return _billed(rec, policy, details, new_output, [*issues, "stack_changed_text"])
+    return _billed(rec, policy, details, new_output, [*issues, Code.STACK_CHANGED_TEXT])
 
 
 def _loss_mask(rec: Reconstruction, output_len: int) -> list[int]:

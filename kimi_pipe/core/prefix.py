@@ -33,7 +33,7 @@ from kimi_pipe.core.evidence import (
     has_prefix,
     taken_whole,
 )
-from kimi_pipe.core.issue_codes import CLASS_OF_CODE, LOGPROB_NOTES, TARGET_UNRESOLVED
+from kimi_pipe.core.issue_codes import CLASS_OF_CODE, LOGPROB_NOTES, TARGET_UNRESOLVED, Code
 from kimi_pipe.core.issue_codes import RECONSTRUCTION_NOTES as NOTES
 from kimi_pipe.core.token_record import TokenRecord
 
@@ -49,7 +49,7 @@ def covered_codes(candidates: Mapping[str, Any]) -> frozenset[str]:
     classes = set(candidates.get("classes") or [])
     codes = {code for code, cls in CLASS_OF_CODE.items() if cls in classes}
     if classes & _TAIL_CLASSES:
-        codes.add("billing_mismatch")
+        codes.add(Code.BILLING_MISMATCH)
     return frozenset(codes)
 
 

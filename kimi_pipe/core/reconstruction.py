@@ -174,7 +174,7 @@ def output_pieces(
         # An empty reasoning field with the think-end in content: the provider did not split.
         if not reasoning and out.think_end and out.think_end in content:
             reasoning, content = content.split(out.think_end, 1)
-            issues.append("reasoning_from_content")
+            issues.append(Code.REASONING_FROM_CONTENT)
         elif answer.reasoning_source is None and truncated and not answer.tool_calls:
             # No reasoning field and no think-end: a provider that leaves reasoning in
             # content was cut before the model closed its reasoning.
@@ -182,7 +182,7 @@ def output_pieces(
         elif truncated and not content and not answer.tool_calls:
             reasoning_cut = True  # cut inside the reasoning: no think-end was emitted
         if answer.reasoning_source == "reasoning_details":
-            issues.append("reasoning_from_details")
+            issues.append(Code.REASONING_FROM_DETAILS)
         if out.reasoning_strip:
             reasoning = reasoning.strip(out.reasoning_strip)
         if reasoning_cut:
@@ -211,14 +211,14 @@ def output_pieces(
             content = before
     content_pieces = split_markers(content, out.content_markers)
     if any(isinstance(p, Marker) for p in content_pieces):
-        issues.append("raw_markers_in_content")
+        issues.append(Code.RAW_MARKERS_IN_CONTENT)
     ids: list[str] = []
     if answer.tool_calls:
         ids = _tool_call_ids(model, profile, answer.tool_calls, call_index_offset, tools, issues)
         _check_argument_types(profile, answer.tool_calls, tools, issues)
     section, not_json = content_and_tool_calls(out, content_pieces, answer.tool_calls, ids)
     if not_json:
-        issues.append("tool_arguments_not_json")
+        issues.append(Code.TOOL_ARGUMENTS_NOT_JSON)
     pieces += section
 
     if truncated:
@@ -259,10 +259,10 @@ def _tool_call_ids(
             profile, (call.get("function") or {}).get("name") or "", tools, issues
         )
         ids.append(out.tool_call_id.format(name=name, index=expected))
-        issues.append("tool_call_ids_rebuilt")
+        issues.append(Code.TOOL_CALL_IDS_REBUILT)
         if offset:
             # Rebuilt with the conversation counter; the model may have counted from 0 again.
-            issues.append("tool_index_unverifiable")
+            issues.append(Code.TOOL_INDEX_UNVERIFIABLE)
     return ids
 
 
@@ -277,16 +277,16 @@ def _model_index(
     if offset and rule in ("conversation", "per_answer", "foreign", UNKNOWN):
         # A stack that numbers the calls itself wrote this index (or may have, `unknown`):
         # after earlier calls the model's own index is its counter or 0 again, not in the text.
-        issues.append("tool_index_unverifiable")
+        issues.append(Code.TOOL_INDEX_UNVERIFIABLE)
     if rule == "double_count":
         index -= offset  # SGLang 0.5.14 added the history count to the model's own index
     elif rule == "per_answer":
         index += offset
     if index != expected:
-        issues.append("tool_index_untrusted")
+        issues.append(Code.TOOL_INDEX_UNTRUSTED)
         return call_id
     if f"{head}:{index}" != call_id:
-        issues.append("tool_index_repaired")
+        issues.append(Code.TOOL_INDEX_REPAIRED)
     return f"{head}:{index}"
 
 
@@ -314,9 +314,9 @@ def _declared_name(
     if profile.tool_names == "last_dot_part":
         fits = [d for d in declared if d.rsplit(".", 1)[-1] == name]
         if len(fits) == 1:
-            issues.append("tool_name_repaired")
+            issues.append(Code.TOOL_NAME_REPAIRED)
             return fits[0]
-    issues.append("tool_name_not_declared")
+    issues.append(Code.TOOL_NAME_NOT_DECLARED)
     return name
 
 
@@ -524,7 +524,7 @@ def undo_serving(
     if source is None and out.think_end and out.think_end in content:
         reasoning, content = content.split(out.think_end, 1)
         source = "content"
-        issues.append("reasoning_from_content")
+        issues.append(Code.REASONING_FROM_CONTENT)
     spaced_ids = any(
         (isinstance(c.get("id"), str) and c["id"].startswith(" "))
         or str((c.get("function") or {}).get("arguments") or "").startswith(" ")
@@ -570,9 +570,9 @@ def undo_serving(
                 call["function"] = {**function, "arguments": arguments[1:-1]}  # type: ignore[dict-item]
                 changed = True
         if changed:
-            issues.append("marker_spaces_removed")
+            issues.append(Code.MARKER_SPACES_REMOVED)
         if mismatch:
-            issues.append("marker_spacing_mismatch")
+            issues.append(Code.MARKER_SPACING_MISMATCH)
     elif (
         profile.marker_spacing == UNKNOWN
         and out.marker_spacing_risk
@@ -582,7 +582,7 @@ def undo_serving(
             or spaced_ids
         )
     ):
-        issues.append("leading_space_after_marker")
+        issues.append(Code.LEADING_SPACE_AFTER_MARKER)
     # Marker-delimited arguments (json_verbatim): any whitespace may have moved; elsewhere a
     # space (the content's own separator before the calls is the format's).
     verbatim_section = out.arguments == "json_verbatim"
@@ -590,7 +590,7 @@ def undo_serving(
         # A streaming parser can move an argument's leading space, or the whitespace after the
         # section's begin marker, into the content (SGLang 0.5.14 and 0.5.23): ' {"' and '{"'
         # are one token each, so the billed length does not see it.
-        issues.append("space_before_tool_section")
+        issues.append(Code.SPACE_BEFORE_TOOL_SECTION)
     if (
         calls
         and out.arguments == "json_verbatim"
@@ -603,12 +603,12 @@ def undo_serving(
     # marker lets the billed length decide (reconstruct).
     reasoning_only = reasoning and not content and not calls and not truncated
     if reasoning_only and out.think_end and profile.think_end != "kept":
-        issues.append("reasoning_without_think_end")
+        issues.append(Code.REASONING_WITHOUT_THINK_END)
     closed = bool(content or calls) or not truncated
     # Unknown stacks may strip it too (vLLM 0.33 does): flagged unless a profile says "kept".
     tail_unproven = profile.reasoning_tail in ("stripped", UNKNOWN)
     if tail_unproven and reasoning and closed and _ends_mergeable(reasoning):
-        issues.append("reasoning_tail_unverifiable")
+        issues.append(Code.REASONING_TAIL_UNVERIFIABLE)
     return replace(
         answer,
         reasoning=reasoning,
@@ -659,7 +659,7 @@ def reconstruct(
             readings = prompt_readings(model, messages, tools, profile)
         except (PromptError, AttributeError, TypeError, KeyError) as exc:
             readings = None
-            issues.append("bad_prompt")
+            issues.append(Code.BAD_PROMPT)
             detail = {"prompt_error": str(exc)}
     prompt_seen: list[int] = readings.template.ids if readings is not None else []
     if _other_model(model, response):
@@ -670,16 +670,16 @@ def reconstruct(
     output: list[int] = []
     ended = False
     if answer is None:
-        issues.append("provider_error" if _is_error(response) else "malformed_response")
+        issues.append(Code.PROVIDER_ERROR if _is_error(response) else Code.MALFORMED_RESPONSE)
     else:
         if answer.error or answer.finish_reason == "error":
-            issues.append("provider_error")
+            issues.append(Code.PROVIDER_ERROR)
         if answer.finish_reason in LENGTH_REASONS:
-            issues.append("truncated")
+            issues.append(Code.TRUNCATED)
             # A cut inside a multi-byte character reaches us as U+FFFD: the last id cannot be
             # recovered from text, and the length check cannot see it.
             if (answer.content or answer.reasoning).endswith("\ufffd"):
-                issues.append("partial_character")
+                issues.append(Code.PARTIAL_CHARACTER)
         try:
             offset = (
                 _calls_in_history(messages)
@@ -706,15 +706,15 @@ def reconstruct(
                         model, answer, [], offset, profile, tools, think_end=False
                     )
                     output = model.encode(pieces)
-                    issues.append("no_think_end")
+                    issues.append(Code.NO_THINK_END)
             elif _may_lack_think_end(model, profile, answer):
-                issues.append("reasoning_without_think_end")
+                issues.append(Code.REASONING_WITHOUT_THINK_END)
         except (AttributeError, TypeError, ValueError) as exc:  # e.g. a tool call not an object
-            issues.append("malformed_response")
+            issues.append(Code.MALFORMED_RESPONSE)
             detail["response_error"] = f"{type(exc).__name__}: {exc}"
             pieces, ended, output = [], False, []
         if not (answer.reasoning or answer.content or answer.tool_calls) and not _truncated(answer):
-            issues.append("empty_response")
+            issues.append(Code.EMPTY_RESPONSE)
         if readings is not None and readings.template.ids and output:
             # The bill proves the prompt and the prompt/output boundary together.
             section_first = (
@@ -741,9 +741,9 @@ def reconstruct(
             if proof.reading != readings.template.name:
                 detail["prompt_reading"] = proof.reading
         if reported is None:
-            issues.append("no_usage")
+            issues.append(Code.NO_USAGE)
         elif abs(reported - len(output)) > billing_tolerance:
-            issues.append("billing_mismatch")
+            issues.append(Code.BILLING_MISMATCH)
         elif Code.TOOL_ARGUMENTS_MAYBE_COERCED in issues and _types_billed(
             model, answer, tools, billing_tolerance
         ):

@@ -16,7 +16,7 @@ from typing import Any, cast
 from kimi_pipe.core.candidates import Candidates, enumerate_candidates
 from kimi_pipe.core.evidence import UNRESOLVED, evidence_of, sampling_of
 from kimi_pipe.core.issue_codes import RECONSTRUCTION_ERRORS as ERRORS
-from kimi_pipe.core.issue_codes import SINGLE_CANDIDATE
+from kimi_pipe.core.issue_codes import SINGLE_CANDIDATE, Code
 from kimi_pipe.core.logprobs import LogprobPolicy, apply_logprobs, policy_from_config, record_fields
 from kimi_pipe.core.models import Model
 from kimi_pipe.core.plain import select
@@ -128,13 +128,13 @@ def _proven_by(record: TokenRecord, candidates: Candidates) -> TokenRecord:
     """A closed one-member set: its ids are proven; the flags it covered become a note."""
     option = candidates.options[0]
     covered = {
-        "reasoning_tail": {"reasoning_tail_unverifiable", "billing_mismatch"},
-        "marker_space": {"leading_space_after_marker"},
-        "tool_section_space": {"space_before_tool_section"},
-        "argument_edges": {"tool_arguments_edges_unverifiable"},
+        "reasoning_tail": {Code.REASONING_TAIL_UNVERIFIABLE, Code.BILLING_MISMATCH},
+        "marker_space": {Code.LEADING_SPACE_AFTER_MARKER},
+        "tool_section_space": {Code.SPACE_BEFORE_TOOL_SECTION},
+        "argument_edges": {Code.TOOL_ARGUMENTS_EDGES_UNVERIFIABLE},
     }
     # Each option passed its own billing check: a mismatch of the as-returned reading goes too.
-    drop = set().union({"billing_mismatch"}, *(covered[c] for c in candidates.classes))
+    drop = set().union({Code.BILLING_MISMATCH}, *(covered[c] for c in candidates.classes))
     issues = [c for c in record["issues"] if c not in drop] + [SINGLE_CANDIDATE]
     return record | {
         "issues": list(dict.fromkeys(issues)),

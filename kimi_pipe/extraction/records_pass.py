@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kimi_pipe.core.evidence import POSTERIOR_SAMPLED
+from kimi_pipe.core.issue_codes import Code
 from kimi_pipe.core.posterior import sample_posterior
 from kimi_pipe.core.token_record import TokenRecord
 from kimi_pipe.extraction.prefix_check import check_prefix, checkable_prefix
@@ -140,7 +141,11 @@ def _split_check_pass(
             checked, cost = check_prefix(current, model, vocab, settings, scorer.model_name)
             tokens += cost
             if checked is not None:
-                key = "prefix_split_checked" if "prefix" in checked else "prefix_split_ambiguous"
+                key = (
+                    Code.PREFIX_SPLIT_CHECKED
+                    if "prefix" in checked
+                    else Code.PREFIX_SPLIT_AMBIGUOUS
+                )
                 counts[key] = counts.get(key, 0) + 1
                 updates[sid] = (_digest(raw), checked)
             continue
@@ -194,7 +199,7 @@ def _split_outcome(record: Mapping[str, Any]) -> str:
     if check.get("chosen") == "other":
         return "split_resolved_other"
     return (
-        "split_checked"
+        Code.SPLIT_CHECKED
         if check.get("posterior") == 1.0 and check.get("paths") == 1
         else ("split_resolved_record")
     )

@@ -39,7 +39,7 @@ from typing import Any, Protocol, cast
 import torch
 
 from kimi_pipe.core.evidence import UNRESOLVED as UNRESOLVED
-from kimi_pipe.core.issue_codes import CLASS_OF_CODE, RESOLVED_BY_TARGET, TARGET_UNRESOLVED
+from kimi_pipe.core.issue_codes import CLASS_OF_CODE, RESOLVED_BY_TARGET, TARGET_UNRESOLVED, Code
 from kimi_pipe.core.issue_codes import TARGET_RESOLVED as TARGET_RESOLVED  # one home
 from kimi_pipe.core.logprobs import LOGPROB_NOTES
 from kimi_pipe.core.prefix import with_prefix
@@ -375,7 +375,7 @@ def covered_issues(candidates: Mapping[str, Any]) -> frozenset[str]:
     classes = set(candidates.get("classes") or [])
     codes = {code for code, cls in table.items() if cls in classes}
     if classes & _TAIL_CLASSES:
-        codes.add("billing_mismatch")
+        codes.add(Code.BILLING_MISMATCH)
     return frozenset(codes)
 
 

@@ -37,6 +37,7 @@ from kimi_pipe.core.issue_codes import (  # what each means: there
     SPLIT_CHECKED,
     SPLIT_RESOLVED,
     TARGET_DISAGREES,
+    Code,
 )
 from kimi_pipe.core.splits import (
     NextTokenScorer,
@@ -168,7 +169,7 @@ def checkable(record: Mapping[str, Any], billing_splits: bool = False) -> str | 
         return None
     issues = set(record.get("issues") or [])
     billed = isinstance(record.get("completion_tokens_reported"), int)
-    if not record.get("ok") and issues == {"billing_mismatch"} and not record.get("candidates"):
+    if not record.get("ok") and issues == {Code.BILLING_MISMATCH} and not record.get("candidates"):
         if not billed:
             return "other_issues"
         return None if billing_splits else "billing_splits_off"  # a split may fit the bill
@@ -436,11 +437,11 @@ def apply_split_check(
     # What the readings accounted for (a stripped tail, a marker space) is settled with them.
     cands = record.get("candidates")
     covered = covered_issues(cands) if isinstance(cands, Mapping) else frozenset()
-    settled = covered | {"billing_mismatch"}
+    settled = covered | {Code.BILLING_MISMATCH}
     out["issues"] = [c for c in (record.get("issues") or []) if c not in settled]
     notes = [*(record.get("notes") or []), SPLIT_RESOLVED]
-    if "billing_mismatch" in (record.get("issues") or []):
-        notes.append("billing_mismatch")
+    if Code.BILLING_MISMATCH in (record.get("issues") or []):
+        notes.append(Code.BILLING_MISMATCH)
     out["notes"] = list(dict.fromkeys(notes))
     out["ok"] = True
     out["evidence"] = TARGET_RESOLVED

@@ -25,6 +25,7 @@ from kimi_pipe.core.evidence import (
     taken_whole,
     usable,
 )
+from kimi_pipe.core.issue_codes import Code
 from kimi_pipe.core.prefix import training_ids
 from kimi_pipe.core.token_record import record_problem
 from kimi_pipe.errors import ConfigError, MissingFile
@@ -137,7 +138,7 @@ def apply_max_len(
             # Nothing left to learn from: the cut removed every loss token.
             counts["skipped_no_loss_after_truncation"] += 1
         else:
-            counts["truncated"] += 1
+            counts[Code.TRUNCATED] += 1
             counts["tokens_dropped_by_truncation"] += len(s.input_ids) - max_len
             kept.append(TokenSample(s.id, s.input_ids[:max_len], s.loss_mask[:max_len]))
     return kept, counts

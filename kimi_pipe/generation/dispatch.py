@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kimi_pipe.core.answer_checks import TextRepair
+from kimi_pipe.core.issue_codes import Code
 from kimi_pipe.generation.outcomes import Outcomes, TokenCore, _error_record, _repaired
 from kimi_pipe.generation.spending import REMAINING, Spending
 from kimi_pipe.progress import Progress, Snapshot
@@ -114,9 +115,9 @@ class Dispatch:
                         n_prompt = self.core.prompt_len(prompt.messages, prompt.tools)
                     except Exception as exc:  # noqa: BLE001 - a bad row, not a bad run
                         sem.release()
-                        err = ErrorInfo("bad_prompt", None, str(exc)[:500], "fail")
+                        err = ErrorInfo(Code.BAD_PROMPT, None, str(exc)[:500], "fail")
                         writer.append(_error_record(prompt, self.request, err, 0))
-                        self.stats.failed["bad_prompt"] += 1
+                        self.stats.failed[Code.BAD_PROMPT] += 1
                         continue
                     worst = prices.worst_case(n_prompt)
                     if max_per_sample is not None and worst > float(max_per_sample):
@@ -152,7 +153,7 @@ class Dispatch:
                             writer,
                             err_writer,
                             prior,
-                            ["prompt_text_replaced"] if repair.surrogates else [],
+                            [Code.PROMPT_TEXT_REPLACED] if repair.surrogates else [],
                         )
                     )
                     tasks.add(task)

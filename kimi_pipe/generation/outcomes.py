@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from kimi_pipe.conformance import auto as serving_auto
 from kimi_pipe.core.answer_checks import TextRepair, answer_issues, clean_text
-from kimi_pipe.core.issue_codes import COST_BELOW_LISTED_PRICE
+from kimi_pipe.core.issue_codes import COST_BELOW_LISTED_PRICE, Code
 from kimi_pipe.core.logprobs import LogprobPolicy
 from kimi_pipe.core.models import load_model
 from kimi_pipe.core.prompt_render import prompt_ids
@@ -166,7 +166,7 @@ class Outcomes:
                 resp = clean_text(result.response, self.key, repair)
             except RecursionError:  # nested too deeply to walk: unusable, cost already booked
                 err = ErrorInfo(
-                    "malformed_response", 200, "the answer is nested too deeply", "fail"
+                    Code.MALFORMED_RESPONSE, 200, "the answer is nested too deeply", "fail"
                 )
                 writer.append(_error_record(prompt, self.request, err, result.attempts))
                 self.stats.failed[err.cls] += 1
@@ -198,12 +198,12 @@ class Outcomes:
                     "completion_tokens_reported": None,
                     "completion_tokens_reconstructed": 0,
                     "reconstruction_error": str(exc),
-                    "evidence": "unresolved",
+                    "evidence": Code.UNRESOLVED,
                     "sampling": None,
                 }
             extra = [*flags, *result.billing_flags, *result.wire_flags]
-            extra += ["answer_text_replaced"] if repair.surrogates else []
-            extra += ["api_key_echoed"] if repair.key_echoed else []
+            extra += [Code.ANSWER_TEXT_REPLACED] if repair.surrogates else []
+            extra += [Code.API_KEY_ECHOED] if repair.key_echoed else []
             # A cost below the listed price is about money, not ids: a note, the floor booked.
             notes = [c for c in extra if c in MONEY_NOTES]
             flagged = _with_issues(rec, [c for c in extra if c not in MONEY_NOTES])

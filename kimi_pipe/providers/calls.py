@@ -28,6 +28,7 @@ from kimi_pipe.core.issue_codes import (
     BILLED_ERROR_BODY,
     COST_BELOW_LISTED_PRICE,
     TOOL_ARGUMENTS_NOT_STRING,
+    Code,
 )
 from kimi_pipe.core.reconstruction import LENGTH_REASONS
 from kimi_pipe.providers.costs import _count, _usage, response_cost
@@ -119,7 +120,7 @@ def classify_exception(exc: BaseException, key: str | None = None) -> ErrorInfo:
     if any(sign in message for sign in _UNPARSABLE_ANSWER):
         # An answer arrived (and was billed) but does not have the shape of one: buying it
         # again would be billed again for the same garbage.
-        return ErrorInfo("malformed_response", status, message, "fail")
+        return ErrorInfo(Code.MALFORMED_RESPONSE, status, message, "fail")
     if isinstance(exc, litellm.APIConnectionError):
         return ErrorInfo("connection", status, message, "retry", retry_after)
     if status == 200:  # the body could not be read (empty or not JSON)
@@ -139,22 +140,22 @@ def answer_problem(response: Mapping[str, Any]) -> ErrorInfo | None:
     if response.get("error"):
         err = response["error"]
         msg = err.get("message") if isinstance(err, Mapping) else str(err)
-        return ErrorInfo("provider_error", 200, str(msg)[:2000], "retry")
+        return ErrorInfo(Code.PROVIDER_ERROR, 200, str(msg)[:2000], "retry")
     choices = response.get("choices") or []
     if not choices or not isinstance(choices[0], Mapping):
-        return ErrorInfo("malformed_response", 200, "no choices in the answer", "fail")
+        return ErrorInfo(Code.MALFORMED_RESPONSE, 200, "no choices in the answer", "fail")
     choice = choices[0]
     psf = choice.get("provider_specific_fields") or {}
     finish = psf.get("native_finish_reason") or choice.get("finish_reason")
     if finish == "error" or choice.get("error"):
-        return ErrorInfo("provider_error", 200, "finish_reason error", "retry")
+        return ErrorInfo(Code.PROVIDER_ERROR, 200, "finish_reason error", "retry")
     message = choice.get("message") or {}
     mpsf = message.get("provider_specific_fields") or {}
     parts = [message.get(k) for k in ("content", "tool_calls", "reasoning_content")]
     parts += [mpsf.get(k) for k in ("reasoning", "reasoning_details")]
     parts += [message.get(k) for k in ("reasoning", "reasoning_details")]
     if not any(parts) and finish not in LENGTH_REASONS:
-        return ErrorInfo("empty_response", 200, "the answer is empty", "retry")
+        return ErrorInfo(Code.EMPTY_RESPONSE, 200, "the answer is empty", "retry")
     return None
 
 
@@ -379,7 +380,7 @@ async def attempt_once(
                 0.0 if cost is None else cost,
                 _count(usage.get("completion_tokens")) or 0,
                 latency,
-                replace(info, cls="provider_error"),
+                replace(info, cls=Code.PROVIDER_ERROR),
                 [*flags, BILLED_ERROR_BODY],
                 generation_id_of(raw, None, _headers_of(exc)),
                 prompt_tokens=_count(usage.get("prompt_tokens")),
@@ -440,10 +441,10 @@ OnFailed = Callable[[ErrorInfo, int, float, int], None]
 # Failures after which the provider may have generated (and billed) an answer we never saw
 # or could not read: booked at the attempt's worst case.
 BILLED_UNSEEN = frozenset(
-    {"timeout", "malformed_response", "bad_body", "response_too_large", "connection_lost"}
+    {"timeout", Code.MALFORMED_RESPONSE, "bad_body", "response_too_large", "connection_lost"}
 )
 # Billing flags after which the answer's own cost cannot be trusted.
-UNTRUSTED_COST = frozenset({"cost_invalid", "no_usage", "usage_invalid"})
+UNTRUSTED_COST = frozenset({"cost_invalid", Code.NO_USAGE, "usage_invalid"})
 OVERBILLED = BILLED_ABOVE_RESERVATION
 # A stated cost below tokens x listed price: the floor is booked instead.
 BELOW_LISTED = COST_BELOW_LISTED_PRICE
@@ -462,7 +463,7 @@ def book(
         set(flags) & UNTRUSTED_COST
     ):
         tokens = attempt.completion_tokens
-        if set(flags) & {"no_usage", "usage_invalid"}:
+        if set(flags) & {Code.NO_USAGE, "usage_invalid"}:
             tokens = int(getattr(reservation, "output_tokens", 0))
         return replace(attempt, cost=reserved, completion_tokens=tokens)
     if (

@@ -7,6 +7,7 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from kimi_pipe.core.issue_codes import Code
 from kimi_pipe.providers.account import account_for
 from kimi_pipe.providers.errors import PriceError, ProviderConfigError, ProviderUnreachable
 from kimi_pipe.providers.money import (  # noqa: F401  (re-exported: the cost names callers use)
@@ -34,7 +35,7 @@ def response_cost(
     if "cost" not in usage and not any(
         usage.get(k) for k in ("prompt_tokens", "completion_tokens", "total_tokens")
     ):
-        return None, ["no_usage"]
+        return None, [Code.NO_USAGE]
     raw = [usage.get(k) for k in ("prompt_tokens", "completion_tokens")]
     tokens = [_count(value) for value in raw]
     if any(value is not None and count is None for value, count in zip(raw, tokens, strict=True)):

@@ -28,6 +28,7 @@ from kimi_pipe.core.id_compare import (  # noqa: F401  (re-exported: the audit's
     classify,
     json_spans,
 )
+from kimi_pipe.core.issue_codes import Code
 from kimi_pipe.core.models import load_model
 from kimi_pipe.errors import InputError
 from kimi_pipe.store import atomic
@@ -325,7 +326,7 @@ def audit_records(
     for n, rec in enumerate(records, 1):
         rid = str(rec.get("id"))
         if rec.get("error"):
-            skipped["provider_error"] += 1
+            skipped[Code.PROVIDER_ERROR] += 1
             continue
         recon_out = rec.get("output_ids") or []
         if not recon_out:

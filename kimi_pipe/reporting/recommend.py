@@ -9,6 +9,7 @@ from typing import Any
 
 import yaml
 
+from kimi_pipe.core.issue_codes import Code
 from kimi_pipe.reporting.formatting import counter_text, fmt_num, fmt_pct, fmt_usd, pct
 from kimi_pipe.reporting.stats import UNKNOWN, RunStats
 
@@ -207,7 +208,7 @@ def run_yield_of(s: RunStats) -> ProviderYield:
         cost_usd=s.cost_usd or 0.0,
         expected_exact_tokens=proven + CALIBRATED_RESOLUTION_RATE * resolvable,
         unexplained_billing=min(
-            s.issues.get("prompt_unproven", 0), s.issues.get("billing_mismatch", 0)
+            s.issues.get(Code.PROMPT_UNPROVEN, 0), s.issues.get(Code.BILLING_MISMATCH, 0)
         ),
     )
 

@@ -32,6 +32,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from kimi_pipe.core.issue_codes import Code
 from kimi_pipe.errors import MissingFile
 from kimi_pipe.extraction.executors import run_executor
 from kimi_pipe.extraction.executors.worker import UnitSettings
@@ -87,7 +88,7 @@ def run_job(job: ExtractJob, backend: Backend | None = None) -> dict[str, Any]:
     print(
         f"[extract] store {summary['store']}: {summary['capture']['written']} written now, "
         f"{summary['capture']['skipped_done']} already there; truncated "
-        f"{summary['counts'].get('truncated', 0)}, skipped {skipped or 0}",
+        f"{summary['counts'].get(Code.TRUNCATED, 0)}, skipped {skipped or 0}",
         file=sys.stderr,
         flush=True,
     )

@@ -30,7 +30,7 @@ from omegaconf import DictConfig
 
 from kimi_pipe.conformance.auto import is_plain_auto, recorded_profile
 from kimi_pipe.core.evidence import LADDER, evidence_of
-from kimi_pipe.core.issue_codes import BAD_SERVING_PROFILE, LOGPROB_ERRORS, MALFORMED_RECORD
+from kimi_pipe.core.issue_codes import BAD_SERVING_PROFILE, LOGPROB_ERRORS, MALFORMED_RECORD, Code
 from kimi_pipe.core.issue_codes import RECONSTRUCTION_ERRORS as ERRORS
 from kimi_pipe.core.logprobs import LogprobPolicy
 from kimi_pipe.core.models import Model, load_model
@@ -118,7 +118,7 @@ def reconstruct_line(
     sample_id = sample.get("id", f"line-{line_no}")
     messages = sample.get("messages")
     if not isinstance(messages, list):
-        return _bad_record(sample_id, "bad_prompt", f"{where}: messages must be a list")
+        return _bad_record(sample_id, Code.BAD_PROMPT, f"{where}: messages must be a list")
     recorded = None
     if is_plain_auto(builder.serving):
         # serving=auto over a stored run: the profile generate fitted for this record's
@@ -153,7 +153,7 @@ def _bad_record(sample_id: Any, code: str, why: str) -> TokenRecord:
         "loss_mask": [],
         "completion_tokens_reported": None,
         "completion_tokens_reconstructed": 0,
-        "evidence": "unresolved",
+        "evidence": Code.UNRESOLVED,
         "sampling": None,
     }
 
