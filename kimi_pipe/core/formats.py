@@ -13,7 +13,7 @@ import re
 import string
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Any
 
 
@@ -52,25 +52,32 @@ class Template:
                 parts.append(("field", field_name))
         return cls(source=source, parts=tuple(parts))
 
-    @property
+    @cached_property
     def fields(self) -> frozenset[str]:
         return frozenset(v for k, v in self.parts if k == "field")
+
+    @cached_property
+    def _steps(self) -> tuple[tuple[bool, Piece], ...]:
+        """The parts as (is a field, its name or the piece itself), markers built once: a
+        template is rendered several times for every answer."""
+        return tuple(
+            (kind == "field", Marker(value) if kind == "marker" else value)
+            for kind, value in self.parts
+        )
 
     def render(self, **values: str | Sequence[Piece]) -> list[Piece]:
         """Substitute fields; a value may be text or already-rendered pieces."""
         out: list[Piece] = []
-        for kind, value in self.parts:
-            if kind == "text":
-                out.append(value)
-            elif kind == "marker":
-                out.append(Marker(value))
+        for is_field, step in self._steps:
+            if not is_field:
+                out.append(step)
+                continue
+            filled = values[step]  # type: ignore[index]
+            if isinstance(filled, str):
+                if filled:
+                    out.append(filled)
             else:
-                filled = values[value]
-                if isinstance(filled, str):
-                    if filled:
-                        out.append(filled)
-                else:
-                    out.extend(filled)
+                out.extend(filled)
         return out
 
 

@@ -57,18 +57,30 @@ class Model:
         return self._encode(pieces, self.chunking)
 
     def _encode(self, pieces: Iterable[Piece], chunking: TextChunking | None) -> list[int]:
-        ids: list[int] = []
+        ids: list[int] | None = None
         pending: list[str] = []
         for piece in pieces:
             if isinstance(piece, Marker):
                 if pending:
-                    ids.extend(self._encode_text("".join(pending), chunking))
+                    ids = self._join(ids, self._encode_text("".join(pending), chunking), chunking)
                     pending.clear()
+                if ids is None:
+                    ids = []
                 ids.append(self.markers[piece.name])
             else:
                 pending.append(piece)
         if pending:
-            ids.extend(self._encode_text("".join(pending), chunking))
+            ids = self._join(ids, self._encode_text("".join(pending), chunking), chunking)
+        return [] if ids is None else ids
+
+    @staticmethod
+    def _join(ids: list[int] | None, more: list[int], chunking: TextChunking | None) -> list[int]:
+        """`ids` + `more`. The output's first text (its reasoning, the longest) is kept as the
+        tokenizer's own new list rather than copied id by id; prompt ids may be the shared
+        `_short_segments` lists, so they are always copied."""
+        if ids is None:
+            return more if chunking is None else list(more)
+        ids.extend(more)
         return ids
 
     def _encode_text(self, text: str, chunking: TextChunking | None) -> list[int]:

@@ -17,7 +17,7 @@ import itertools
 import unicodedata
 import weakref
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from kimi_pipe.core.answer_checks import same_model
@@ -609,21 +609,23 @@ def undo_serving(
     tail_unproven = profile.reasoning_tail in ("stripped", UNKNOWN)
     if tail_unproven and reasoning and closed and _ends_mergeable(reasoning):
         issues.append(Code.REASONING_TAIL_UNVERIFIABLE)
-    return replace(
-        answer,
+    # Built directly: dataclasses.replace re-reads the fields' metadata on every call.
+    return AnswerFields(
         reasoning=reasoning,
-        content=content,
         reasoning_source=source,
+        content=content,
         tool_calls=calls,
+        finish_reason=answer.finish_reason,
+        error=answer.error,
     )
 
 
 def _calls_in_history(messages: Sequence[Mapping[str, Any]]) -> int:
-    return sum(
-        len(m.get("tool_calls") or [])
-        for m in messages
-        if isinstance(m, Mapping) and m.get("role") == "assistant"
-    )
+    count = 0
+    for m in messages:
+        if isinstance(m, Mapping) and m.get("role") == "assistant":
+            count += len(m.get("tool_calls") or [])
+    return count
 
 
 def _usage_int(response: Any, key: str) -> int | None:

@@ -39,7 +39,8 @@ class Tokenizer(Protocol):
     splits_at_lone_spaces: bool
 
     def encode_ordinary(self, text: str) -> list[int]:
-        """Encode text as plain text: marker names inside it stay text."""
+        """Encode text as plain text: marker names inside it stay text. A new list on every
+        call: the caller may keep and extend it (core/models.Model.encode does)."""
         ...
 
     def marker_id(self, name: str) -> int | None:
