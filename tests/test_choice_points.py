@@ -204,3 +204,42 @@ def test_a_point_that_is_not_the_options_own_ids_is_refused(smol: tuple[Any, Any
     assert resolvable(record) == "bad_option"
     point["alternatives"] = [point["alternatives"][0], [1, 2]]  # another length
     assert resolvable(record) == "bad_option"
+
+
+def test_extract_walks_the_points_then_stores_the_chosen_ids(tmp_path: Any, smol: Any) -> None:
+    """Through `extract` as a user runs it: the record is resolved on the walk's ids (or kept
+    unresolved with only its shared prefix), and the store holds exactly those ids."""
+    import json
+
+    from hydra import compose, initialize_config_dir
+
+    from kimi_pipe.stages.extract import run_extract
+    from kimi_pipe.store.hidden_store import HiddenStore
+    from kimi_pipe.store.records import read_records
+
+    _, tok = smol
+    tight = {**_record(tok, {"temperature": 1.0, "top_p": 0.5}), "id": "tight"}
+    records = tmp_path / "records.jsonl"
+    records.write_text(json.dumps(tight) + "\n")
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(
+            config_name="config",
+            overrides=[
+                "model=smollm2",
+                f"extract.run_dir={tmp_path}",
+                "resolve.split_check=false",
+            ],
+        )
+    run_extract(cfg)
+    (after,) = read_records(records)
+    res = after["resolution"]
+    assert res["bound"] == "lower" and len(res["choices"]) == 2
+    option = tight["candidates"]["options"][0]
+    store = HiddenStore(tmp_path / "hidden_hf")
+    stored = store.tokens("tight")["input_ids"].tolist()
+    # Under a 0.5 nucleus every other country and city is outside it: each departure is
+    # impossible, so the bound is 1 and the record is resolved on the answer's own ids.
+    assert after["ok"] and after["evidence"] == "target_resolved", res
+    assert res["posterior"] == 1.0 and res["departures"] == 0
+    assert after["output_ids"] == option_ids(option, res["choices"]) == tight["output_ids"]
+    assert stored == tight["prompt_ids"] + after["output_ids"]
