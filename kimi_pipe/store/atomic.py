@@ -2,10 +2,11 @@
 
 Every output is written to a temporary name in the same directory, fsynced, renamed over
 the target (`os.replace`: atomic on POSIX), and the directory is fsynced so the rename
-itself is on disk. The temporary name carries the writer's pid: two processes writing one
-target (the workers of a job array, each writing the run's summary) never share one, so
-neither renames the other's half-written file away from under it. A failure (a full disk,
-a kill) leaves the old target and no temporary.
+itself is on disk. `write_bytes` (and the text and JSON writers) name the temporary after
+the writer's pid: two processes writing one target (the workers of a job array, each writing
+the run's summary) never share one, so neither renames the other's half-written file away
+from under it. `atomic_path` keeps one name (a writer may record it in its bytes). A failure
+(a full disk, a kill) leaves the old target and no temporary.
 Files are created with `O_NOFOLLOW`: a symlink planted at the temporary name (or at an
 append-only output, see `open_append`) is refused with ELOOP, never written through.
 """
@@ -63,7 +64,8 @@ def _fsync_tree(path: Path) -> None:
 
 
 def temporary_name(path: Path, suffix: str = ".tmp") -> Path:
-    """This process's temporary name for `path`: beside it, ending in `suffix`."""
+    """This process's temporary name for `path` in `write_bytes`: beside it, ending in
+    `suffix`."""
     return path.with_name(f"{path.name}.{os.getpid()}{suffix}")
 
 
@@ -131,7 +133,9 @@ def atomic_path(path: str | Path, durable: bool = True, suffix: str = ".tmp") ->
     """A temporary path for a writer that wants a file name (torch.save, safetensors, a
     datasets directory): renamed over `path` when the block succeeds, removed when not."""
     path = Path(path)
-    tmp = temporary_name(path, suffix)
+    # The name is the same in every process: a writer may record it in the file (torch.save
+    # names its archive after it), and the bytes must not depend on the pid.
+    tmp = path.with_name(path.name + suffix)
     if tmp.is_symlink():
         tmp.unlink()  # never let a writer follow a planted link
     elif tmp.exists():
