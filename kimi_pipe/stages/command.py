@@ -78,32 +78,30 @@ def _compose(overrides: Sequence[str], with_hydra: bool = True) -> DictConfig:
         return hydra_compose("config", overrides=list(overrides), return_hydra_config=with_hydra)
 
 
-def compose_hydra(overrides: Sequence[str], typed: Sequence[str] | None = None) -> DictConfig:
-    """The config with its `hydra` node, every value checked; else a ConfigError naming the
-    override (`typed`: the command line `overrides` were derived from)."""
+def compose_overrides(
+    overrides: Sequence[str],
+    moved: Mapping[str, str] | None = None,
+    *,
+    typed: Sequence[str] | None = None,
+    with_hydra: bool = False,
+) -> DictConfig:
+    """The composed config (its `hydra` node only `with_hydra`), every value checked; else a
+    ConfigError naming the override (`typed`: the command line `overrides` came from).
+    `moved`: a key the command took before it was a Hydra app -> its config key, named."""
     try:
         cfg = _compose(overrides)
     except NOT_COMPOSED as exc:
-        raise compose_error(exc, typed or overrides) from None
-    check_value_types(cfg, overrides)
-    return cfg
-
-
-def compose_overrides(
-    overrides: Sequence[str], moved: Mapping[str, str] | None = None
-) -> DictConfig:
-    """The config a stage reads (no `hydra` node). `moved`: a key the command took before it
-    was a Hydra app -> its config key, named in the error."""
-    moved = moved or {}
-    try:
-        cfg = compose_hydra(overrides)
-    except ConfigError as exc:
-        old = [f"{k}= is now {moved[k]}=" for k in map(override_key, overrides) if k in moved]
+        error, moved = compose_error(exc, typed or overrides), moved or {}
+        old = ", ".join(
+            f"{k}= is now {moved[k]}=" for k in map(override_key, overrides) if k in moved
+        )
         if old:
-            raise ConfigError(f"bad override or config: {exc} {', '.join(old)}") from None
-        raise
-    with open_dict(cfg):
-        del cfg["hydra"]
+            raise ConfigError(f"bad override or config: {error} {old}") from None
+        raise error from None
+    check_value_types(cfg, overrides)
+    if not with_hydra:
+        with open_dict(cfg):
+            del cfg["hydra"]
     return cfg
 
 
@@ -384,7 +382,8 @@ def hydra_command(
         jobs = sweep_jobs([*MULTIRUN[:1], *overrides] if multirun else overrides)
         mode = ["hydra.mode=MULTIRUN"] if multirun else []
         with initialize_config_dir(str(require_conf_dir()), version_base="1.3", job_name=name):
-            cfg = compose_hydra([*jobs[0], *mode], typed=overrides)  # before anything is written
+            # Composed before anything is written, with its `hydra` node for the job.
+            cfg = compose_overrides([*jobs[0], *mode], typed=overrides, with_hydra=True)
             if show is not None:
                 if show == "job":
                     with open_dict(cfg):
