@@ -224,6 +224,8 @@ def test_each_schema_field_has_a_one_line_description_and_the_yaml_its_keys() ->
         ("audit.examples=many", "audit.examples='many': expected a whole number"),
         ("budget.udss=5", "budget.udss=5: no such setting; did you mean budget.usd?"),
         ("report.rank_stp=0.1", "did you mean report.rank_step?"),
+        ("sweep.n=many", "sweep.n='many': expected a whole number"),
+        ("sweep.probes=maybe", "sweep.probes='maybe': expected true or false"),
     ],
 )
 def test_a_schema_refuses_a_wrong_type_or_key_at_compose(override: str, said: str) -> None:
@@ -234,6 +236,35 @@ def test_a_schema_refuses_a_wrong_type_or_key_at_compose(override: str, said: st
     with pytest.raises(ConfigError) as refused:
         compose_overrides([override])
     assert said in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_the_sweep_schema_is_the_sweep_stage_settings() -> None:
+    """The sweep schema is a copy (the stage's own class would be an import circle): the
+    same fields, types and defaults, so the copy cannot drift from what the stage reads."""
+    import dataclasses
+
+    from kimi_pipe.stages.schemas import SweepFields
+    from kimi_pipe.stages.sweep import SweepSettings
+
+    def fields(cls: type) -> list[tuple[str, object]]:
+        return [(f.name, f.type) for f in dataclasses.fields(cls)]
+
+    assert fields(SweepFields) == fields(SweepSettings)
+    assert dataclasses.asdict(SweepFields()) == dataclasses.asdict(SweepSettings())
+
+
+def test_help_reads_a_described_setting_from_its_schema() -> None:
+    """One source: a setting --help names from a group with a schema has the schema's line."""
+    from kimi_pipe.stages.schemas import HELP as DESCRIBED
+
+    shown = 0
+    for stage in HELP.values():
+        for key, about in stage.settings:
+            group, _, name = key.partition(".")
+            if name in DESCRIBED.get(group, {}):
+                assert about == DESCRIBED[group][name], key
+                shown += 1
+    assert shown >= 15
 
 
 def test_a_list_setting_still_takes_one_slug_or_a_comma_list() -> None:

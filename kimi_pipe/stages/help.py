@@ -19,6 +19,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 from yaml import YAMLError
 
 from kimi_pipe.config import CONF_DIR
+from kimi_pipe.stages.schemas import HELP as DESCRIBED
 
 
 @dataclass(frozen=True)
@@ -27,10 +28,18 @@ class StageHelp:
 
     name: str
     what: str  # what the stage does, a few lines
-    settings: tuple[tuple[str, str], ...]  # (setting, one line on it)
+    main: tuple[str | tuple[str, str], ...]  # `group.key` its schema describes, or (key, line)
     examples: tuple[str, ...]
     more: str = ""  # where to read on
     whole_config: bool = False  # a Hydra app: `--cfg job` prints every setting
+
+    @property
+    def settings(self) -> tuple[tuple[str, str], ...]:
+        """(setting, one line on it): a schema's field by its description (one source)."""
+        return tuple(
+            (k, DESCRIBED[k.split(".")[0]][k.split(".")[1]]) if isinstance(k, str) else k
+            for k in self.main
+        )
 
 
 _GENERATE = StageHelp(
@@ -43,7 +52,7 @@ _GENERATE = StageHelp(
         ("dataset.path", "dataset=jsonl: the prompt file, one {id, messages, tools?} a line"),
         ("dataset.limit", "dataset=jsonl: only the first N prompts (null: all)"),
         ("provider", "where answers are bought: openrouter (key in OPENROUTER_API_KEY) or local"),
-        ("budget.usd", "the hard USD cap of the run directory (earlier runs into it count)"),
+        "budget.usd",
         ("provider.concurrency", "requests in flight at once"),
         ("provider.params.max_tokens", "the most output tokens an answer may have"),
         ("serving", "what the provider's stack does to text: auto (probed first) or a profile"),
@@ -85,12 +94,12 @@ _AUDIT = StageHelp(
     "(greedy generation with the same weights), as an exact-match rate and mismatch "
     "classes (audit.json, audit.md).",
     (
-        ("audit.run_dir", "a generate run directory (reads its records.jsonl)"),
-        ("audit.records", "or a token-records JSONL file"),
-        ("audit.model_path", "the target's weights (null: the model config's)"),
-        ("audit.limit", "audit only the first N records"),
-        ("audit.device", "cpu | cuda"),
-        ("audit.output_dir", "where audit.json and audit.md go (null: beside the records)"),
+        "audit.run_dir",
+        "audit.records",
+        "audit.model_path",
+        "audit.limit",
+        "audit.device",
+        "audit.output_dir",
     ),
     (
         "python -m kimi_pipe audit model=smollm2 audit.run_dir=runs/demo",
@@ -152,10 +161,10 @@ _PROBE = StageHelp(
     "Conformance probes (conf/probes/<model>.yaml) pinned to each named provider: what its "
     "serving stack does to text, judged per probe, into runs/probe/conformance.md.",
     (
-        ("probe.providers", "OpenRouter provider slugs (required): [a,b] or a,b"),
-        ("probe.usd", "USD cap of all providers together (null: the battery's usd_each each)"),
-        ("probe.battery", "a battery file (null: conf/probes/<model.name>.yaml)"),
-        ("probe.output_dir", "where the report goes"),
+        "probe.providers",
+        "probe.usd",
+        "probe.battery",
+        "probe.output_dir",
         ("model", "the target model's config (conf/model/)"),
     ),
     (
@@ -170,13 +179,13 @@ _SWEEP = StageHelp(
     "Compare providers: one pinned generate job per OpenRouter provider on the same first n "
     "prompts, sharing one budget, then a report (report.md and charts) over them.",
     (
-        ("sweep.providers", "OpenRouter provider slugs (required): [a,b] or a,b"),
-        ("sweep.n", "prompts per provider"),
-        ("sweep.usd", "the budget of the whole sweep, split evenly (null: budget.usd)"),
+        "sweep.providers",
+        "sweep.n",
+        "sweep.usd",
         ("dataset", "the prompts (conf/dataset/)"),
-        ("sweep.dry_run", "print the plan and the generate command, buy nothing"),
-        ("sweep.probes", "conformance probes first"),
-        ("sweep.sweep_dir", "where the jobs write (null: runs/sweep/<dataset name>)"),
+        "sweep.dry_run",
+        "sweep.probes",
+        "sweep.sweep_dir",
     ),
     (
         "python -m kimi_pipe sweep dataset=B5 sweep.providers=[moonshotai,novita] sweep.usd=6",
@@ -190,10 +199,10 @@ _REPORT = StageHelp(
     "The provider report over finished generate runs: fidelity, cost, speed and the routing "
     "it recommends (report.md, report.json and charts).",
     (
-        ("report.sweep_dir", "a run directory, or any directory above several (required)"),
-        ("report.out_dir", "where the report goes (null: report.sweep_dir)"),
-        ("report.min_ok_rate", "share of answers whose ids agree with billing to pass"),
-        ("report.max_error_rate", "share of requests that may end in an error"),
+        "report.sweep_dir",
+        "report.out_dir",
+        "report.min_ok_rate",
+        "report.max_error_rate",
     ),
     (
         "python -m kimi_pipe report report.sweep_dir=runs/sweep/B5",
@@ -228,7 +237,7 @@ _RUN = StageHelp(
         ("pipeline", "which job: demo, openrouter_sglang or sweep (conf/pipeline/)"),
         ("output_dir", "the run directory"),
         ("dataset", "the prompts (conf/dataset/)"),
-        ("budget.usd", "the hard USD cap of what generate buys"),
+        "budget.usd",
     ),
     (
         "python -m kimi_pipe run pipeline=demo",

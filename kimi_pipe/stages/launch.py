@@ -26,6 +26,15 @@ from kimi_pipe.providers.settings import ProviderSettings
 from kimi_pipe.store.run_dir import check_run_dir, same_dir
 
 
+def _one_dir(run_dir: object, output_dir: object) -> None:
+    """A single run's hydra.run.dir and output_dir must be one directory."""
+    if not same_dir(str(run_dir), str(output_dir)):
+        raise GenerateError(
+            f"hydra.run.dir ({run_dir}) differs from output_dir ({output_dir}): records "
+            "would go to one and the logs to the other; set output_dir only"
+        )
+
+
 def run_dir_of(cfg: DictConfig) -> Path:
     """The run directory: `output_dir`, which a single Hydra run's `hydra.run.dir` must
     agree with; in a multirun, the job's directory (hydra.sweep.dir/subdir, one per job)."""
@@ -34,31 +43,23 @@ def run_dir_of(cfg: DictConfig) -> Path:
     except (ImportError, ValueError):
         return Path(str(cfg.output_dir))
     job_dir = Path(hydra_cfg.runtime.output_dir)
-    if str(hydra_cfg.mode) == "RunMode.MULTIRUN":
-        if any(o.lstrip("+~").startswith("output_dir=") for o in hydra_cfg.overrides.task):
-            raise GenerateError(
-                "output_dir with --multirun: every job writes to its own "
-                f"hydra.sweep.dir/hydra.sweep.subdir ({job_dir}); drop output_dir"
-            )
-        return job_dir
-    if not same_dir(job_dir, str(cfg.output_dir)):
+    if str(hydra_cfg.mode) != "RunMode.MULTIRUN":
+        _one_dir(job_dir, cfg.output_dir)
+        return Path(str(cfg.output_dir))
+    if any(o.lstrip("+~").startswith("output_dir=") for o in hydra_cfg.overrides.task):
         raise GenerateError(
-            f"hydra.run.dir ({job_dir}) differs from output_dir ({cfg.output_dir}): records "
-            "would go to one and the logs to the other; set output_dir only"
+            "output_dir with --multirun: every job writes to its own "
+            f"hydra.sweep.dir/hydra.sweep.subdir ({job_dir}); drop output_dir"
         )
-    return Path(str(cfg.output_dir))
+    return job_dir
 
 
 def check_settings(cfg: DictConfig) -> None:
-    """The budget and provider settings as the run reads them: a value that cannot buy
-    (budget.usd=0, provider.concurrency=0) or a key variable that is not set is a ConfigError
-    naming it, raised before Hydra writes the run directory and before serving=auto's
-    probes."""
+    """The budget, provider and dataset settings as the run reads them, and the key variable:
+    a ConfigError naming what cannot buy, before the run directory and serving=auto's probes."""
     budget_settings(cfg)
     provider = ProviderSettings.from_config(cfg.provider)
     dataset_nodes(cfg)
-    # A missing key stops here too: before Hydra or the runner makes the run directory, and
-    # before serving=auto's probes open theirs.
     api_key(provider.api_key_env)
 
 
@@ -89,50 +90,38 @@ def check_before_launch(
     multirun: bool,
     environ: dict[str, str] | None = None,
 ) -> None:
-    """What Hydra would write before the stage runs (`.hydra/`, the log, the run directory
-    itself), checked for every job first: no secret in any resolved value or directory
-    name, a run directory that may be one, one directory per job. Raises a KimiPipeError.
-    `cfg`: the command's own composed config (with its `hydra` node), the single run's job;
-    a multirun's jobs are composed here, each for its own directory (a job that does not
-    compose is left for Hydra to report)."""
-    not_composed = (HydraException, OmegaConfBaseException, YAMLError, UnicodeDecodeError)
+    """What Hydra would write before the stage runs (`.hydra/`, the log, the run directory),
+    checked for every job first: no secret in any resolved value or directory name, settings
+    that can buy, one writable run directory per job; else a KimiPipeError. `cfg`: the
+    command's config (with its `hydra` node), the single run's job; a multirun's jobs are
+    composed here (one that does not compose is left for Hydra to report)."""
     seen: dict[str, list[str]] = {}
     for job in jobs if multirun else [None]:
         try:
-            job_cfg = (
-                cfg
-                if job is None
-                else hydra_compose(
-                    config_name="config", overrides=list(job), return_hydra_config=True
-                )
-            )
-            hydra_node = job_cfg.hydra
+            job_cfg = cfg if job is None else hydra_compose("config", list(job), True)
             if multirun:
-                where = "hydra.sweep.dir/subdir"
-                run_dir = os.path.join(str(hydra_node.sweep.dir), str(hydra_node.sweep.subdir))
+                sweep = job_cfg.hydra.sweep
+                run_dir = os.path.join(str(sweep.dir), str(sweep.subdir))
             else:
-                where, run_dir = "hydra.run.dir", str(hydra_node.run.dir)
+                run_dir = str(job_cfg.hydra.run.dir)
             output_dir = str(job_cfg.output_dir)
             settings = copy.deepcopy(job_cfg)  # the command's config keeps its hydra node
             with open_dict(settings):
                 del settings["hydra"]
-        except not_composed:
+        except (HydraException, OmegaConfBaseException, YAMLError, UnicodeDecodeError):
             return
+        where = "hydra.sweep.dir/subdir" if multirun else "hydra.run.dir"
         refuse_secrets(settings, environ, {where: run_dir})
         check_settings(settings)
         check_run_dir(run_dir)
-        if not multirun and not same_dir(run_dir, output_dir):
-            raise GenerateError(
-                f"hydra.run.dir ({run_dir}) differs from output_dir ({output_dir}): records "
-                "would go to one and the logs to the other; set output_dir only"
-            )
+        if not multirun:
+            _one_dir(run_dir, output_dir)
         writable(Path(run_dir))  # Hydra creates it and writes its log there first
         seen.setdefault(os.path.realpath(run_dir), []).append(" ".join(job or ()))
-    shared = {d: js for d, js in seen.items() if len(js) > 1}
-    if shared:
-        run_dir, js = next(iter(shared.items()))
-        raise GenerateError(
-            f"{len(js)} jobs of this multirun would share the run directory {run_dir} "
-            f"({' | '.join(js)}): each would resume the other's records. Give each its own "
-            "hydra.sweep.subdir (the default one is derived from what a job buys)"
-        )
+    for run_dir, shared in seen.items():
+        if len(shared) > 1:
+            raise GenerateError(
+                f"{len(shared)} jobs of this multirun would share the run directory {run_dir} "
+                f"({' | '.join(shared)}): each would resume the other's records. Give each its "
+                "own hydra.sweep.subdir (the default one is derived from what a job buys)"
+            )

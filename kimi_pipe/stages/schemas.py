@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -58,6 +59,17 @@ HELP: dict[str, dict[str, str]] = {
         "examples": "mismatches listed in audit.md",
         "end_markers": "extra end-of-turn marker names besides the model's output `end`",
     },
+    "sweep": {
+        "providers": "OpenRouter provider slugs (required): [a,b] or a,b",
+        "n": "prompts per provider: the same first n of the dataset for every one",
+        "usd": "the budget of the whole sweep, split evenly; null: budget.usd",
+        "sweep_dir": "where the jobs write; null: runs/sweep/<dataset name>",
+        "report": "write report.md and charts into sweep_dir afterwards",
+        "dry_run": "print the plan and the generate command, buy nothing",
+        "probes": "conformance probes first, into <sweep_dir>/probes",
+        "probe_usd": "the probes' own budget; null: the battery's usd_each per provider",
+        "overrides": "extra generate overrides for the jobs and probes",
+    },
     "probe": {
         "providers": "OpenRouter provider slugs (required): [a,b] or a,b",
         "usd": "USD cap of all providers together; null: the battery's usd_each each",
@@ -72,13 +84,32 @@ HELP: dict[str, dict[str, str]] = {
 LOOSE: dict[str, tuple[str, ...]] = {
     "report": ("ignore_quantizations",),
     "probe": ("providers",),
+    "sweep": ("providers",),
 }
+
+
+@dataclass
+class SweepFields:
+    """The `sweep` group's fields (kimi_pipe/stages/sweep.py's SweepSettings reads them;
+    copied here: importing a stage into the command layer would make a circle)."""
+
+    providers: list[str] = field(default_factory=list)
+    n: int = 50
+    usd: float | None = None
+    sweep_dir: str | None = None
+    report: bool = True
+    dry_run: bool = False
+    probes: bool = True
+    probe_usd: float | None = None
+    overrides: list[str] = field(default_factory=list)
+
 
 SETTINGS: dict[str, type] = {
     "budget": BudgetSettings,
     "report": ReportSettings,
     "audit": AuditSettings,
     "probe": ProbeSettings,
+    "sweep": SweepFields,
 }
 
 
