@@ -68,9 +68,10 @@ def test_edge_readings_equal_the_whole_argument_count(
     arguments = json.dumps({"code": text, "n": 3}) if as_json else text
     if not arguments.strip():
         return
-    assert reconstruction.argument_edge_readings(model, call(arguments)) == (
-        whole_argument_readings(model, arguments)
-    )
+    readings = reconstruction.argument_edge_readings(model, call(arguments))
+    assert readings == whole_argument_readings(model, arguments)
+    # The flag's short cut asks the same question without listing the pairs.
+    assert reconstruction._edges_ambiguous(model, call(arguments)) == (len(readings) > 1)
 
 
 def test_edge_readings_on_real_looking_arguments(model: Model) -> None:

@@ -9,6 +9,7 @@ dataset or a provider can never become a marker id by accident.
 
 from __future__ import annotations
 
+import os
 import re
 import string
 from collections.abc import Mapping, Sequence
@@ -90,11 +91,21 @@ def _marker_splitter(marker_names: tuple[str, ...]) -> re.Pattern[str] | None:
     return re.compile("(" + "|".join(re.escape(n) for n in alternatives) + ")")
 
 
+@lru_cache(maxsize=64)
+def _shared_start(marker_names: tuple[str, ...]) -> str:
+    """What every marker name begins with ("<|tool_call" for a tool section's markers)."""
+    return os.path.commonprefix(list(marker_names)) if marker_names else ""
+
+
 def split_markers(text: str, marker_names: Sequence[str]) -> list[Piece]:
     """Split model-output text at raw marker names (model output may spell markers)."""
-    split = _marker_splitter(tuple(marker_names))
+    names_key = tuple(marker_names)
+    split = _marker_splitter(names_key)
     if split is None or not text:
         return [text] if text else []
+    start = _shared_start(names_key)
+    if start and start not in text:
+        return [text]  # no marker can begin here: one substring search instead of the regex
     names = set(marker_names)
     return [Marker(c) if c in names else c for c in split.split(text) if c]
 

@@ -440,6 +440,23 @@ def argument_edge_readings(model: Model, call: Mapping[str, Any]) -> list[tuple[
     ]
 
 
+def _edges_ambiguous(model: Model, call: Mapping[str, Any]) -> bool:
+    """`len(argument_edge_readings(model, call)) > 1`, without building the pairs: with two
+    windows, one edge's readings settle it (the trailing ones are not even looked up when a
+    leading one exists). Every answer with a call asks this, flagged or not."""
+    function = call.get("function")
+    arguments = function.get("arguments") if isinstance(function, Mapping) else None
+    if not isinstance(arguments, str) or not arguments.strip():
+        return False
+    windows = _edge_windows(model, arguments)
+    if windows is None:
+        return len(argument_edge_readings(model, call)) > 1
+    first, last = windows
+    if not arguments[0].isspace() and _readings(model, first, lead=True):
+        return True
+    return not arguments[-1].isspace() and bool(_readings(model, last, lead=False))
+
+
 def _is_safe_cut(text: str, i: int) -> bool:
     """GPT-style pre-tokenizer patterns (tiktoken's, byte-level BPE's) start a new piece at one
     space between two non-whitespace characters whatever surrounds it: a letter, digit or
@@ -595,7 +612,7 @@ def undo_serving(
         calls
         and out.arguments == "json_verbatim"
         and profile.argument_edges != "kept"
-        and any(len(argument_edge_readings(model, c)) > 1 for c in calls)
+        and any(_edges_ambiguous(model, c) for c in calls)
     ):
         issues.append(Code.TOOL_ARGUMENTS_EDGES_UNVERIFIABLE)
     # Reasoning only: the model ended inside its reasoning, or a detokenizer dropped the
@@ -753,7 +770,10 @@ def reconstruct(
             issues.append(TOOL_ARGUMENT_TYPES_BILLED)
 
     mask_spec = model.format.loss_mask
-    loss_mask = [mask_spec.prompt] * len(prompt_seen) + [mask_spec.output] * len(output)
+    # One list of the output's value, the prompt's written over its head: fewer and smaller
+    # allocations than joining two lists (this runs for every answer).
+    loss_mask = [mask_spec.output] * (len(prompt_seen) + len(output))
+    loss_mask[: len(prompt_seen)] = [mask_spec.prompt] * len(prompt_seen)
     if ended and output and mask_spec.end_token != mask_spec.output:
         end_len = len(model.encode(model.format.output.end.render()))
         loss_mask[len(loss_mask) - end_len :] = [mask_spec.end_token] * end_len
