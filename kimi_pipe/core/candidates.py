@@ -20,9 +20,10 @@ call instead (`ChoicePoint`: the ids of the call's arguments between their two m
 every same-count reading of their edges as an id span of the same length there). The option
 then stands for every combination; extraction/resolve.py weighs them point by point.
 
-Why about 530 lines: the enumerations of every ambiguity class build on one another (a tail
-and an argument edge in the same answer multiply), and each is proven against the same stack
-models (tests/test_closed_sets.py); apart, the product of two classes would have no home.
+Why about 700 lines: the enumerations of every ambiguity class build on one another (a tail
+and an argument edge in the same answer multiply, and the choice points stand in for their
+product), and each is proven against the same stack models (tests/test_closed_sets.py);
+apart, the product of two classes would have no home.
 """
 
 from __future__ import annotations
