@@ -28,6 +28,7 @@ from kimi_pipe.extraction.resolve import (
     resolvable,
     score_record,
 )
+from tests.support.candidate_sets import sequences_of
 from tests.test_resolve import REPO, encode, prompt_ids
 from tests.test_wild_corpus import build, read
 
@@ -43,16 +44,6 @@ def _answers(kimi: Model, calls: int) -> list[tuple[dict[str, Any], dict[str, An
         record = build(builder, row)
         if "tool_arguments_edges_unverifiable" in record["issues"]:
             out.append((row, record))
-    return out
-
-
-def _sequences(options: list[dict[str, Any]]) -> set[tuple[int, ...]]:
-    """Every id sequence a set stands for: each option at every combination of its points."""
-    out = set()
-    for option in options:
-        points = option.get("points") or []
-        for choices in itertools.product(*(range(len(p["alternatives"])) for p in points)):
-            out.add(tuple(option_ids(option, list(choices))))
     return out
 
 
@@ -72,7 +63,7 @@ def test_factored_edges_stand_for_exactly_the_listed_sequences(
     assert cands["closed"] and resolvable(factored) is None
     assert all(o.get("points") for o in cands["options"])
     assert len(cands["options"]) < len(listed["candidates"]["options"])
-    assert _sequences(cands["options"]) == _sequences(listed["candidates"]["options"])
+    assert sequences_of(cands["options"]) == sequences_of(listed["candidates"]["options"])
     first_point = min(p["at"] for o in cands["options"] for p in o["points"])
     assert cands["diverge_at"] <= first_point  # nothing past a point is called shared
 
@@ -91,7 +82,7 @@ def test_two_calls_edges_are_a_closed_set_of_choice_points(kimi: Model) -> None:
             for point in points:
                 assert len(point["alternatives"]) == len(point["labels"]) == 20
                 assert point["labels"][0] == "as returned"
-        assert len(_sequences(record["candidates"]["options"])) == 400 * len(
+        assert len(sequences_of(record["candidates"]["options"])) == 400 * len(
             record["candidates"]["options"]
         )
 

@@ -29,6 +29,7 @@ from kimi_pipe.core.formats import Marker, Piece
 from kimi_pipe.core.models import Model
 from kimi_pipe.core.record_builder import RecordBuilder
 from kimi_pipe.core.serving import UNKNOWN_PROFILE, ServingProfile
+from tests.support.candidate_sets import sequences_of
 from tests.support.cases import tool_history
 
 SHAPES = Path(__file__).resolve().parent / "fixtures" / "server_shapes"
@@ -223,7 +224,7 @@ def test_the_truth_is_in_every_closed_set_of_every_stack(
                 assert record["output_ids"] == truth, where
             candidates = record.get("candidates")
             if candidates and candidates["closed"]:
-                assert truth in [o["output_ids"] for o in candidates["options"]], where
+                assert tuple(truth) in sequences_of(candidates["options"]), where
                 assert candidates["proven_against"]["profile"] == profile.name
             if "single_candidate" in record["issues"]:
                 stacks = record["proven_against"]["stacks"]

@@ -6,7 +6,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kimi_pipe.core.formats import Marker, ModelFormat, Piece, parse_format
+from kimi_pipe.core.formats import Marker, ModelFormat, Piece, Template, parse_format
 from kimi_pipe.core.plain import plain
 from kimi_pipe.core.tokenizers import (
     TextChunking,
@@ -40,6 +40,18 @@ class Model:
     _short_segments: dict[str, list[int]] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
+    # The ids of the format's templates without fields (the generation prompt's opening,
+    # the end of turn), asked for on every answer.
+    _constant_ids: dict[str, tuple[int, ...]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+
+    def constant_ids(self, template: Template) -> tuple[int, ...]:
+        """The ids of a template that has no fields, encoded once per model."""
+        known = self._constant_ids.get(template.source)
+        if known is None:
+            known = self._constant_ids[template.source] = tuple(self.encode(template.render()))
+        return known
 
     def encode(self, pieces: Iterable[Piece]) -> list[int]:
         """Encode rendered pieces: adjacent text is joined first, markers are hard ids.

@@ -18,7 +18,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kimi_pipe.core.formats import Marker
 from kimi_pipe.core.issue_codes import (
     PROMPT_AMBIGUOUS,
     PROMPT_HISTORY_RERENDERED,
@@ -124,11 +123,7 @@ def prompt_readings(
     opening = model.format.prompt.generation_open
     open_ids: tuple[int, ...] = ()
     if opening is not None and profile.think_open != "prompt":
-        pieces = opening.render()
-        if all(isinstance(p, Marker) for p in pieces):  # the usual case: markers, no BPE
-            open_ids = tuple(model.markers[p.name] for p in pieces)  # type: ignore[union-attr]
-        else:
-            open_ids = tuple(model.encode(pieces))
+        open_ids = model.constant_ids(opening)
     return PromptReadings(tuple(readings), open_ids, profile.think_open == "output")
 
 

@@ -775,7 +775,7 @@ def reconstruct(
     loss_mask = [mask_spec.output] * (len(prompt_seen) + len(output))
     loss_mask[: len(prompt_seen)] = [mask_spec.prompt] * len(prompt_seen)
     if ended and output and mask_spec.end_token != mask_spec.output:
-        end_len = len(model.encode(model.format.output.end.render()))
+        end_len = len(model.constant_ids(model.format.output.end))
         loss_mask[len(loss_mask) - end_len :] = [mask_spec.end_token] * end_len
     issues = list(dict.fromkeys(issues))  # stable, no duplicates
     return Reconstruction(
