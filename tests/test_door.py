@@ -239,18 +239,16 @@ def test_a_schema_refuses_a_wrong_type_or_key_at_compose(override: str, said: st
 
 
 def test_the_sweep_schema_is_the_sweep_stage_settings() -> None:
-    """The sweep schema is a copy (the stage's own class would be an import circle): the
-    same fields, types and defaults, so the copy cannot drift from what the stage reads."""
+    """The stage reads the schema's own fields (one definition), so they cannot drift."""
     import dataclasses
 
     from kimi_pipe.stages.schemas import SweepFields
     from kimi_pipe.stages.sweep import SweepSettings
 
-    def fields(cls: type) -> list[tuple[str, object]]:
-        return [(f.name, f.type) for f in dataclasses.fields(cls)]
-
-    assert fields(SweepFields) == fields(SweepSettings)
-    assert dataclasses.asdict(SweepFields()) == dataclasses.asdict(SweepSettings())
+    assert issubclass(SweepSettings, SweepFields)
+    assert [f.name for f in dataclasses.fields(SweepSettings)] == [
+        f.name for f in dataclasses.fields(SweepFields)
+    ]
 
 
 def test_help_reads_a_described_setting_from_its_schema() -> None:

@@ -90,8 +90,8 @@ LOOSE: dict[str, tuple[str, ...]] = {
 
 @dataclass
 class SweepFields:
-    """The `sweep` group's fields (kimi_pipe/stages/sweep.py's SweepSettings reads them;
-    copied here: importing a stage into the command layer would make a circle)."""
+    """The `sweep` group's fields. kimi_pipe/stages/sweep.py's SweepSettings extends them
+    (defined here, not there: importing a stage into the command layer would make a circle)."""
 
     providers: list[str] = field(default_factory=list)
     n: int = 50

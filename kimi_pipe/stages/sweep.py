@@ -25,7 +25,7 @@ from __future__ import annotations
 import shlex
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,7 @@ from kimi_pipe.stages.jobs.generate import generate_job
 from kimi_pipe.stages.jobs.groups import mapping_node, plain_node, with_overrides
 from kimi_pipe.stages.jobs.probe import probe_job
 from kimi_pipe.stages.jobs.report import read_saved_config, report_settings
+from kimi_pipe.stages.schemas import SweepFields
 from kimi_pipe.store.layout import PROBES_DIR, RECORDS
 from kimi_pipe.store.prompt_datasets import check_prompt_source
 
@@ -62,18 +63,9 @@ LIMIT_KEYS = ("num_samples", "limit")
 
 
 @dataclass
-class SweepSettings:
-    """The `sweep` config node (conf/sweep/default.yaml)."""
-
-    providers: list[str] = field(default_factory=list)
-    n: int = 50
-    usd: float | None = None  # checked: the shared total (budget.usd when null)
-    sweep_dir: str | None = None
-    report: bool = True
-    dry_run: bool = False
-    probes: bool = True
-    probe_usd: float | None = None
-    overrides: list[str] = field(default_factory=list)
+class SweepSettings(SweepFields):
+    """The `sweep` config node (conf/sweep/default.yaml): the schema's fields, `usd` checked
+    by `settings_of` (the shared total; budget.usd when null)."""
 
     @property
     def usd_each(self) -> float:
