@@ -202,8 +202,7 @@ def test_extract_walks_the_points_then_stores_the_chosen_ids(tmp_path: Any, smol
     unresolved with only its shared prefix), and the store holds exactly those ids."""
     import json
 
-    from hydra import compose, initialize_config_dir
-
+    from kimi_pipe.config import compose
     from kimi_pipe.stages.extract import run_extract
     from kimi_pipe.store.hidden_store import HiddenStore
     from kimi_pipe.store.records import read_records
@@ -212,15 +211,7 @@ def test_extract_walks_the_points_then_stores_the_chosen_ids(tmp_path: Any, smol
     tight = {**_record(tok, {"temperature": 1.0, "top_p": 0.5}), "id": "tight"}
     records = tmp_path / "records.jsonl"
     records.write_text(json.dumps(tight) + "\n")
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose(
-            config_name="config",
-            overrides=[
-                "model=smollm2",
-                f"extract.run_dir={tmp_path}",
-                "resolve.split_check=false",
-            ],
-        )
+    cfg = compose(["model=smollm2", f"extract.run_dir={tmp_path}", "resolve.split_check=false"])
     run_extract(cfg)
     (after,) = read_records(records)
     res = after["resolution"]
