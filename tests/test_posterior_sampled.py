@@ -38,7 +38,7 @@ from kimi_pipe.extraction.resolve import (
     decide,
 )
 from kimi_pipe.extraction.token_samples import read_token_records
-from kimi_pipe.stages.jobs.extract import resolve_settings
+from kimi_pipe.stages.jobs.extract import extract_job
 from kimi_pipe.store.atomic import temporary_name
 
 PROMPT = [5, 6]
@@ -304,7 +304,7 @@ def test_every_export_leaves_drawn_rows_out_unless_named(tmp_path: Path, fmt: st
 def test_the_rung_is_off_unless_asked_for() -> None:
     from kimi_pipe.config import compose
 
-    assert resolve_settings(compose([])).posterior_sampled is False
-    on = resolve_settings(compose(["resolve.posterior_sampled=true"]))
+    assert extract_job(compose([])).resolve.posterior_sampled is False
+    on = extract_job(compose(["resolve.posterior_sampled=true"])).resolve
     assert on.posterior_sampled is True and on.posterior_seed == 0
     assert parse_accept(None) == DEFAULT_ACCEPT and POSTERIOR_SAMPLED not in parse_accept(None)

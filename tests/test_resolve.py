@@ -30,7 +30,7 @@ from kimi_pipe.extraction.resolve import (
     sampler_log_table,
 )
 from kimi_pipe.stages.extract import run_extract
-from kimi_pipe.stages.jobs.extract import resolve_settings
+from kimi_pipe.stages.jobs.extract import extract_job
 from kimi_pipe.store.hidden_store import HiddenStore
 from kimi_pipe.store.records import read_records
 
@@ -391,9 +391,9 @@ def test_the_judges_dtype_sets_the_default_slacks() -> None:
     assert sampler_log_table(logits, half)[0, 2] == -math.inf
     assert ResolveSettings(judge_dtype="bfloat16", greedy_slack=1e-4).slacks[1] == 1e-4
     cfg = OmegaConf.create({"resolve": {"min_posterior": 0.999}, "extract": {"dtype": "bfloat16"}})
-    assert resolve_settings(cfg).judge_dtype == "bfloat16"
+    assert extract_job(cfg).resolve.judge_dtype == "bfloat16"
     with pytest.raises(ValueError, match="judge_dtype"):
-        resolve_settings(OmegaConf.create({"resolve": {"judge_dtype": "float32"}}))
+        extract_job(OmegaConf.create({"resolve": {"judge_dtype": "float32"}, "extract": {}}))
 
 
 def test_prefix_cache_reaches_a_model_that_calls_it_past_key_values(smol: tuple[Any, Any]) -> None:

@@ -41,7 +41,7 @@ from kimi_pipe.extraction.split_check import (
     neighbour_readings,
     vocabulary_of,
 )
-from kimi_pipe.stages.jobs.extract import extract_job, resolve_settings
+from kimi_pipe.stages.jobs.extract import extract_job
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -395,22 +395,22 @@ def test_the_near_readings_budget_is_a_setting_and_a_bad_one_is_one_line() -> No
     rec["short_readings"] = [{"output_ids": [AB, END], "loss_mask": [1, 1], "label": "no space"}]
     rec["long_readings"] = [{"output_ids": [A, B, SPACE, END], "loss_mask": [1] * 4}]
     search = search_splits(PROMPT, rec["output_ids"], 3, toy_vocab(), sampler)
-    default = resolve_settings(compose_config(["model=smollm2"]))
+    default = extract_job(compose_config(["model=smollm2"])).resolve
     assert default.near_reading_branches == split_check.NEAR_READINGS_BRANCHES == 256
     found, limits = neighbour_readings(
         rec, search, 3, toy_vocab(), sampler, default.near_reading_branches
     )
     assert len(found) == 2 and limits == []
-    small = resolve_settings(compose_config(["model=smollm2", "resolve.near_reading_branches=1"]))
+    small = extract_job(
+        compose_config(["model=smollm2", "resolve.near_reading_branches=1"])
+    ).resolve
     found, limits = neighbour_readings(
         rec, search, 3, toy_vocab(), sampler, small.near_reading_branches
     )
     assert len(found) == 1 and limits == ["more than 1 branches over near readings"]
     for bad in ("0", "2.5", "true"):
         with pytest.raises(ConfigError, match="near_reading_branches"):
-            resolve_settings(
-                compose_config(["model=smollm2", f"resolve.near_reading_branches={bad}"])
-            )
+            extract_job(compose_config(["model=smollm2", f"resolve.near_reading_branches={bad}"]))
 
 
 def record(ids: list[int], billed: int, ok: bool = True, issues: Any = None) -> dict[str, Any]:

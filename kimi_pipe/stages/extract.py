@@ -28,9 +28,9 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from kimi_pipe.core.issue_codes import Code
 from kimi_pipe.errors import MissingFile
@@ -55,9 +55,10 @@ SUMMARY_FILE = "extract_summary.json"
 def run_extract(
     cfg: DictConfig, backend: Backend | None = None, run_dir: Path | None = None
 ) -> dict[str, Any]:
-    """The composed config's extraction (its job built here, once); see `run_job`.
-    `run_dir`: a pipeline's run, in place of `extract.run_dir`."""
-    return run_job(extract_job(cfg, run_dir), backend)
+    """The composed config's extraction (converted once, here, and its job built from the
+    plain values); see `run_job`. `run_dir`: a pipeline's run, in place of `extract.run_dir`."""
+    values = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+    return run_job(extract_job(cast(dict[str, Any], values), run_dir), backend)
 
 
 def run_job(job: ExtractJob, backend: Backend | None = None) -> dict[str, Any]:
@@ -95,26 +96,25 @@ def run_job(job: ExtractJob, backend: Backend | None = None) -> dict[str, Any]:
     return summary
 
 
-def store_dir(cfg: DictConfig, run_dir: Path) -> Path:
-    return extract_job(cfg, default_run_dir=run_dir).output_dir or (
-        run_dir / f"hidden_{cfg.extract.backend}"
-    )
-
-
 def outputs(cfg: DictConfig, run_dir: Path) -> list[Path]:
+    values = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+    return _outputs(extract_job(cast(dict[str, Any], values), default_run_dir=run_dir), run_dir)
 
-    job = extract_job(cfg, default_run_dir=run_dir)
+
+def _outputs(job: ExtractJob, run_dir: Path) -> list[Path]:
+    """The store's first file: a unit store's first record, else the store's manifest."""
     if job.executor is not None:
         root = UnitSettings.from_job(job).local_root
         return [root / "plan.c0.json"] if root is not None else []  # a unit store's first record
-    return [store_dir(cfg, run_dir) / MANIFEST]
+    return [(job.output_dir or run_dir / f"hidden_{job.backend}") / MANIFEST]
 
 
 def is_complete(cfg: DictConfig, run_dir: Path) -> bool:
     """The runner's check: the store's files exist; a unit store has every unit committed."""
-    if not all(p.exists() for p in outputs(cfg, run_dir)):
+    values = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+    job = extract_job(cast(dict[str, Any], values), default_run_dir=run_dir)
+    if not all(p.exists() for p in _outputs(job, run_dir)):
         return False
-    job = extract_job(cfg, default_run_dir=run_dir)
     if job.executor is None:
         return True
     try:

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from kimi_pipe.errors import KimiPipeError
 from kimi_pipe.generation import probes
@@ -39,7 +39,6 @@ from kimi_pipe.stages.command import (
 )
 from kimi_pipe.stages.help import HELP
 from kimi_pipe.stages.jobs.generate import generate_job
-from kimi_pipe.stages.jobs.groups import mapping_node, plain_node
 from kimi_pipe.stages.launch import check_before_launch, refuse_keys_on_the_command_line
 from kimi_pipe.store.layout import RECORDS, SUMMARY
 from kimi_pipe.store.prompt_datasets import load_prompts
@@ -52,10 +51,11 @@ def outputs(cfg: DictConfig, run_dir: Path) -> list[Path]:
 
 def is_complete(cfg: DictConfig, run_dir: Path) -> bool:
     """Every prompt of the dataset has a record (a run stopped by its budget is not)."""
-    nodes = datasets_of(plain_node(cfg, "datasets"))
+    values = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False))
+    nodes = datasets_of(values.get("datasets"))  # not the job: a finished run needs no key
     if nodes is not None:  # several datasets: each in its own run directory under run_dir
         return all(_answered(node, run_dir / str(node["name"])) for node in nodes)
-    dataset = mapping_node(cfg, "dataset")
+    dataset = values.get("dataset") or {}
     return all(p.exists() for p in outputs(cfg, run_dir)) and _answered(dataset, run_dir)
 
 
@@ -76,7 +76,9 @@ def run_stage(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:
 
     A mistake is raised as it is; a run stopped by the provider, or whose every request
     failed, raises GenerateError."""
-    job = generate_job(cfg, run_dir)
+    # Converted once, here: below the door plain values (a mandatory one never given: ???).
+    values = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False))
+    job = generate_job(values, run_dir)
     if job.datasets is not None:  # several datasets under one budget: the job's summary
         where, summary, status = probes.run_datasets(job, run_dir)
     else:
@@ -93,10 +95,11 @@ def run_stage(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:
 def generate(cfg: DictConfig, run_dir: Path | None = None) -> tuple[int, dict[str, Any] | None]:
     """The stage on a composed config: (exit status, summary). Its job is made here, at the
     door; a mistake in it is said as one line (status 2), as a run's own are."""
+    values = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False))
     try:
-        job = generate_job(cfg, run_dir)
+        job = generate_job(values, run_dir)
     except (KimiPipeError, OSError) as exc:
-        status = said(exc, run_dir or cfg.get("output_dir"))
+        status = said(exc, run_dir or values.get("output_dir"))
         if status is None:
             raise  # a bug: keep its traceback
         return status, None
@@ -106,7 +109,8 @@ def generate(cfg: DictConfig, run_dir: Path | None = None) -> tuple[int, dict[st
 def run_generate(cfg: DictConfig, run_dir: Path | None = None) -> tuple[Path, dict[str, Any]]:
     """The stage's work on a composed config: (run directory, summary); a failure is raised
     (a sweep says it for its job)."""
-    return probes.run_generate(generate_job(cfg, run_dir), run_dir)
+    values = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False))
+    return probes.run_generate(generate_job(values, run_dir), run_dir)
 
 
 def main(argv: list[str] | None = None) -> int:

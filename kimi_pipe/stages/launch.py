@@ -35,17 +35,17 @@ def _one_dir(run_dir: object, output_dir: object) -> None:
         )
 
 
-def run_dir_of(cfg: DictConfig) -> Path:
+def run_dir_of(output_dir: object) -> Path:
     """The run directory: `output_dir`, which a single Hydra run's `hydra.run.dir` must
     agree with; in a multirun, the job's directory (hydra.sweep.dir/subdir, one per job)."""
     try:
         hydra_cfg = HydraConfig.get()
     except (ImportError, ValueError):
-        return Path(str(cfg.output_dir))
+        return Path(str(output_dir))
     job_dir = Path(hydra_cfg.runtime.output_dir)
     if str(hydra_cfg.mode) != "RunMode.MULTIRUN":
-        _one_dir(job_dir, cfg.output_dir)
-        return Path(str(cfg.output_dir))
+        _one_dir(job_dir, output_dir)
+        return Path(str(output_dir))
     if any(o.lstrip("+~").startswith("output_dir=") for o in hydra_cfg.overrides.task):
         raise GenerateError(
             "output_dir with --multirun: every job writes to its own "

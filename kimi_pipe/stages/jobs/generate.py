@@ -1,54 +1,78 @@
-"""generate's door: the composed config read once into a `GenerateJob`
-(kimi_pipe/generation/job.py), checked as the run reads it."""
+"""generate's door: the config's values (converted once, by the stage) read into a
+`GenerateJob` (kimi_pipe/generation/job.py), checked as the run reads them."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from omegaconf import DictConfig
+
+from kimi_pipe.config import comma_lists, typed_settings
 from kimi_pipe.conformance.auto import AutoSettings
+from kimi_pipe.core.serving import ServingProfile
+from kimi_pipe.errors import ConfigError
 from kimi_pipe.generation.datasets import datasets_of
 from kimi_pipe.generation.job import GenerateJob
+from kimi_pipe.providers.budget import BudgetSettings
 from kimi_pipe.providers.credentials import api_key, refuse_secrets
 from kimi_pipe.providers.settings import ProviderSettings
-from kimi_pipe.stages.jobs.groups import (
-    budget_of,
-    mapping_node,
-    plain_node,
-    serving_of,
-    settings_node,
-)
+from kimi_pipe.stages.jobs.groups import plain_values
 from kimi_pipe.stages.launch import run_dir_of
 
 
-def generate_job(cfg: Any, run_dir: Path | None = None, *, own_dir: bool = True) -> GenerateJob:
-    """The composed config as generate's job. Before anything is written: no secret in any
-    value, budget and provider settings that can buy, a key that is set (each a ConfigError
-    naming the setting). `run_dir`: where it buys (None: `output_dir`, as Hydra's run
-    agrees; `own_dir=False`: none, for a job only ever bought into directories given to
-    it, as the probes are)."""
-    refuse_secrets(plain_node(cfg, ""))
-    budget = budget_of(cfg)
-    provider = mapping_node(cfg, "provider")
+def generate_job(
+    config: Mapping[str, Any] | DictConfig,
+    run_dir: Path | None = None,
+    *,
+    own_dir: bool = True,
+) -> GenerateJob:
+    """The config's values (the stage converted them once, at its door; a composed config is
+    converted here) as generate's job. Before anything is written: no secret in any value,
+    budget and provider settings that can buy, a key that is set (each a ConfigError naming
+    the setting). `run_dir`: where it buys (None: `output_dir`, as Hydra's run agrees;
+    `own_dir=False`: none, for a job only ever bought into directories given to it, as the
+    probes are)."""
+    values = plain_values(config)
+    refuse_secrets(values)
+    budget = typed_settings(values.get("budget"), BudgetSettings, "budget").check()
+    provider = _mapping(values, "provider")
     settings = ProviderSettings.from_config(provider)
-    nodes = datasets_of(plain_node(cfg, "datasets"))
+    nodes = datasets_of(values.get("datasets"))
     # A missing key stops here too: before Hydra or the runner makes the run directory, and
     # before serving=auto's probes open theirs.
     api_key(settings.api_key_env)
     if run_dir is None and own_dir:
-        run_dir = run_dir_of(cfg)
-    validation = mapping_node(cfg, "validation")
+        run_dir = run_dir_of(values.get("output_dir"))
+    validation = _mapping(values, "validation")
+    try:
+        serving = ServingProfile.from_config(values.get("serving"))
+    except ValueError as exc:
+        raise ConfigError(f"conf/serving: {exc}") from None
     return GenerateJob(
-        model=mapping_node(cfg, "model"),
+        model=_mapping(values, "model"),
         provider=provider,
         settings=settings,
-        dataset=mapping_node(cfg, "dataset"),
+        dataset=_mapping(values, "dataset"),
         budget=budget,
-        serving=serving_of(cfg),
-        serving_auto=settings_node(cfg, "serving_auto", AutoSettings, lists=("providers",)),
+        serving=serving,
+        serving_auto=typed_settings(
+            values.get("serving_auto"), AutoSettings, "serving_auto", comma_lists("providers")
+        ),
         billing_tolerance=int(validation.get("billing_tolerance") or 0),
         record_ids=str(validation.get("record_ids", "engine")),
-        accept=plain_node(cfg, "export.accept"),
+        accept=_mapping(values, "export").get("accept"),
         run_dir=run_dir,
         datasets=tuple(nodes) if nodes is not None else None,
     )
+
+
+def _mapping(values: Mapping[str, Any], key: str) -> dict[str, Any]:
+    """A group that must be a mapping of settings (model, provider, dataset, ...); {} absent."""
+    node = values.get(key)
+    if node is None:
+        return {}
+    if not isinstance(node, dict):
+        raise ConfigError(f"{key} must be a mapping of settings, not {node!r}")
+    return node

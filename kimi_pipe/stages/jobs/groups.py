@@ -3,16 +3,14 @@ serving...): a composed node as plain values or as its typed settings."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from kimi_pipe.config import CONF_DIR, Settings, comma_lists, node_settings
-from kimi_pipe.core.serving import ServingProfile
 from kimi_pipe.errors import ConfigError
-from kimi_pipe.providers.budget import BudgetSettings
 
 
 def plain_node(cfg: Any, key: str) -> Any:
@@ -21,6 +19,15 @@ def plain_node(cfg: Any, key: str) -> Any:
     expect); None where absent."""
     node = OmegaConf.select(cfg, key, default=None) if key else cfg
     return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+
+
+def plain_values(config: Mapping[str, Any] | DictConfig) -> dict[str, Any]:
+    """A composed config as plain values, interpolations resolved (a mandatory value never
+    given stays ???, for the reader that needs it to name it); plain values as they are."""
+    if not OmegaConf.is_config(config):
+        return dict(config)
+    values = OmegaConf.to_container(config, resolve=True, throw_on_missing=False)
+    return {str(k): v for k, v in values.items()} if isinstance(values, dict) else {}
 
 
 def mapping_node(cfg: Any, key: str) -> dict[str, Any]:
@@ -39,19 +46,6 @@ def settings_node(
     """The node at `key` as its typed settings `schema` (kimi_pipe/config.py's checks); each
     of `lists` may be given as `a,b` for [a, b]."""
     return node_settings(cfg, key, schema, fix=comma_lists(*lists) if lists else None)
-
-
-def budget_of(cfg: Any) -> BudgetSettings:
-    """The `budget` group, checked: a cap that cannot buy is a ConfigError naming it."""
-    return node_settings(cfg, "budget", BudgetSettings).check()
-
-
-def serving_of(cfg: Any) -> ServingProfile:
-    """The `serving` group as a profile; a wrong field is a ConfigError naming conf/serving."""
-    try:
-        return ServingProfile.from_config(plain_node(cfg, "serving"))
-    except ValueError as exc:
-        raise ConfigError(f"conf/serving: {exc}") from None
 
 
 def with_overrides(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
