@@ -27,9 +27,9 @@ import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from kimi_pipe.errors import MissingFile
 from kimi_pipe.reporting.audit import run_audit
@@ -41,7 +41,8 @@ from kimi_pipe.stages.jobs.audit import audit_job
 def run_stage(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:
     """The stage entry: audit the run's records (`audit.run_dir` = run_dir when given)."""
     # Same CPU thread count as the server: the greedy runs must see the same arithmetic.
-    return run_audit(audit_job(cfg, run_dir, server_threads=True))
+    values = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False))
+    return run_audit(audit_job(values, run_dir, server_threads=True))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -49,8 +50,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
     def audit_stage(cfg: DictConfig) -> int:
+        values = cast(
+            dict[str, Any], OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+        )
         try:
-            summary = run_audit(audit_job(cfg))
+            summary = run_audit(audit_job(values))
         except FileNotFoundError as exc:  # a records file named by the user
             raise MissingFile(str(exc)) from None
         print(Path(summary["audit_md"]).read_text(encoding="utf-8"))

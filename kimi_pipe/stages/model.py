@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from kimi_pipe.errors import ConfigError
 from kimi_pipe.stages.command import compose_command
@@ -19,7 +19,8 @@ from kimi_pipe.store.local_model import is_complete as converted
 
 def outputs(cfg: DictConfig, run_dir: Path) -> list[Path]:
 
-    spec = model_job(cfg).spec
+    values = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False))
+    spec = model_job(values).spec
     return [] if spec is None else [converted_dir(spec)]
 
 
@@ -30,7 +31,8 @@ def is_complete(cfg: DictConfig, run_dir: Path) -> bool:
 
 def run_stage(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:
 
-    job = model_job(cfg)
+    values = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False))
+    job = model_job(values)
     if job.spec is None:
         return {"path": None}
     path = ensure_local_model(job.spec)

@@ -24,9 +24,9 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from kimi_pipe.conformance.auto import is_plain_auto, recorded_profile
 from kimi_pipe.core.evidence import LADDER, evidence_of
@@ -271,8 +271,10 @@ def summary_lines(counts: Counter[str], target: Path) -> list[str]:
 def run_stage(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:
     """The stage entry: `input` (default <run_dir>/records.jsonl) -> `output` (default
     <run_dir>/reconstructed.jsonl); the summary's counts."""
-    source = Path(cfg.input) if cfg.input else None
-    target = Path(cfg.output) if cfg.output else None
+    # Converted once, here: below the door plain values (a mandatory one never given: ???).
+    values = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False))
+    source = Path(values["input"]) if values.get("input") else None
+    target = Path(values["output"]) if values.get("output") else None
     if run_dir is not None:
         source = source or Path(run_dir) / RECORDS
         target = target or Path(run_dir) / RECONSTRUCTED
@@ -287,14 +289,15 @@ def run_stage(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:
             # Nothing to prove, and an empty output is easily taken for a finished run.
             raise InputError(f"input file {source} is empty: no answers to reconstruct")
     try:
-        model = load_model(cfg.model)
+        model = load_model(values.get("model") or {})
     except (ConfigError, ValueError) as exc:
-        raise ConfigError(f"cannot load model {cfg.model.name!r}: {exc}") from None
+        name = (values.get("model") or {}).get("name")
+        raise ConfigError(f"cannot load model {name!r}: {exc}") from None
     try:
-        serving = serving_profile(cfg)
+        serving = serving_profile(values)
     except ValueError as exc:  # checked before any line is read
         raise ConfigError(f"conf/serving: {exc}") from None
-    counts = run_configured(cfg, model, source, target, serving)
+    counts = run_configured(values, model, source, target, serving)
     print("\n".join(summary_lines(counts, target)), file=sys.stderr)
     summary = summary_data(source, target, counts)
     if run_dir is not None and source == Path(run_dir) / RECORDS:
