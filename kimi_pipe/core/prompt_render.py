@@ -183,7 +183,8 @@ def render_prompt(
     p = fmt.prompt
     pieces: list[Piece] = list(p.prefix.render())
     for index, message in enumerate(messages):
-        if not isinstance(message, Mapping):
+        # (dict, Mapping): Mapping's answer, JSON's dict without the ABC's registry lookup.
+        if not isinstance(message, (dict, Mapping)):
             raise PromptError(f"message {index} is not an object")
     skip: set[int] = set()
     system_in_tools = False
