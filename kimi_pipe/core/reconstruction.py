@@ -544,7 +544,7 @@ def undo_serving(
         reasoning, content = content.split(out.think_end, 1)
         source = "content"
         issues.append(Code.REASONING_FROM_CONTENT)
-    spaced_ids = any(
+    spaced_ids = bool(calls) and any(
         (isinstance(c.get("id"), str) and c["id"].startswith(" "))
         or str((c.get("function") or {}).get("arguments") or "").startswith(" ")
         for c in calls
@@ -628,6 +628,13 @@ def undo_serving(
     tail_unproven = profile.reasoning_tail in ("stripped", UNKNOWN)
     if tail_unproven and reasoning and closed and _ends_mergeable(reasoning):
         issues.append(Code.REASONING_TAIL_UNVERIFIABLE)
+    if (
+        reasoning is answer.reasoning
+        and content is answer.content
+        and source == answer.reasoning_source
+        and answer.tool_calls == calls == []
+    ):
+        return answer  # nothing undone and no calls to copy: equal to the answer rebuilt
     # Built directly: dataclasses.replace re-reads the fields' metadata on every call.
     return AnswerFields(
         reasoning=reasoning,
