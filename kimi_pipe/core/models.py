@@ -69,12 +69,20 @@ class Model:
         return self._encode(pieces, self.chunking)
 
     def _encode(self, pieces: Iterable[Piece], chunking: TextChunking | None) -> list[int]:
+        # `ids` + each text's ids, joined here rather than in a helper (a call per text segment
+        # of every answer). The output's first text (its reasoning, the longest) is kept as the
+        # tokenizer's own new list rather than copied id by id; prompt ids may be the shared
+        # `_short_segments` lists, so they are always copied.
         ids: list[int] | None = None
         pending: list[str] = []
         for piece in pieces:
             if isinstance(piece, Marker):
                 if pending:
-                    ids = self._join(ids, self._encode_text("".join(pending), chunking), chunking)
+                    more = self._encode_text("".join(pending), chunking)
+                    if ids is None:
+                        ids = more if chunking is None else list(more)
+                    else:
+                        ids.extend(more)
                     pending.clear()
                 if ids is None:
                     ids = []
@@ -82,18 +90,11 @@ class Model:
             else:
                 pending.append(piece)
         if pending:
-            ids = self._join(ids, self._encode_text("".join(pending), chunking), chunking)
+            more = self._encode_text("".join(pending), chunking)
+            if ids is None:
+                return more if chunking is None else list(more)
+            ids.extend(more)
         return [] if ids is None else ids
-
-    @staticmethod
-    def _join(ids: list[int] | None, more: list[int], chunking: TextChunking | None) -> list[int]:
-        """`ids` + `more`. The output's first text (its reasoning, the longest) is kept as the
-        tokenizer's own new list rather than copied id by id; prompt ids may be the shared
-        `_short_segments` lists, so they are always copied."""
-        if ids is None:
-            return more if chunking is None else list(more)
-        ids.extend(more)
-        return ids
 
     def _encode_text(self, text: str, chunking: TextChunking | None) -> list[int]:
         if chunking is None:

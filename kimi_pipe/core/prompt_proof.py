@@ -76,7 +76,8 @@ def _has_history(messages: Sequence[Mapping[str, Any]]) -> tuple[bool, bool]:
     without them every reading renders the same text."""
     reasoning = calls = False
     for message in messages:
-        if isinstance(message, Mapping) and message.get("role") == "assistant":
+        # (dict, Mapping): Mapping's answer, JSON's dict without the ABC's registry lookup.
+        if isinstance(message, (dict, Mapping)) and message.get("role") == "assistant":
             reasoning = reasoning or any(message.get(k) is not None for k in REASONING_FIELDS)
             calls = calls or bool(message.get("tool_calls"))
     return reasoning, calls

@@ -183,7 +183,8 @@ def render_prompt(
     p = fmt.prompt
     pieces: list[Piece] = list(p.prefix.render())
     for index, message in enumerate(messages):
-        if not isinstance(message, Mapping):
+        # (dict, Mapping): Mapping's answer, JSON's dict without the ABC's registry lookup.
+        if not isinstance(message, (dict, Mapping)):
             raise PromptError(f"message {index} is not an object")
     skip: set[int] = set()
     system_in_tools = False
@@ -206,9 +207,7 @@ def render_prompt(
             pieces += p.tools.render(tools=declared)
     if p.default_system is not None and not system_in_tools and not _starts_with_system(messages):
         pieces += p.system.render(name="system", role="system", content=_trim(p, p.default_system))
-    keep_from = _keep_reasoning_from(p, messages)
-    if history.reasoning == "dropped":
-        keep_from = len(messages)
+    keep_from: int | None = None  # read at the first assistant turn: only those turns use it
     renamed = _canonical_ids(fmt, messages) if history.ids == "canonical" else {}
     roles = [m.get("role") for m in messages]
     for index, message in enumerate(messages):
@@ -232,6 +231,9 @@ def render_prompt(
             if p.tool_group_end is not None and last_of_run:
                 pieces += p.tool_group_end.render()
         elif role == "assistant":
+            if keep_from is None:
+                dropped = history.reasoning == "dropped"
+                keep_from = len(messages) if dropped else _keep_reasoning_from(p, messages)
             body = _assistant_body(fmt, message, content, index >= keep_from, history, renamed)
             pieces += p.assistant.render(name=name, role=role, body=body)
         else:

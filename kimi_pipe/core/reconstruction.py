@@ -97,7 +97,7 @@ def _field(obj: Mapping[str, Any], key: str) -> Any:
     value = obj.get(key)
     if value is None:
         extra = obj.get("provider_specific_fields")
-        if isinstance(extra, Mapping):
+        if extra is not None and isinstance(extra, Mapping):
             value = extra.get(key)
     return value
 
@@ -122,14 +122,16 @@ def _reasoning(message: Mapping[str, Any]) -> tuple[str, str | None]:
 
 def answer_fields(response: Any) -> AnswerFields | None:
     """Read the first choice; None when the response has no usable message."""
-    if not isinstance(response, Mapping):
+    # (dict, Mapping): the same answer as Mapping alone, with JSON's own dict answered before
+    # the ABC's registry lookup (these checks run several times for every answer).
+    if not isinstance(response, (dict, Mapping)):
         return None
     choices = response.get("choices")
-    if not isinstance(choices, list) or not choices or not isinstance(choices[0], Mapping):
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], (dict, Mapping)):
         return None
     choice = choices[0]
     message = choice.get("message")
-    if not isinstance(message, Mapping):
+    if not isinstance(message, (dict, Mapping)):
         return None
     reasoning, source = _reasoning(message)
     try:
@@ -145,7 +147,7 @@ def answer_fields(response: Any) -> AnswerFields | None:
         reasoning=reasoning,
         reasoning_source=source,
         content=content,
-        tool_calls=[c for c in calls if isinstance(c, Mapping)],
+        tool_calls=[c for c in calls if isinstance(c, (dict, Mapping))],
         finish_reason=finish if isinstance(finish, str) else None,
         error=error,
     )
@@ -445,7 +447,7 @@ def _edges_ambiguous(model: Model, call: Mapping[str, Any]) -> bool:
     windows, one edge's readings settle it (the trailing ones are not even looked up when a
     leading one exists). Every answer with a call asks this, flagged or not."""
     function = call.get("function")
-    arguments = function.get("arguments") if isinstance(function, Mapping) else None
+    arguments = function.get("arguments") if isinstance(function, (dict, Mapping)) else None
     if not isinstance(arguments, str) or not arguments.strip():
         return False
     windows = _edge_windows(model, arguments)
@@ -542,7 +544,7 @@ def undo_serving(
         reasoning, content = content.split(out.think_end, 1)
         source = "content"
         issues.append(Code.REASONING_FROM_CONTENT)
-    spaced_ids = any(
+    spaced_ids = bool(calls) and any(
         (isinstance(c.get("id"), str) and c["id"].startswith(" "))
         or str((c.get("function") or {}).get("arguments") or "").startswith(" ")
         for c in calls
@@ -626,6 +628,13 @@ def undo_serving(
     tail_unproven = profile.reasoning_tail in ("stripped", UNKNOWN)
     if tail_unproven and reasoning and closed and _ends_mergeable(reasoning):
         issues.append(Code.REASONING_TAIL_UNVERIFIABLE)
+    if (
+        reasoning is answer.reasoning
+        and content is answer.content
+        and source == answer.reasoning_source
+        and answer.tool_calls == calls == []
+    ):
+        return answer  # nothing undone and no calls to copy: equal to the answer rebuilt
     # Built directly: dataclasses.replace re-reads the fields' metadata on every call.
     return AnswerFields(
         reasoning=reasoning,
@@ -640,14 +649,14 @@ def undo_serving(
 def _calls_in_history(messages: Sequence[Mapping[str, Any]]) -> int:
     count = 0
     for m in messages:
-        if isinstance(m, Mapping) and m.get("role") == "assistant":
+        if isinstance(m, (dict, Mapping)) and m.get("role") == "assistant":
             count += len(m.get("tool_calls") or [])
     return count
 
 
 def _usage_int(response: Any, key: str) -> int | None:
-    usage = response.get("usage") if isinstance(response, Mapping) else None
-    value = usage.get(key) if isinstance(usage, Mapping) else None
+    usage = response.get("usage") if isinstance(response, (dict, Mapping)) else None
+    value = usage.get(key) if usage is not None and isinstance(usage, (dict, Mapping)) else None
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
@@ -718,7 +727,8 @@ def reconstruct(
                 if as_ids != output and abs(reported - len(as_ids)) <= billing_tolerance:
                     pieces, ended, output = marked, marked_ended, as_ids
                     issues.append(RAW_MARKERS_IN_REASONING)
-            if _may_lack_think_end(model, profile, answer) and reported is not None:
+            lacks_think_end = _may_lack_think_end(model, profile, answer)
+            if lacks_think_end and reported is not None:
                 # The billed length decides between "...</think><end>" and "...<end>".
                 if reported == len(output) - 1 and billing_tolerance == 0:
                     pieces, ended = output_pieces(
@@ -726,7 +736,7 @@ def reconstruct(
                     )
                     output = model.encode(pieces)
                     issues.append(Code.NO_THINK_END)
-            elif _may_lack_think_end(model, profile, answer):
+            elif lacks_think_end:
                 issues.append(Code.REASONING_WITHOUT_THINK_END)
         except (AttributeError, TypeError, ValueError) as exc:  # e.g. a tool call not an object
             issues.append(Code.MALFORMED_RESPONSE)
@@ -779,7 +789,7 @@ def reconstruct(
         loss_mask[len(loss_mask) - end_len :] = [mask_spec.end_token] * end_len
     issues = list(dict.fromkeys(issues))  # stable, no duplicates
     return Reconstruction(
-        ok=not any(code in ERRORS for code in issues),
+        ok=ERRORS.isdisjoint(issues),
         issues=issues,
         # The record's own copy where the readings came from the caller (options share them).
         prompt_ids=list(prompt_seen) if isinstance(prompt, PromptReadings) else prompt_seen,
@@ -818,7 +828,7 @@ def _without_think_end(model: Model, pieces: Sequence[Piece]) -> list[Piece] | N
 def _other_model(model: Model, response: Any) -> bool:
     """The answer names a model the model config does not declare (`model.served_names`:
     names or shell-style patterns, case-insensitive; a dated variant is the same model)."""
-    answered = response.get("model") if isinstance(response, Mapping) else None
+    answered = response.get("model") if isinstance(response, (dict, Mapping)) else None
     if not model.served_names or not isinstance(answered, str) or not answered:
         return False
     return not any(
