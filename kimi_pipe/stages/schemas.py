@@ -15,6 +15,7 @@ alone, and the stage's typed read (`node_settings`) still checks every value.
 from __future__ import annotations
 
 import dataclasses
+import keyword
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -381,6 +382,46 @@ DATASET_SCHEMAS: dict[str, type] = {
 }
 ConfigSchema = _root()
 
+# Groups whose settings have no dataclass yet: each option's schema is its yaml's own keys,
+# typed by the kind of value written there (a null, a list, an interpolation or an empty
+# mapping stays open; a mapping is a schema of its own), so a value of another kind fails
+# at compose as in a described group. An option that extends another (its own defaults
+# list) stays open, and so do the keys named here: the provider's sampling params are sent
+# as given and digested into the run directory's name (a float field would make 1 into 1.0).
+MIRRORED: dict[str, tuple[str, ...]] = {
+    "extract": (),
+    "resolve": (),
+    "serving": (),
+    "model": (),
+    "provider": ("params",),
+}
+KINDS: tuple[tuple[type, Any], ...] = (
+    (bool, bool | None), (int, int | None), (float, float | None), (str, str | None)
+)  # fmt: skip
+
+
+def mirrored(name: str, written: dict[str, Any], open_keys: tuple[str, ...] = ()) -> type:
+    """The schema of one option's yaml (see MIRRORED)."""
+    made: list[Any] = []
+    for key, value in written.items():
+        kind = next((k for t, k in KINDS if isinstance(value, t)), Any)
+        if key in open_keys or isinstance(value, str) and "${" in value:
+            kind = Any
+        elif isinstance(value, dict) and value and all(map(_named, value)):
+            kind = mirrored(f"{name}_{key}", value)
+            made.append((key, kind, field(default_factory=kind)))
+            continue
+        made.append((key, kind, field(default=None)))
+    schema = dataclasses.make_dataclass(name, made)
+    schema.__module__ = __name__
+    globals()[name] = schema
+    return schema
+
+
+def _named(key: object) -> bool:
+    """A key a field may have (a mapping of markers, `<|im_end|>: ...`, stays open)."""
+    return isinstance(key, str) and key.isidentifier() and not keyword.iskeyword(key)
+
 
 def register() -> None:
     """The config's schema as `schemas/config`, a group's as `schemas/<group>`, an export
@@ -395,6 +436,12 @@ def register() -> None:
         source = yaml.safe_load(path.read_text(encoding="utf-8")).get("source")
         if source in DATASET_SCHEMAS:
             store.store(group="schemas/dataset", name=path.stem, node=DATASET_SCHEMAS[source])
+    for group, open_keys in MIRRORED.items():
+        for path in sorted((CONF_DIR / group).glob("*.yaml")):
+            written = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+            if "defaults" not in written:
+                schema = mirrored(f"_{group}_{path.stem}", written, open_keys)
+                store.store(group=f"schemas/{group}", name=path.stem, node=schema)
 
 
 register()
