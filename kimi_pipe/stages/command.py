@@ -45,8 +45,6 @@ from kimi_pipe.errors import (
 from kimi_pipe.stages import schemas  # noqa: F401 (registers the groups' schemas)
 from kimi_pipe.stages.help import StageHelp, help_text
 
-__all__ = ["help_text"]  # re-exported: stages print their help through the command layer
-
 Task = Callable[[DictConfig], Any]  # the composed config in; an exit status, or a summary
 NOT_COMPOSED = (HydraException, OmegaConfBaseException, YAMLError, UnicodeDecodeError)
 HELP_FLAGS = ("-h", "--help")
