@@ -1,15 +1,16 @@
 """The config's schemas, registered in Hydra's ConfigStore as the bases the yaml is merged
 into (conf/config.yaml's defaults list): `schemas/config`, the whole config's (its own keys
-typed, each group with a schema typed by it, the other groups open), and `schemas/<group>/
-<option>`, the schema of one option of a group whose options differ in keys (export,
-dataset), chosen by the group's choice (`${export}`).
+typed, the groups open: each is typed by its own base), `schemas/<group>` for a group with
+a settings dataclass, and `schemas/<group>/<option>` for a group whose options differ in
+keys, chosen by the group's choice (`${export}`): export and dataset by their settings,
+the groups without a settings dataclass by each option's yaml (MIRRORED).
 
-A schema is the group's settings dataclass as its module defines it (BudgetSettings, ...),
+A schema of settings is the dataclass as its module defines it (BudgetSettings, ...),
 copied without `frozen` (Hydra merges the yaml and the overrides into it) and with each
-field's one-line description in its metadata (`help`). Composed through a stage's command,
-a key the group lacks or a value of the wrong type then fails at compose (a did-you-mean
-from the command layer); a compose that never imported the command layer reads the yaml
-alone, and the stage's typed read (`node_settings`) still checks every value.
+field's one-line description in its metadata (`help`, which `--help` shows). Composed
+through a stage's command, a key the node lacks or a value of the wrong type then fails at
+compose (a did-you-mean from the command layer); a compose that never imported the command
+layer reads the yaml alone, and the stage's typed read (`node_settings`) still checks.
 """
 
 from __future__ import annotations
@@ -299,9 +300,9 @@ EXPORT_OPTIONS: dict[str, tuple[type, ...]] = {
 DATASET_SOURCES: dict[str, type] = {"jsonl": JsonlDataset, "hf": HubDataset}
 
 
-def schema_of(group: str, settings: type, name: str = "") -> type:
+def schema_of(group: str, settings: type) -> type:
     """`settings` as a mutable dataclass, each field with its type, default and `help`."""
-    return _made(group, name or f"{settings.__name__}Schema", [settings])
+    return _made(group, f"{settings.__name__}Schema", [settings])
 
 
 def _made(
