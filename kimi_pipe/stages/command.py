@@ -64,7 +64,7 @@ def wants_help(argv: Sequence[str]) -> bool:
     return any(a in HELP_FLAGS for a in argv)
 
 
-def _compose(overrides: Sequence[str], with_hydra: bool = True) -> DictConfig:
+def _compose(overrides: Sequence[str], with_hydra: bool) -> DictConfig:
     """Hydra's compose, in the Hydra the command initialized (a job's), else one of its own."""
     if GlobalHydra.instance().is_initialized():
         return hydra_compose("config", overrides=list(overrides), return_hydra_config=with_hydra)
@@ -79,11 +79,11 @@ def compose_overrides(
     typed: Sequence[str] | None = None,
     with_hydra: bool = False,
 ) -> DictConfig:
-    """The composed config (its `hydra` node only `with_hydra`), every value checked; else a
-    ConfigError naming the override (`typed`: the command line `overrides` came from).
-    `moved`: a key the command took before it was a Hydra app -> its config key, named."""
+    """The composed config (its `hydra` node only `with_hydra`), every value checked by the
+    schemas; else a ConfigError naming the override (`typed`: the command line `overrides`
+    came from). `moved`: a key the command took before it was a Hydra app -> its config key."""
     try:
-        cfg = _compose(overrides)
+        return _compose(overrides, with_hydra)
     except NOT_COMPOSED as exc:
         error, moved = compose_error(exc, typed or overrides), moved or {}
         old = ", ".join(
@@ -92,10 +92,6 @@ def compose_overrides(
         if old:
             raise ConfigError(f"bad override or config: {error} {old}") from None
         raise error from None
-    if not with_hydra:
-        with open_dict(cfg):
-            del cfg["hydra"]
-    return cfg
 
 
 def compose_error(exc: BaseException, overrides: Sequence[str]) -> ConfigError:
