@@ -242,6 +242,8 @@ def test_each_schema_field_has_a_one_line_description_and_the_yaml_its_keys() ->
             if "defaults" not in written:
                 assert OmegaConf.get_type(node).__name__ == f"_{group}_{path.stem}", path
                 assert OmegaConf.to_container(node) == OmegaConf.to_container(written), path
+    # A string setting stays open: `node_rank: auto` also takes a rank, kept a number.
+    assert compose(["extract=sglang", "extract.node_rank=0"]).extract.node_rank == 0
     # Workers get configs pickled (Ray, submitit): a schema's node must travel.
     cfg = pickle.loads(pickle.dumps(compose(["budget.usd=3"])))
     assert cfg.budget.usd == 3.0 and OmegaConf.get_type(cfg.budget) is SCHEMAS["budget"]

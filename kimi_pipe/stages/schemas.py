@@ -384,9 +384,10 @@ DATASET_SCHEMAS: dict[str, type] = {
 ConfigSchema = _root()
 
 # Groups whose settings have no dataclass yet: each option's schema is its yaml's own keys,
-# typed by the kind of value written there (a null, a list, an interpolation or an empty
-# mapping stays open; a mapping is a schema of its own), so a value of another kind fails
-# at compose as in a described group. An option that extends another (its own defaults
+# a number or a bool typed by the kind written there (a string, a null, a list or an empty
+# mapping stays open: `extract.node_rank: auto` also takes 0, which a str field would make
+# "0"; a mapping is a schema of its own), so a value of another kind fails at compose as in
+# a described group. An option that extends another (its own defaults
 # list) stays open, and so do the keys named here: the provider's sampling params are sent
 # as given and digested into the run directory's name (a float field would make 1 into 1.0).
 MIRRORED: dict[str, tuple[str, ...]] = {
@@ -397,21 +398,21 @@ MIRRORED: dict[str, tuple[str, ...]] = {
     "provider": ("params",),
 }
 KINDS: tuple[tuple[type, Any], ...] = (
-    (bool, bool | None), (int, int | None), (float, float | None), (str, str | None)
-)  # fmt: skip
+    (bool, bool | None),
+    (int, int | None),
+    (float, float | None),
+)
 
 
 def mirrored(name: str, written: dict[str, Any], open_keys: tuple[str, ...] = ()) -> type:
     """The schema of one option's yaml (see MIRRORED)."""
     made: list[Any] = []
     for key, value in written.items():
-        kind = next((k for t, k in KINDS if isinstance(value, t)), Any)
-        if key in open_keys or isinstance(value, str) and "${" in value:
-            kind = Any
-        elif isinstance(value, dict) and value and all(map(_named, value)):
-            kind = mirrored(f"{name}_{key}", value)
-            made.append((key, kind, field(default_factory=kind)))
+        if key not in open_keys and isinstance(value, dict) and value and all(map(_named, value)):
+            nested = mirrored(f"{name}_{key}", value)
+            made.append((key, nested, field(default_factory=nested)))
             continue
+        kind = next((k for t, k in KINDS if isinstance(value, t) and key not in open_keys), Any)
         made.append((key, kind, field(default=None)))
     schema = dataclasses.make_dataclass(name, made)
     schema.__module__ = __name__
