@@ -156,10 +156,11 @@ HELP: dict[str, dict[str, str]] = {
 }
 
 # Fields a stage accepts in more than one shape (`a,b` or one slug where a list belongs: its
-# `comma_lists` fix makes the list): typed Any here, checked by the stage's typed read.
+# `comma_lists` fix makes the list; one path or a list of them): typed Any here, checked by
+# the stage's own read.
 LOOSE: dict[str, tuple[str, ...]] = {
     "": ("stores", "datasets"),
-    "export": ("accept", "layer_ids"),
+    "export": ("accept", "layer_ids", "draft_config"),
     "report": ("ignore_quantizations",),
     "probe": ("providers",),
     "sweep": ("providers",),
