@@ -194,22 +194,56 @@ def test_each_schema_field_has_a_one_line_description_and_the_yaml_its_keys() ->
     its schema has (the schema is the yaml's base: a stray key would fail every compose)."""
     import dataclasses
     import pickle
+    from typing import Any
 
     from omegaconf import OmegaConf
 
-    from kimi_pipe.stages.schemas import SCHEMAS
+    from kimi_pipe.stages.schemas import SCHEMAS, ConfigSchema
 
-    assert set(SCHEMAS) >= {"budget", "report", "audit", "probe"}
-    for group, schema in SCHEMAS.items():
-        names = {f.name for f in dataclasses.fields(schema)}
+    def described(schema: type, where: str) -> set[str]:
         for item in dataclasses.fields(schema):
             about = item.metadata.get("help")
-            assert about and "\n" not in about and len(about) <= 90, (group, item.name)
+            if dataclasses.is_dataclass(item.type):  # a nested schema: its own fields are
+                described(item.type, f"{where}.{item.name}")
+            elif item.type is not Any or where != "":  # the config's open groups: none
+                assert about and "\n" not in about and len(about) <= 90, (where, item.name)
+        return {f.name for f in dataclasses.fields(schema)}
+
+    assert set(SCHEMAS) >= {"budget", "report", "audit", "probe", "validation", "serving_auto"}
+    for group, schema in SCHEMAS.items():
+        names = described(schema, group)
         for path in (CONF_DIR / group).glob("*.yaml"):
             keys = set(OmegaConf.load(path)) - {"defaults"}
             assert keys <= names, (path.name, keys - names)
         node = compose([])[group]
         assert OmegaConf.get_type(node) is schema, group  # the schema is the group's base
+    # The config's own keys: each of config.yaml's typed, in the order composing gives them.
+    written = [
+        k for k in OmegaConf.load(CONF_DIR / "config.yaml") if k not in ("defaults", "hydra")
+    ]
+    assert OmegaConf.get_type(compose([])) is ConfigSchema
+    assert set(written) <= described(ConfigSchema, "")
+    # export and dataset: every option has its schema (by its name, or its source), and its
+    # yaml only keys the schema has; a key of another option is not one of this one's.
+    for group, others in (("export", ["max_length", "dtype"]), ("dataset", ["hf_id", "path"])):
+        for path in sorted((CONF_DIR / group).glob("*.yaml")):
+            node = compose([f"{group}={path.stem}"])[group]
+            names = described(OmegaConf.get_type(node), group)  # type: ignore[arg-type]
+            assert OmegaConf.get_type(node).__name__.endswith("Schema"), path.name
+            assert set(OmegaConf.load(path)) <= names, path.name
+            assert not set(others) <= names, path.name
+    # A group whose schema mirrors each option's yaml: the composed option is its yaml, typed.
+    from kimi_pipe.stages.schemas import MIRRORED
+
+    for group in MIRRORED:
+        for path in sorted((CONF_DIR / group).glob("*.yaml")):
+            written = OmegaConf.load(path)
+            node = compose([f"{group}={path.stem}"])[group]
+            if "defaults" not in written:
+                assert OmegaConf.get_type(node).__name__ == f"_{group}_{path.stem}", path
+                assert OmegaConf.to_container(node) == OmegaConf.to_container(written), path
+    # A string setting stays open: `node_rank: auto` also takes a rank, kept a number.
+    assert compose(["extract=sglang", "extract.node_rank=0"]).extract.node_rank == 0
     # Workers get configs pickled (Ray, submitit): a schema's node must travel.
     cfg = pickle.loads(pickle.dumps(compose(["budget.usd=3"])))
     assert cfg.budget.usd == 3.0 and OmegaConf.get_type(cfg.budget) is SCHEMAS["budget"]
@@ -226,16 +260,61 @@ def test_each_schema_field_has_a_one_line_description_and_the_yaml_its_keys() ->
         ("report.rank_stp=0.1", "did you mean report.rank_step?"),
         ("sweep.n=many", "sweep.n='many': expected a whole number"),
         ("sweep.probes=maybe", "sweep.probes='maybe': expected true or false"),
+        # The config's own keys, validation, serving_auto, export and dataset options.
+        ("seed=1.5", "seed=1.5: expected a whole number"),
+        ("max_length=some", "max_length='some': expected a whole number"),
+        ("validation.billing_tolerance=x", "validation.billing_tolerance='x': expected a whole"),
+        ("serving_auto.cache_days=x", "serving_auto.cache_days='x': expected a number"),
+        ("export.workers=many", "export.workers='many': expected a whole number"),
+        ("export.push_to_hub.private=no?", "export.push_to_hub.private='no?': expected true or"),
+        ("export.compres=true", "did you mean export.compress?"),
+        ("dataset.limit=some", "dataset.limit='some': expected a whole number"),
+        ("dataset=B5", None),
+        ("dataset=B5 dataset.limit=4", "dataset.limit=4: no such setting"),  # jsonl's key
+        ("export=dflash export.max_length=4", "export.max_length=4: no such setting"),
+        # Groups whose schema mirrors each option's yaml.
+        ("extract.max_len=abc", "extract.max_len='abc': expected a whole number"),
+        ("extract=sglang extract.tp_size=two", "extract.tp_size='two': expected a whole number"),
+        ("resolve.min_posterior=high", "resolve.min_posterior='high': expected a number"),
+        ("provider.logprobs=maybe", "provider.logprobs='maybe': expected true or false"),
+        ("provider.retry.max_attempts=x", "provider.retry.max_attempts='x': expected a whole"),
+        ("provider=local provider.server.threads=x", "server.threads='x': expected a whole"),
+        ("+provider.params.user=x +dataset.data_files=x +extract.note=x +extra.note=x", None),
+        ("provider.params.temperature=0.5 extract.max_len=null seed=3", None),
     ],
 )
-def test_a_schema_refuses_a_wrong_type_or_key_at_compose(override: str, said: str) -> None:
+def test_a_schema_refuses_a_wrong_type_or_key_at_compose(override: str, said: str | None) -> None:
     """Refused while composing, before any stage reads the value: one ConfigError line."""
     from kimi_pipe.errors import ConfigError
     from kimi_pipe.stages.command import compose_overrides
 
+    if said is None:  # composes: a key of the user's own (+key), a value of the right kind
+        compose_overrides(override.split())
+        return
     with pytest.raises(ConfigError) as refused:
-        compose_overrides([override])
+        compose_overrides(override.split())
     assert said in str(refused.value) and "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("override", "said"),
+    [
+        ("provider.params.max_tokens=1.5", "provider.params.max_tokens=1.5: expected a whole"),
+        ("provider.params.temperature=hot", "provider.params.temperature='hot': expected a"),
+        ("provider.pricing.input_usd_per_mtok=x", "input_usd_per_mtok='x': expected a number"),
+    ],
+)
+def test_the_providers_sampling_params_are_checked_where_they_are_read(
+    override: str, said: str
+) -> None:
+    """provider.params stays open (sent as given, digested into the run directory's name):
+    the values the budget reads are checked when the provider's settings are read."""
+    from kimi_pipe.errors import ConfigError
+    from kimi_pipe.providers.settings import ProviderSettings
+
+    with pytest.raises(ConfigError, match="expected") as refused:
+        ProviderSettings.from_config(compose([override]).provider)
+    assert said in str(refused.value)
 
 
 def test_the_sweep_schema_is_the_sweep_stage_settings() -> None:
@@ -258,11 +337,11 @@ def test_help_reads_a_described_setting_from_its_schema() -> None:
     shown = 0
     for stage in HELP.values():
         for key, about in stage.settings:
-            group, _, name = key.partition(".")
-            if name in DESCRIBED.get(group, {}):
-                assert about == DESCRIBED[group][name], key
+            node, _, name = key.rpartition(".")  # "": the config's own keys
+            if name in DESCRIBED.get(node, {}):
+                assert about == DESCRIBED[node][name], key
                 shown += 1
-    assert shown >= 15
+    assert shown >= 30
 
 
 def test_a_list_setting_still_takes_one_slug_or_a_comma_list() -> None:

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import yaml
 from hydra.errors import HydraException
-from omegaconf import open_dict
+from omegaconf import OmegaConf, open_dict
 
 from kimi_pipe.core.models import Model
 from kimi_pipe.core.prompt_render import prompt_ids
@@ -305,8 +305,9 @@ def test_sweep_arguments() -> None:
         with pytest.raises(HydraException, match=f"override {wrong}"):
             sweep_config("sweep.providers=[a]", wrong)
     uncapped = sweep_config("sweep.providers=[a]")
-    with open_dict(uncapped):
-        del uncapped.dataset["limit"]  # a dataset with no key that caps its prompt count
+    with open_dict(uncapped):  # a dataset of the user's own with no key that caps its count
+        kept = OmegaConf.to_container(uncapped.dataset)
+        uncapped.dataset = {k: v for k, v in kept.items() if k != "limit"}  # type: ignore[union-attr]
     with pytest.raises(ValueError, match="none of"):
         sweep.resolve_dataset(uncapped)
 

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kimi_pipe.config import whole_number
+from kimi_pipe.config import typed_settings, whole_number
 from kimi_pipe.core.plain import plain
 from kimi_pipe.providers.credentials import header_carries_credential, valid_env_name
 from kimi_pipe.providers.errors import ProviderConfigError
@@ -80,6 +80,15 @@ class ProviderSettings:
                     f"the key is sent from {key_env or 'the key variable'} in the environment"
                 )
         params = {k: v for k, v in (data.get("params") or {}).items() if v is not None}
+        # The group has no schema (its options differ in keys): the values a typo in kind
+        # would send to the provider, or into the budget's arithmetic, are checked here.
+        whole_number(params.get("max_tokens"), "provider.params.max_tokens")
+        for key in ("temperature", "top_p"):
+            _number(params.get(key), f"provider.params.{key}")
+        pricing = data.get("pricing") or {}
+        for key, value in pricing.items():
+            _number(value, f"provider.pricing.{key}")
+        _number(data.get("max_response_mb"), "provider.max_response_mb")
         extra: dict[str, Any] = {}
         for key, body_key in (data.get("extra_body_keys") or {}).items():
             value = _drop_nones(data.get(key))
@@ -92,8 +101,7 @@ class ProviderSettings:
             routing_key = (data.get("extra_body_keys") or {}).get("routing")
             if routing_key:
                 extra[routing_key] = {**(extra.get(routing_key) or {}), "require_parameters": True}
-        pricing = data.get("pricing") or {}
-        retry = RetryPolicy(**(data.get("retry") or {}))
+        retry = typed_settings(data.get("retry"), RetryPolicy, "provider.retry")
         if retry.max_attempts < 1:
             raise ProviderConfigError(
                 f"provider.retry.max_attempts={retry.max_attempts}: must be >= 1"
@@ -159,6 +167,12 @@ class ProviderSettings:
             **self.params,
             "extra_body": self.extra_body,
         }
+
+
+def _number(value: Any, key: str) -> None:
+    """A setting that is null or a number; a ProviderConfigError naming `key` otherwise."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+        raise ProviderConfigError(f"{key}={value!r}: expected a number")
 
 
 def _drop_nones(value: Any) -> Any:

@@ -25,7 +25,6 @@ from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.core.override_parser.types import OverrideType
 from hydra.core.plugins import Plugins
 from hydra.core.utils import run_job, setup_globals
 from hydra.errors import HydraException
@@ -46,19 +45,14 @@ from kimi_pipe.errors import (
 from kimi_pipe.stages import schemas  # noqa: F401 (registers the groups' schemas)
 from kimi_pipe.stages.help import StageHelp, help_text
 
-__all__ = ["help_text"]  # re-exported: stages print their help through the command layer
-
 Task = Callable[[DictConfig], Any]  # the composed config in; an exit status, or a summary
 NOT_COMPOSED = (HydraException, OmegaConfBaseException, YAMLError, UnicodeDecodeError)
 HELP_FLAGS = ("-h", "--help")
 SHOW_CONFIG = ("--cfg", "-c")  # `--cfg job|hydra|all`: print the composed config, run nothing
 # Hydra's words for a key the config lacks (its hint, `+key=value`, would add it as new).
 _NO_SUCH_KEY = re.compile(r"Could not override '([^']+)'|delete from config\. '([^']+)' does")
-# What a value should have been: OmegaConf's words (a schema's field), or the yaml default's.
+# What a value should have been, in OmegaConf's words (a schema's field).
 _KINDS = {"to Float": "a number", "to Integer": "a whole number", "valid bool": "true or false"}
-_DEFAULTS: tuple[tuple[type, Any, str], ...] = (
-    (bool, bool, "true or false"), (int, int, "a whole number"), (float, int | float, "a number")
-)  # fmt: skip
 
 
 def override_key(override: str) -> str:
@@ -70,7 +64,7 @@ def wants_help(argv: Sequence[str]) -> bool:
     return any(a in HELP_FLAGS for a in argv)
 
 
-def _compose(overrides: Sequence[str], with_hydra: bool = True) -> DictConfig:
+def _compose(overrides: Sequence[str], with_hydra: bool) -> DictConfig:
     """Hydra's compose, in the Hydra the command initialized (a job's), else one of its own."""
     if GlobalHydra.instance().is_initialized():
         return hydra_compose("config", overrides=list(overrides), return_hydra_config=with_hydra)
@@ -85,11 +79,11 @@ def compose_overrides(
     typed: Sequence[str] | None = None,
     with_hydra: bool = False,
 ) -> DictConfig:
-    """The composed config (its `hydra` node only `with_hydra`), every value checked; else a
-    ConfigError naming the override (`typed`: the command line `overrides` came from).
-    `moved`: a key the command took before it was a Hydra app -> its config key, named."""
+    """The composed config (its `hydra` node only `with_hydra`), every value checked by the
+    schemas; else a ConfigError naming the override (`typed`: the command line `overrides`
+    came from). `moved`: a key the command took before it was a Hydra app -> its config key."""
     try:
-        cfg = _compose(overrides)
+        return _compose(overrides, with_hydra)
     except NOT_COMPOSED as exc:
         error, moved = compose_error(exc, typed or overrides), moved or {}
         old = ", ".join(
@@ -98,11 +92,6 @@ def compose_overrides(
         if old:
             raise ConfigError(f"bad override or config: {error} {old}") from None
         raise error from None
-    check_value_types(cfg, overrides)
-    if not with_hydra:
-        with open_dict(cfg):
-            del cfg["hydra"]
-    return cfg
 
 
 def compose_error(exc: BaseException, overrides: Sequence[str]) -> ConfigError:
@@ -175,37 +164,6 @@ def did_you_mean(key: str, keys: Sequence[str], most: int = 3) -> list[str]:
         or [k for k in keys if k.rpartition(".")[2] == name][:most]
         or closest(name, {k: k.rpartition(".")[2] for k in keys}, 0.85)
     )
-
-
-def check_value_types(cfg: DictConfig, overrides: Sequence[str]) -> None:
-    """`seed=1.5`: a value of another kind than its setting's default as written in its yaml
-    (the group option chosen, else conf/config.yaml) is a ConfigError, before a stage reads
-    it deep inside. Groups without a schema need it; null defaults are the stage's to check."""
-    choices = OmegaConf.select(cfg, "hydra.runtime.choices", default={})
-    with contextlib.suppress(HydraException):
-        for item in OverridesParser.create().parse_overrides(list(overrides)):
-            key, value = item.key_or_group, item.value()
-            group, _, rest = key.partition(".")
-            option = CONF_DIR / group / f"{choices.get(group)}.yaml"
-            path, where = (rest, option) if rest and option.is_file() else (key, None)
-            if (
-                (CONF_DIR / key).is_dir()  # a group choice: Hydra checks it
-                or key.startswith("hydra")
-                or item.type is not OverrideType.CHANGE  # a key of the user's own
-                or not isinstance(value, str | int | float | bool)  # null fits anything
-                or isinstance(value, str)
-                and "${" in value
-            ):
-                continue
-            default = OmegaConf.to_container(OmegaConf.load(where or CONF_DIR / "config.yaml"))
-            for part in path.split("."):  # as written: an interpolation is not resolved
-                default = default.get(part) if isinstance(default, dict) else None
-            for kind, fits, expected in _DEFAULTS:  # the first the default is decides
-                if isinstance(default, kind):
-                    if not isinstance(value, fits) or isinstance(value, bool) != (kind is bool):
-                        said = f"{key}={value!r}: expected {expected}"
-                        raise ConfigError(f"{said} (its default is {default!r})")
-                    break
 
 
 def report(exc: BaseException) -> int | None:

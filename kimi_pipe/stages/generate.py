@@ -32,12 +32,8 @@ from kimi_pipe.generation import probes
 from kimi_pipe.generation.datasets import datasets_of
 from kimi_pipe.generation.errors import GenerateError
 from kimi_pipe.generation.run import finish_status, said
-from kimi_pipe.stages.command import (
-    help_text,
-    hydra_command,
-    wants_help,
-)
-from kimi_pipe.stages.help import HELP
+from kimi_pipe.stages.command import hydra_command, wants_help
+from kimi_pipe.stages.help import HELP, help_text
 from kimi_pipe.stages.jobs.generate import generate_job
 from kimi_pipe.stages.launch import check_before_launch, refuse_keys_on_the_command_line
 from kimi_pipe.store.layout import RECORDS, SUMMARY

@@ -28,7 +28,7 @@ class StageHelp:
 
     name: str
     what: str  # what the stage does, a few lines
-    main: tuple[str | tuple[str, str], ...]  # `group.key` its schema describes, or (key, line)
+    main: tuple[str | tuple[str, str], ...]  # a key a schema describes, or (key, line)
     examples: tuple[str, ...]
     more: str = ""  # where to read on
     whole_config: bool = False  # a Hydra app: `--cfg job` prints every setting
@@ -36,10 +36,7 @@ class StageHelp:
     @property
     def settings(self) -> tuple[tuple[str, str], ...]:
         """(setting, one line on it): a schema's field by its description (one source)."""
-        return tuple(
-            (k, DESCRIBED[k.split(".")[0]][k.split(".")[1]]) if isinstance(k, str) else k
-            for k in self.main
-        )
+        return tuple((k, _described(k)) if isinstance(k, str) else k for k in self.main)
 
 
 _GENERATE = StageHelp(
@@ -49,15 +46,15 @@ _GENERATE = StageHelp(
     "same command again resumes: answered prompts are skipped, money spent counts.",
     (
         ("dataset", "the prompts: jsonl (dataset.path=FILE) or B3..B8 (downloaded from the Hub)"),
-        ("dataset.path", "dataset=jsonl: the prompt file, one {id, messages, tools?} a line"),
-        ("dataset.limit", "dataset=jsonl: only the first N prompts (null: all)"),
+        "dataset.path",
+        "dataset.limit",
         ("provider", "where answers are bought: openrouter (key in OPENROUTER_API_KEY) or local"),
         "budget.usd",
         ("provider.concurrency", "requests in flight at once"),
         ("provider.params.max_tokens", "the most output tokens an answer may have"),
         ("serving", "what the provider's stack does to text: auto (probed first) or a profile"),
         ("model", "the target model's config (tokenizer, markers): conf/model/"),
-        ("output_dir", "the run directory (default: derived from what is bought)"),
+        "output_dir",
     ),
     (
         "python -m kimi_pipe generate dataset=B5 budget.usd=5",
@@ -73,12 +70,12 @@ _RECONSTRUCT = StageHelp(
     "records (prompt_ids, output_ids, loss_mask, issues), checked against the billed "
     "completion tokens; OUT.jsonl.summary.json counts them. Buys nothing.",
     (
-        ("input", "the answers (JSONL), e.g. a generate run's records.jsonl"),
-        ("output", "the token records written (JSONL)"),
+        "input",
+        "output",
         ("model", "the target model's config: conf/model/ (kimi_k25, qwen3_5, smollm2)"),
         ("model.tokenizer.path", "a directory holding the model's tokenizer files"),
         ("serving", "what the provider's stack did to text (conf/serving/)"),
-        ("validation.billing_tolerance", "allowed |reconstructed - billed| completion tokens"),
+        "validation.billing_tolerance",
     ),
     (
         "python -m kimi_pipe reconstruct model=kimi_k25 input=IN.jsonl output=OUT.jsonl",
@@ -139,14 +136,14 @@ _EXPORT = StageHelp(
     "only) from hidden-state stores, merged and shuffled deterministically, with a dataset "
     "card. A killed export resumes.",
     (
-        ("format", "specforge | speculators | modelopt | tokens (conf/export/)"),
-        ("stores", "the hidden-state stores to export: [DIR,...] (local or URLs)"),
-        ("output", "the export directory"),
-        ("seed", "the shuffle's seed"),
-        ("export.accept", "evidence rungs whose samples reach the training files"),
-        ("export.workers", "processes writing the files (same files for any number)"),
-        ("target_model_path", "the target model directory named in the trainer configs"),
-        ("export.push_to_hub.repo_id", "owner/name: push to the Hugging Face Hub (HF_TOKEN)"),
+        "format",
+        "stores",
+        "output",
+        "seed",
+        "export.accept",
+        "export.workers",
+        "target_model_path",
+        "export.push_to_hub.repo_id",
     ),
     (
         "python -m kimi_pipe export format=specforge stores=[runs/demo/hidden_hf] output=out",
@@ -217,9 +214,9 @@ _DEMO = StageHelp(
     "Hub): generate -> reconstruct -> audit -> extract -> export on the bundled prompts, "
     "then where everything is and the exact-match rate. Again: finished stages are skipped.",
     (
-        ("dataset.limit", "only the first N bundled prompts (null: all 32)"),
+        "dataset.limit",
         ("provider.params.max_tokens", "the most output tokens an answer may have"),
-        ("output_dir", "the run directory"),
+        "output_dir",
     ),
     (
         "python -m kimi_pipe demo",
@@ -235,7 +232,7 @@ _RUN = StageHelp(
     "same command again. One table of what ran at the end.",
     (
         ("pipeline", "which job: demo, openrouter_sglang or sweep (conf/pipeline/)"),
-        ("output_dir", "the run directory"),
+        "output_dir",
         ("dataset", "the prompts (conf/dataset/)"),
         "budget.usd",
     ),
@@ -291,6 +288,11 @@ def help_text(stage: StageHelp, argv: Sequence[str] = ()) -> str:
     )
     lines.append(every + (f"; more in {stage.more}" if stage.more else ""))
     return "\n".join(lines)
+
+
+def _described(key: str) -> str:
+    node, _, name = key.rpartition(".")
+    return DESCRIBED[node][name]
 
 
 def _options(key: str) -> str:

@@ -1,30 +1,106 @@
-"""The config groups' schemas, registered in Hydra's ConfigStore as each group's base
-(conf/config.yaml's defaults list `optional schemas@<group>: <group>` before the group).
+"""The config's schemas, registered in Hydra's ConfigStore as the bases the yaml is merged
+into (conf/config.yaml's defaults list): `schemas/config`, the whole config's (its own keys
+typed, the groups open: each is typed by its own base), `schemas/<group>` for a group with
+a settings dataclass, and `schemas/<group>/<option>` for a group whose options differ in
+keys, chosen by the group's choice (`${export}`): export and dataset by their settings,
+the groups without a settings dataclass by each option's yaml (MIRRORED).
 
-A schema is the group's settings dataclass as its module defines it (BudgetSettings, ...),
+A schema of settings is the dataclass as its module defines it (BudgetSettings, ...),
 copied without `frozen` (Hydra merges the yaml and the overrides into it) and with each
-field's one-line description in its metadata (`help`). Composed through a stage's command,
-a key the group lacks or a value of the wrong type then fails at compose (a did-you-mean
-from the command layer); a compose that never imported the command layer reads the yaml
-alone, and the stage's typed read (`node_settings`) still checks every value.
+field's one-line description in its metadata (`help`, which `--help` shows). Composed
+through a stage's command, a key the node lacks or a value of the wrong type then fails at
+compose (a did-you-mean from the command layer); a compose that never imported the command
+layer reads the yaml alone, and the stage's typed read (`node_settings`) still checks.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import keyword
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import yaml
 from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
 
+from kimi_pipe.config import CONF_DIR
+from kimi_pipe.conformance.auto import AutoSettings
 from kimi_pipe.conformance.probe import ProbeSettings
+from kimi_pipe.exporters.hub import HubSettings
 from kimi_pipe.providers.budget import BudgetSettings
 from kimi_pipe.reporting.audit import AuditSettings
 from kimi_pipe.reporting.report import ReportSettings
 
-# Each field's description, by group; a field missing here is a test failure, not a blank.
+# Each field's description, by node ("": the config's own keys); a field missing here is a
+# KeyError at import, not a blank.
 HELP: dict[str, dict[str, str]] = {
+    "": {
+        "input": "the answers to reconstruct: JSONL of {id, messages, tools?, response}",
+        "output": "what the stage writes: the token records (JSONL) or the export directory",
+        "records": "a token-records JSONL file to extract from (or extract.records)",
+        "run_dir": "a generate run directory to extract from (or extract.run_dir)",
+        "format": "specforge | speculators | modelopt | tokens | ... (conf/export/)",
+        "stores": "the hidden-state stores to export: [DIR,...] or one DIR (local or URLs)",
+        "seed": "the export shuffle's seed",
+        "target_model_path": "the target model directory named in the trainer configs",
+        "max_length": "alias of export.max_length (SpecForge's data.max_length)",
+        "purchase_digest": "a digest of what is bought: names the default output_dir",
+        "output_dir": "the run directory (default: derived from what is bought)",
+        "datasets": "several datasets bought under one budget, [B5,B6]; null: `dataset`",
+    },
+    "validation": {
+        "billing_tolerance": "allowed |reconstructed - billed| completion tokens",
+        "record_ids": "engine (the ids the engine sampled) or reencoded (canonical ids)",
+    },
+    "serving_auto": {
+        "providers": "providers to probe; null: provider.routing.only, else .order, else seen",
+        "usd_per_provider": "USD cap of one provider's battery (in budget.usd); null: usd_each",
+        "cache_days": "probe verdicts are reused this many days (0: always probe; null: forever)",
+        "cache_dir": "the verdict cache; null: $XDG_CACHE_HOME/kimi_pipe/probes",
+        "battery": "a battery file; null: conf/probes/<model.name>.yaml",
+    },
+    "export": {
+        "name": "the format (the group's choice; `format=NAME` says the same)",
+        "exporter": "the exporter class, package.module:Class",
+        "max_length": "SpecForge's data.max_length; null: the longest exported sample",
+        "compress": "gzip'ed data_*.ckpt.gz (SpecForge's reader opens them)",
+        "draft_config": "the drafter's config.json: its layers are the ones written",
+        "layer_ids": 'or the "output of layer" ids written; neither: every layer of the store',
+        "draft_engine": "whose rule reads an EAGLE-3 config's layer ids: sglang | vllm",
+        "dtype": "the states' dtype; null: the store's read dtype; fp8_e4m3: FP8 layout",
+        "accept": "evidence rungs whose samples reach the training files",
+        "workers": "processes writing the files (same files for any number)",
+        "storage_options": "fsspec options for stores given as URLs (no credentials here)",
+        "push_to_hub": "push the export to the Hugging Face Hub as a dataset (HF_TOKEN)",
+    },
+    "export.push_to_hub": {
+        "repo_id": "owner/name: push to the Hugging Face Hub (HF_TOKEN); null: no push",
+        "private": "the Hub dataset is private",
+        "shard_bytes": "a tar or line-file part closes at this size (+ one sample)",
+        "files_per_folder": "tars a folder: data/00000/, data/00001/, ...",
+        "folder": "the packed copy; null: <output>.hub",
+        "revision": "the Hub branch or revision pushed to; null: main",
+    },
+    "dataset": {
+        "name": "the dataset's name (its run directories are named after it)",
+        "source": "jsonl (a local file) or hf (a Hugging Face Hub dataset)",
+        "path": "dataset=jsonl: the prompt file, one {id, messages, tools?} a line",
+        "limit": "dataset=jsonl: only the first N prompts (null: all)",
+        "hf_id": "the Hub dataset, owner/name",
+        "hf_config": "its configuration (subset); null: the default one",
+        "split": "the split read",
+        "revision": "a Hub commit sha for a byte-identical selection later; null: latest",
+        "streaming": "no full download; shuffles with a buffer instead (different ids)",
+        "shuffle_buffer": "streaming: the shuffle buffer's rows",
+        "cache_dir": "where the Hub files go; null: the datasets cache under HF_HOME",
+        "num_samples": "prompts to yield; skipped rows are replaced from further rows",
+        "seed": "selection = shuffle(seed) then take; null keeps the file's order",
+        "drop_trailing_assistant": "a record ending with an assistant turn has it dropped",
+        "mapping": "how a row becomes messages (kind: single_turn | conversation, fields)",
+    },
     "budget": {
         "usd": "the hard USD cap of the run directory (earlier runs into it count); null: none",
         "max_samples": "at most this many samples answered; null: no cap",
@@ -80,8 +156,11 @@ HELP: dict[str, dict[str, str]] = {
 }
 
 # Fields a stage accepts in more than one shape (`a,b` or one slug where a list belongs: its
-# `comma_lists` fix makes the list): typed Any here, checked by the stage's typed read.
+# `comma_lists` fix makes the list; one path or a list of them): typed Any here, checked by
+# the stage's own read.
 LOOSE: dict[str, tuple[str, ...]] = {
+    "": ("stores", "datasets"),
+    "export": ("accept", "layer_ids", "draft_config"),
     "report": ("ignore_quantizations",),
     "probe": ("providers",),
     "sweep": ("providers",),
@@ -104,33 +183,153 @@ class SweepFields:
     overrides: list[str] = field(default_factory=list)
 
 
+@dataclass
+class ValidationFields:
+    """`validation`: the checks made on every reconstructed sample (no stage class of its own:
+    generate and reconstruct read the two values)."""
+
+    billing_tolerance: int = 0
+    record_ids: str = "engine"
+
+
+@dataclass
+class TopFields:
+    """conf/config.yaml's own keys (the stages' inputs and outputs, as written there)."""
+
+    input: str | None = None
+    output: str | None = None
+    records: str | None = None
+    run_dir: str | None = None
+    format: str | None = None
+    stores: list[str] = field(default_factory=list)
+    seed: int = 0
+    target_model_path: str | None = None
+    max_length: int | None = None
+    purchase_digest: str | None = None
+    output_dir: str | None = None
+    datasets: list[str] | None = None
+
+
+@dataclass
+class ExportFields:
+    """Every export option's keys: the format's name and class, then the engine's own
+    (conf/config.yaml); a format's own keys go between (EXPORT_OPTIONS)."""
+
+    name: str = "specforge"
+    exporter: str = ""
+    accept: list[str] | None = None
+    workers: int = 1
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    push_to_hub: Any = None  # typed by HubSettings' schema (EXPORT_SCHEMAS)
+
+
+@dataclass
+class DrafterLayers:
+    """The layers a drafter's format writes (dflash, dspark, modelopt)."""
+
+    draft_config: str | None = None
+    layer_ids: list[int] | None = None
+    draft_engine: str = "sglang"
+
+
+@dataclass
+class MaxLength:
+    max_length: int | None = None
+
+
+@dataclass
+class Compressed:
+    compress: bool = False
+
+
+@dataclass
+class SpeculatorsFields:
+    dtype: str | None = None
+
+
+@dataclass
+class JsonlDataset:
+    """dataset=jsonl: a local JSONL file of prompts."""
+
+    name: str = "jsonl"
+    source: str = "jsonl"
+    path: str = MISSING
+    limit: int | None = None
+    drop_trailing_assistant: bool = True
+
+
+@dataclass
+class HubDataset:
+    """A Hugging Face Hub dataset (source: hf; B3..B8)."""
+
+    name: str = MISSING
+    source: str = "hf"
+    hf_id: str = MISSING
+    hf_config: str | None = None
+    split: str = "train"
+    revision: str | None = None
+    streaming: bool = False
+    shuffle_buffer: int = 10000
+    cache_dir: str | None = None
+    num_samples: int | None = None
+    seed: int | None = None
+    drop_trailing_assistant: bool = True
+    mapping: Any = None  # its keys depend on its kind (single_turn, conversation)
+
+
 SETTINGS: dict[str, type] = {
     "budget": BudgetSettings,
     "report": ReportSettings,
     "audit": AuditSettings,
     "probe": ProbeSettings,
     "sweep": SweepFields,
+    "validation": ValidationFields,
+    "serving_auto": AutoSettings,
 }
+
+# A group whose options have keys of their own: each option's settings, by the option's
+# name (export) or by its `source` (dataset), so that a key another option has is still "no
+# such setting" here. An option not named (a config of the user's own) stays open.
+EXPORT_OPTIONS: dict[str, tuple[type, ...]] = {
+    "specforge": (MaxLength, Compressed),
+    "dflash": (DrafterLayers, Compressed),
+    "dspark": (DrafterLayers, Compressed),
+    "modelopt": (DrafterLayers,),
+    "speculators": (SpeculatorsFields,),
+    "tokens": (),
+}
+DATASET_SOURCES: dict[str, type] = {"jsonl": JsonlDataset, "hf": HubDataset}
 
 
 def schema_of(group: str, settings: type) -> type:
     """`settings` as a mutable dataclass, each field with its type, default and `help`."""
-    hints = typing.get_type_hints(settings)
+    return _made(group, f"{settings.__name__}Schema", [settings])
+
+
+def _made(
+    group: str, name: str, parts: Sequence[type], first: Sequence[str] = (), **nested: type
+) -> type:
+    """The fields of `parts` (those named `first` first) as one schema (see `schema_of`);
+    `nested`: a field typed by another schema."""
+    items = {f.name: (f, typing.get_type_hints(p)) for p in parts for f in dataclasses.fields(p)}
     made = []
-    for item in dataclasses.fields(settings):
-        kind = Any if item.name in LOOSE.get(group, ()) else hints[item.name]
+    for key in [*first, *(k for k in items if k not in first)]:
+        item, hints = items[key]
+        if key in nested:
+            made.append((key, nested[key], field(default_factory=nested[key])))
+            continue
+        kind = Any if key in LOOSE.get(group, ()) else hints[key]
         default: Any = item.default
         if isinstance(default, tuple):  # a tuple default (Policy's): a list in a config
             factory: Any = _list_of(default)
             default = dataclasses.MISSING
         else:
             factory = item.default_factory
-        spec = dataclasses.field(
-            default=default, default_factory=factory, metadata={"help": HELP[group][item.name]}
-        )
-        made.append((item.name, kind, spec))
-    schema = dataclasses.make_dataclass(f"{settings.__name__}Schema", made)
+        spec = field(default=default, default_factory=factory, metadata={"help": HELP[group][key]})
+        made.append((key, kind, spec))
+    schema = dataclasses.make_dataclass(name, made)
     schema.__module__ = __name__  # pickled configs find it here
+    globals()[name] = schema
     return schema
 
 
@@ -138,15 +337,114 @@ def _list_of(values: tuple[Any, ...]) -> Any:
     return lambda: list(values)
 
 
+def _root() -> type:
+    """The whole config's schema, its keys in the order composing gives them: the groups of
+    conf/config.yaml's defaults list, open (a group's schema is its own base, and a job may
+    swap a group's node whole: stages/jobs/groups.with_overrides), then its own keys at
+    `_self_`, typed by TopFields or SCHEMAS (a group among them stays open)."""
+    written = yaml.safe_load((CONF_DIR / "config.yaml").read_text(encoding="utf-8"))
+    own, hints = (
+        {f.name: f for f in dataclasses.fields(TopFields)},
+        typing.get_type_hints(TopFields),
+    )
+    made: list[Any] = []
+    for entry in written["defaults"]:
+        keys = [k for k in written if k not in ("defaults", "hydra")] if entry == "_self_" else []
+        for key in (k for k in keys if k not in {m[0] for m in made}):
+            if key in SCHEMAS:
+                made.append((key, SCHEMAS[key], field(default_factory=SCHEMAS[key])))
+            elif key in own:
+                kind, item = Any if key in LOOSE[""] else hints[key], own[key]
+                made.append((key, kind, field(default=item.default,
+                                              default_factory=item.default_factory,
+                                              metadata={"help": HELP[""][key]})))  # fmt: skip
+            else:
+                made.append((key, Any, field(default=None)))
+        if isinstance(entry, dict):
+            made += [(k.split()[-1], Any, field(default=None)) for k in entry if "@" not in k]
+    schema = dataclasses.make_dataclass("ConfigSchema", made)
+    schema.__module__ = __name__
+    return schema
+
+
 SCHEMAS: dict[str, type] = {group: schema_of(group, cls) for group, cls in SETTINGS.items()}
-globals().update({schema.__name__: schema for schema in SCHEMAS.values()})
+HUB = schema_of("export.push_to_hub", HubSettings)
+EXPORT_SCHEMAS: dict[str, type] = {
+    option: _made(
+        "export",
+        f"{option.title()}ExportSchema",
+        [*own, ExportFields],
+        first=("name", "exporter"),  # then the format's own keys, as its yaml has them
+        push_to_hub=HUB,
+    )
+    for option, own in EXPORT_OPTIONS.items()
+}
+DATASET_SCHEMAS: dict[str, type] = {
+    source: schema_of("dataset", cls) for source, cls in DATASET_SOURCES.items()
+}
+ConfigSchema = _root()
+
+# Groups whose settings have no dataclass yet: each option's schema is its yaml's own keys,
+# a number or a bool typed by the kind written there (a string, a null, a list or an empty
+# mapping stays open: `extract.node_rank: auto` also takes 0, which a str field would make
+# "0"; a mapping is a schema of its own), so a value of another kind fails at compose as in
+# a described group. An option that extends another (its own defaults
+# list) stays open, and so do the keys named here: the provider's sampling params are sent
+# as given and digested into the run directory's name (a float field would make 1 into 1.0).
+MIRRORED: dict[str, tuple[str, ...]] = {
+    "extract": (),
+    "resolve": (),
+    "serving": (),
+    "model": (),
+    "provider": ("params",),
+}
+KINDS: tuple[tuple[type, Any], ...] = (
+    (bool, bool | None),
+    (int, int | None),
+    (float, float | None),
+)
+
+
+def mirrored(name: str, written: dict[str, Any], open_keys: tuple[str, ...] = ()) -> type:
+    """The schema of one option's yaml (see MIRRORED)."""
+    made: list[Any] = []
+    for key, value in written.items():
+        if key not in open_keys and isinstance(value, dict) and value and all(map(_named, value)):
+            nested = mirrored(f"{name}_{key}", value)
+            made.append((key, nested, field(default_factory=nested)))
+            continue
+        kind = next((k for t, k in KINDS if isinstance(value, t) and key not in open_keys), Any)
+        made.append((key, kind, field(default=None)))
+    schema = dataclasses.make_dataclass(name, made)
+    schema.__module__ = __name__
+    globals()[name] = schema
+    return schema
+
+
+def _named(key: object) -> bool:
+    """A key a field may have (a mapping of markers, `<|im_end|>: ...`, stays open)."""
+    return isinstance(key, str) and key.isidentifier() and not keyword.iskeyword(key)
 
 
 def register() -> None:
-    """Each schema as the option `schemas/<group>` (idempotent: the store replaces it)."""
+    """The config's schema as `schemas/config`, a group's as `schemas/<group>`, an export
+    option's as `schemas/export/<name>`, a dataset option's (by its source) as
+    `schemas/dataset/<name>` (idempotent: the store replaces them)."""
     store = ConfigStore.instance()
-    for group, schema in SCHEMAS.items():
-        store.store(group="schemas", name=group, node=schema)
+    for name, schema in {"config": ConfigSchema, **SCHEMAS}.items():
+        store.store(group="schemas", name=name, node=schema)
+    for option, schema in EXPORT_SCHEMAS.items():
+        store.store(group="schemas/export", name=option, node=schema)
+    for path in sorted((CONF_DIR / "dataset").glob("*.yaml")):
+        source = yaml.safe_load(path.read_text(encoding="utf-8")).get("source")
+        if source in DATASET_SCHEMAS:
+            store.store(group="schemas/dataset", name=path.stem, node=DATASET_SCHEMAS[source])
+    for group, open_keys in MIRRORED.items():
+        for path in sorted((CONF_DIR / group).glob("*.yaml")):
+            written = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+            if "defaults" not in written:
+                schema = mirrored(f"_{group}_{path.stem}", written, open_keys)
+                store.store(group=f"schemas/{group}", name=path.stem, node=schema)
 
 
 register()
