@@ -202,7 +202,7 @@ class TopFields:
     run_dir: str | None = None
     format: str | None = None
     stores: list[str] = field(default_factory=list)
-    seed: int = 0
+    seed: int | None = 0  # null: 0, as before the schema
     target_model_path: str | None = None
     max_length: int | None = None
     purchase_digest: str | None = None
