@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from kimi_pipe.errors import ConfigError
 from kimi_pipe.exporters import CARD_FILE, run_export
@@ -37,23 +37,30 @@ from kimi_pipe.stages.jobs.export import output_dir as output_dir
 
 
 def inputs(cfg: DictConfig, run_dir: Path) -> list[Path]:
-    return [Path(s) for s in stores_of(cfg)]
+    values = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False))
+    return [Path(s) for s in stores_of(values)]
 
 
 def outputs(cfg: DictConfig, run_dir: Path) -> list[Path]:
-    return [output_dir(cfg, run_dir) / CARD_FILE]
+    values = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False))
+    return [output_dir(values, run_dir) / CARD_FILE]
 
 
 def run_stage(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:
     """The stage entry: training files from `stores` (default output: <run_dir>/export_<fmt>)."""
-    if not inputs(cfg, run_dir or Path(".")):
+    # Converted once, here: below the door plain values (a mandatory one never given: ???).
+    values = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False))
+    if not stores_of(values):
         raise ConfigError("no store to export: run an extract stage first or pass stores=[...]")
-    return run_export(export_job(cfg, run_dir))
+    return run_export(export_job(values, run_dir))
 
 
 def main(argv: list[str] | None = None) -> int:
     def export_stage(cfg: DictConfig) -> None:
-        run_export(export_job(cfg))
+        values = cast(
+            dict[str, Any], OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+        )
+        run_export(export_job(values))
 
     return hydra_command(export_stage, argv, name="export", help=HELP["export"])
 
