@@ -388,7 +388,8 @@ ConfigSchema = _root()
 # a number or a bool typed by the kind written there (a string, a null, a list or an empty
 # mapping stays open: `extract.node_rank: auto` also takes 0, which a str field would make
 # "0"; a mapping is a schema of its own), so a value of another kind fails at compose as in
-# a described group. An option that extends another (its own defaults
+# a described group (so a yaml writes a setting that takes fractions, seconds or prices,
+# with its decimal point: `timeout_s: 900.0`). An option that extends another (its own defaults
 # list) stays open, and so do the keys named here: the provider's sampling params are sent
 # as given and digested into the run directory's name (a float field would make 1 into 1.0).
 MIRRORED: dict[str, tuple[str, ...]] = {
