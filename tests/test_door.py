@@ -102,6 +102,22 @@ def test_help_says_what_the_stage_does_in_a_page(stage: str, tmp_path: Path) -> 
     assert not any(tmp_path.iterdir())
 
 
+def test_help_piped_into_a_reader_that_stops_early_ends_quietly(tmp_path: Path) -> None:
+    """`--help | head -1`: the reader closes the pipe; no BrokenPipeError traceback."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, "-m", "kimi_pipe", "export", "--help"]
+    with subprocess.Popen(
+        command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    ) as process:
+        assert process.stdout is not None and process.stderr is not None
+        first = process.stdout.readline()
+        process.stdout.close()  # as `head -1` does after its line
+        stderr = process.stderr.read().decode()
+        process.wait(timeout=120)
+    assert first.startswith(b"python -m kimi_pipe export")
+    assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr
+
+
 def test_help_shows_the_values_the_other_arguments_give(tmp_path: Path) -> None:
     out = kimi_pipe("generate", "dataset=B5", "budget.usd=7", "--help", cwd=tmp_path).stdout
     assert "  dataset=B5 " in out and "  budget.usd=7 " in out
