@@ -346,6 +346,31 @@ def test_the_sweep_schema_is_the_sweep_stage_settings() -> None:
     ]
 
 
+def test_the_hub_schema_is_the_hub_settings_and_loads_no_torch() -> None:
+    """The command layer's copy of HubSettings' fields (names, types, defaults) equals them,
+    and composing through it imports no torch (a bare install's reconstruct has none)."""
+    import dataclasses
+    import typing
+
+    from kimi_pipe.exporters.hub import HubSettings
+    from kimi_pipe.stages.schemas import HubFields
+
+    def shape(cls: type) -> list[tuple[str, object, object]]:
+        hints = typing.get_type_hints(cls)
+        return [(f.name, hints[f.name], f.default) for f in dataclasses.fields(cls)]
+
+    assert shape(HubFields) == shape(HubSettings)
+    code = (
+        "import sys; import kimi_pipe.stages.command, kimi_pipe.stages.reconstruct; "
+        "print('torch' in sys.modules)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert done.stdout.strip() == "False", done.stdout
+
+
 def test_help_reads_a_described_setting_from_its_schema() -> None:
     """One source: a setting --help names from a group with a schema has the schema's line."""
     from kimi_pipe.stages.schemas import HELP as DESCRIBED

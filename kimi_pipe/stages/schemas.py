@@ -29,7 +29,6 @@ from omegaconf import MISSING
 from kimi_pipe.config import CONF_DIR
 from kimi_pipe.conformance.auto import AutoSettings
 from kimi_pipe.conformance.probe import ProbeSettings
-from kimi_pipe.exporters.hub import HubSettings
 from kimi_pipe.providers.budget import BudgetSettings
 from kimi_pipe.reporting.audit import AuditSettings
 from kimi_pipe.reporting.report import ReportSettings
@@ -168,6 +167,20 @@ LOOSE: dict[str, tuple[str, ...]] = {
 
 
 @dataclass
+class HubFields:
+    """`export.push_to_hub`'s fields, as kimi_pipe/exporters/hub.py's HubSettings has them (a
+    copy, kept equal by a test: importing anything of kimi_pipe.exporters loads torch, which a
+    bare install's `kimi-pipe reconstruct` must not need)."""
+
+    repo_id: str | None = None
+    private: bool = True
+    shard_bytes: int = 10 * 10**9
+    files_per_folder: int = 1000
+    folder: str | None = None
+    revision: str | None = None
+
+
+@dataclass
 class SweepFields:
     """The `sweep` group's fields. kimi_pipe/stages/sweep.py's SweepSettings extends them
     (defined here, not there: importing a stage into the command layer would make a circle)."""
@@ -220,7 +233,7 @@ class ExportFields:
     accept: list[str] | None = None
     workers: int = 1
     storage_options: dict[str, Any] = field(default_factory=dict)
-    push_to_hub: Any = None  # typed by HubSettings' schema (EXPORT_SCHEMAS)
+    push_to_hub: Any = None  # typed by HubFields' schema (EXPORT_SCHEMAS)
 
 
 @dataclass
@@ -368,7 +381,7 @@ def _root() -> type:
 
 
 SCHEMAS: dict[str, type] = {group: schema_of(group, cls) for group, cls in SETTINGS.items()}
-HUB = schema_of("export.push_to_hub", HubSettings)
+HUB = schema_of("export.push_to_hub", HubFields)
 EXPORT_SCHEMAS: dict[str, type] = {
     option: _made(
         "export",
