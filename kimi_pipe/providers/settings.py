@@ -80,8 +80,9 @@ class ProviderSettings:
                     f"the key is sent from {key_env or 'the key variable'} in the environment"
                 )
         params = {k: v for k, v in (data.get("params") or {}).items() if v is not None}
-        # The group has no schema (its options differ in keys): the values a typo in kind
-        # would send to the provider, or into the budget's arithmetic, are checked here.
+        # The sampling params have no schema (sent as given) and a null price none either: the
+        # values a typo in kind would send to the provider, or into the budget's arithmetic,
+        # are checked here, whoever composed the config.
         whole_number(params.get("max_tokens"), "provider.params.max_tokens")
         for key in ("temperature", "top_p"):
             _number(params.get(key), f"provider.params.{key}")

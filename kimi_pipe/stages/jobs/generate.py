@@ -18,7 +18,7 @@ from kimi_pipe.generation.job import GenerateJob
 from kimi_pipe.providers.budget import BudgetSettings
 from kimi_pipe.providers.credentials import api_key, refuse_secrets
 from kimi_pipe.providers.settings import ProviderSettings
-from kimi_pipe.stages.jobs.groups import plain_values
+from kimi_pipe.stages.jobs.groups import mapping_value, plain_values
 from kimi_pipe.stages.launch import run_dir_of
 
 
@@ -37,7 +37,7 @@ def generate_job(
     values = plain_values(config)
     refuse_secrets(values)
     budget = typed_settings(values.get("budget"), BudgetSettings, "budget").check()
-    provider = _mapping(values, "provider")
+    provider = mapping_value(values.get("provider"), "provider")
     settings = ProviderSettings.from_config(provider)
     nodes = datasets_of(values.get("datasets"))
     # A missing key stops here too: before Hydra or the runner makes the run directory, and
@@ -45,16 +45,16 @@ def generate_job(
     api_key(settings.api_key_env)
     if run_dir is None and own_dir:
         run_dir = run_dir_of(values.get("output_dir"))
-    validation = _mapping(values, "validation")
+    validation = mapping_value(values.get("validation"), "validation")
     try:
         serving = ServingProfile.from_config(values.get("serving"))
     except ValueError as exc:
         raise ConfigError(f"conf/serving: {exc}") from None
     return GenerateJob(
-        model=_mapping(values, "model"),
+        model=mapping_value(values.get("model"), "model"),
         provider=provider,
         settings=settings,
-        dataset=_mapping(values, "dataset"),
+        dataset=mapping_value(values.get("dataset"), "dataset"),
         budget=budget,
         serving=serving,
         serving_auto=typed_settings(
@@ -62,17 +62,7 @@ def generate_job(
         ),
         billing_tolerance=int(validation.get("billing_tolerance") or 0),
         record_ids=str(validation.get("record_ids", "engine")),
-        accept=_mapping(values, "export").get("accept"),
+        accept=mapping_value(values.get("export"), "export").get("accept"),
         run_dir=run_dir,
         datasets=tuple(nodes) if nodes is not None else None,
     )
-
-
-def _mapping(values: Mapping[str, Any], key: str) -> dict[str, Any]:
-    """A group that must be a mapping of settings (model, provider, dataset, ...); {} absent."""
-    node = values.get(key)
-    if node is None:
-        return {}
-    if not isinstance(node, dict):
-        raise ConfigError(f"{key} must be a mapping of settings, not {node!r}")
-    return node

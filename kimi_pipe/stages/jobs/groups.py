@@ -32,7 +32,11 @@ def plain_values(config: Mapping[str, Any] | DictConfig) -> dict[str, Any]:
 
 def mapping_node(cfg: Any, key: str) -> dict[str, Any]:
     """`plain_node` of a group that must be a mapping (model, provider, dataset)."""
-    node = plain_node(cfg, key)
+    return mapping_value(plain_node(cfg, key), key)
+
+
+def mapping_value(node: Any, key: str) -> dict[str, Any]:
+    """The plain value of the group `key`, which must be a mapping of settings; {} absent."""
     if node is None:
         return {}
     if not isinstance(node, dict):
