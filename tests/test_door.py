@@ -258,6 +258,7 @@ def test_each_schema_field_has_a_one_line_description_and_the_yaml_its_keys() ->
             if "defaults" not in written:
                 assert OmegaConf.get_type(node).__name__ == f"_{group}_{path.stem}", path
                 assert OmegaConf.to_container(node) == OmegaConf.to_container(written), path
+                described(OmegaConf.get_type(node), group)  # type: ignore[arg-type]
     # A string setting stays open: `node_rank: auto` also takes a rank, kept a number.
     assert compose(["extract=sglang", "extract.node_rank=0"]).extract.node_rank == 0
     # Workers get configs pickled (Ray, submitit): a schema's node must travel.
@@ -296,6 +297,9 @@ def test_each_schema_field_has_a_one_line_description_and_the_yaml_its_keys() ->
         ("provider.retry.max_attempts=x", "provider.retry.max_attempts='x': expected a whole"),
         ("provider=local provider.server.threads=x", "server.threads='x': expected a whole"),
         ("+provider.params.user=x +dataset.data_files=x +extract.note=x +extra.note=x", None),
+        # serving's schema is ServingProfile: its fields no option writes compose too.
+        ("serving=vllm_0_33 serving.history=template serving.think_open=output", None),
+        ("serving.histroy=template", "did you mean serving.history?"),
         ("provider.params.temperature=0.5 extract.max_len=null seed=3", None),
     ],
 )

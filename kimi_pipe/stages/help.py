@@ -19,7 +19,8 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 from yaml import YAMLError
 
 from kimi_pipe.config import CONF_DIR
-from kimi_pipe.stages.schemas import HELP as DESCRIBED
+from kimi_pipe.stages.settings_help import HELP as DESCRIBED
+from kimi_pipe.stages.settings_help import MIRRORED_HELP
 
 
 @dataclass(frozen=True)
@@ -50,8 +51,8 @@ _GENERATE = StageHelp(
         "dataset.limit",
         ("provider", "where answers are bought: openrouter (key in OPENROUTER_API_KEY) or local"),
         "budget.usd",
-        ("provider.concurrency", "requests in flight at once"),
-        ("provider.params.max_tokens", "the most output tokens an answer may have"),
+        "provider.concurrency",
+        "provider.params.max_tokens",
         ("serving", "what the provider's stack does to text: auto (probed first) or a profile"),
         ("model", "the target model's config (tokenizer, markers): conf/model/"),
         "output_dir",
@@ -73,7 +74,7 @@ _RECONSTRUCT = StageHelp(
         "input",
         "output",
         ("model", "the target model's config: conf/model/ (kimi_k25, qwen3_5, smollm2)"),
-        ("model.tokenizer.path", "a directory holding the model's tokenizer files"),
+        "model.tokenizer.path",
         ("serving", "what the provider's stack did to text (conf/serving/)"),
         "validation.billing_tolerance",
     ),
@@ -112,14 +113,14 @@ _EXTRACT = StageHelp(
     "come from the records, never re-tokenised; running it again resumes.",
     (
         ("extract", "the engine: hf (transformers, CPU or GPU) or sglang"),
-        ("extract.run_dir", "a generate run directory (reads its records.jsonl)"),
-        ("extract.records", "or a token-records JSONL file"),
-        ("extract.model_path", "the target's weights (null: the model config's hf_weights)"),
-        ("extract.device", "cpu | cuda | cuda:N | auto"),
-        ("extract.max_len", "longer samples are truncated or skipped (extract.over_max_len)"),
-        ("extract.store_dtype", "dtype of the stored states (fp8_e4m3, bfloat16, ...)"),
-        ("extract.output_dir", "the store (null: <dir of the records>/hidden_<backend>)"),
-        ("extract.executor", "null (this process), local, ray or submitit: units of work"),
+        "extract.run_dir",
+        "extract.records",
+        "extract.model_path",
+        "extract.device",
+        "extract.max_len",
+        "extract.store_dtype",
+        "extract.output_dir",
+        "extract.executor",
     ),
     (
         "python -m kimi_pipe extract model=smollm2 extract.run_dir=runs/demo",
@@ -215,7 +216,7 @@ _DEMO = StageHelp(
     "then where everything is and the exact-match rate. Again: finished stages are skipped.",
     (
         "dataset.limit",
-        ("provider.params.max_tokens", "the most output tokens an answer may have"),
+        "provider.params.max_tokens",
         "output_dir",
     ),
     (
@@ -292,7 +293,10 @@ def help_text(stage: StageHelp, argv: Sequence[str] = ()) -> str:
 
 def _described(key: str) -> str:
     node, _, name = key.rpartition(".")
-    return DESCRIBED[node][name]
+    if node in DESCRIBED:
+        return DESCRIBED[node][name]
+    group, _, below = key.partition(".")
+    return MIRRORED_HELP[group][below]
 
 
 def _options(key: str) -> str:

@@ -7,10 +7,11 @@ the groups without a settings dataclass by each option's yaml (MIRRORED).
 
 A schema of settings is the dataclass as its module defines it (BudgetSettings, ...),
 copied without `frozen` (Hydra merges the yaml and the overrides into it) and with each
-field's one-line description in its metadata (`help`, which `--help` shows). Composed
-through a stage's command, a key the node lacks or a value of the wrong type then fails at
-compose (a did-you-mean from the command layer); a compose that never imported the command
-layer reads the yaml alone, and the stage's typed read (`node_settings`) still checks.
+field's one-line description (settings_help.py) in its metadata (`help`, which `--help`
+shows). Composed through a stage's command, a key the node lacks or a value of the wrong
+type then fails at compose (a did-you-mean from the command layer); a compose that never
+imported the command layer reads the yaml alone, and the stage's typed read
+(`node_settings`) still checks.
 """
 
 from __future__ import annotations
@@ -29,130 +30,11 @@ from omegaconf import MISSING
 from kimi_pipe.config import CONF_DIR
 from kimi_pipe.conformance.auto import AutoSettings
 from kimi_pipe.conformance.probe import ProbeSettings
+from kimi_pipe.core.serving import ServingProfile
 from kimi_pipe.providers.budget import BudgetSettings
 from kimi_pipe.reporting.audit import AuditSettings
 from kimi_pipe.reporting.report import ReportSettings
-
-# Each field's description, by node ("": the config's own keys); a field missing here is a
-# KeyError at import, not a blank.
-HELP: dict[str, dict[str, str]] = {
-    "": {
-        "input": "the answers to reconstruct: JSONL of {id, messages, tools?, response}",
-        "output": "what the stage writes: the token records (JSONL) or the export directory",
-        "records": "a token-records JSONL file to extract from (or extract.records)",
-        "run_dir": "a generate run directory to extract from (or extract.run_dir)",
-        "format": "specforge | speculators | modelopt | tokens | ... (conf/export/)",
-        "stores": "the hidden-state stores to export: [DIR,...] or one DIR (local or URLs)",
-        "seed": "the export shuffle's seed",
-        "target_model_path": "the target model directory named in the trainer configs",
-        "max_length": "alias of export.max_length (SpecForge's data.max_length)",
-        "purchase_digest": "a digest of what is bought: names the default output_dir",
-        "output_dir": "the run directory (default: derived from what is bought)",
-        "datasets": "several datasets bought under one budget, [B5,B6]; null: `dataset`",
-    },
-    "validation": {
-        "billing_tolerance": "allowed |reconstructed - billed| completion tokens",
-        "record_ids": "engine (the ids the engine sampled) or reencoded (canonical ids)",
-    },
-    "serving_auto": {
-        "providers": "providers to probe; null: provider.routing.only, else .order, else seen",
-        "usd_per_provider": "USD cap of one provider's battery (in budget.usd); null: usd_each",
-        "cache_days": "probe verdicts are reused this many days (0: always probe; null: forever)",
-        "cache_dir": "the verdict cache; null: $XDG_CACHE_HOME/kimi_pipe/probes",
-        "battery": "a battery file; null: conf/probes/<model.name>.yaml",
-    },
-    "export": {
-        "name": "the format (the group's choice; `format=NAME` says the same)",
-        "exporter": "the exporter class, package.module:Class",
-        "max_length": "SpecForge's data.max_length; null: the longest exported sample",
-        "compress": "gzip'ed data_*.ckpt.gz (SpecForge's reader opens them)",
-        "draft_config": "the drafter's config.json: its layers are the ones written",
-        "layer_ids": 'or the "output of layer" ids written; neither: every layer of the store',
-        "draft_engine": "whose rule reads an EAGLE-3 config's layer ids: sglang | vllm",
-        "dtype": "the states' dtype; null: the store's read dtype; fp8_e4m3: FP8 layout",
-        "accept": "evidence rungs whose samples reach the training files",
-        "workers": "processes writing the files (same files for any number)",
-        "storage_options": "fsspec options for stores given as URLs (no credentials here)",
-        "push_to_hub": "push the export to the Hugging Face Hub as a dataset (HF_TOKEN)",
-    },
-    "export.push_to_hub": {
-        "repo_id": "owner/name: push to the Hugging Face Hub (HF_TOKEN); null: no push",
-        "private": "the Hub dataset is private",
-        "shard_bytes": "a tar or line-file part closes at this size (+ one sample)",
-        "files_per_folder": "tars a folder: data/00000/, data/00001/, ...",
-        "folder": "the packed copy; null: <output>.hub",
-        "revision": "the Hub branch or revision pushed to; null: main",
-    },
-    "dataset": {
-        "name": "the dataset's name (its run directories are named after it)",
-        "source": "jsonl (a local file) or hf (a Hugging Face Hub dataset)",
-        "path": "dataset=jsonl: the prompt file, one {id, messages, tools?} a line",
-        "limit": "dataset=jsonl: only the first N prompts (null: all)",
-        "hf_id": "the Hub dataset, owner/name",
-        "hf_config": "its configuration (subset); null: the default one",
-        "split": "the split read",
-        "revision": "a Hub commit sha for a byte-identical selection later; null: latest",
-        "streaming": "no full download; shuffles with a buffer instead (different ids)",
-        "shuffle_buffer": "streaming: the shuffle buffer's rows",
-        "cache_dir": "where the Hub files go; null: the datasets cache under HF_HOME",
-        "num_samples": "prompts to yield; skipped rows are replaced from further rows",
-        "seed": "selection = shuffle(seed) then take; null keeps the file's order",
-        "drop_trailing_assistant": "a record ending with an assistant turn has it dropped",
-        "mapping": "how a row becomes messages (kind: single_turn | conversation, fields)",
-    },
-    "budget": {
-        "usd": "the hard USD cap of the run directory (earlier runs into it count); null: none",
-        "max_samples": "at most this many samples answered; null: no cap",
-        "max_output_tokens": "at most this many output tokens bought; null: no cap",
-        "reserve_factor": "multiplier (>= 1) on each request's worst case when reserving",
-        "overbill_guard": "requests in flight are held at this multiple of their worst case",
-        "slow_start": "one request in flight at first, doubled while bills stay in the guard",
-        "max_usd_per_sample": "a sample whose worst case costs more is skipped; null: no cap",
-        "key_poll_s": "seconds between reads of the key's own usage from the provider",
-    },
-    "report": {
-        "sweep_dir": "a run directory, or a directory above several (required)",
-        "out_dir": "where report.md and the charts go; null: sweep_dir",
-        "min_ok_rate": "a provider is left out below this share of ids agreeing with billing",
-        "max_error_rate": "a provider is left out above this share of requests in error",
-        "min_tool_valid_rate": "a provider is left out below this share of valid tool calls",
-        "ignore_quantizations": "quantisations unfit for training data: [fp4,...] or fp4,...",
-        "rank_step": "rates within this of the best rank as equal to it",
-    },
-    "audit": {
-        "truth": "where the true ids come from: hf_greedy | replies | response",
-        "run_dir": "a generate run directory (reads its records.jsonl)",
-        "records": "or a token-records JSONL file",
-        "replies": "truth=replies: a JSONL of engine replies ({id, reply})",
-        "output_dir": "where audit.json and audit.md go; null: beside the records",
-        "model_path": "hf_greedy: the target's weights; null: the model config's",
-        "device": "hf_greedy: cpu | cuda",
-        "dtype": "hf_greedy: the dtype the engine served (float32, bfloat16, ...)",
-        "threads": "hf_greedy: torch threads; null: torch's default",
-        "max_new_tokens": "hf_greedy: when a record does not say what max_tokens it asked for",
-        "limit": "audit only the first N records; null: all",
-        "examples": "mismatches listed in audit.md",
-        "end_markers": "extra end-of-turn marker names besides the model's output `end`",
-    },
-    "sweep": {
-        "providers": "OpenRouter provider slugs (required): [a,b] or a,b",
-        "n": "prompts per provider: the same first n of the dataset for every one",
-        "usd": "the budget of the whole sweep, split evenly; null: budget.usd",
-        "sweep_dir": "where the jobs write; null: runs/sweep/<dataset name>",
-        "report": "write report.md and charts into sweep_dir afterwards",
-        "dry_run": "print the plan and the generate command, buy nothing",
-        "probes": "conformance probes first, into <sweep_dir>/probes",
-        "probe_usd": "the probes' own budget; null: the battery's usd_each per provider",
-        "overrides": "extra generate overrides for the jobs and probes",
-    },
-    "probe": {
-        "providers": "OpenRouter provider slugs (required): [a,b] or a,b",
-        "usd": "USD cap of all providers together; null: the battery's usd_each each",
-        "output_dir": "where conformance.json and conformance.md go",
-        "battery": "a battery file; null: conf/probes/<model.name>.yaml",
-        "overrides": "extra generate overrides for the battery's jobs",
-    },
-}
+from kimi_pipe.stages.settings_help import HELP, MIRRORED_HELP
 
 # Fields a stage accepts in more than one shape (`a,b` or one slug where a list belongs: its
 # `comma_lists` fix makes the list; one path or a list of them): typed Any here, checked by
@@ -298,6 +180,7 @@ SETTINGS: dict[str, type] = {
     "sweep": SweepFields,
     "validation": ValidationFields,
     "serving_auto": AutoSettings,
+    "serving": ServingProfile,
 }
 
 # A group whose options have keys of their own: each option's settings, by the option's
@@ -414,7 +297,6 @@ ConfigSchema = _root()
 MIRRORED: dict[str, tuple[str, ...]] = {
     "extract": (),
     "resolve": (),
-    "serving": (),
     "model": (),
     "provider": ("params",),
 }
@@ -425,16 +307,20 @@ KINDS: tuple[tuple[type, Any], ...] = (
 )
 
 
-def mirrored(name: str, written: dict[str, Any], open_keys: tuple[str, ...] = ()) -> type:
-    """The schema of one option's yaml (see MIRRORED)."""
+def mirrored(
+    name: str, written: dict[str, Any], group: str, open_keys: tuple[str, ...] = (), at: str = ""
+) -> type:
+    """The schema of one option's yaml (see MIRRORED), each field described by MIRRORED_HELP
+    (`at`: the dotted place of a nested mapping below the group)."""
     made: list[Any] = []
     for key, value in written.items():
+        about = {"help": MIRRORED_HELP[group][at + key]} if _named(key) else {}
         if key not in open_keys and isinstance(value, dict) and value and all(map(_named, value)):
-            nested = mirrored(f"{name}_{key}", value)
-            made.append((key, nested, field(default_factory=nested)))
+            nested = mirrored(f"{name}_{key}", value, group, at=f"{at}{key}.")
+            made.append((key, nested, field(default_factory=nested, metadata=about)))
             continue
         kind = next((k for t, k in KINDS if isinstance(value, t) and key not in open_keys), Any)
-        made.append((key, kind, field(default=None)))
+        made.append((key, kind, field(default=None, metadata=about)))
     schema = dataclasses.make_dataclass(name, made)
     schema.__module__ = __name__
     globals()[name] = schema
@@ -463,7 +349,7 @@ def register() -> None:
         for path in sorted((CONF_DIR / group).glob("*.yaml")):
             written = _load_yaml(path.read_text(encoding="utf-8")) or {}
             if "defaults" not in written:
-                schema = mirrored(f"_{group}_{path.stem}", written, open_keys)
+                schema = mirrored(f"_{group}_{path.stem}", written, group, open_keys)
                 store.store(group=f"schemas/{group}", name=path.stem, node=schema)
 
 
