@@ -32,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException, ValidationError
 from yaml import YAMLError
 
-from kimi_pipe.config import CONF_DIR, MULTIRUN, require_conf_dir, sweep_jobs
+from kimi_pipe.config import MULTIRUN, require_conf_dir, sweep_jobs
 from kimi_pipe.errors import (
     EXIT_USER_ERROR,
     ConfigError,
@@ -112,24 +112,18 @@ def compose_error(exc: BaseException, overrides: Sequence[str]) -> ConfigError:
         return ConfigError(f"bad override or config: {message}")
     key = found.group(1) or found.group(2)
     typed = next((o for o in overrides if override_key(o) == key), key)
-    close = did_you_mean(key, setting_keys(_choices_only(overrides)))
+    # The config Hydra had composed when the key was missed (a `~key`: none, the defaults').
+    node = getattr(exc.__cause__, "parent_node", None)
+    with contextlib.suppress(*NOT_COMPOSED):
+        node = _compose([], with_hydra=False) if node is None else node._get_root()
+    keys = [k for k in setting_keys(node) if k.split(".", 1)[0] != "hydra"] if node else []
+    close = did_you_mean(key, keys)
     if close:
         return ConfigError(f"{typed}: no such setting; did you mean {' or '.join(close)}?")
     return ConfigError(
         f"{typed}: no such setting (`--help` lists the stage's main ones; a key of your own "
         f"is added with +{typed.lstrip('+~')})"
     )
-
-
-def _choices_only(overrides: Sequence[str]) -> Any:
-    """The config with the overrides' group choices only (`dataset=jsonl`, a
-    `hydra.searchpath`), else the defaults: the keys a typo is compared with."""
-    keys = {o: override_key(o) for o in overrides if "=" in o and not o.startswith(("+", "~"))}
-    choices = [o for o, k in keys.items() if k.startswith("hydra.") or (CONF_DIR / k).is_dir()]
-    for tried in (choices, []):
-        with contextlib.suppress(*NOT_COMPOSED):
-            return _compose(tried, with_hydra=False)
-    return OmegaConf.create({})
 
 
 def setting_keys(cfg: DictConfig) -> list[str]:
@@ -280,6 +274,7 @@ def hydra_command(
     if not any(a.startswith("hydra.job.name=") for a in overrides):
         overrides.append(f"hydra.job.name={name}")
     fresh: list[Path] = []
+    status: int | None
     try:
         if any(a in SHOW_CONFIG for a in args) and show not in ("job", "hydra", "all"):
             raise ConfigError(f"--cfg {show or ''}: give --cfg job, --cfg hydra or --cfg all")
@@ -293,7 +288,7 @@ def hydra_command(
         with initialize_config_dir(str(require_conf_dir()), version_base="1.3", job_name=name):
             # Composed before anything is written, with the `hydra` node: the job, or each
             # of a multirun's where `before_launch` checks them (the launcher composes its own).
-            checked = jobs if multirun and before_launch else jobs[:1]
+            checked = jobs if before_launch else jobs[:1]
             cfgs = [
                 compose_overrides([*j, *mode], typed=overrides, with_hydra=True) for j in checked
             ]
@@ -313,21 +308,21 @@ def hydra_command(
     except SystemExit as exc:
         status = exc.code if isinstance(exc.code, int) else (1 if exc.code else 0)
     except Exception as exc:
-        failure = exc if isinstance(exc, KimiPipeError) else _hydra_failure(exc, overrides)
-        said = None if failure is None else report(failure)
-        if said is None:
+        status = report(_failure(exc, overrides))
+        if status is None:
             raise
-        status = said
     if status:
         close_file_logs()
         remove_if_unused(fresh, name)
     return status
 
 
-def _hydra_failure(exc: Exception, overrides: Sequence[str]) -> Exception | None:
-    """A failure raised by Hydra around the task (a multirun's job that does not compose, a
-    write to a full disk, named by the job's log directory) as the error to say; None: a bug."""
+def _failure(exc: Exception, overrides: Sequence[str]) -> BaseException:
+    """The error to say of a failure around the task (a multirun's job that does not compose,
+    a write to a full disk, named by the job's log directory); else `exc` (a bug)."""
+    if isinstance(exc, KimiPipeError):
+        return exc
     if isinstance(exc, NOT_COMPOSED) and host_error(exc, "") is None:
         return compose_error(exc, overrides)
     logs = file_logs()
-    return host_error(exc, Path(logs[0].baseFilename).parent if logs else os.getcwd())
+    return host_error(exc, Path(logs[0].baseFilename).parent if logs else os.getcwd()) or exc
