@@ -41,7 +41,7 @@ def say_each_line_once() -> None:
 
 
 class JobLog(logging.FileHandler):
-    """A Hydra job's log file (conf/config.yaml's hydra.job_logging): the first write the
+    """A Hydra job's log file (conf/hydra/job_logging/guarded.yaml): the first write the
     host refuses is kept in `failure`, and nothing more goes to the disk that refused."""
 
     failure: OSError | None = None
