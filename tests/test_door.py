@@ -413,3 +413,25 @@ def test_cfg_prints_the_composed_config_and_other_hydra_flags_are_one_line(
     line = one_error(kimi_pipe("export", "--cfg", cwd=tmp_path, key=False))
     assert "give --cfg job, --cfg hydra or --cfg all" in line
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    "logging_choice", ["hydra/job_logging=stdout", "hydra/job_logging=disabled"]
+)
+def test_hydras_other_job_logging_choices_still_run_a_job(
+    logging_choice: str, tmp_path: Path
+) -> None:
+    """conf/ picks its own job logging (hydra/job_logging=guarded: the log file's refused
+    writes said in one line); Hydra's other choices still configure a job's logging."""
+    done = kimi_pipe("export", "stores=[]", "output_dir=runs/a", logging_choice, cwd=tmp_path)
+    assert "pass output=DIR" in one_error(done)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_multirun_given_output_dir_is_refused_before_any_job_starts(tmp_path: Path) -> None:
+    """Every job of a multirun writes to its own hydra.sweep.dir/subdir: output_dir is refused
+    before the launch, so no job's directory is made."""
+    done = kimi_pipe("generate", "-m", "output_dir=x", f"dataset.path={prompts(tmp_path)}",
+                     "provider.routing.only=[a],[b]", cwd=tmp_path)  # fmt: skip
+    assert "output_dir with --multirun" in one_error(done)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prompts.jsonl"]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import difflib
 import functools
-import logging
 import os
 import re
 import shutil
@@ -29,11 +28,11 @@ from hydra.core.plugins import Plugins
 from hydra.core.utils import run_job, setup_globals
 from hydra.errors import HydraException
 from hydra.types import HydraContext
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException, ValidationError
 from yaml import YAMLError
 
-from kimi_pipe.config import CONF_DIR, MULTIRUN, require_conf_dir, sweep_jobs
+from kimi_pipe.config import MULTIRUN, require_conf_dir, sweep_jobs
 from kimi_pipe.errors import (
     EXIT_USER_ERROR,
     ConfigError,
@@ -44,6 +43,7 @@ from kimi_pipe.errors import (
 )
 from kimi_pipe.stages import schemas  # noqa: F401 (registers the groups' schemas)
 from kimi_pipe.stages.help import StageHelp, help_text
+from kimi_pipe.stages.logs import close_file_logs, file_logs, log_failure, say_each_line_once
 
 Task = Callable[[DictConfig], Any]  # the composed config in; an exit status, or a summary
 NOT_COMPOSED = (HydraException, OmegaConfBaseException, YAMLError, UnicodeDecodeError)
@@ -112,24 +112,18 @@ def compose_error(exc: BaseException, overrides: Sequence[str]) -> ConfigError:
         return ConfigError(f"bad override or config: {message}")
     key = found.group(1) or found.group(2)
     typed = next((o for o in overrides if override_key(o) == key), key)
-    close = did_you_mean(key, setting_keys(_choices_only(overrides)))
+    # The config Hydra had composed when the key was missed (a `~key`: none, the defaults').
+    node = getattr(exc.__cause__, "parent_node", None)
+    with contextlib.suppress(*NOT_COMPOSED):
+        node = _compose([], with_hydra=False) if node is None else node._get_root()
+    keys = [k for k in setting_keys(node) if k.split(".", 1)[0] != "hydra"] if node else []
+    close = did_you_mean(key, keys)
     if close:
         return ConfigError(f"{typed}: no such setting; did you mean {' or '.join(close)}?")
     return ConfigError(
         f"{typed}: no such setting (`--help` lists the stage's main ones; a key of your own "
         f"is added with +{typed.lstrip('+~')})"
     )
-
-
-def _choices_only(overrides: Sequence[str]) -> Any:
-    """The config with the overrides' group choices only (`dataset=jsonl`, a
-    `hydra.searchpath`), else the defaults: the keys a typo is compared with."""
-    keys = {o: override_key(o) for o in overrides if "=" in o and not o.startswith(("+", "~"))}
-    choices = [o for o, k in keys.items() if k.startswith("hydra.") or (CONF_DIR / k).is_dir()]
-    for tried in (choices, []):
-        with contextlib.suppress(*NOT_COMPOSED):
-            return _compose(tried, with_hydra=False)
-    return OmegaConf.create({})
 
 
 def setting_keys(cfg: DictConfig) -> list[str]:
@@ -187,6 +181,14 @@ def _said(call: Callable[[], Any]) -> int:
     return result if isinstance(result, int) else 0
 
 
+def _helped(args: Sequence[str], help: StageHelp | None) -> bool:  # noqa: A002
+    """`--help`: the stage's own help (not Hydra's dump of the whole config) printed."""
+    if wants_help(args):
+        usage = "usage: [group=option] [key=value ...] (Hydra overrides of conf/)"
+        print(usage if help is None else help_text(help, args))
+    return wants_help(args)
+
+
 def compose_command(
     task: Task,
     argv: Sequence[str] | None = None,
@@ -198,66 +200,9 @@ def compose_command(
     `--help` prints `help` and runs nothing; `moved`: see `compose_overrides`."""
     overrides = list(sys.argv[1:] if argv is None else argv)
     say_each_line_once()  # where the stage set up its logging (logging.basicConfig)
-    if wants_help(overrides):
-        usage = "usage: [group=option] [key=value ...] (Hydra overrides of conf/)"
-        print(usage if help is None else help_text(help, overrides))
+    if _helped(overrides, help):
         return 0
     return _said(lambda: task(compose_overrides(overrides, moved)))
-
-
-def _terminal(handler: logging.Handler) -> bool:
-    stream = isinstance(handler, logging.StreamHandler)
-    return stream and not isinstance(handler, logging.FileHandler)
-
-
-def _file_logs() -> list[logging.FileHandler]:
-    return [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
-
-
-class _SaidAlready(logging.Filter):
-    """On the root's terminal handlers: a record a library's own terminal handler printed
-    already (huggingface_hub's retries) is not printed twice; the log file still gets it."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        logger: logging.Logger | None = logging.getLogger(record.name)
-        while logger is not None and logger.parent is not None:  # up to the root, not it
-            if any(_terminal(h) for h in logger.handlers):
-                return False
-            logger = logger.parent if logger.propagate else None
-        return True
-
-
-def say_each_line_once() -> None:
-    """Install `_SaidAlready` on the root logger's terminal handlers (once each)."""
-    for handler in filter(_terminal, logging.getLogger().handlers):
-        if not any(isinstance(f, _SaidAlready) for f in handler.filters):
-            handler.addFilter(_SaidAlready())
-
-
-class _FileLogGuard:
-    """The job's file logs: a failed write (a full disk) is kept here, not printed as the
-    logging module's "--- Logging error ---" traceback; the stage ends in one line, exit 2."""
-
-    def __init__(self) -> None:
-        self.failures: list[OSError] = []
-        for handler in _file_logs():
-            handler.handleError = functools.partial(self._failed, handler)  # type: ignore[method-assign]
-
-    def _failed(self, handler: logging.FileHandler, record: logging.LogRecord) -> None:
-        failure = host_error(sys.exc_info()[1] or Exception(), handler.baseFilename)
-        if failure is None:  # a bad log call (a format error): a bug, keep its traceback
-            logging.FileHandler.handleError(handler, record)
-            return
-        self.failures.append(failure)
-        handler.setLevel(logging.CRITICAL + 1)  # nothing more to a disk that refused
-
-    def status(self, status: int) -> int:
-        """The stage's exit status, 2 (said in one line) where only its log failed."""
-        if status or not self.failures:
-            return status
-        where = one_line(self.failures[0])
-        report(StoreError(f"{where}: the run's log is incomplete (the task finished)"))
-        return EXIT_USER_ERROR
 
 
 def remove_if_unused(fresh: Sequence[Path], name: str) -> None:
@@ -271,20 +216,20 @@ def remove_if_unused(fresh: Sequence[Path], name: str) -> None:
                 parent.rmdir()  # only an empty one: another run may have begun beside it
 
 
-class _NoCallbacks:
-    """Hydra's job callbacks (`hydra.callbacks`): conf/ configures none."""
+class _NoCallbacks:  # hydra.callbacks: conf/ configures none (a class: submitit pickles it)
+    def on_job_start(self, **_: Any) -> None: ...
 
-    def on_job_start(self, *args: Any, **kwargs: Any) -> None: ...
-
-    def on_job_end(self, *args: Any, **kwargs: Any) -> None: ...
+    on_job_end = on_job_start
 
 
 def _job(task: Task, cfg: DictConfig) -> None:
     """One Hydra job; a status other than 0 leaves as SystemExit (run_job keeps only an
     Exception, a task's bug, for its return_value to raise)."""
-    logs = _FileLogGuard()  # run_job opened the job's log before calling the task
     say_each_line_once()
-    status = logs.status(_said(lambda: task(cfg)))
+    status, failure = _said(lambda: task(cfg)), log_failure()
+    if failure is not None and not status:
+        report(StoreError(f"{one_line(failure)}: the run's log is incomplete (the task finished)"))
+        status = EXIT_USER_ERROR
     if status:
         raise SystemExit(status)
 
@@ -312,15 +257,15 @@ def hydra_command(
     *,
     name: str,
     help: StageHelp | None = None,  # noqa: A002 (the flag's name)
-    before_launch: Callable[[DictConfig, list[list[str]], bool], None] | None = None,
+    before_launch: Callable[[list[DictConfig], list[list[str]], bool], None] | None = None,
 ) -> int:
     """Run `task` as the Hydra job `name` over conf/ (argv, else sys.argv[1:]).
-    `before_launch(cfg, jobs, multirun)` checks the composed config before Hydra writes
-    anything. A KimiPipeError, or a write the host refuses (a full disk), is one line and
-    exit 2, and takes away a run directory the failed start made that holds nothing else."""
+    `before_launch(cfgs, jobs, multirun)` checks each job's composed config (with its `hydra`
+    node) before Hydra writes anything. A KimiPipeError, or a write the host refuses (a full
+    disk), is one line and exit 2, and takes away a run directory the failed start made that
+    holds nothing else."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if help is not None and wants_help(args):  # not Hydra's dump of the whole config
-        print(help_text(help, args))
+    if _helped(args, help):
         return 0
     show = next((args[i + 1] for i, a in enumerate(args[:-1]) if a in SHOW_CONFIG), None)
     flags = {a for a in args if a.startswith("-")} - {*MULTIRUN, *SHOW_CONFIG, "--resolve"}
@@ -329,6 +274,7 @@ def hydra_command(
     if not any(a.startswith("hydra.job.name=") for a in overrides):
         overrides.append(f"hydra.job.name={name}")
     fresh: list[Path] = []
+    status: int | None
     try:
         if any(a in SHOW_CONFIG for a in args) and show not in ("job", "hydra", "all"):
             raise ConfigError(f"--cfg {show or ''}: give --cfg job, --cfg hydra or --cfg all")
@@ -340,43 +286,43 @@ def hydra_command(
         jobs = sweep_jobs([*MULTIRUN[:1], *overrides] if multirun else overrides)
         mode = ["hydra.mode=MULTIRUN"] if multirun else []
         with initialize_config_dir(str(require_conf_dir()), version_base="1.3", job_name=name):
-            # Composed before anything is written, with its `hydra` node for the job.
-            cfg = compose_overrides([*jobs[0], *mode], typed=overrides, with_hydra=True)
+            # Composed before anything is written, with the `hydra` node: the job, or each
+            # of a multirun's where `before_launch` checks them (the launcher composes its own).
+            checked = jobs if before_launch else jobs[:1]
+            cfgs = [
+                compose_overrides([*j, *mode], typed=overrides, with_hydra=True) for j in checked
+            ]
+            cfg = cfgs[0]
             if show is not None:
-                if show == "job":
-                    with open_dict(cfg):
-                        del cfg["hydra"]
-                shown = cfg.hydra if show == "hydra" else cfg
+                job = OmegaConf.masked_copy(cfg, [str(k) for k in cfg if k != "hydra"])
+                shown = {"job": job, "hydra": cfg.hydra, "all": cfg}[show]
                 print(OmegaConf.to_yaml(shown, resolve="--resolve" in args), end="")
                 return 0
             if not multirun:  # the directories its run directory needs, before any is made
                 run_dir = Path(str(cfg.hydra.run.dir)).absolute()
                 fresh = [p for p in (run_dir, *run_dir.parents) if not p.exists()]
             if before_launch is not None:
-                before_launch(cfg, jobs, multirun)
+                before_launch(cfgs, jobs, multirun)
             _run(task, cfg, jobs, multirun)
         return 0
     except SystemExit as exc:
         status = exc.code if isinstance(exc.code, int) else (1 if exc.code else 0)
     except Exception as exc:
-        failure = exc if isinstance(exc, KimiPipeError) else _hydra_failure(exc, overrides)
-        said = None if failure is None else report(failure)
-        if said is None:
+        status = report(_failure(exc, overrides))
+        if status is None:
             raise
-        status = said
     if status:
-        for handler in _file_logs():  # closed before its directory may go
-            logging.getLogger().removeHandler(handler)
-            with contextlib.suppress(OSError):  # a full disk: said already (_FileLogGuard)
-                handler.close()
+        close_file_logs()
         remove_if_unused(fresh, name)
     return status
 
 
-def _hydra_failure(exc: Exception, overrides: Sequence[str]) -> Exception | None:
-    """A failure raised by Hydra around the task (a multirun's job that does not compose, a
-    write to a full disk, named by the job's log directory) as the error to say; None: a bug."""
+def _failure(exc: Exception, overrides: Sequence[str]) -> BaseException:
+    """The error to say of a failure around the task (a multirun's job that does not compose,
+    a write to a full disk, named by the job's log directory); else `exc` (a bug)."""
+    if isinstance(exc, KimiPipeError):
+        return exc
     if isinstance(exc, NOT_COMPOSED) and host_error(exc, "") is None:
         return compose_error(exc, overrides)
-    logs = _file_logs()
-    return host_error(exc, Path(logs[0].baseFilename).parent if logs else os.getcwd())
+    logs = file_logs()
+    return host_error(exc, Path(logs[0].baseFilename).parent if logs else os.getcwd()) or exc

@@ -262,8 +262,12 @@ def _root() -> type:
                                               metadata={"help": HELP[""][key]})))  # fmt: skip
             else:
                 made.append((key, Any, field(default=None)))
-        if isinstance(entry, dict):
-            made += [(k.split()[-1], Any, field(default=None)) for k in entry if "@" not in k]
+        if isinstance(entry, dict):  # a group of the config's (not an override of Hydra's)
+            made += [
+                (k.split()[-1], Any, field(default=None))
+                for k in entry
+                if "@" not in k and not k.startswith("override ")
+            ]
     schema = dataclasses.make_dataclass("ConfigSchema", made)
     schema.__module__ = __name__
     return schema

@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from kimi_pipe.config import comma_lists, typed_settings
@@ -19,7 +21,14 @@ from kimi_pipe.providers.budget import BudgetSettings
 from kimi_pipe.providers.credentials import api_key, refuse_secrets
 from kimi_pipe.providers.settings import ProviderSettings
 from kimi_pipe.stages.jobs.groups import mapping_value, plain_values
-from kimi_pipe.stages.launch import run_dir_of
+
+
+def run_dir_of(output_dir: object) -> Path:
+    """The run directory: `output_dir` (a single Hydra run's hydra.run.dir, checked equal
+    before the launch), but in a multirun the job's own (hydra.sweep.dir/subdir)."""
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        return Path(HydraConfig.get().runtime.output_dir)
+    return Path(str(output_dir))
 
 
 def generate_job(
