@@ -210,9 +210,7 @@ def enumerate_candidates(
     # Whitespace a stack drops, which billing saw: a stripped reasoning tail (the profile's
     # say), and with tool calls, under any profile, a whitespace-only content before them and
     # the arguments' trimmed edges (docs/serving_profiles.md: not declared, billing sees it).
-    may_drop_whitespace = profile.reasoning_tail in ("stripped", UNKNOWN) or bool(
-        answer.tool_calls
-    )
+    may_drop_whitespace = profile.reasoning_tail in ("stripped", UNKNOWN) or bool(answer.tool_calls)
     if enum_edges and Code.BILLING_MISMATCH in covered:
         # Whitespace that costs ids may have been stripped from the arguments too: only the
         # readings at the same count are listed.
