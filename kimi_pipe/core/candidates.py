@@ -207,7 +207,10 @@ def enumerate_candidates(
         why_open.append(f"billing tolerance {billing_tolerance}: billing cannot bound the options")
     enum_edges = Code.TOOL_ARGUMENTS_EDGES_UNVERIFIABLE in covered
     enum_coercion = Code.TOOL_ARGUMENTS_MAYBE_COERCED in covered
-    may_drop_whitespace = profile.reasoning_tail in ("stripped", UNKNOWN)
+    # Whitespace a stack drops, which billing saw: a stripped reasoning tail (the profile's
+    # say), and with tool calls, under any profile, a whitespace-only content before them and
+    # the arguments' trimmed edges (docs/serving_profiles.md: not declared, billing sees it).
+    may_drop_whitespace = profile.reasoning_tail in ("stripped", UNKNOWN) or bool(answer.tool_calls)
     if enum_edges and Code.BILLING_MISMATCH in covered:
         # Whitespace that costs ids may have been stripped from the arguments too: only the
         # readings at the same count are listed.
@@ -273,8 +276,9 @@ def enumerate_candidates(
                 and reported is not None
                 and base.completion_tokens_reconstructed < reported - billing_tolerance
             ):
-                # vLLM 0.33 drops a whitespace-only reasoning or content: ids billing saw and
-                # the text lost, which another reading's spaces can match by count alone.
+                # vLLM 0.33 drops a whitespace-only reasoning or content and trims arguments
+                # (a coercion rewrites them whole): ids billing saw and the text lost, at any
+                # of those places, which the listed readings at the bill do not hold.
                 why_open.append(
                     "a reading short of the bill: the stack may have dropped whitespace"
                 )
