@@ -58,27 +58,34 @@ class Template:
         return frozenset(v for k, v in self.parts if k == "field")
 
     @cached_property
-    def _steps(self) -> tuple[tuple[bool, Piece], ...]:
-        """The parts as (is a field, its name or the piece itself), markers built once: a
-        template is rendered several times for every answer."""
-        return tuple(
-            (kind == "field", Marker(value) if kind == "marker" else value)
-            for kind, value in self.parts
-        )
+    def _runs(self) -> tuple[tuple[Piece, ...], tuple[tuple[str, tuple[Piece, ...]], ...]]:
+        """The literal pieces before the first field, then each field with the literal pieces
+        after it, markers built once: a template is rendered several times for every answer,
+        and a literal run is one `extend`, not a step each."""
+        head: list[Piece] = []
+        fields: list[tuple[str, list[Piece]]] = []
+        for kind, value in self.parts:
+            if kind == "field":
+                fields.append((value, []))
+            else:
+                (fields[-1][1] if fields else head).append(
+                    Marker(value) if kind == "marker" else value
+                )
+        return tuple(head), tuple((name, tuple(after)) for name, after in fields)
 
     def render(self, **values: str | Sequence[Piece]) -> list[Piece]:
         """Substitute fields; a value may be text or already-rendered pieces."""
-        out: list[Piece] = []
-        for is_field, step in self._steps:
-            if not is_field:
-                out.append(step)
-                continue
-            filled = values[step]  # type: ignore[index]
+        head, fields = self._runs
+        out: list[Piece] = list(head)
+        for name, after in fields:
+            filled = values[name]
             if isinstance(filled, str):
                 if filled:
                     out.append(filled)
             else:
                 out.extend(filled)
+            if after:
+                out.extend(after)
         return out
 
 

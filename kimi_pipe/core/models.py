@@ -73,28 +73,26 @@ class Model:
         # of every answer). The output's first text (its reasoning, the longest) is kept as the
         # tokenizer's own new list rather than copied id by id; prompt ids may be the shared
         # `_short_segments` lists, so they are always copied.
-        ids: list[int] | None = None
+        markers = self.markers
+        ids: list[int] = []
         pending: list[str] = []
         for piece in pieces:
             if isinstance(piece, Marker):
                 if pending:
-                    more = self._encode_text("".join(pending), chunking)
-                    if ids is None:
-                        ids = more if chunking is None else list(more)
+                    if ids or chunking is not None:
+                        ids += self._encode_text("".join(pending), chunking)
                     else:
-                        ids.extend(more)
+                        ids = self.tokenizer.encode_ordinary("".join(pending))
                     pending.clear()
-                if ids is None:
-                    ids = []
-                ids.append(self.markers[piece.name])
+                ids.append(markers[piece.name])
             else:
                 pending.append(piece)
         if pending:
-            more = self._encode_text("".join(pending), chunking)
-            if ids is None:
-                return more if chunking is None else list(more)
-            ids.extend(more)
-        return [] if ids is None else ids
+            if ids or chunking is not None:
+                ids += self._encode_text("".join(pending), chunking)
+            else:
+                return self.tokenizer.encode_ordinary("".join(pending))
+        return ids
 
     def _encode_text(self, text: str, chunking: TextChunking | None) -> list[int]:
         if chunking is None:
@@ -108,9 +106,11 @@ class Model:
 
     def _encode_chunked(self, text: str, chunking: TextChunking) -> list[int]:
         encode = self.tokenizer.encode_ordinary
+        if len(text) <= chunking.max_run and len(text) <= chunking.max_chars:
+            return encode(text)  # nothing to cut (split_for_bpe's own first test), the common case
         parts = split_for_bpe(text, chunking)
         if len(parts) == 1:
-            return encode(parts[0])  # the common case: no per-token Python loop
+            return encode(parts[0])  # no per-token Python loop
         ids: list[int] = []
         for part in parts:
             ids.extend(encode(part))
