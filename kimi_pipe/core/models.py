@@ -74,24 +74,31 @@ class Model:
         # tokenizer's own new list rather than copied id by id; prompt ids may be the shared
         # `_short_segments` lists, so they are always copied.
         markers = self.markers
+        encode = self.tokenizer.encode_ordinary
         ids: list[int] = []
-        pending: list[str] = []
+        text: str | None = None  # the text since the last marker, joined as it comes
         for piece in pieces:
             if isinstance(piece, Marker):
-                if pending:
-                    if ids or chunking is not None:
-                        ids += self._encode_text("".join(pending), chunking)
+                if text is not None:
+                    if chunking is not None:
+                        ids += self._encode_text(text, chunking)
+                    elif ids:
+                        ids += encode(text)
                     else:
-                        ids = self.tokenizer.encode_ordinary("".join(pending))
-                    pending.clear()
+                        ids = encode(text)
+                    text = None
                 ids.append(markers[piece.name])
+            elif text is None:
+                text = piece
             else:
-                pending.append(piece)
-        if pending:
-            if ids or chunking is not None:
-                ids += self._encode_text("".join(pending), chunking)
+                text += piece
+        if text is not None:
+            if chunking is not None:
+                ids += self._encode_text(text, chunking)
+            elif ids:
+                ids += encode(text)
             else:
-                return self.tokenizer.encode_ordinary("".join(pending))
+                return encode(text)
         return ids
 
     def _encode_text(self, text: str, chunking: TextChunking | None) -> list[int]:
