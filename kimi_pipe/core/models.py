@@ -75,13 +75,16 @@ class Model:
         # `_short_segments` lists, so they are always copied.
         markers = self.markers
         encode = self.tokenizer.encode_ordinary
+        short = self._short_segments
         ids: list[int] = []
         text: str | None = None  # the text since the last marker, joined as it comes
         for piece in pieces:
             if isinstance(piece, Marker):
                 if text is not None:
                     if chunking is not None:
-                        ids += self._encode_text(text, chunking)
+                        # A short segment's ids are known after its first prompt.
+                        known = short.get(text) if len(text) <= SHORT_SEGMENT else None
+                        ids += self._encode_text(text, chunking) if known is None else known
                     elif ids:
                         ids += encode(text)
                     else:

@@ -665,7 +665,9 @@ def _calls_in_history(messages: Sequence[Mapping[str, Any]]) -> int:
 
 def _usage_int(response: Any, key: str) -> int | None:
     usage = response.get("usage") if isinstance(response, (dict, Mapping)) else None
-    value = usage.get(key) if usage is not None and isinstance(usage, (dict, Mapping)) else None
+    if usage is None:
+        return None
+    value = usage.get(key) if isinstance(usage, (dict, Mapping)) else None
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
