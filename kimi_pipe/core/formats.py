@@ -104,6 +104,9 @@ def _shared_start(marker_names: tuple[str, ...]) -> str:
     return os.path.commonprefix(list(marker_names)) if marker_names else ""
 
 
+_STARTS_TRIED = 8
+
+
 def split_markers(text: str, marker_names: Sequence[str]) -> list[Piece]:
     """Split model-output text at raw marker names (model output may spell markers)."""
     names_key = tuple(marker_names)
@@ -111,8 +114,17 @@ def split_markers(text: str, marker_names: Sequence[str]) -> list[Piece]:
     if split is None or not text:
         return [text] if text else []
     start = _shared_start(names_key)
-    if start and start not in text:
-        return [text]  # no marker can begin here: one substring search instead of the regex
+    if start:
+        # Each place the names' shared start occurs is tried against the names (C calls, no
+        # regex): code and prose hold "<" often, a marker name seldom. A text with more such
+        # places than _STARTS_TRIED goes to the regex.
+        at = text.find(start)
+        for _ in range(_STARTS_TRIED):
+            if at == -1:
+                return [text]  # no marker begins anywhere
+            if text.startswith(names_key, at):
+                break
+            at = text.find(start, at + 1)
     names = set(marker_names)
     return [Marker(c) if c in names else c for c in split.split(text) if c]
 
