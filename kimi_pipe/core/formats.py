@@ -58,27 +58,34 @@ class Template:
         return frozenset(v for k, v in self.parts if k == "field")
 
     @cached_property
-    def _steps(self) -> tuple[tuple[bool, Piece], ...]:
-        """The parts as (is a field, its name or the piece itself), markers built once: a
-        template is rendered several times for every answer."""
-        return tuple(
-            (kind == "field", Marker(value) if kind == "marker" else value)
-            for kind, value in self.parts
-        )
+    def _runs(self) -> tuple[tuple[Piece, ...], tuple[tuple[str, tuple[Piece, ...]], ...]]:
+        """The literal pieces before the first field, then each field with the literal pieces
+        after it, markers built once: a template is rendered several times for every answer,
+        and a literal run is one `extend`, not a step each."""
+        head: list[Piece] = []
+        fields: list[tuple[str, list[Piece]]] = []
+        for kind, value in self.parts:
+            if kind == "field":
+                fields.append((value, []))
+            else:
+                (fields[-1][1] if fields else head).append(
+                    Marker(value) if kind == "marker" else value
+                )
+        return tuple(head), tuple((name, tuple(after)) for name, after in fields)
 
     def render(self, **values: str | Sequence[Piece]) -> list[Piece]:
         """Substitute fields; a value may be text or already-rendered pieces."""
-        out: list[Piece] = []
-        for is_field, step in self._steps:
-            if not is_field:
-                out.append(step)
-                continue
-            filled = values[step]  # type: ignore[index]
+        head, fields = self._runs
+        out: list[Piece] = list(head)
+        for name, after in fields:
+            filled = values[name]
             if isinstance(filled, str):
                 if filled:
                     out.append(filled)
             else:
                 out.extend(filled)
+            if after:
+                out.extend(after)
         return out
 
 
@@ -97,6 +104,9 @@ def _shared_start(marker_names: tuple[str, ...]) -> str:
     return os.path.commonprefix(list(marker_names)) if marker_names else ""
 
 
+_STARTS_TRIED = 8
+
+
 def split_markers(text: str, marker_names: Sequence[str]) -> list[Piece]:
     """Split model-output text at raw marker names (model output may spell markers)."""
     names_key = tuple(marker_names)
@@ -104,8 +114,17 @@ def split_markers(text: str, marker_names: Sequence[str]) -> list[Piece]:
     if split is None or not text:
         return [text] if text else []
     start = _shared_start(names_key)
-    if start and start not in text:
-        return [text]  # no marker can begin here: one substring search instead of the regex
+    if start:
+        # Each place the names' shared start occurs is tried against the names (C calls, no
+        # regex): code and prose hold "<" often, a marker name seldom. A text with more such
+        # places than _STARTS_TRIED goes to the regex.
+        at = text.find(start)
+        for _ in range(_STARTS_TRIED):
+            if at == -1:
+                return [text]  # no marker begins anywhere
+            if text.startswith(names_key, at):
+                break
+            at = text.find(start, at + 1)
     names = set(marker_names)
     return [Marker(c) if c in names else c for c in split.split(text) if c]
 

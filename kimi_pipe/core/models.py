@@ -69,48 +69,53 @@ class Model:
         return self._encode(pieces, self.chunking)
 
     def _encode(self, pieces: Iterable[Piece], chunking: TextChunking | None) -> list[int]:
-        # `ids` + each text's ids, joined here rather than in a helper (a call per text segment
-        # of every answer). The output's first text (its reasoning, the longest) is kept as the
-        # tokenizer's own new list rather than copied id by id; prompt ids may be the shared
-        # `_short_segments` lists, so they are always copied.
-        ids: list[int] | None = None
-        pending: list[str] = []
+        # `ids` + each text's ids, joined here rather than in a helper per piece (this runs
+        # for every answer). Prompt ids of short segments are the shared `_short_segments`
+        # lists, so they are always copied.
+        markers = self.markers
+        short = self._short_segments
+        ids: list[int] = []
+        text: str | None = None  # the text since the last marker, joined as it comes
         for piece in pieces:
             if isinstance(piece, Marker):
-                if pending:
-                    more = self._encode_text("".join(pending), chunking)
-                    if ids is None:
-                        ids = more if chunking is None else list(more)
+                if text is not None:
+                    if chunking is not None and len(text) <= SHORT_SEGMENT and text in short:
+                        ids += short[text]  # known after its first prompt
                     else:
-                        ids.extend(more)
-                    pending.clear()
-                if ids is None:
-                    ids = []
-                ids.append(self.markers[piece.name])
+                        ids = self._joined(ids, text, chunking)
+                    text = None
+                ids.append(markers[piece.name])
+            elif text is None:
+                text = piece
             else:
-                pending.append(piece)
-        if pending:
-            more = self._encode_text("".join(pending), chunking)
-            if ids is None:
-                return more if chunking is None else list(more)
-            ids.extend(more)
-        return [] if ids is None else ids
+                text += piece
+        return ids if text is None else self._joined(ids, text, chunking)
 
-    def _encode_text(self, text: str, chunking: TextChunking | None) -> list[int]:
+    def _joined(self, ids: list[int], text: str, chunking: TextChunking | None) -> list[int]:
+        """`ids` followed by the text's ids. A text's own new list that is longer takes `ids`
+        in front (a memmove), so the longest text (an answer's reasoning, a long prompt turn)
+        is not copied id by id."""
+        if chunking is not None and len(text) <= SHORT_SEGMENT:
+            known = self._short_segments[text] = self._encode_chunked(text, chunking)
+            ids += known  # now shared: copied
+            return ids
         if chunking is None:
-            return self.tokenizer.encode_ordinary(text)
-        if len(text) <= SHORT_SEGMENT:
-            known = self._short_segments.get(text)
-            if known is None:
-                known = self._short_segments[text] = self._encode_chunked(text, chunking)
-            return known
-        return self._encode_chunked(text, chunking)
+            more = self.tokenizer.encode_ordinary(text)
+        else:
+            more = self._encode_chunked(text, chunking)
+        if len(more) > len(ids):
+            more[:0] = ids
+            return more
+        ids += more
+        return ids
 
     def _encode_chunked(self, text: str, chunking: TextChunking) -> list[int]:
         encode = self.tokenizer.encode_ordinary
+        if len(text) <= chunking.max_run and len(text) <= chunking.max_chars:
+            return encode(text)  # nothing to cut (split_for_bpe's own first test), the common case
         parts = split_for_bpe(text, chunking)
         if len(parts) == 1:
-            return encode(parts[0])  # the common case: no per-token Python loop
+            return encode(parts[0])  # no per-token Python loop
         ids: list[int] = []
         for part in parts:
             ids.extend(encode(part))

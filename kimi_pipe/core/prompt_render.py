@@ -181,7 +181,7 @@ def render_prompt(
     """Pieces of the prompt: tool declarations, the turns, then the generation prompt.
     `history`: how earlier turns are rendered (default: as the model's template does)."""
     p = fmt.prompt
-    pieces: list[Piece] = list(p.prefix.render())
+    pieces: list[Piece] = p.prefix.render()  # a new list
     for index, message in enumerate(messages):
         # (dict, Mapping): Mapping's answer, JSON's dict without the ABC's registry lookup.
         if not isinstance(message, (dict, Mapping)):
@@ -209,18 +209,24 @@ def render_prompt(
         pieces += p.system.render(name="system", role="system", content=_trim(p, p.default_system))
     keep_from: int | None = None  # read at the first assistant turn: only those turns use it
     renamed = _canonical_ids(fmt, messages) if history.ids == "canonical" else {}
-    roles = [m.get("role") for m in messages]
+    roles: list[Any] | None = None  # read where a tool result needs its neighbours
     for index, message in enumerate(messages):
         if index in skip:
             continue
         role = message.get("role")
         name = str(message.get("name") or role)
-        content = _trim(p, message_text(message.get("content"), p.content_join))
+        content = message.get("content")
+        if not isinstance(content, str):  # a string is its own text (message_text's first case)
+            content = message_text(content, p.content_join)
+        if p.trim_content:
+            content = content.strip()  # _trim
         if role == "system" or role == "developer":
             pieces += p.system.render(name=name, role="system", content=content)
         elif role == "user":
             pieces += p.user.render(name=name, role=role, content=content)
         elif role == "tool":
+            if roles is None:
+                roles = [m.get("role") for m in messages]
             # Optional group framing: consecutive tool results share one turn.
             if p.tool_group_start is not None and (index == 0 or roles[index - 1] != "tool"):
                 pieces += p.tool_group_start.render()

@@ -147,7 +147,7 @@ def answer_fields(response: Any) -> AnswerFields | None:
         reasoning=reasoning,
         reasoning_source=source,
         content=content,
-        tool_calls=[c for c in calls if isinstance(c, (dict, Mapping))],
+        tool_calls=[c for c in calls if isinstance(c, (dict, Mapping))] if calls else [],
         finish_reason=finish if isinstance(finish, str) else None,
         error=error,
     )
@@ -193,8 +193,10 @@ def output_pieces(
             return [reasoning, *out.end.render()], True
         # The template's own whitespace around the think-end: kept by some providers inside
         # the fields, stripped by others; the reasoning template adds it back either way.
-        reasoning = _remove_once(reasoning, out.reasoning_trim_suffix, suffix=True)
-        content = _remove_once(content, out.content_trim_prefix, suffix=False)
+        if out.reasoning_trim_suffix:
+            reasoning = reasoning.removesuffix(out.reasoning_trim_suffix)
+        if out.content_trim_prefix:
+            content = content.removeprefix(out.content_trim_prefix)
         # A model that writes its tool-call section before the think-end leaves the section's
         # markers as text in the reasoning (K2-Thinking and K2.5 on some providers); a model
         # may also write their names as plain characters. The bill tells which (reconstruct).
@@ -212,7 +214,7 @@ def output_pieces(
         if before.strip():
             content = before
     content_pieces = split_markers(content, out.content_markers)
-    if any(isinstance(p, Marker) for p in content_pieces):
+    if _has_marker(content_pieces):
         issues.append(Code.RAW_MARKERS_IN_CONTENT)
     ids: list[str] = []
     if answer.tool_calls:
@@ -225,7 +227,14 @@ def output_pieces(
 
     if truncated:
         return pieces, False
-    return pieces + out.end.render(), True
+    pieces += out.end.render()
+    return pieces, True
+
+
+def _has_marker(pieces: Sequence[Piece]) -> bool:
+    if len(pieces) == 1:
+        return isinstance(pieces[0], Marker)  # the common case: one text, no generator
+    return any(isinstance(p, Marker) for p in pieces)
 
 
 def _remove_once(text: str, part: str, *, suffix: bool) -> str:
@@ -538,7 +547,7 @@ def undo_serving(
     if out.reasoning is None:
         return answer
     reasoning, content, source = answer.reasoning, answer.content, answer.reasoning_source
-    calls = [dict(c) for c in answer.tool_calls]
+    calls = [dict(c) for c in answer.tool_calls] if answer.tool_calls else []
     truncated = answer.finish_reason in LENGTH_REASONS
     if source is None and out.think_end and out.think_end in content:
         reasoning, content = content.split(out.think_end, 1)
@@ -656,7 +665,9 @@ def _calls_in_history(messages: Sequence[Mapping[str, Any]]) -> int:
 
 def _usage_int(response: Any, key: str) -> int | None:
     usage = response.get("usage") if isinstance(response, (dict, Mapping)) else None
-    value = usage.get(key) if usage is not None and isinstance(usage, (dict, Mapping)) else None
+    if usage is None:
+        return None
+    value = usage.get(key) if isinstance(usage, (dict, Mapping)) else None
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
@@ -744,7 +755,10 @@ def reconstruct(
             pieces, ended, output = [], False, []
         if not (answer.reasoning or answer.content or answer.tool_calls) and not _truncated(answer):
             issues.append(Code.EMPTY_RESPONSE)
-        if readings is not None and readings.template.ids and output:
+        billed_prompt = _usage_int(response, "prompt_tokens")
+        # Without a billed prompt count nothing is weighed: the template's reading stands
+        # (prove_prompt's own first answer, without building it).
+        if billed_prompt is not None and readings is not None and prompt_seen and output:
             # The bill proves the prompt and the prompt/output boundary together.
             section_first = (
                 _without_think_end(model, pieces)
@@ -754,7 +768,7 @@ def reconstruct(
             outputs = [output] + ([model.encode(section_first)] if section_first else [])
             proof = prove_prompt(
                 readings,
-                billed_prompt=_usage_int(response, "prompt_tokens"),
+                billed_prompt=billed_prompt,
                 billed_completion=reported,
                 output_lengths=[len(o) for o in outputs],
                 tolerance=billing_tolerance,
