@@ -86,6 +86,8 @@ CODE_SPELLINGS_ELSEWHERE = {
     # error kinds of a failed attempt (providers/errors.py), spelled like the record code
     ("kimi_pipe.providers.calls", "malformed_response"),
     ("kimi_pipe.providers.calls", "no_usage"),  # a billing flag of the attempt
+    # the setting resolve.posterior_sampled, named like the rung it turns on: its description
+    ("kimi_pipe.stages.settings_help", "posterior_sampled"),
 }
 
 
