@@ -201,7 +201,9 @@ def test_max_len_truncate_and_skip_are_counted(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- the stage end to end
 
 
-def test_stage_writes_store_with_record_ids_and_counts(tmp_path: Path, tiny_dir: Path) -> None:
+def test_stage_writes_store_with_record_ids_and_counts(
+    tmp_path: Path, tiny_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     rows: list[dict | str] = [*random_records(9)]
     rows.append(token_record("too_long", list(range(30)), list(range(30, 70))))
     rows.append({"id": "failed", "ok": False, "error": {"class": "APIError"}})
@@ -220,6 +222,8 @@ def test_stage_writes_store_with_record_ids_and_counts(tmp_path: Path, tiny_dir:
     store = HiddenStore(tmp_path / "hidden_hf")
     assert summary["counts"]["truncated"] == 1
     assert summary["counts"]["skipped_not_ok"] == 1
+    said = capsys.readouterr().err  # the counts as a reader reads them, not a dict
+    assert "truncated 1, skipped not_ok 1" in said and "{" not in said, said
     assert len(store) == 10
     by_id = {r["id"]: r for r in rows if isinstance(r, dict) and r.get("ok")}
     for sid in store.ids:

@@ -85,7 +85,11 @@ def run_job(job: ExtractJob, backend: Backend | None = None) -> dict[str, Any]:
     finally:
         if own_backend:
             backend.close()
-    skipped = {k: v for k, v in summary["counts"].items() if k.startswith("skipped")}
+    skipped = ", ".join(  # `evidence_unresolved 1, not_ok 1`: read as a user reads, no dict
+        f"{k.removeprefix('skipped_')} {n}"
+        for k, n in summary["counts"].items()
+        if k.startswith("skipped") and n
+    )
     print(
         f"[extract] store {summary['store']}: {summary['capture']['written']} written now, "
         f"{summary['capture']['skipped_done']} already there; truncated "
