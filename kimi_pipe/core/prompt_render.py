@@ -215,11 +215,7 @@ def render_prompt(
             continue
         role = message.get("role")
         name = str(message.get("name") or role)
-        content = message.get("content")
-        if not isinstance(content, str):  # a string is its own text (message_text's first case)
-            content = message_text(content, p.content_join)
-        if p.trim_content:
-            content = content.strip()  # _trim
+        content = _trim(p, message_text(message.get("content"), p.content_join))
         if role == "system" or role == "developer":
             pieces += p.system.render(name=name, role="system", content=content)
         elif role == "user":

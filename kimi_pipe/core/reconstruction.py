@@ -193,10 +193,8 @@ def output_pieces(
             return [reasoning, *out.end.render()], True
         # The template's own whitespace around the think-end: kept by some providers inside
         # the fields, stripped by others; the reasoning template adds it back either way.
-        if out.reasoning_trim_suffix:
-            reasoning = reasoning.removesuffix(out.reasoning_trim_suffix)
-        if out.content_trim_prefix:
-            content = content.removeprefix(out.content_trim_prefix)
+        reasoning = _remove_once(reasoning, out.reasoning_trim_suffix, suffix=True)
+        content = _remove_once(content, out.content_trim_prefix, suffix=False)
         # A model that writes its tool-call section before the think-end leaves the section's
         # markers as text in the reasoning (K2-Thinking and K2.5 on some providers); a model
         # may also write their names as plain characters. The bill tells which (reconstruct).
