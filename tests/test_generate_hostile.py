@@ -78,18 +78,31 @@ def test_f5_an_answer_that_does_not_parse_is_booked_failed_and_never_bought_agai
 def test_f10_answers_from_another_model_or_without_a_known_finish_are_errors(
     tmp_path: Path, fake_openrouter, kimi_dir: Path, api_key_env: str
 ) -> None:
-    modes = ["other_model", "finish_null", "finish_unknown", "content_filter", "dated_model"]
+    modes = [
+        "other_model",
+        "finish_null",
+        "finish_unknown",
+        "content_filter",
+        "no_model",
+        "dated_model",
+    ]
     srv = fake_openrouter(
         default=Behaviour(script={f"Question s{i}:": [m] for i, m in enumerate(modes)})
     )
-    status, summary, out, ids = run_prompts(tmp_path, srv.url(), kimi_dir, n=6)
+    status, summary, out, ids = run_prompts(tmp_path, srv.url(), kimi_dir, n=7)
     assert status == 0 and summary is not None
     records = records_by_id(out / "records.jsonl")
-    codes = ["other_model", "finish_reason_null", "finish_reason_unknown", "content_filter"]
+    codes = [
+        "other_model",
+        "finish_reason_null",
+        "finish_reason_unknown",
+        "content_filter",
+        "model_unnamed",  # no `model` at all: nothing says which model answered
+    ]
     for i, code in enumerate(codes):
         assert code in records[f"s{i}"]["issues"] and not records[f"s{i}"]["ok"], code
-    assert records["s4"]["ok"], records["s4"]["issues"]  # kimi-k2.5-0127 is the same model
-    assert records["s5"]["ok"]
+    assert records["s5"]["ok"], records["s5"]["issues"]  # kimi-k2.5-0127 is the same model
+    assert records["s6"]["ok"]
 
 
 def test_f3_lone_surrogates_and_bad_bytes_are_replaced_flagged_and_written(

@@ -1,9 +1,9 @@
 """Checks on a provider's answer that token reconstruction cannot make, and text repair.
 
 `answer_issues` flags an answer that is not what was asked for: another model than the
-one requested (a dated variant such as `-0127` is the same model), another provider than
-the routing's `only` list, a finish reason that is null, unknown or `content_filter`. Each
-is an error code (the record is not `ok`).
+one requested (a dated variant such as `-0127` is the same model) or no model named, another
+provider than the routing's `only` list, a finish reason that is null, unknown or
+`content_filter`. Each is an error code (the record is not `ok`).
 
 `clean_text` makes any JSON-like value writable: lone surrogates (from a `\\ud800` escape or
 invalid UTF-8 read with surrogateescape) become U+FFFD, non-finite floats become strings,
@@ -78,7 +78,11 @@ def answer_issues(
 ) -> list[str]:
     issues: list[str] = []
     answered = response.get("model")
-    if isinstance(answered, str) and answered and not same_model(answered, asked_model):
+    if not isinstance(answered, str) or not answered.strip():
+        # Every provider recorded names its model (docs/wild.md); an answer that does not
+        # says nothing of which model wrote it, and is not taken for the one asked.
+        issues.append(Code.MODEL_UNNAMED)
+    elif not same_model(answered, asked_model):
         issues.append(Code.OTHER_MODEL)
     if other_provider(response, request):
         issues.append(OTHER_PROVIDER)

@@ -101,6 +101,7 @@ class Code(StrEnum):
     # --- answer checks (core/answer_checks.py) ----------------------------------------------------
     CONTENT_FILTER = "content_filter"  # the provider's filter cut or replaced the answer
     OTHER_PROVIDER = "other_provider"  # the answer names a provider outside routing `only`
+    MODEL_UNNAMED = "model_unnamed"  # the answer names no model: which one wrote it?
     # the provider said nothing about why the answer ended
     FINISH_REASON_NULL = "finish_reason_null"
     FINISH_REASON_UNKNOWN = "finish_reason_unknown"  # a finish reason no provider documents
@@ -256,6 +257,7 @@ ANSWER_CODES: frozenset[str] = frozenset(
     {
         OTHER_PROVIDER,
         OTHER_MODEL,  # also: the answer names another model than the one requested
+        Code.MODEL_UNNAMED,
         Code.FINISH_REASON_NULL,
         Code.FINISH_REASON_UNKNOWN,
         CONTENT_FILTER,

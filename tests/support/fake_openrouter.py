@@ -46,6 +46,7 @@ Hostile modes (each answer is billed at its true cost in the ledger, whatever it
 ``cost_nan``, ``cost_inf``, ``cost_neg``, ``cost_true``, ``cost_under`` (usage.cost a tenth
 of the bill), ``no_usage`` (no usage object); ``finish_list``, ``tool_calls_str``,
 ``message_null`` (an answer that does not parse); ``other_model``, ``dated_model``,
+``no_model`` (the answer without its ``model``),
 ``finish_null``, ``finish_unknown``, ``content_filter``; ``surrogate`` (a lone ``\ud800``
 in the content), ``badutf8`` (raw invalid UTF-8 bytes in the content), ``echo_key`` (the
 request's API key inside the content), ``huge`` (50 MB of content), ``tool_args_object``
@@ -470,6 +471,7 @@ HOSTILE = frozenset(
         "message_null",
         "other_model",
         "dated_model",
+        "no_model",
         "finish_null",
         "finish_unknown",
         "content_filter",
@@ -510,6 +512,8 @@ def _hostile(mode: str, answer: dict, headers_of_request: Any) -> dict:
         answer["model"] = "openai/gpt-4o-mini"
     elif mode == "dated_model":
         answer["model"] = MODEL_ID + "-0127"
+    elif mode == "no_model":
+        del answer["model"]
     elif mode == "finish_null":
         choice["finish_reason"] = choice["native_finish_reason"] = None
     elif mode == "finish_unknown":
