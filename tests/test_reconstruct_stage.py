@@ -101,6 +101,31 @@ def test_decoded_surrogate_pair_is_the_real_character(kimi: Model, tmp_path: Pat
     assert pair["prompt_ids"] == direct["prompt_ids"] and pair["prompt_ids"]
 
 
+@pytest.mark.kimi
+def test_a_generate_record_is_checked_as_generate_checked_it(kimi: Model, tmp_path: Path) -> None:
+    """Records of a generate run carry the request: reconstructing them again checks the
+    answer as generate did (model asked and named, finish), so a filtered answer or one
+    that names no model does not come back `ok` from the stored answer alone."""
+    request = {"model": "openrouter/moonshotai/kimi-k2.5", "extra_body": {}}
+    named = {**GOOD["response"], "model": "moonshotai/kimi-k2.5-0127"}
+    filtered = {**named, "choices": [{**named["choices"][0], "finish_reason": "content_filter"}]}
+    unnamed = GOOD["response"]
+    source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_bytes(
+        b"".join(
+            _line({**GOOD, "id": name, "request": request, "response": response})
+            for name, response in [("named", named), ("filtered", filtered), ("unnamed", unnamed)]
+        )
+        + _line({**GOOD, "id": "no_request"})  # a file of answers alone: nothing was asked
+    )
+    counts = run(kimi, source, target, 0, serving=TAIL_KEPT)
+    records = {r["id"]: r for r in map(json.loads, target.read_text(encoding="utf-8").splitlines())}
+    assert records["named"]["ok"] and records["no_request"]["ok"]
+    assert not records["filtered"]["ok"] and "content_filter" in records["filtered"]["issues"]
+    assert not records["unnamed"]["ok"] and "model_unnamed" in records["unnamed"]["issues"]
+    assert counts["flagged:content_filter"] == 1 and counts["flagged:model_unnamed"] == 1
+
+
 def _category(issues: list[str]) -> str:
     if set(issues) & ERRORS:
         return "flagged"

@@ -3,7 +3,8 @@ r"""Stage `reconstruct`: provider answers in, exact token records out.
     python -m kimi_pipe reconstruct model=kimi_k25 model.tokenizer.path=DIR \
         input=IN.jsonl output=OUT.jsonl
 
-Input lines: {"id", "messages", "tools"?, "response"}. Output lines, same order:
+Input lines: {"id", "messages", "tools"?, "response", "request"?} (a line with the request,
+as generate writes, gets generate's answer checks too). Output lines, same order:
 {"id", "ok", "issues", "prompt_ids", "output_ids", "loss_mask",
  "completion_tokens_reported", "completion_tokens_reconstructed"}, plus "id_sources" and
  "logprobs" when the response carries `logprobs.content[]`: the engine's ids are then used and
@@ -29,12 +30,19 @@ from typing import Any, BinaryIO, cast
 from omegaconf import DictConfig, OmegaConf
 
 from kimi_pipe.conformance.auto import is_plain_auto, recorded_profile
+from kimi_pipe.core.answer_checks import answer_issues
 from kimi_pipe.core.evidence import LADDER, evidence_of
-from kimi_pipe.core.issue_codes import BAD_SERVING_PROFILE, LOGPROB_ERRORS, MALFORMED_RECORD, Code
+from kimi_pipe.core.issue_codes import (
+    ANSWER_CODES,
+    BAD_SERVING_PROFILE,
+    LOGPROB_ERRORS,
+    MALFORMED_RECORD,
+    Code,
+)
 from kimi_pipe.core.issue_codes import RECONSTRUCTION_ERRORS as ERRORS
 from kimi_pipe.core.logprobs import LogprobPolicy
 from kimi_pipe.core.models import Model, load_model
-from kimi_pipe.core.record_builder import RecordBuilder
+from kimi_pipe.core.record_builder import RecordBuilder, mark_flagged
 from kimi_pipe.core.serving import UNKNOWN_PROFILE, ServingProfile, serving_profile
 from kimi_pipe.core.token_record import TokenRecord
 from kimi_pipe.errors import ConfigError, InputError, MissingFile
@@ -47,7 +55,7 @@ from kimi_pipe.store.records import iter_records
 MALFORMED = MALFORMED_RECORD
 # Codes that make a record flagged: the reconstruction errors and the stage's own
 # (BAD_SERVING_PROFILE: a stored `serving_profile` naming no conf/serving profile).
-FLAG_CODES = ERRORS | LOGPROB_ERRORS | {MALFORMED, BAD_SERVING_PROFILE}
+FLAG_CODES = ERRORS | ANSWER_CODES | LOGPROB_ERRORS | {MALFORMED, BAD_SERVING_PROFILE}
 UTF8_BOM = b"\xef\xbb\xbf"
 # A \uD800-\uDFFF escape: the only way a JSON line can carry a lone surrogate. Pairs (emoji
 # written as two escapes) also match, so a hit is confirmed on the parsed value.
@@ -135,6 +143,16 @@ def reconstruct_line(
         )
     except RecursionError:
         return _bad_record(sample_id, MALFORMED, f"{where}: nested too deep to reconstruct")
+    request, response = sample.get("request"), sample.get("response")
+    if (
+        isinstance(request, dict)
+        and isinstance(request.get("model"), str)
+        and isinstance(response, dict)
+        and response.get("choices")
+    ):
+        # A generate run's record: its answer checked as generate checked it (the model
+        # asked and named, the route, the finish), or those flags would be lost here.
+        record = mark_flagged(record, answer_issues(response, request["model"], request))
     out: TokenRecord = {"id": sample_id, **record}
     if recorded is not None:
         out |= {"serving_profile": sample["serving_profile"],
