@@ -204,6 +204,23 @@ def test_a_mistake_is_one_line_and_exit_2(args: list[str], named: str, tmp_path:
     assert named in errors[0], errors[0]
 
 
+# Every command, not only generate: a key typed as an override is refused in one line before
+# anything is composed or written (the cwd stays empty), and the key is never echoed.
+KEY_STAGES = ["generate", "extract", "export", "reconstruct", "audit", "probe", "sweep",
+              "report", "run", "demo"]  # fmt: skip
+
+
+@pytest.mark.parametrize("stage", KEY_STAGES)
+def test_a_key_on_the_command_line_is_refused_by_every_stage(stage: str, tmp_path: Path) -> None:
+    key = "sk" + "-or-v1-TYPED-ON-THE-COMMAND-LINE-0123"
+    done = run_stage([stage, f"+provider.api_key={key}", "output_dir=run"], tmp_path)
+    assert done.returncode == 2, (done.returncode, done.stderr[-2000:])
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "provider.api_key must not be in the config" in lines[0], lines
+    assert key not in done.stdout + done.stderr
+    assert not list(tmp_path.iterdir())  # nothing written: no run directory, no log
+
+
 def test_a_bug_keeps_its_traceback() -> None:
     """Only user-facing failures are shortened: anything else is a bug and says where."""
     from kimi_pipe.stages.command import compose_command

@@ -41,6 +41,7 @@ from kimi_pipe.errors import (
     host_error,
     one_line,
 )
+from kimi_pipe.providers.credentials import key_in_overrides
 from kimi_pipe.stages import schemas  # noqa: F401 (registers the groups' schemas)
 from kimi_pipe.stages.help import StageHelp, help_text
 from kimi_pipe.stages.logs import close_file_logs, file_logs, log_failure, say_each_line_once
@@ -62,6 +63,17 @@ def override_key(override: str) -> str:
 
 def wants_help(argv: Sequence[str]) -> bool:
     return any(a in HELP_FLAGS for a in argv)
+
+
+def refuse_keys(args: Sequence[str]) -> None:
+    """A key on the command line is refused for every stage, before anything is composed or
+    written: overrides are kept (`.hydra/`, a log, a run's plan), whatever key it is under."""
+    why = key_in_overrides(list(args))
+    if why:
+        raise ConfigError(
+            f"{why} (a run keeps its overrides in .hydra/ and its log); export the provider's "
+            "key variable (e.g. OPENROUTER_API_KEY) instead"
+        )
 
 
 def _compose(overrides: Sequence[str], with_hydra: bool) -> DictConfig:
@@ -202,7 +214,12 @@ def compose_command(
     say_each_line_once()  # where the stage set up its logging (logging.basicConfig)
     if _helped(overrides, help):
         return 0
-    return _said(lambda: task(compose_overrides(overrides, moved)))
+
+    def composed() -> Any:
+        refuse_keys(overrides)
+        return task(compose_overrides(overrides, moved))
+
+    return _said(composed)
 
 
 def remove_if_unused(fresh: Sequence[Path], name: str) -> None:
@@ -276,6 +293,7 @@ def hydra_command(
     fresh: list[Path] = []
     status: int | None
     try:
+        refuse_keys(args)
         if any(a in SHOW_CONFIG for a in args) and show not in ("job", "hydra", "all"):
             raise ConfigError(f"--cfg {show or ''}: give --cfg job, --cfg hydra or --cfg all")
         if flags:

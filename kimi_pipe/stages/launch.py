@@ -5,30 +5,15 @@ from __future__ import annotations
 
 import errno
 import os
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from kimi_pipe.errors import EXIT_USER_ERROR
 from kimi_pipe.generation.errors import GenerateError
-from kimi_pipe.providers.credentials import key_in_overrides, refuse_secrets
+from kimi_pipe.providers.credentials import refuse_secrets
 from kimi_pipe.stages.jobs.generate import generate_job
 from kimi_pipe.store.run_dir import check_run_dir, same_dir
-
-
-def refuse_keys_on_the_command_line(argv: list[str]) -> None:
-    """Hydra saves every override in .hydra/ (and the log) before the task runs: refuse a
-    key there, whatever the key it is given under."""
-    why = key_in_overrides(argv)
-    if why:
-        print(
-            f"error: {why} (Hydra would save it in .hydra/ and the log); export the "
-            "provider's key variable (e.g. OPENROUTER_API_KEY) instead",
-            file=sys.stderr,
-        )
-        raise SystemExit(EXIT_USER_ERROR)
 
 
 def writable(run_dir: Path) -> None:
