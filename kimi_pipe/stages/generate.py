@@ -32,10 +32,9 @@ from kimi_pipe.generation import probes
 from kimi_pipe.generation.datasets import datasets_of
 from kimi_pipe.generation.errors import GenerateError
 from kimi_pipe.generation.run import finish_status, said
-from kimi_pipe.stages.command import hydra_command
+from kimi_pipe.stages.command import compose_command
 from kimi_pipe.stages.help import HELP
-from kimi_pipe.stages.jobs.generate import generate_job
-from kimi_pipe.stages.launch import check_before_launch
+from kimi_pipe.stages.jobs.generate import check_before_launch, generate_job
 from kimi_pipe.store.layout import RECORDS, SUMMARY
 from kimi_pipe.store.prompt_datasets import load_prompts
 from kimi_pipe.store.records_index import load_resume_index
@@ -110,7 +109,7 @@ def run_generate(cfg: DictConfig, run_dir: Path | None = None) -> tuple[Path, di
 
 
 def main(argv: list[str] | None = None) -> int:
-    return hydra_command(
+    return compose_command(
         lambda cfg: generate(cfg)[0],
         argv,
         name="generate",
