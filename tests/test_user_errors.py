@@ -151,6 +151,9 @@ CASES: list[tuple[str, list[str], str]] = [
      "/missing.jsonl"),
     ("run: sweep without providers", ["run", "pipeline=sweep", "dataset=B5"], "providers"),
     ("demo: unknown model option", ["demo", "model=nosuch"], "nosuch"),
+    # A flag a composed-only command does not take is named (was Hydra's lexer error).
+    ("report: a flag it does not take", ["report", "--foo"], "--foo: not a flag"),
+    ("audit: no multirun", ["audit", "-m", "audit.limit=1,2"], "-m: not a flag"),
     ("demo: not a local provider", ["demo", "provider=openrouter"], "local"),
     # Issue 30: values of the right kind that cannot buy anything. They used to run: a
     # negative or zero budget stopped at once and exited 0, concurrency 0 became 1 (and an
