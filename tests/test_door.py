@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kimi_pipe.config import CONF_DIR, compose
-from kimi_pipe.stages.command import did_you_mean, setting_keys
+from kimi_pipe.stages.config_errors import did_you_mean, setting_keys
 from kimi_pipe.stages.help import HELP
 from tests.support.cases import load_or_skip
 

@@ -12,9 +12,12 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from kimi_pipe.extraction.hf_backend import HFBackend
-from kimi_pipe.extraction.token_samples import apply_max_len, read_token_records
+from kimi_pipe.errors import ConfigError
+from kimi_pipe.extraction.hf_backend import HFBackend, HFSettings
+from kimi_pipe.extraction.job import ExtractJob
+from kimi_pipe.extraction.token_samples import apply_max_len, load_backend, read_token_records
 from kimi_pipe.stages.extract import run_extract
+from kimi_pipe.stages.jobs.extract import extract_job
 from kimi_pipe.store.hidden_store import SHARDS, HiddenStore
 
 REPO = Path(__file__).resolve().parent.parent
@@ -336,6 +339,58 @@ def test_missing_model_dir_says_how_to_get_it(tmp_path: Path) -> None:
     cfg = extract_cfg([f"extract.run_dir={tmp_path}", f"extract.model_path={tmp_path / 'nope'}"])
     with pytest.raises(FileNotFoundError, match="config.json"):
         run_extract(cfg)
+
+
+# --------------------------------------------------------------------------- typed settings
+
+
+def test_hf_settings_are_typed_from_the_composed_config() -> None:
+    job = extract_job(extract_cfg(["extract.threads=2", "extract.layer_ids=[1,3,4]"]))
+    settings = HFSettings.from_job(job)
+    # conf/extract/hf.yaml's values, typed: the backend reads these fields, not the mapping.
+    assert settings == HFSettings(
+        device="cpu",
+        dtype="float32",
+        store_dtype="fp8_e4m3",
+        threads=2,
+        trust_remote_code=False,
+        final_state="pre_norm",
+        layer_ids=(1, 3, 4),
+        draft_config=(),
+        draft_engine="sglang",
+    )
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ("extract.final_state=middle", "extract.final_state"),
+        ("extract.dtype=float8", "extract.dtype"),
+        ("extract.device=gpu", "extract.device"),
+        ("extract.threads=many", "extract.threads"),
+        ("extract.layer_ids=3", "extract.layer_ids"),
+    ],
+)
+def test_a_bad_hf_setting_is_one_config_error_naming_it(override: str, named: str) -> None:
+    job = extract_job(extract_cfg([override]))
+    with pytest.raises(ConfigError) as caught:
+        HFSettings.from_job(job)
+    message = str(caught.value)
+    assert named in message and "\n" not in message
+
+
+def test_a_backend_of_your_own_gets_the_job_with_its_own_plain_settings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "my_capture_backend.py").write_text(
+        "def open_backend(job):\n    return job\n"  # hands back what it was given
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = extract_cfg(["extract.backend=my_capture_backend:open_backend", "+extract.my_key=7"])
+    given = load_backend(extract_job(cfg))
+    assert isinstance(given, ExtractJob)
+    assert given.settings["my_key"] == 7 and given.get("my_key") == 7
+    assert given.settings["batch_tokens"] == 8192  # the loop's keys travel as before
 
 
 # --------------------------------------------------------------------------- real SmolLM2 weights

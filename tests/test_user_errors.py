@@ -151,6 +151,9 @@ CASES: list[tuple[str, list[str], str]] = [
      "/missing.jsonl"),
     ("run: sweep without providers", ["run", "pipeline=sweep", "dataset=B5"], "providers"),
     ("demo: unknown model option", ["demo", "model=nosuch"], "nosuch"),
+    # A flag a composed-only command does not take is named (was Hydra's lexer error).
+    ("report: a flag it does not take", ["report", "--foo"], "--foo: not a flag"),
+    ("audit: no multirun", ["audit", "-m", "audit.limit=1,2"], "-m: not a flag"),
     ("demo: not a local provider", ["demo", "provider=openrouter"], "local"),
     # Issue 30: values of the right kind that cannot buy anything. They used to run: a
     # negative or zero budget stopped at once and exited 0, concurrency 0 became 1 (and an
@@ -202,6 +205,23 @@ def test_a_mistake_is_one_line_and_exit_2(args: list[str], named: str, tmp_path:
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, done.stderr[-2000:]
     assert named in errors[0], errors[0]
+
+
+# Every command, not only generate: a key typed as an override is refused in one line before
+# anything is composed or written (the cwd stays empty), and the key is never echoed.
+KEY_STAGES = ["generate", "extract", "export", "reconstruct", "audit", "probe", "sweep",
+              "report", "run", "demo"]  # fmt: skip
+
+
+@pytest.mark.parametrize("stage", KEY_STAGES)
+def test_a_key_on_the_command_line_is_refused_by_every_stage(stage: str, tmp_path: Path) -> None:
+    key = "sk" + "-or-v1-TYPED-ON-THE-COMMAND-LINE-0123"
+    done = run_stage([stage, f"+provider.api_key={key}", "output_dir=run"], tmp_path)
+    assert done.returncode == 2, (done.returncode, done.stderr[-2000:])
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "provider.api_key must not be in the config" in lines[0], lines
+    assert key not in done.stdout + done.stderr
+    assert not list(tmp_path.iterdir())  # nothing written: no run directory, no log
 
 
 def test_a_bug_keeps_its_traceback() -> None:

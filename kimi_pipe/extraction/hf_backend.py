@@ -21,19 +21,20 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from kimi_pipe.errors import ConfigError, MissingFile
-from kimi_pipe.extraction.draft_config import capture_request, record_drafts
+from kimi_pipe.extraction.draft_config import capture_request, draft_config_paths, record_drafts
 from kimi_pipe.extraction.job import ExtractJob
 from kimi_pipe.extraction.layers import resolve_output_ids
 from kimi_pipe.extraction.resolve import HFSuffixScorer
 from kimi_pipe.store.conventions import POST_NORM, PRE_NORM, final_norm_spec, rms_norm
-from kimi_pipe.store.hidden_store import torch_dtype
+from kimi_pipe.store.hidden_store import DTYPES, torch_dtype
 from kimi_pipe.store.local_model import LocalModelSpec, ensure_local_model
 
 
@@ -269,28 +270,97 @@ class HFBackend:
             torch.cuda.empty_cache()
 
 
+@dataclass(frozen=True)
+class HFSettings:
+    """What conf/extract/hf.yaml says about this backend, typed once from the job (the capture
+    loop's keys, such as batch_tokens, are the job's; a backend of your own reads its keys from
+    `job.settings`)."""
+
+    device: str = "cpu"  # a torch device: cpu | cuda | cuda:N (`auto` is resolved by from_job)
+    dtype: str = "float32"  # compute dtype
+    store_dtype: str | None = None  # None: the compute dtype
+    threads: int | None = None  # torch CPU threads; None: torch's default
+    trust_remote_code: bool = False
+    final_state: str = POST_NORM
+    layer_ids: tuple[int, ...] | None = None
+    draft_config: tuple[str, ...] = ()  # the drafters' config files (draft_config.py)
+    draft_engine: str = "sglang"
+
+    def __post_init__(self) -> None:
+        if self.final_state not in (PRE_NORM, POST_NORM):
+            raise ConfigError(
+                f"extract.final_state must be {PRE_NORM} or {POST_NORM}, not {self.final_state!r}"
+            )
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"extract.dtype must be one of {sorted(DTYPES)}, not {self.dtype!r}")
+        try:
+            torch.device(self.device)
+        except RuntimeError:
+            raise ConfigError(
+                f"extract.device must be cpu, cuda, cuda:N or auto, not {self.device!r}"
+            ) from None
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"extract.threads must be >= 1 or null, not {self.threads}")
+
+    @classmethod
+    def from_job(cls, job: ExtractJob) -> HFSettings:
+        device = str(job.get("device") or "cpu")
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        trust = job.get("trust_remote_code", False)
+        if not isinstance(trust, bool):
+            raise ConfigError(f"extract.trust_remote_code must be true or false, not {trust!r}")
+        store = job.get("store_dtype")
+        return cls(
+            device=device,
+            dtype=str(job.get("dtype", "float32")),
+            store_dtype=None if store is None else str(store),
+            threads=_int_or_none(job, "threads") or None,  # 0 meant the default, as null
+            trust_remote_code=trust,
+            final_state=str(job.get("final_state") or POST_NORM),
+            layer_ids=_ints_or_none(job.get("layer_ids")),
+            draft_config=tuple(draft_config_paths(job.get("draft_config"))),
+            draft_engine=str(job.get("draft_engine") or "sglang"),
+        )
+
+
+def _int_or_none(job: ExtractJob, key: str) -> int | None:
+    value = job.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, str)) or not str(value).isdigit():
+        raise ConfigError(f"extract.{key} must be a whole number or null, not {value!r}")
+    return int(value)
+
+
+def _ints_or_none(value: Any) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise ConfigError(f"extract.layer_ids must be a list of layer numbers, not {value!r}")
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+        raise ConfigError(f"extract.layer_ids must be a list of layer numbers, not {value!r}")
+    return tuple(value)
+
+
 def open_backend(job: ExtractJob) -> HFBackend:
     """Build the backend from the job's `extract.*` settings (see conf/extract/hf.yaml)."""
-    ecfg = job.settings
+    settings = HFSettings.from_job(job)
     layer_ids, drafts = capture_request(
-        ecfg.get("layer_ids"), ecfg.get("draft_config"), ecfg.get("draft_engine")
+        settings.layer_ids, list(settings.draft_config), settings.draft_engine
     )
-    device = str(ecfg.get("device") or "cpu")
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    threads = ecfg.get("threads")
-    if threads:
-        torch.set_num_threads(int(threads))
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
     backend = HFBackend(
         resolve_model_path(job),
-        dtype=str(ecfg["dtype"]),
-        store_dtype=ecfg.get("store_dtype"),
-        device=device,
+        dtype=settings.dtype,
+        store_dtype=settings.store_dtype,
+        device=settings.device,
         layer_ids=list(layer_ids) if layer_ids is not None else None,
         model_cfg=job.model,
-        trust_remote_code=bool(ecfg.get("trust_remote_code", False)),
+        trust_remote_code=settings.trust_remote_code,
         model_name=job.model_name,
-        final_state=str(ecfg.get("final_state") or POST_NORM),
+        final_state=settings.final_state,
     )
     record_drafts(backend.store_fields, drafts, backend.num_layers)
     return backend

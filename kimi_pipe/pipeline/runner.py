@@ -37,7 +37,6 @@ from kimi_pipe.pipeline.registry import resolve_stage
 from kimi_pipe.pipeline.stage import Stage, StageContext
 from kimi_pipe.stages.command import compose_command
 from kimi_pipe.stages.help import HELP
-from kimi_pipe.stages.launch import refuse_keys_on_the_command_line as refuse
 from kimi_pipe.store import atomic
 from kimi_pipe.store.run_lock import LOCK, RunDirLocked, RunLock
 
@@ -353,8 +352,6 @@ def _summary_hook(cfg: DictConfig) -> Any:
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     overrides = list(sys.argv[1:] if argv is None else argv)
-    if not any(a in ("-h", "--help") for a in overrides):
-        refuse(overrides)
 
     def pipeline_task(cfg: DictConfig) -> int:
         hook = _summary_hook(cfg)

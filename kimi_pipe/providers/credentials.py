@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from kimi_pipe.core.plain import plain
@@ -62,6 +62,17 @@ def key_in_overrides(argv: list[str], environ: dict[str, str] | None = None) -> 
         if _KEY_SHAPE.search(value) or any(secret in value for secret in secrets):
             return f"the value of {name} looks like an API key"
     return None
+
+
+def refuse_keys_in_overrides(argv: Sequence[str]) -> None:
+    """A ConfigError when an override would put a secret into what a run keeps of its command
+    line (`.hydra/`, the log), whatever the key it is given under."""
+    why = key_in_overrides(list(argv))
+    if why:
+        raise ConfigError(
+            f"{why} (a run keeps its overrides in .hydra/ and its log); export the provider's "
+            "key variable (e.g. OPENROUTER_API_KEY) instead"
+        )
 
 
 def header_carries_credential(name: str) -> bool:

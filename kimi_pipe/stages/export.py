@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from kimi_pipe.errors import ConfigError
 from kimi_pipe.exporters import CARD_FILE, run_export
-from kimi_pipe.stages.command import hydra_command
+from kimi_pipe.stages.command import compose_command
 from kimi_pipe.stages.help import HELP
 from kimi_pipe.stages.jobs.export import export_job, stores_of
 from kimi_pipe.stages.jobs.export import output_dir as output_dir
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         run_export(export_job(values))
 
-    return hydra_command(export_stage, argv, name="export", help=HELP["export"])
+    return compose_command(export_stage, argv, name="export", help=HELP["export"])
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ from kimi_pipe.extraction.executors.worker import UnitSettings
 from kimi_pipe.extraction.job import ExtractJob
 from kimi_pipe.extraction.sharding import run_sharded
 from kimi_pipe.extraction.token_samples import Backend, load_backend
-from kimi_pipe.stages.command import hydra_command
+from kimi_pipe.stages.command import compose_command
 from kimi_pipe.stages.help import HELP
 from kimi_pipe.stages.jobs.extract import extract_job
 from kimi_pipe.store.hidden_store import MANIFEST
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
         run_extract(cfg)
 
-    return hydra_command(extract_stage, argv, name="extract", help=HELP["extract"])
+    return compose_command(extract_stage, argv, name="extract", help=HELP["extract"])
 
 
 if __name__ == "__main__":

@@ -32,10 +32,9 @@ from kimi_pipe.generation import probes
 from kimi_pipe.generation.datasets import datasets_of
 from kimi_pipe.generation.errors import GenerateError
 from kimi_pipe.generation.run import finish_status, said
-from kimi_pipe.stages.command import hydra_command, wants_help
-from kimi_pipe.stages.help import HELP, help_text
-from kimi_pipe.stages.jobs.generate import generate_job
-from kimi_pipe.stages.launch import check_before_launch, refuse_keys_on_the_command_line
+from kimi_pipe.stages.command import compose_command
+from kimi_pipe.stages.help import HELP
+from kimi_pipe.stages.jobs.generate import check_before_launch, generate_job
 from kimi_pipe.store.layout import RECORDS, SUMMARY
 from kimi_pipe.store.prompt_datasets import load_prompts
 from kimi_pipe.store.records_index import load_resume_index
@@ -110,14 +109,9 @@ def run_generate(cfg: DictConfig, run_dir: Path | None = None) -> tuple[Path, di
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if wants_help(args):  # before the checks, which make the run directory
-        print(help_text(HELP["generate"], args))
-        return 0
-    refuse_keys_on_the_command_line(args)
-    return hydra_command(
+    return compose_command(
         lambda cfg: generate(cfg)[0],
-        args,
+        argv,
         name="generate",
         help=HELP["generate"],
         before_launch=check_before_launch,  # before Hydra writes .hydra/ and the log

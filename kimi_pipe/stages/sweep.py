@@ -45,7 +45,8 @@ from kimi_pipe.errors import (
 from kimi_pipe.generation.probes import probe_providers, run_generate
 from kimi_pipe.generation.run import finish_status
 from kimi_pipe.reporting.report import build_report
-from kimi_pipe.stages.command import compose_command, override_key
+from kimi_pipe.stages.command import compose_command
+from kimi_pipe.stages.config_errors import override_key
 from kimi_pipe.stages.help import HELP
 from kimi_pipe.stages.jobs.generate import generate_job
 from kimi_pipe.stages.jobs.groups import mapping_node, plain_node, with_overrides

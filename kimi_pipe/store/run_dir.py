@@ -9,11 +9,14 @@ file the link names).
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Iterable
+import shutil
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from kimi_pipe.errors import StoreError
+from kimi_pipe.store.layout import LOCK
 
 SYSTEM_DIRS = frozenset(
     {
@@ -80,3 +83,15 @@ def check_run_dir(run_dir: str | Path, files: Iterable[str] = ()) -> Path:
 
 def same_dir(a: str | Path, b: str | Path) -> bool:
     return os.path.realpath(a) == os.path.realpath(b)
+
+
+def remove_if_unused(fresh: Sequence[Path], job: str) -> None:
+    """After a refused start: the run directory a command made (`fresh`: it, then the parents
+    it made) goes, with them, if it holds only what Hydra's job `job` wrote first (`.hydra/`
+    with the job's own config folder, `<job>.log`) and the lock."""
+    with contextlib.suppress(OSError, IndexError):  # what cannot go stays; the error was said
+        ours = {p.name for p in fresh[0].iterdir()} <= {".hydra", f"{job}.log", LOCK}
+        if ours and {p.name for p in fresh[0].glob(".hydra/*")} <= {job}:
+            shutil.rmtree(fresh[0])
+            for parent in fresh[1:]:
+                parent.rmdir()  # only an empty one: another run may have begun beside it
