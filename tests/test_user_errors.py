@@ -344,3 +344,21 @@ def test_a_log_that_cannot_be_written_is_one_line(
     line = _one_line_full(done, out / "generate.log")
     assert "log is incomplete" in line
     assert json.loads((out / "summary.json").read_text())["counts"]["answered"] == 2
+
+
+def test_python_without_the_dependencies_is_told_to_use_the_venv() -> None:
+    """`python -m kimi_pipe` from a Python that lacks the dependencies (README's friction:
+    the system python3, not .venv's) is one line naming the missing package and the venv's
+    command, exit 2, no traceback. `-S` leaves site-packages out: only the stdlib is there."""
+    done = subprocess.run(
+        [sys.executable, "-S", "-m", "kimi_pipe", "generate", "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "is not installed in this Python" in lines[0]
+    assert ".venv/bin/python -m kimi_pipe" in lines[0] and "make setup" in lines[0]
