@@ -10,7 +10,9 @@ content. For those, `enumerate_candidates` lists every id sequence consistent wi
   - the billed `completion_tokens` (each option is rebuilt by `reconstruct` and must pass the
     same billing check a proven record passes).
 A set is `closed` when the enumeration is complete under those rules; otherwise it says why
-not (`why_open`) and must never be resolved. One option in a closed set is a proof: the
+not (`why_open`) and must never be resolved (an open set whose doubts all lie after the
+reasoning's text still proves the ids every reading shares: `shared_by_unlisted`, which
+core/prefix.py cuts at). One option in a closed set is a proof: the
 record becomes `text_proven` (note `single_candidate`). Two or more are left to the target
 model (extraction/resolve.py). Schema: the `candidates` field in docs/design.md.
 
@@ -20,7 +22,7 @@ call instead (`ChoicePoint`: the ids of the call's arguments between their two m
 every same-count reading of their edges as an id span of the same length there). The option
 then stands for every combination; extraction/resolve.py weighs them point by point.
 
-Why about 700 lines: the enumerations of every ambiguity class build on one another (a tail
+Why about 860 lines: the enumerations of every ambiguity class build on one another (a tail
 and an argument edge in the same answer multiply, and the choice points stand in for their
 product), and each is proven against the same stack models (tests/test_closed_sets.py);
 apart, the product of two classes would have no home.
