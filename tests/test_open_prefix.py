@@ -193,3 +193,24 @@ def test_training_ids_refuse_an_open_prefix_past_what_every_reading_shares() -> 
     record["candidates"]["closed"] = None  # not an open set any more: no exception applies
     with pytest.raises(ValueError):
         training_ids(record)
+
+
+def test_output_lead_follows_the_prompt_bill_and_refuses_when_readings_disagree() -> None:
+    """The ids before the output's own pieces: the generation prompt's end, where the billed
+    prompt is one reading without it; none where some reading fits as rendered and another
+    without it (a reading of the truth may then start either way)."""
+    from kimi_pipe.core.candidates import _output_lead
+    from kimi_pipe.core.prompt_proof import PromptReading, PromptReadings
+
+    def usage(billed: int) -> dict[str, Any]:
+        return {"usage": {"prompt_tokens": billed}}
+
+    one = PromptReadings((PromptReading("template", [1, 2, 9]),), generation_open=(9,))
+    assert _output_lead(one, usage(2)) == [9]  # billed without `9`: the model wrote it
+    assert _output_lead(one, usage(3)) == []
+    assert _output_lead(one, {}) == []  # no bill: the template's boundary stands
+    two = PromptReadings(
+        (PromptReading("template", [1, 2, 9]), PromptReading("other", [1, 9])),
+        generation_open=(9,),
+    )
+    assert _output_lead(two, usage(2)) is None  # [1, 2] + output `9`, or [1, 9] as rendered
