@@ -8,7 +8,10 @@ under the default `unknown` profile, as `reconstruct` and `generate` run it. Per
   proven       ok: ids proven by text, profile and bill
   resolvable   not ok, a closed candidate set extraction's target resolution takes
                (extraction/resolve.resolvable)
-  lost         neither; the codes say why
+  lost         neither; the codes say why, and how many ids of them a proven prefix keeps
+               (`prefix_proven`: an open set whose doubts lie only after the reasoning's text,
+               core/prefix.py; cut like every prefix and weighed again by extraction's prefix
+               split check, so not counted in `expected`)
   expected     exact tokens expected: proven tokens + resolvable tokens x the target's
                resolution rate measured on the 500-answer calibration (docs/yield.md: 197 of
                254 closed sets resolved, SmolLM2 as its own target). A rate, not a measurement
@@ -32,6 +35,7 @@ from omegaconf import OmegaConf
 
 from kimi_pipe.config import compose
 from kimi_pipe.core.models import load_model
+from kimi_pipe.core.prefix import exact_output_tokens
 from kimi_pipe.core.record_builder import RecordBuilder
 from kimi_pipe.core.serving import ServingProfile
 from kimi_pipe.extraction.resolve import resolvable
@@ -93,6 +97,8 @@ def main() -> int:
         per_fate_tokens[row["provider"]][kind] += tokens
         if kind == "lost":
             cell["lost"].update(c for c in record["issues"] if c not in ("tool_call_ids_rebuilt",))
+            if record.get("evidence") == "prefix_proven":
+                per_fate_tokens[row["provider"]]["lost_prefix"] += exact_output_tokens(record)
         if "prompt_unproven" in record["issues"] and "billing_mismatch" in record["issues"]:
             unexplained[row["provider"]].append(
                 f"{row['id']}: prompt billed {usage.get('prompt_tokens')} vs "
@@ -109,11 +115,16 @@ def main() -> int:
         expected = tokens["proven"] + CALIBRATED_RESOLUTION_RATE * tokens["resolvable"]
         per_token = cell["cost"] / expected if expected else None
         why = ", ".join(f"{c} {n}" for c, n in cell["lost"].most_common(3))
+        kept = (
+            f"; {tokens['lost_prefix']:,} tok kept as a proven prefix"
+            if tokens["lost_prefix"]
+            else ""
+        )
         print(
             f"| {name} | {cell['answers']} | {cell['tokens']:,} "
             f"| {cell['fates']['proven']} ({tokens['proven']:,} tok) "
             f"| {cell['fates']['resolvable']} ({tokens['resolvable']:,} tok) "
-            f"| {cell['fates']['lost']} ({tokens['lost']:,} tok){': ' + why if why else ''} "
+            f"| {cell['fates']['lost']} ({tokens['lost']:,} tok{kept}){': ' + why if why else ''} "
             f"| {expected:,.0f} | {f'${per_token * 1e6:.2f}/M' if per_token else 'none'} |"
         )
         yields.append(
@@ -140,7 +151,9 @@ def main() -> int:
     reach = sum(t["proven"] + t["resolvable"] for t in per_fate_tokens.values())
     answers = sum(c["answers"] for c in per.values())
     reached = sum(c["fates"]["proven"] + c["fates"]["resolvable"] for c in per.values())
+    kept_total = sum(t["lost_prefix"] for t in per_fate_tokens.values())
     print(f"\n{reached} of {answers} answers reach training ({reach:,} of {total:,} tokens)")
+    print(f"lost answers' ids kept as proven prefixes: {kept_total:,}")
     routing = route_by_exact_tokens(yields)
     print("\nrouting by exact tokens per dollar:")
     print(f"  provider.routing.only={routing.order}")
@@ -163,6 +176,7 @@ def main() -> int:
         reached=reached,
         answers=answers,
         tokens_reached=reach,
+        lost_prefix_tokens=kept_total,
         tokens=total,
         routing={"only": routing.order, "ignore": routing.ignore, "reasons": routing.reasons},
         other_models={"answers": len(other), "ok_by_profile": ok_by_profile},

@@ -10,7 +10,9 @@ content. For those, `enumerate_candidates` lists every id sequence consistent wi
   - the billed `completion_tokens` (each option is rebuilt by `reconstruct` and must pass the
     same billing check a proven record passes).
 A set is `closed` when the enumeration is complete under those rules; otherwise it says why
-not (`why_open`) and must never be resolved. One option in a closed set is a proof: the
+not (`why_open`) and must never be resolved (an open set whose doubts all lie after the
+reasoning's text still proves the ids every reading shares: `shared_by_unlisted`, which
+core/prefix.py cuts at). One option in a closed set is a proof: the
 record becomes `text_proven` (note `single_candidate`). Two or more are left to the target
 model (extraction/resolve.py). Schema: the `candidates` field in docs/design.md.
 
@@ -20,7 +22,7 @@ call instead (`ChoicePoint`: the ids of the call's arguments between their two m
 every same-count reading of their edges as an id span of the same length there). The option
 then stands for every combination; extraction/resolve.py weighs them point by point.
 
-Why about 700 lines: the enumerations of every ambiguity class build on one another (a tail
+Why about 860 lines: the enumerations of every ambiguity class build on one another (a tail
 and an argument edge in the same answer multiply, and the choice points stand in for their
 product), and each is proven against the same stack models (tests/test_closed_sets.py);
 apart, the product of two classes would have no home.
@@ -34,6 +36,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kimi_pipe.core.formats import Marker, Piece
 from kimi_pipe.core.issue_codes import CLASS_OF_CODE, Code
 from kimi_pipe.core.issue_codes import SINGLE_CANDIDATE as SINGLE_CANDIDATE  # tests' name
 from kimi_pipe.core.models import Model
@@ -46,6 +49,7 @@ from kimi_pipe.core.reconstruction import (
     answer_fields,
     argument_edge_readings,
     coercion_readings_of,
+    output_pieces,
     reconstruct,
     undo_serving,
 )
@@ -68,6 +72,23 @@ MAX_OPEN_OPTIONS = 16  # options an open set lists before the rest are skipped
 # departures its search follows (core/splits.py, `max_departures`).
 READING_DISTANCE = 3
 NO_OPTION_FITS = "no reading fits the bill at its canonical split"
+# Reasons an open set gives whose unlisted readings differ from the listed ones only at or
+# after the reasoning's tail: whitespace the stack dropped (the reasoning's tail, a
+# whitespace-only content before tool calls, the arguments' edges: tests/
+# test_dropped_whitespace.py) and arguments a coercion rewrote. Such a set proves the ids
+# before the reasoning's last lone space (`_shared_by_unlisted`, core/prefix.py). Not here:
+# billing tolerance, no bill, a whitespace-only reasoning, a search cut short.
+TAIL_ONLY_DOUBTS = frozenset(
+    {
+        "a reading short of the bill: the stack may have dropped whitespace",
+        "billing leaves room for stripped whitespace other than newlines",
+        "the stack may have stripped other whitespace around the arguments",
+        "a coerced value may have had another spelling (a number, boolean or nested value), "
+        "or too many to list",
+        "too many readings of the coerced arguments to list",
+        "billing leaves room for whitespace stripped from the arguments",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -115,15 +136,21 @@ class Candidates:
     # Readings up to READING_DISTANCE over it: BPE's canonical split is not always the
     # shortest, so a shorter split of one of them fits the bill too (`long_readings`).
     long: list[Option] = field(default_factory=list)
+    # An open set whose only doubts lie at or after the reasoning's tail: the leading output
+    # ids every reading shares, listed or not (`_shared_by_unlisted`); None otherwise.
+    shared_by_unlisted: int | None = None
 
     def to_record(self) -> CandidateSet:
-        return {
+        out: CandidateSet = {
             "closed": self.closed,
             "why_open": self.why_open,
             "classes": list(self.classes),
             "diverge_at": self.diverge_at,
             "options": [o.to_record() for o in self.options],
         }
+        if self.shared_by_unlisted is not None:
+            out["shared_by_unlisted"] = self.shared_by_unlisted
+        return out
 
     @property
     def keeps_readings(self) -> bool:
@@ -222,13 +249,7 @@ def enumerate_candidates(
     for spacing in spacings:
         if _enough_for_open(why_open, options):
             break
-        hypothesis = replace(
-            profile,
-            marker_spacing=spacing,
-            reasoning_tail="stripped" if enum_tail else profile.reasoning_tail,
-            # Each coercion reading is rebuilt as the model's own text.
-            argument_types="verbatim" if enum_coercion else profile.argument_types,
-        )
+        hypothesis = _hypothesis(profile, spacing, enum_tail, enum_coercion)
         scratch: list[str] = []
         undone = undo_serving(model, hypothesis, answer, scratch)
         if Code.MARKER_SPACING_MISMATCH in scratch:
@@ -378,6 +399,10 @@ def enumerate_candidates(
     if starts:
         # Nothing at or after a choice point is shared by every reading.
         diverge = min(starts) if diverge is None else min(diverge, *starts)
+    shared = None
+    if why_open and set(why_open) <= TAIL_ONLY_DOUBTS:
+        hypotheses = [_hypothesis(profile, s, enum_tail, enum_coercion) for s in spacings]
+        shared = _shared_by_unlisted(model, answer, hypotheses, tools, prompt, response, options)
     return Candidates(
         closed=not why_open,
         why_open="; ".join(dict.fromkeys(why_open)) or None,
@@ -386,7 +411,128 @@ def enumerate_candidates(
         options=options,
         short=[o for key, o in short.items() if key not in seen],
         long=[o for key, o in long.items() if key not in seen],
+        shared_by_unlisted=shared,
     )
+
+
+def _hypothesis(
+    profile: ServingProfile, spacing: str, enum_tail: bool, enum_coercion: bool
+) -> ServingProfile:
+    """The profile one marker-spacing hypothesis rebuilds its readings under."""
+    return replace(
+        profile,
+        marker_spacing=spacing,
+        reasoning_tail="stripped" if enum_tail else profile.reasoning_tail,
+        # Each coercion reading is rebuilt as the model's own text.
+        argument_types="verbatim" if enum_coercion else profile.argument_types,
+    )
+
+
+def _shared_by_unlisted(
+    model: Model,
+    answer: AnswerFields,
+    hypotheses: Sequence[ServingProfile],
+    tools: Sequence[Mapping[str, Any]] | None,
+    prompt: Sequence[int] | PromptReadings,
+    response: Any,
+    options: Sequence[Option],
+) -> int | None:
+    """How many leading output ids every reading of an open set shares, listed or not, when
+    its only doubts lie at or after the reasoning's tail (TAIL_ONLY_DOUBTS); None when
+    nothing is proven so. Every marker-spacing hypothesis counts (the enumeration stops
+    listing once an open set has MAX_OPEN_OPTIONS options, so its `diverge_at` may not).
+
+    Whitespace a stack dropped or a coercion rewrote sits after the reasoning's text (its
+    tail, a whitespace-only content, the arguments); appended to the reasoning it joins at
+    most the text after its last lone space: a tokenizer that splits at lone spaces
+    (`splits_at_lone_spaces`) encodes the text before one as in the whole, whatever follows.
+    Before the reasoning: the ids the bill moved from the prompt (`_output_lead`)."""
+    lead = _output_lead(prompt, response)
+    if lead is None or not model.tokenizer.splits_at_lone_spaces:
+        return None
+    first = options[0].output_ids
+    bound: int | None = None
+    for hypothesis in hypotheses:
+        scratch: list[str] = []
+        undone = undo_serving(model, hypothesis, answer, scratch)
+        if Code.MARKER_SPACING_MISMATCH in scratch:
+            continue  # no reading under it (the enumeration skips it too)
+        as_text = replace(hypothesis, marker_spacing="none", reasoning_tail="kept")
+        text = undo_serving(model, as_text, undone, [])  # as `_build`'s reconstruct does
+        pieces, _ = output_pieces(model, text, [], 0, as_text, tools)
+        head = _reasoning_head(model, pieces, text.reasoning)
+        if head is None:
+            return None
+        reading = lead + head
+        n = 0
+        while n < min(len(first), len(reading)) and first[n] == reading[n]:
+            n += 1
+        bound = n if bound is None else min(bound, n)
+    return bound
+
+
+# Whitespace the proof of `_reasoning_head` is checked against, appended to the reasoning.
+_CHECK_SUFFIXES = (" ", "\n", "\n\n", " \n", "\t", "  ", "\r\n", " \t \t")
+
+
+def _reasoning_head(model: Model, pieces: Sequence[Piece], reasoning: str) -> list[int] | None:
+    """The output ids up to the reasoning's last lone space (the markers before it, then its
+    text's ids), which any whitespace appended to the reasoning leaves as they are; None
+    where that is not shown: no lone space, marker names in the reasoning (read as markers
+    where the bill says so), the reasoning not found in the output's first text."""
+    core = reasoning.strip()
+    if not core or any(name in reasoning for name in model.markers):
+        return None
+    cut = next(
+        (
+            i
+            for i in range(len(core) - 2, 0, -1)
+            if core[i] == " " and not core[i - 1].isspace() and not core[i + 1].isspace()
+        ),
+        None,
+    )
+    ids: list[int] = []  # the markers before the output's first text
+    joined = ""  # that text, up to the next marker
+    for piece in pieces:
+        if isinstance(piece, Marker):
+            if joined:
+                break
+            ids.append(model.markers[piece.name])
+        else:
+            joined += piece
+    start = joined.find(core)
+    if cut is None or start < 0:
+        return None
+    encode = model.tokenizer.encode_ordinary
+    head = encode(joined[: start + cut])
+    # The lone-space split, checked on this text: whole, and with whitespace appended.
+    texts = [joined] + [joined[: start + len(core)] + s for s in _CHECK_SUFFIXES]
+    if any(encode(t)[: len(head)] != head for t in texts):
+        return None
+    return ids + head
+
+
+def _output_lead(prompt: Sequence[int] | PromptReadings, response: Any) -> list[int] | None:
+    """The ids every reading's output starts with before its own pieces: the generation
+    prompt's end the model wrote itself, where the billed prompt count moves it there
+    (core/prompt_proof.prove_prompt, at no tolerance: every reading has the billed length).
+    None when the prompt's readings that fit the bill disagree about it."""
+    usage = response.get("usage") if isinstance(response, Mapping) else None
+    billed = usage.get("prompt_tokens") if isinstance(usage, Mapping) else None
+    if not isinstance(prompt, PromptReadings) or type(billed) is not int:
+        return []  # no proof weighed the boundary: nothing moved
+    opening = prompt.generation_open
+    shifts = [len(opening)] if prompt.open_in_output else [0] + ([len(opening)] if opening else [])
+    fits = {
+        shift
+        for reading in prompt.readings
+        for shift in shifts
+        if (not shift or tuple(reading.ids[-shift:]) == opening)
+        and len(reading.ids) - shift == billed
+    }
+    if len(fits) > 1:
+        return None
+    return list(opening) if fits == {len(opening)} and opening else []
 
 
 @dataclass

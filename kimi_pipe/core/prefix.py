@@ -9,8 +9,12 @@ is what readers that build training rows take (ids and loss mask cut there, like
 `truncated` answer: no end-of-turn).
 
 Conservative on purpose (docs/design.md, "Proven prefixes"):
-  - an OPEN set is never cut: a reading it does not list may differ anywhere its class
-    touches the text, so no prefix is proven;
+  - an OPEN set is not cut: a reading it does not list may differ anywhere its class touches
+    the text, so no prefix is proven. The one exception: a set whose every doubt lies at or
+    after the reasoning's tail (core/candidates.TAIL_ONLY_DOUBTS: whitespace a stack dropped
+    there, in a whitespace-only content or at the arguments' edges, arguments a coercion
+    rewrote) stores `shared_by_unlisted`, the ids every reading shares, listed or not, under
+    every marker-spacing hypothesis; the cut is never past it;
   - every listed reading counts: the options and the readings a few ids off the bill
     (`short_readings`, `long_readings`), whose other splits may fit the bill;
   - any code the set does not account for (an answer check, a partial character, an
@@ -23,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kimi_pipe.core.candidates import TAIL_ONLY_DOUBTS
 from kimi_pipe.core.evidence import (
     DEFAULT_ACCEPT,
     NEVER_USABLE,
@@ -42,6 +47,7 @@ from kimi_pipe.core.token_record import TokenRecord
 # A stripped tail that billing saw shows as billing_mismatch, which the tail's options cover.
 _TAIL_CLASSES = frozenset({"reasoning_tail"})
 RULE = "closed set: ids every listed reading shares"
+OPEN_RULE = "open set, doubts only after the reasoning's text: ids every reading shares"
 
 
 def covered_codes(candidates: Mapping[str, Any]) -> frozenset[str]:
@@ -110,8 +116,11 @@ def proven_prefix(record: Mapping[str, Any]) -> dict[str, Any] | None:
     if record.get("error") or record.get("ok"):
         return None
     cands = record.get("candidates")
-    if not isinstance(cands, Mapping) or cands.get("closed") is not True:
-        return None  # an open set proves no prefix
+    if not isinstance(cands, Mapping):
+        return None
+    unlisted = _shared_by_unlisted(cands)
+    if cands.get("closed") is not True and unlisted is None:
+        return None  # an open set proves no prefix (but for the exception above)
     options = cands.get("options")
     if not isinstance(options, list) or len(options) < 2:
         return None
@@ -129,6 +138,8 @@ def proven_prefix(record: Mapping[str, Any]) -> dict[str, Any] | None:
     diverge = cands.get("diverge_at")
     if isinstance(diverge, int) and diverge >= 0:
         k = min(k, diverge)
+    if unlisted is not None:
+        k = min(k, unlisted)
     prompt_len = len(record.get("prompt_ids") or [])
     mask = _option_mask(options[0], prompt_len)
     if k <= 0 or mask is None or not any(mask[:k]):
@@ -143,8 +154,20 @@ def proven_prefix(record: Mapping[str, Any]) -> dict[str, Any] | None:
         "cut_by": codes[0] if len(codes) == 1 else codes,
         "codes": codes,
         "of_tokens": reported if isinstance(reported, int) else None,
-        "rule": RULE,
+        "rule": RULE if unlisted is None else OPEN_RULE,
     }
+
+
+def _shared_by_unlisted(cands: Mapping[str, Any]) -> int | None:
+    """An open set's `shared_by_unlisted`, where every reason it gives is one that
+    core/candidates.py proves it for (checked again here: a stored record is input)."""
+    if cands.get("closed") is not False:
+        return None
+    shared, why = cands.get("shared_by_unlisted"), cands.get("why_open")
+    if type(shared) is not int or shared < 0 or not isinstance(why, str):
+        return None
+    reasons = {part.strip() for part in why.split(";")}
+    return shared if reasons <= TAIL_ONLY_DOUBTS else None
 
 
 def with_prefix(record: TokenRecord) -> TokenRecord:

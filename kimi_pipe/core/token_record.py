@@ -61,6 +61,7 @@ class CandidateSet(TypedDict, total=False):
     diverge_at: int | None
     options: list[CandidateOption]
     proven_against: ProvenAgainst  # closed sets only
+    shared_by_unlisted: int  # open sets whose doubts lie after the reasoning's text only
 
 
 class TokenRecord(TokenIds, total=False):
