@@ -34,6 +34,9 @@ from kimi_pipe.core.reconstruction import reconstruct  # noqa: E402
 from kimi_pipe.core.serving import UNKNOWN_PROFILE, ServingProfile  # noqa: E402
 from kimi_pipe.stages.reconstruct import reconstruct_line  # noqa: E402
 
+# The corpus server's --served-model-name, declared as its user would.
+SERVED_NAMES = "model.served_names=[moonshotai/kimi-k2.5,kimi-live]"
+
 LIVE = ROOT / "tests" / "fixtures" / "live_vllm"
 DECLARED = "vllm_0_33"
 
@@ -85,8 +88,7 @@ def rung(record: Mapping[str, Any]) -> str:
 
 
 def main() -> int:
-    # The corpus server's --served-model-name, declared as its user would.
-    model = load_model(compose(["model.served_names=[moonshotai/kimi-k2.5,kimi-live]"]).model)
+    model = load_model(compose([SERVED_NAMES]).model)
     print(
         "| variant | records | engine ids = truth | `unknown`: exact / repaired / flagged / "
         "silent | declared: exact / repaired / flagged / silent | declared: engine_ids / "

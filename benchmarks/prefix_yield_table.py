@@ -89,6 +89,9 @@ def main() -> int:
     print(f"| server shapes, all | | {totals['unknown']['bought']} | {cell(totals['unknown'])} "
           f"| {cell(totals['declared'])} |")  # fmt: skip
     live = {"unknown": Counter(), "declared": Counter()}
+    # Its answers name the server's own model name, which the corpus declares (without it
+    # every live record is `other_model` and nothing here counts).
+    model = load_model(compose([live_vllm_counts.SERVED_NAMES]).model)
     for path in sorted(LIVE.glob("*.jsonl")):
         counts = {"unknown": Counter(), "declared": Counter()}
         rows = [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x]

@@ -150,3 +150,22 @@ def exit_on_user_error(fn: Callable[P, R]) -> Callable[P, R]:
             return fn(*args, **kwargs)
 
     return wrapper
+
+
+@contextmanager
+def dependencies_installed() -> Iterator[None]:
+    """Around the command's first import: a Python without the dependencies (the system
+    python3, not the checkout's .venv) is told so in one line naming the missing package and
+    what to run instead, exit 2, not a ModuleNotFoundError traceback."""
+    try:
+        yield
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] == "kimi_pipe":
+            raise
+        print(
+            f"error: {exc.name} is not installed in this Python ({sys.executable}): run "
+            "`make setup`, then `.venv/bin/python -m kimi_pipe ...` (or `pip install` the "
+            "wheel and run `kimi-pipe ...`; README, Install)",
+            file=sys.stderr,
+        )
+        raise SystemExit(EXIT_USER_ERROR) from None
