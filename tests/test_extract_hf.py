@@ -226,7 +226,7 @@ def test_stage_writes_store_with_record_ids_and_counts(
     assert summary["counts"]["truncated"] == 1
     assert summary["counts"]["skipped_not_ok"] == 1
     said = capsys.readouterr().err  # the counts as a reader reads them, not a dict
-    assert "truncated 1, skipped not_ok 1" in said and "{" not in said, said
+    assert "truncated 1, skipped 1 (not ok 1)" in said and "{" not in said, said
     assert len(store) == 10
     by_id = {r["id"]: r for r in rows if isinstance(r, dict) and r.get("ok")}
     for sid in store.ids:
@@ -473,3 +473,14 @@ def test_cuda_states_match_cpu(tiny_dir: Path, tiny: HFBackend) -> None:
         torch.testing.assert_close(aux_g, aux_c, atol=1e-4, rtol=1e-3)
         torch.testing.assert_close(final_g, final_c, atol=1e-4, rtol=1e-3)
     gpu.close()
+
+
+def test_skipped_counts_each_record_once() -> None:
+    """A skipped record with ids is counted by why and by its rung: said once, not twice."""
+    from kimi_pipe.reporting.formatting import skipped_line
+
+    counts = {"lines": 32, "skipped_not_ok": 1, "skipped_evidence_unresolved": 1, "usable": 31}
+    assert skipped_line(counts) == "1 (not ok 1; rung unresolved 1)"
+    assert skipped_line({"lines": 3, "usable": 3}) == "0"
+    two = {"skipped_not_ok": 1, "skipped_bad_json": 1, "skipped_evidence_unresolved": 1}
+    assert skipped_line(two) == "2 (not ok 1, bad json 1; rung unresolved 1)"

@@ -37,6 +37,7 @@ from kimi_pipe.config import DATA_DIR, compose
 from kimi_pipe.core.token_yield import yield_line
 from kimi_pipe.errors import EXIT_FAILED, KimiPipeError
 from kimi_pipe.pipeline.runner import PipelineRun, print_run, raise_user_error, run_pipeline
+from kimi_pipe.reporting.formatting import skipped_line
 from kimi_pipe.stages.command import compose_command
 from kimi_pipe.stages.help import HELP
 from kimi_pipe.store.layout import RECONSTRUCTED, RECORDS
@@ -90,7 +91,9 @@ def summary_table(run: PipelineRun) -> str:
          "n/a" if rate is None else f"{100 * rate:.1f}% ({aud['exact']} of {aud['audited']})"),
         ("mismatch classes", classes or "none"),
         ("hidden states stored", f"{ext['capture']['written'] + ext['capture']['skipped_done']} "
-                                 f"samples ({_counted(ext['counts'])})"),
+                                 f"samples ({ext['counts'].get('lines', 0)} lines, "
+                                 f"{ext['counts'].get('usable', 0)} usable, skipped "
+                                 f"{skipped_line(ext['counts'])})"),
         ("hidden-state store", _store_line(ext)),
         ("SpecForge export", f"{exp['samples']} samples, {exp['tokens']['total']} tokens"),
     ]  # fmt: skip

@@ -39,6 +39,7 @@ from kimi_pipe.extraction.executors.worker import UnitSettings
 from kimi_pipe.extraction.job import ExtractJob
 from kimi_pipe.extraction.sharding import run_sharded
 from kimi_pipe.extraction.token_samples import Backend, load_backend
+from kimi_pipe.reporting.formatting import skipped_line
 from kimi_pipe.stages.command import compose_command
 from kimi_pipe.stages.help import HELP
 from kimi_pipe.stages.jobs.extract import extract_job
@@ -85,15 +86,10 @@ def run_job(job: ExtractJob, backend: Backend | None = None) -> dict[str, Any]:
     finally:
         if own_backend:
             backend.close()
-    skipped = ", ".join(  # `evidence_unresolved 1, not_ok 1`: read as a user reads, no dict
-        f"{k.removeprefix('skipped_')} {n}"
-        for k, n in summary["counts"].items()
-        if k.startswith("skipped") and n
-    )
     print(
         f"[extract] store {summary['store']}: {summary['capture']['written']} written now, "
         f"{summary['capture']['skipped_done']} already there; truncated "
-        f"{summary['counts'].get(Code.TRUNCATED, 0)}, skipped {skipped or 0}",
+        f"{summary['counts'].get(Code.TRUNCATED, 0)}, skipped {skipped_line(summary['counts'])}",
         file=sys.stderr,
         flush=True,
     )
