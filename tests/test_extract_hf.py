@@ -226,7 +226,8 @@ def test_stage_writes_store_with_record_ids_and_counts(
     assert summary["counts"]["truncated"] == 1
     assert summary["counts"]["skipped_not_ok"] == 1
     said = capsys.readouterr().err  # the counts as a reader reads them, not a dict
-    assert "truncated 1, skipped 1 (not ok 1)" in said and "{" not in said, said
+    # `truncated` is generate's word for an answer cut by max_tokens; here: extract.max_len
+    assert "cut to extract.max_len 1, skipped 1 (not ok 1)" in said and "{" not in said, said
     assert len(store) == 10
     by_id = {r["id"]: r for r in rows if isinstance(r, dict) and r.get("ok")}
     for sid in store.ids:

@@ -88,7 +88,7 @@ def run_job(job: ExtractJob, backend: Backend | None = None) -> dict[str, Any]:
             backend.close()
     print(
         f"[extract] store {summary['store']}: {summary['capture']['written']} written now, "
-        f"{summary['capture']['skipped_done']} already there; truncated "
+        f"{summary['capture']['skipped_done']} already there; cut to extract.max_len "
         f"{summary['counts'].get(Code.TRUNCATED, 0)}, skipped {skipped_line(summary['counts'])}",
         file=sys.stderr,
         flush=True,
