@@ -161,6 +161,48 @@ def test_no_network_is_named_not_the_budget(tmp_path: Path) -> None:
     line = one_error(done)
     assert "cannot reach the provider at http://127.0.0.1:9/v1/models" in line, line
     assert "budget" not in line
+    # Nothing reached the provider: the run directory (serving=auto's probe prompts, a
+    # journal that reserved the probes and settled them at $0) goes, as after a refused start.
+    assert not (tmp_path / "run").exists(), sorted(p.name for p in (tmp_path / "run").rglob("*"))
+
+
+def test_a_run_directory_with_money_or_work_in_it_stays(tmp_path: Path) -> None:
+    """After a failed start, a directory goes only when nothing in it was used: a journal
+    with a request open (the provider may have billed it), one settled as billed, or any
+    file a start does not write keeps it all."""
+    from kimi_pipe.store.run_dir import remove_if_unused
+    from kimi_pipe.store.spend_journal import JOURNAL, SpendJournal
+
+    def started(name: str) -> Path:
+        run = tmp_path / name
+        (run / ".hydra" / "generate").mkdir(parents=True)
+        (run / ".hydra" / "generate" / "config.yaml").write_text("{}")
+        (run / "generate.log").write_text("error: ...")
+        (run / "serving_auto").mkdir()
+        (run / "serving_auto" / "prompts.jsonl").write_text("{}\n")
+        return run
+
+    def journal(run: Path, cost: float | None, billed: bool) -> None:
+        with SpendJournal(run / JOURNAL) as j:
+            seq = j.intent("serving_auto:_route", 1, 0.05)
+            if cost is not None:
+                j.settle(seq, cost, billed)
+
+    kept = {
+        "open": lambda run: journal(run, None, False),  # killed mid-request: booked $0.05
+        "billed": lambda run: journal(run, 0.0, True),  # an attempt the provider took
+        "probe_journal": lambda run: journal(run / "serving_auto" / "_route", None, False),
+        "records": lambda run: (run / "records.jsonl").write_text("{}\n"),
+    }
+    for name, use in kept.items():
+        run = started(name)
+        use(run)
+        remove_if_unused([run], "generate")
+        assert run.exists(), name
+    run = started("unused")
+    journal(run, 0.0, False)  # refused before generating: $0, not billed
+    remove_if_unused([run], "generate")
+    assert not run.exists()
 
 
 def test_a_refused_start_leaves_no_run_directory(tmp_path: Path) -> None:

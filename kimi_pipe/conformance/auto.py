@@ -55,7 +55,7 @@ from kimi_pipe.conformance.probe import (
 )
 from kimi_pipe.core.serving import CHOICES, UNKNOWN, ServingProfile
 from kimi_pipe.errors import ConfigError
-from kimi_pipe.store.layout import RECORDS, SERVING_AUTO_DIR, SERVING_AUTO_RUN
+from kimi_pipe.store.layout import PROBE_PROMPTS, RECORDS, SERVING_AUTO_DIR, SERVING_AUTO_RUN
 from kimi_pipe.store.records import iter_records
 from kimi_pipe.store.spend_journal import JOURNAL, SpendJournal
 
@@ -332,7 +332,7 @@ class _Prober:
         self.battery_sha = battery_sha(path)
         self.cache = VerdictCache(target, self.battery_sha)
         self.base = run_dir / PROBE_DIR
-        self.prompts = self.base / "prompts.jsonl"
+        self.prompts = self.base / PROBE_PROMPTS
         write_probe_prompts(self.battery, self.prompts)
         usd = target.auto.usd_per_provider
         self.cap = float(usd) if usd is not None else self.battery.usd_each

@@ -9,6 +9,7 @@ the report and the tests read these names, never their own spelling of them.
     <run_dir>/reconstructed.jsonl    the reconstruct stage's records
     <run_dir>/audit.json, audit.md   the fidelity audit
     <run_dir>/serving_auto.json      serving=auto's fitted route; probe runs in serving_auto/
+    <run_dir>/serving_auto/prompts.jsonl  the probe battery's prompts (from the bundled battery)
     <run_dir>/probes/                the probe stage's runs and conformance.json / .md
     <run_dir>/report.json, report.md the report stage's output
 """
@@ -25,6 +26,7 @@ AUDIT_JSON = "audit.json"
 AUDIT_MD = "audit.md"
 SERVING_AUTO_RUN = "serving_auto.json"
 SERVING_AUTO_DIR = "serving_auto"
+PROBE_PROMPTS = "prompts.jsonl"
 PROBES_DIR = "probes"
 CONFORMANCE_JSON = "conformance.json"
 CONFORMANCE_MD = "conformance.md"

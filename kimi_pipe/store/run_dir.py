@@ -16,7 +16,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from kimi_pipe.errors import StoreError
-from kimi_pipe.store.layout import LOCK
+from kimi_pipe.store.layout import JOURNAL, LOCK, PROBE_PROMPTS, SERVING_AUTO_DIR
+from kimi_pipe.store.spend_journal import SpendJournal
 
 SYSTEM_DIRS = frozenset(
     {
@@ -86,12 +87,36 @@ def same_dir(a: str | Path, b: str | Path) -> bool:
 
 
 def remove_if_unused(fresh: Sequence[Path], job: str) -> None:
-    """After a refused start: the run directory a command made (`fresh`: it, then the parents
-    it made) goes, with them, if it holds only what Hydra's job `job` wrote first (`.hydra/`
-    with the job's own config folder, `<job>.log`) and the lock."""
+    """After a start that failed: the run directory a command made (`fresh`: it, then the
+    parents it made) goes, with them, if nothing in it was used (`_never_used`)."""
     with contextlib.suppress(OSError, IndexError):  # what cannot go stays; the error was said
-        ours = {p.name for p in fresh[0].iterdir()} <= {".hydra", f"{job}.log", LOCK}
-        if ours and {p.name for p in fresh[0].glob(".hydra/*")} <= {job}:
+        if _never_used(fresh[0], job):
             shutil.rmtree(fresh[0])
             for parent in fresh[1:]:
                 parent.rmdir()  # only an empty one: another run may have begun beside it
+
+
+# What a start writes before its first request, besides Hydra's files and the locks.
+_BEFORE_BUYING = frozenset({Path(SERVING_AUTO_DIR, PROBE_PROMPTS)})
+
+
+def _never_used(run_dir: Path, job: str) -> bool:
+    """`run_dir` holds only what Hydra's job `job` wrote first (`.hydra/<job>/`, `<job>.log`),
+    locks, the probe prompts and spend journals that book nothing (a start refused, or one
+    that failed before any request reached the provider: no network). Anything else (a
+    record, an attempt's error, a journal with money or an attempt in it) keeps it all."""
+    for path in run_dir.rglob("*"):
+        if path.is_dir() and not path.is_symlink():
+            continue
+        rel = path.relative_to(run_dir)
+        if path.is_symlink():
+            return False
+        if rel.parts[0] == ".hydra":
+            if len(rel.parts) < 3 or rel.parts[1] != job:
+                return False
+        elif path.name == JOURNAL:
+            if not SpendJournal.read_only(path).books_nothing():
+                return False
+        elif rel != Path(f"{job}.log") and path.name != LOCK and rel not in _BEFORE_BUYING:
+            return False
+    return True

@@ -91,15 +91,29 @@ class SpendJournal:
         self._fd = open_append_fd(self.path)
 
     @classmethod
-    def booked(cls, path: str | Path) -> float:
-        """`spent()` of a journal read without opening it for writing (another run
-        directory's, which its own process may hold)."""
+    def read_only(cls, path: str | Path) -> SpendJournal:
+        """The journal read without opening it for writing (another run directory's, which
+        its own process may hold): for `spent()` and `books_nothing()`, not for booking."""
         reader = cls.__new__(cls)
         reader.path, reader.intents, reader.extra_usd = Path(path), {}, 0.0
         reader.bad_lines, reader._fd = 0, -1
         for line in iter_records(reader.path):
             reader._apply(line)
-        return reader.spent()
+        return reader
+
+    @classmethod
+    def booked(cls, path: str | Path) -> float:
+        """`spent()` of a journal read without opening it for writing."""
+        return cls.read_only(path).spent()
+
+    def books_nothing(self) -> bool:
+        """No money and no attempt: every request it opened was settled at $0 as refused
+        before generating (not billed), no outside count proved spend, no line unread."""
+        return (
+            self.bad_lines == 0
+            and self.extra_usd == 0
+            and all(i.cost == 0 and not i.billed for i in self.intents.values())
+        )
 
     def _apply(self, line: dict) -> None:
         seq = line.get("n")
