@@ -1,7 +1,8 @@
 """Real providers' recorded answers (tests/fixtures/wild, provenance per row: docs/wild.md).
 
-Kimi K2.5 answers recorded from OpenRouter providers and one direct API in public client
-libraries' test cassettes, and other Kimi models' answers from the same recordings. Through
+Kimi K2.5 answers recorded from OpenRouter providers and two direct APIs in public client
+libraries' test cassettes and one app's LLM test recorder, and other Kimi models' answers
+(and a plan alias's) from the same recordings. Through
 the one reconstruction entry under the default profile: the behaviours the recordings show
 are read as what they are (the model writing `<think>`, history reasoning sent back as
 `reasoning_details`, history ids re-rendered), no other model's answer is ever `ok`, and every
@@ -78,7 +79,7 @@ def test_records_that_reach_training_have_the_billed_prompt(wild: list) -> None:
         if reaches_training(record):
             reached += 1
             assert len(record["prompt_ids"]) == row["response"]["usage"]["prompt_tokens"], row["id"]
-    # Measured (docs/wild.md): 18 of 28 taken by extraction; before the prompt proof 10 of 27
+    # Measured (docs/wild.md): 18 of 29 taken by extraction; before the prompt proof 10 of 27
     # counted this way.
     assert reached >= 18
 
@@ -130,14 +131,44 @@ def test_unexplained_billing_never_reaches_training(wild: list) -> None:
 @pytest.mark.kimi
 @pytest.mark.parametrize("serving", ["unknown", "exact", "moonshot"])
 def test_no_other_model_is_ever_ok(kimi: Model, serving: str) -> None:
-    """Kimi K2-0905, K2-Instruct and K2.6 answers (348 recorded): `other_model`, never `ok`,
-    whatever the profile declares."""
+    """Kimi K2-0905, K2-Instruct and K2.6 answers, and Kimi Code's `kimi-for-coding` alias
+    (356 recorded): `other_model`, never `ok`, whatever the profile declares."""
     builder = RecordBuilder(kimi, profile(serving))
     other = read("other_kimi_wild.jsonl.gz")
-    assert len(other) == 348
+    assert len(other) == 356
     for row in other:
         record = build(builder, row)
         assert not record["ok"] and "other_model" in record["issues"], row["id"]
+
+
+@pytest.mark.kimi
+def test_an_alias_whose_ids_fit_both_bills_is_still_another_model(kimi: Model) -> None:
+    """Kimi Code (api.kimi.com/coding, talkcody's recording) asked for `kimi-k2.5` answers as
+    `kimi-for-coding`, a plan alias. One answer's prompt and completion both fit K2.5's
+    readings id for id (`<think>` billed as output), so the bills alone would take it: the
+    served name is what keeps it out. Same tokenizer, same bills, a model the name does not
+    prove."""
+    row = next(r for r in read("other_kimi_wild.jsonl.gz") if r["id"] == "c5ef80f3a4")
+    assert row["response"]["model"] == "kimi-for-coding"
+    usage = row["response"]["usage"]
+    record = build(RecordBuilder(kimi, profile("exact")), row)
+    assert len(record["prompt_ids"]) == usage["prompt_tokens"]
+    assert record["completion_tokens_reconstructed"] == usage["completion_tokens"]
+    assert not record["ok"]
+    assert record["issues"] == ["other_model", "think_open_billed_as_output"]
+
+
+@pytest.mark.kimi
+@pytest.mark.parametrize("serving", ["unknown", "exact", "moonshot"])
+def test_a_direct_api_whose_bills_fit_no_reading_is_lost(kimi: Model, serving: str) -> None:
+    """Alibaba Cloud's coding plan (DashScope) answering as `kimi-k2.5` after 128 turns: the
+    billed prompt is 4,113-4,257 ids under every reading (65,621 against 69,734-69,878) and the
+    completion one id under the reading. Flagged under every profile, never trained on."""
+    row = next(r for r in read("kimi_k25_wild.jsonl") if r["id"] == "d0662e9bc0")
+    assert row["provider"] == "coding.dashscope.aliyuncs.com"
+    record = build(RecordBuilder(kimi, profile(serving)), row)
+    assert {"prompt_unproven", "billing_mismatch"} <= set(record["issues"])
+    assert not reaches_training(record)
 
 
 def test_corpus_files_are_where_docs_say() -> None:
