@@ -8,7 +8,8 @@ under the default `unknown` profile, as `reconstruct` and `generate` run it. Per
   proven       ok: ids proven by text, profile and bill
   resolvable   not ok, a closed candidate set extraction's target resolution takes
                (extraction/resolve.resolvable)
-  lost         neither; the codes say why, and how many ids of them a proven prefix keeps
+  lost         neither; the codes say why (every blocking one, notes left out: `lost_because`),
+               and how many ids of them a proven prefix keeps
                (`prefix_proven`: an open set whose doubts lie only after the reasoning's text,
                core/prefix.py; cut like every prefix and weighed again by extraction's prefix
                split check, so not counted in `expected`)
@@ -28,6 +29,7 @@ import argparse
 import gzip
 import json
 from collections import Counter, defaultdict
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +40,7 @@ from kimi_pipe.core.models import load_model
 from kimi_pipe.core.prefix import exact_output_tokens
 from kimi_pipe.core.record_builder import RecordBuilder
 from kimi_pipe.core.serving import ServingProfile
-from kimi_pipe.extraction.resolve import resolvable
+from kimi_pipe.extraction.resolve import blocking_issues, covered_issues, resolvable
 from kimi_pipe.reporting.recommend import ProviderYield, route_by_exact_tokens
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,6 +75,16 @@ def fate(record: dict[str, Any]) -> str:
     return "resolvable" if resolvable(record) is None else "lost"
 
 
+def lost_because(record: Mapping[str, Any]) -> list[str]:
+    """The codes that lose a record, as extraction weighs them: the blocking ones its
+    candidate set does not account for (a bill no reading fits); where there are none, the
+    set's own (an open set: the ambiguities it could not list). Notes never."""
+    cands = record.get("candidates")
+    blocking = blocking_issues(record.get("issues") or [])
+    covered = covered_issues(cands) if isinstance(cands, Mapping) else frozenset()
+    return sorted(blocking - covered) or sorted(blocking)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", type=Path, default=None)
@@ -96,7 +108,7 @@ def main() -> int:
         cell["fates"][kind] += 1
         per_fate_tokens[row["provider"]][kind] += tokens
         if kind == "lost":
-            cell["lost"].update(c for c in record["issues"] if c not in ("tool_call_ids_rebuilt",))
+            cell["lost"].update(lost_because(record))
             if record.get("evidence") == "prefix_proven":
                 per_fate_tokens[row["provider"]]["lost_prefix"] += exact_output_tokens(record)
         if "prompt_unproven" in record["issues"] and "billing_mismatch" in record["issues"]:
@@ -114,7 +126,7 @@ def main() -> int:
         tokens = per_fate_tokens[name]
         expected = tokens["proven"] + CALIBRATED_RESOLUTION_RATE * tokens["resolvable"]
         per_token = cell["cost"] / expected if expected else None
-        why = ", ".join(f"{c} {n}" for c, n in cell["lost"].most_common(3))
+        why = ", ".join(f"{c} {n}" for c, n in cell["lost"].most_common())
         kept = (
             f"; {tokens['lost_prefix']:,} tok kept as a proven prefix"
             if tokens["lost_prefix"]
