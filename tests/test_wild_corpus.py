@@ -25,6 +25,7 @@ from kimi_pipe.core.record_builder import RecordBuilder
 from kimi_pipe.core.serving import ServingProfile
 from kimi_pipe.extraction.resolve import resolvable
 from tests.support.cases import FIXTURES
+from tools.cassette2corpus import mismatches
 
 WILD = FIXTURES / "wild"
 THINK = "<think>"
@@ -68,6 +69,22 @@ def test_every_row_has_provenance() -> None:
             source = row["source"]
             assert source["repo"] and source["path"] and len(source["commit"]) == 40, row["id"]
             assert source["url"].startswith("https://github.com/" + source["repo"]), row["id"]
+
+
+@pytest.mark.parametrize("name", ["kimi_k25_wild.jsonl", "other_kimi_wild.jsonl.gz"])
+def test_every_streamed_answer_is_what_its_recorded_stream_adds_up_to(name: str) -> None:
+    """A streamed row's `response` (what reconstruction reads) is its `raw_stream` (the SSE
+    payloads as recorded) assembled, so no assembled answer differs from what was sent."""
+    rows = read(name)
+    streamed = [r for r in rows if r.get("raw_stream")]
+    assert len(streamed) >= 18
+    assert mismatches(rows) == []
+    # The check sees a change: one delta's text edited after assembly.
+    row = json.loads(json.dumps(streamed[0]))
+    message = row["response"]["choices"][0]["message"]
+    field = "content" if message.get("content") else "reasoning_content"
+    message[field] = (message.get(field) or "") + " "
+    assert mismatches([row]) == [row["id"]]
 
 
 @pytest.mark.kimi
