@@ -182,15 +182,18 @@ def test_a_run_directory_with_money_or_work_in_it_stays(tmp_path: Path) -> None:
         (run / "serving_auto" / "prompts.jsonl").write_text("{}\n")
         return run
 
-    def journal(run: Path, cost: float | None, billed: bool) -> None:
+    def journal(run: Path, cost: float | None, billed: bool, answered: bool = False) -> None:
         with SpendJournal(run / JOURNAL) as j:
             seq = j.intent("serving_auto:_route", 1, 0.05)
+            if answered:
+                j.generation(seq, "gen-1")
             if cost is not None:
                 j.settle(seq, cost, billed)
 
     kept = {
         "open": lambda run: journal(run, None, False),  # killed mid-request: booked $0.05
         "billed": lambda run: journal(run, 0.0, True),  # an attempt the provider took
+        "answered": lambda run: journal(run, 0.0, False, answered=True),  # an answer came
         "probe_journal": lambda run: journal(run / "serving_auto" / "_route", None, False),
         "records": lambda run: (run / "records.jsonl").write_text("{}\n"),
     }

@@ -108,11 +108,15 @@ class SpendJournal:
 
     def books_nothing(self) -> bool:
         """No money and no attempt: every request it opened was settled at $0 as refused
-        before generating (not billed), no outside count proved spend, no line unread."""
+        before generating (not billed, no answer arrived), no outside count proved spend, no
+        line unread."""
         return (
             self.bad_lines == 0
             and self.extra_usd == 0
-            and all(i.cost == 0 and not i.billed for i in self.intents.values())
+            and all(
+                i.cost == 0 and not i.billed and i.generation_id is None and i.answered_usd is None
+                for i in self.intents.values()
+            )
         )
 
     def _apply(self, line: dict) -> None:
