@@ -156,7 +156,7 @@ def compose_command(
     """Run `task` on conf/ composed with the overrides (argv, else sys.argv[1:]); its exit
     status (`--help`: `help` printed). `moved`: see compose_overrides. As the Hydra job `name`,
     `before_launch(cfgs, jobs, multirun)` checks each job's config (with its `hydra` node)
-    before Hydra writes anything; a failed start takes away a run directory it made empty."""
+    before Hydra writes anything; a failed start takes away a run directory it made, never used."""
     args = list(sys.argv[1:] if argv is None else argv)
     say_each_line_once()  # where the stage set up its logging (logging.basicConfig)
     if any(a in ("-h", "--help") for a in args):  # the stage's own, not Hydra's config dump
