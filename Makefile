@@ -71,8 +71,11 @@ $(STAMP): requirements.lock $(TORCH_LOCK) pyproject.toml setup.py
 	$(PYTHON) -m pip install --quiet --no-deps --no-build-isolation -e .
 	rm -f $(VENV)/.installed-* && touch $@
 
+# The suite runs on up to 4 cores (pytest-xdist), a test file per worker so that a file's
+# fixtures (fake servers, corpora) are built once; JOBS=1 runs it in one process.
+JOBS ?= $(shell $(or $(PY),python3) -c 'import os; print(min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))' 2>/dev/null || echo 1)
 test: setup
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q $(if $(filter-out 0 1,$(JOBS)),-n $(JOBS) --dist loadfile)
 
 # The gates CI runs besides the tests: lint, one formatter, and the type checker (pinned).
 lint: setup
@@ -162,9 +165,14 @@ UV_COMPILE := $(PYTHON) -m uv pip compile --generate-hashes --universal --python
 TORCH_METADATA := $(if $(wildcard /opt/wheels/torch-*.whl),--find-links /opt/wheels,\
 	  --extra-index-url $(TORCH_CPU_INDEX) --index-strategy unsafe-best-match)
 
+# The current lock is each compile's starting point (uv's -o preferences): a new pin moves
+# only what it needs, not every package with a newer release.
 lock: setup
-	{ $(UV_COMPILE) $(TORCH_METADATA) --no-emit-package torch requirements.in \
-	  && $(UV_COMPILE) --no-deps requirements-nodeps.in; } > requirements.lock.new
+	cp requirements.lock requirements.lock.deps && cp requirements.lock requirements.lock.nodeps
+	$(UV_COMPILE) $(TORCH_METADATA) --no-emit-package torch -q -o requirements.lock.deps requirements.in
+	$(UV_COMPILE) --no-deps -q -o requirements.lock.nodeps requirements-nodeps.in
+	cat requirements.lock.deps requirements.lock.nodeps > requirements.lock.new
+	rm requirements.lock.deps requirements.lock.nodeps
 	mv requirements.lock.new requirements.lock
 
 # torch's two locks. The CPU one needs PyTorch's index to be reachable (the machines this
