@@ -86,3 +86,21 @@ def test_edge_readings_on_real_looking_arguments(model: Model) -> None:
         got = reconstruction.argument_edge_readings(model, call(arguments))
         assert got == whole_argument_readings(model, arguments)
         assert reconstruction._edge_windows(model, arguments)
+
+
+def test_kept_whole_argument_readings_are_a_bounded_copy(
+    model: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An argument with no two safe cuts is counted whole once and kept: each call gets its
+    own list (a caller's change does not reach the next), and the kept ones stay bounded."""
+    arguments = '{"a":"b\\n"}'  # no lone space: no windows
+    assert reconstruction._edge_windows(model, arguments) is None
+    first = reconstruction.argument_edge_readings(model, call(arguments))
+    first.append(("x", "y"))
+    assert reconstruction.argument_edge_readings(model, call(arguments)) == (
+        whole_argument_readings(model, arguments)
+    )
+    monkeypatch.setattr(reconstruction, "_WHOLE_READINGS_KEPT", 3)
+    for n in range(10):
+        reconstruction.argument_edge_readings(model, call(f'{{"n":{n}}}'))
+        assert len(reconstruction._WHOLE_READINGS[model.tokenizer]) <= 3

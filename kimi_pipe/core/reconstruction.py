@@ -16,7 +16,7 @@ import fnmatch
 import itertools
 import unicodedata
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -434,6 +434,19 @@ def argument_edge_readings(model: Model, call: Mapping[str, Any]) -> list[tuple[
         )
         # Disjoint windows: neither edge adds an id, so no pairing of them does.
         return [(lead, trail) for lead in leads for trail in trails]
+    # No two cuts: every reading is counted on the whole argument (~100 encodes), so the
+    # readings are kept, as the windows' are; a candidate enumeration asks for each hypothesis.
+    cache = _WHOLE_READINGS.setdefault(model.tokenizer, {})
+    if arguments not in cache:
+        if len(cache) >= _WHOLE_READINGS_KEPT:
+            cache.clear()  # a bound, not an LRU: one answer's hypotheses ask in a row
+        cache[arguments] = _whole_readings(count, arguments)
+    return list(cache[arguments])
+
+
+def _whole_readings(
+    count: Callable[[str], list[int]], arguments: str
+) -> tuple[tuple[str, str], ...]:
     base = len(count(arguments))
     leads = [""]
     if not arguments[0].isspace():
@@ -441,12 +454,12 @@ def argument_edge_readings(model: Model, call: Mapping[str, Any]) -> list[tuple[
     trails = [""]
     if not arguments[-1].isspace():
         trails += [w for w in _EDGE_TRAILS if len(count(arguments + w)) == base]
-    return [
+    return tuple(
         (lead, trail)
         for lead in leads
         for trail in trails
         if (lead, trail) == ("", "") or len(count(lead + arguments + trail)) == base
-    ]
+    )
 
 
 def _edges_ambiguous(model: Model, call: Mapping[str, Any]) -> bool:
@@ -518,6 +531,14 @@ def _punctuation_run(text: str) -> int:
 _WINDOW_READINGS: weakref.WeakKeyDictionary[Any, dict[tuple[str, bool], tuple[str, ...]]] = (
     weakref.WeakKeyDictionary()
 )
+
+
+# Per tokenizer, the readings of whole arguments that have no two safe cuts, at most
+# _WHOLE_READINGS_KEPT of them (an argument may be long; a window is a few characters).
+_WHOLE_READINGS: weakref.WeakKeyDictionary[Any, dict[str, tuple[tuple[str, str], ...]]] = (
+    weakref.WeakKeyDictionary()
+)
+_WHOLE_READINGS_KEPT = 256
 
 
 def _readings(model: Model, window: str, *, lead: bool) -> tuple[str, ...]:
