@@ -436,12 +436,15 @@ def argument_edge_readings(model: Model, call: Mapping[str, Any]) -> list[tuple[
         return [(lead, trail) for lead in leads for trail in trails]
     # No two cuts: every reading is counted on the whole argument (~100 encodes), so the
     # readings are kept, as the windows' are; a candidate enumeration asks for each hypothesis.
+    # One lookup, one store: another thread's clear in between cannot lose this one's readings.
     cache = _WHOLE_READINGS.setdefault(model.tokenizer, {})
-    if arguments not in cache:
+    readings = cache.get(arguments)
+    if readings is None:
+        readings = _whole_readings(count, arguments)
         if len(cache) >= _WHOLE_READINGS_KEPT:
             cache.clear()  # a bound, not an LRU: one answer's hypotheses ask in a row
-        cache[arguments] = _whole_readings(count, arguments)
-    return list(cache[arguments])
+        cache[arguments] = readings
+    return list(readings)
 
 
 def _whole_readings(
