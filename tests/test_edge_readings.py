@@ -100,6 +100,9 @@ def test_kept_whole_argument_readings_are_a_bounded_copy(
     assert reconstruction.argument_edge_readings(model, call(arguments)) == (
         whole_argument_readings(model, arguments)
     )
+    # The tokenizer is shared by every test in this process: start from its own empty store,
+    # so an argument another test kept cannot skip the bound's clear.
+    monkeypatch.setitem(reconstruction._WHOLE_READINGS, model.tokenizer, {})
     monkeypatch.setattr(reconstruction, "_WHOLE_READINGS_KEPT", 3)
     for n in range(10):
         reconstruction.argument_edge_readings(model, call(f'{{"n":{n}}}'))
