@@ -27,6 +27,7 @@ SHAPES = ROOT / "tests" / "fixtures" / "server_shapes"
 PROFILE_OF_VERSION = {
     "0.15.1": "vllm_0_15",
     "0.33.0": "vllm_0_33",
+    "0.34.0": "vllm_0_34",
     "0.5.14": "sglang_0_5_14",
     "0.5.23": "sglang_0_5_23",
 }

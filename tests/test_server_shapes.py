@@ -31,6 +31,7 @@ SHAPES = Path(__file__).resolve().parent / "fixtures" / "server_shapes"
 PROFILE_OF_VERSION = {
     "0.15.1": "vllm_0_15",
     "0.33.0": "vllm_0_33",
+    "0.34.0": "vllm_0_34",  # files a reviewer makes with tools/make_server_fixtures.py
     "0.5.14": "sglang_0_5_14",
     "0.5.23": "sglang_0_5_23",
 }
@@ -337,13 +338,28 @@ def test_class6_truncated_dotted_names_and_changes_that_cancel(kimi: Model) -> N
 
 
 @pytest.mark.parametrize(
-    "name", ["unknown", "vllm_0_15", "vllm_0_33", "sglang_0_5_14", "sglang_0_5_23", "moonshot"]
+    "name",
+    [
+        "unknown",
+        "vllm_0_15",
+        "vllm_0_33",
+        "vllm_0_34",
+        "sglang_0_5_14",
+        "sglang_0_5_23",
+        "moonshot",
+    ],
 )
 def test_shipped_profiles_load(name: str) -> None:
     loaded = profile(name)
     assert loaded.name == name
     for key, allowed in CHOICES.items():
         assert getattr(loaded, key) in (*allowed, "unknown")
+
+
+def test_vllm_0_34_is_vllm_0_33_under_its_own_name() -> None:
+    """vLLM 0.34.0 gave 0.33.0's answers on the whole corpus (docs/serving_profiles.md); a
+    field set in one file and not the other would make them differ silently."""
+    assert replace(profile("vllm_0_34"), name="vllm_0_33") == profile("vllm_0_33")
 
 
 def test_bad_profile_is_a_clear_error() -> None:

@@ -8,9 +8,16 @@ Run by hand, never in CI (docs/serving_profiles.md, "Server-shape corpus"):
     /tmp/srv9a/venv-vllm0151/bin/pip install --no-deps vllm==0.15.1
     /tmp/srv9a/venv-vllm0151/bin/pip install regex pydantic "transformers<5" tiktoken openai \
         fastapi cachetools psutil numpy msgspec pyzmq partial-json-parser pyyaml cloudpickle
-    #    (same for vllm==0.33.0, sglang==0.5.14, sglang==0.5.23)
+    #    (same for sglang==0.5.14 and sglang==0.5.23). vLLM 0.33.0 and 0.34.0 (venv-vllm0330,
+    #    venv-vllm0340) import more at load time; what a 2026-12-07 run needed besides the
+    #    list above, with transformers 5 instead of 4 (xgrammar brings its own torch):
+    #      "transformers>=5.16.1,<5.21" "tokenizers>=0.23.2" "huggingface_hub>=1.31" xgrammar \
+    #      cbor2 aiohttp openai-harmony pillow pybase64 prometheus_client uvloop py-cpuinfo
     # 2. build the ground truth, run every server, write the fixtures
     python tools/make_server_fixtures.py --venvs /tmp/srv9a
+    #    or some of them: --only vllm-0.34.0 (repeatable)
+    # 3. a new version of a server: does it answer as the last one did (then its profile
+    #    covers it)? --compare vllm-0.33.0 vllm-0.34.0
 
 Ground truth: each answer is written as the model's output pieces (text and marker names)
 and encoded with the real Kimi K2.5 tokenizer; those ids are what the model emitted. Each
@@ -65,6 +72,18 @@ VARIANTS: list[dict[str, Any]] = [
         "settings": {"spaces_between_special_tokens": False},
     },
     {
+        "server": "vllm",
+        "version": "0.34.0",
+        "venv": "venv-vllm0340",
+        "settings": {"spaces_between_special_tokens": True},
+    },
+    {
+        "server": "vllm",
+        "version": "0.34.0",
+        "venv": "venv-vllm0340",
+        "settings": {"spaces_between_special_tokens": False},
+    },
+    {
         "server": "sglang",
         "version": "0.5.14",
         "venv": "venv-sgl0514",
@@ -99,6 +118,18 @@ VARIANTS: list[dict[str, Any]] = [
         "server": "vllm",
         "version": "0.33.0",
         "venv": "venv-vllm0330",
+        "settings": {"spaces_between_special_tokens": False, "stream": True},
+    },
+    {
+        "server": "vllm",
+        "version": "0.34.0",
+        "venv": "venv-vllm0340",
+        "settings": {"spaces_between_special_tokens": True, "stream": True},
+    },
+    {
+        "server": "vllm",
+        "version": "0.34.0",
+        "venv": "venv-vllm0340",
         "settings": {"spaces_between_special_tokens": False, "stream": True},
     },
     {
@@ -804,6 +835,70 @@ def _openrouter_shape(response: dict[str, Any], replace_ids: bool) -> dict[str, 
     return shaped
 
 
+def _differences(a: Any, b: Any, path: str = "") -> Iterator[tuple[str, Any, Any]]:
+    """(path, a's value, b's value) for every leaf where two JSON values differ."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in sorted(set(a) | set(b)):
+            yield from _differences(a.get(key), b.get(key), f"{path}.{key}")
+    elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        for x, y in zip(a, b, strict=True):
+            yield from _differences(x, y, f"{path}[]")
+    elif a != b:
+        yield path, a, b
+
+
+def compare(old: str, new: str) -> int:
+    """Compare two servers' fixture files, variant by variant (`vllm-0.33.0` `vllm-0.34.0`):
+    does a new version answer as the old one did, so that the old profile covers it? A
+    random tool-call id (serving_chat's `chatcmpl-tool-<uuid>`) is counted on its own line."""
+    differing = compared = 0
+    for path in sorted(FIXTURE_DIR.glob(f"{old}-*.jsonl")):
+        other = FIXTURE_DIR / path.name.replace(f"{old}-", f"{new}-", 1)
+        if not other.exists():
+            continue
+        compared += 1
+        rows = {}
+        for line in path.read_text(encoding="utf-8").splitlines():
+            row = json.loads(line)
+            rows[row["id"]] = row
+        paths: dict[str, int] = {}
+        random_ids = same = total = 0
+        for line in other.read_text(encoding="utf-8").splitlines():
+            row = json.loads(line)
+            total += 1
+            mine = rows.pop(row["id"], None)
+            if mine is None:
+                missing = "(answer missing from the old file)"
+                paths[missing] = paths.get(missing, 0) + 1
+                continue
+            found = [
+                (where, a, b)
+                for where, a, b in _differences(mine, row)
+                if where not in (".version", ".settings.spaces_between_special_tokens")
+            ]
+            ids = [f for f in found if f[0].endswith("tool_calls[].id")]
+            if ids and all(
+                str(a).startswith("chatcmpl-tool-") and str(b).startswith("chatcmpl-tool-")
+                for _, a, b in ids
+            ):
+                random_ids += 1
+                found = [f for f in found if f not in ids]
+            same += not found
+            for where, _, _ in found:
+                paths[where] = paths.get(where, 0) + 1
+        if rows:
+            paths["(answer missing from the new file)"] = len(rows)
+        differing += sum(paths.values())
+        print(f"{other.name} against {path.name}: {same} of {total} answers the same", end="")
+        print(f" ({random_ids} differ only in random chatcmpl-tool- ids)" if random_ids else "")
+        for where, count in sorted(paths.items()):
+            print(f"  {count} differ at {where}")
+    if not compared:
+        print(f"no variant written for both {old} and {new} in {FIXTURE_DIR} (--only {new} first)")
+        return 2
+    return 1 if differing else 0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--venvs", type=Path, default=Path("/tmp/srv9a"))
@@ -813,14 +908,31 @@ def main() -> None:
     parser.add_argument("--worker", choices=["vllm", "sglang"])
     parser.add_argument("--version", default="")
     parser.add_argument("--settings", default="{}")
+    parser.add_argument(
+        "--only",
+        action="append",
+        metavar="SERVER-VERSION",
+        help="run these variants only (e.g. vllm-0.34.0; repeatable); the others' files stay",
+    )
+    parser.add_argument(
+        "--compare",
+        nargs=2,
+        metavar=("OLD", "NEW"),
+        help="compare two servers' written files (e.g. vllm-0.33.0 vllm-0.34.0) and exit",
+    )
     args = parser.parse_args()
+    if args.compare:
+        raise SystemExit(compare(*args.compare))
     if args.worker:
         run_worker(args.worker, args.version, json.loads(args.settings), args.tokenizer)
         return
     answers = build_ground_truth()
     FIXTURE_DIR.mkdir(parents=True, exist_ok=True)
     payload = json.dumps(answers)
-    for variant in VARIANTS:
+    chosen = [v for v in VARIANTS if not args.only or f"{v['server']}-{v['version']}" in args.only]
+    if not chosen:
+        raise SystemExit(f"--only {args.only}: no such variant")
+    for variant in chosen:
         python = args.venvs / variant["venv"] / "bin" / "python"
         done = subprocess.run(
             [
