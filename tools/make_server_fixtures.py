@@ -45,105 +45,28 @@ from kimi_slow_vocab import byte_chars, load_kimi_vocab  # scripts/, also in a s
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE_DIR = ROOT / "tests" / "fixtures" / "server_shapes"
 
-# The servers and settings run; `settings` is passed to the worker as is.
+# The servers run, each with the marker spacings it is run with (SGLang's decode ignores
+# spaces_between_special_tokens: off only). Every one is run whole and streamed; a variant's
+# `settings` are passed to the worker as they are.
+SERVERS: list[tuple[str, str, str, tuple[bool, ...]]] = [
+    ("vllm", "0.15.1", "venv-vllm0151", (True, False)),
+    ("vllm", "0.33.0", "venv-vllm0330", (True, False)),
+    ("vllm", "0.34.0", "venv-vllm0340", (True, False)),
+    ("sglang", "0.5.14", "venv-sgl0514", (False,)),
+    ("sglang", "0.5.23", "venv-sgl0523", (False,)),
+]
+# Streaming is accumulated as a client does (deltas concatenated, tool calls by index).
 VARIANTS: list[dict[str, Any]] = [
     {
-        "server": "vllm",
-        "version": "0.15.1",
-        "venv": "venv-vllm0151",
-        "settings": {"spaces_between_special_tokens": True},
-    },
-    {
-        "server": "vllm",
-        "version": "0.15.1",
-        "venv": "venv-vllm0151",
-        "settings": {"spaces_between_special_tokens": False},
-    },
-    {
-        "server": "vllm",
-        "version": "0.33.0",
-        "venv": "venv-vllm0330",
-        "settings": {"spaces_between_special_tokens": True},
-    },
-    {
-        "server": "vllm",
-        "version": "0.33.0",
-        "venv": "venv-vllm0330",
-        "settings": {"spaces_between_special_tokens": False},
-    },
-    {
-        "server": "vllm",
-        "version": "0.34.0",
-        "venv": "venv-vllm0340",
-        "settings": {"spaces_between_special_tokens": True},
-    },
-    {
-        "server": "vllm",
-        "version": "0.34.0",
-        "venv": "venv-vllm0340",
-        "settings": {"spaces_between_special_tokens": False},
-    },
-    {
-        "server": "sglang",
-        "version": "0.5.14",
-        "venv": "venv-sgl0514",
-        "settings": {"spaces_between_special_tokens": False},
-    },
-    {
-        "server": "sglang",
-        "version": "0.5.23",
-        "venv": "venv-sgl0523",
-        "settings": {"spaces_between_special_tokens": False},
-    },
-    # Streaming, accumulated as a client does (deltas concatenated, tool calls by index).
-    {
-        "server": "vllm",
-        "version": "0.15.1",
-        "venv": "venv-vllm0151",
-        "settings": {"spaces_between_special_tokens": True, "stream": True},
-    },
-    {
-        "server": "vllm",
-        "version": "0.15.1",
-        "venv": "venv-vllm0151",
-        "settings": {"spaces_between_special_tokens": False, "stream": True},
-    },
-    {
-        "server": "vllm",
-        "version": "0.33.0",
-        "venv": "venv-vllm0330",
-        "settings": {"spaces_between_special_tokens": True, "stream": True},
-    },
-    {
-        "server": "vllm",
-        "version": "0.33.0",
-        "venv": "venv-vllm0330",
-        "settings": {"spaces_between_special_tokens": False, "stream": True},
-    },
-    {
-        "server": "vllm",
-        "version": "0.34.0",
-        "venv": "venv-vllm0340",
-        "settings": {"spaces_between_special_tokens": True, "stream": True},
-    },
-    {
-        "server": "vllm",
-        "version": "0.34.0",
-        "venv": "venv-vllm0340",
-        "settings": {"spaces_between_special_tokens": False, "stream": True},
-    },
-    {
-        "server": "sglang",
-        "version": "0.5.14",
-        "venv": "venv-sgl0514",
-        "settings": {"spaces_between_special_tokens": False, "stream": True},
-    },
-    {
-        "server": "sglang",
-        "version": "0.5.23",
-        "venv": "venv-sgl0523",
-        "settings": {"spaces_between_special_tokens": False, "stream": True},
-    },
+        "server": server,
+        "version": version,
+        "venv": venv,
+        "settings": {"spaces_between_special_tokens": spaces}
+        | ({"stream": True} if stream else {}),
+    }
+    for stream in (False, True)
+    for server, version, venv, spacings in SERVERS
+    for spaces in spacings
 ]
 
 # ---------------------------------------------------------------- ground truth (project venv)
