@@ -16,7 +16,6 @@ whole count as prefixes, and the prefix split check (extraction) does not run.
 
 from __future__ import annotations
 
-import functools
 import json
 from collections import Counter
 from pathlib import Path
@@ -63,7 +62,6 @@ def cell(c: Counter[str]) -> str:
 
 
 def main() -> int:
-    server_shape_counts.shipped = functools.cache(server_shape_counts.shipped)
     model = load_model(compose([]).model)
     unknown = RecordBuilder(model, ServingProfile())
     print("| corpus / variant | records | tokens bought | `unknown`: exact by default before "

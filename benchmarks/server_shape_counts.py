@@ -11,47 +11,13 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from dataclasses import replace
-from pathlib import Path
 
-from omegaconf import OmegaConf
-
-ROOT = Path(__file__).resolve().parent.parent
-
-from kimi_pipe.config import compose  # noqa: E402
-from kimi_pipe.core.models import load_model  # noqa: E402
-from kimi_pipe.core.reconstruction import reconstruct  # noqa: E402
-from kimi_pipe.core.serving import ServingProfile  # noqa: E402
-
-SHAPES = ROOT / "tests" / "fixtures" / "server_shapes"
-PROFILE_OF_VERSION = {
-    "0.15.1": "vllm_0_15",
-    "0.33.0": "vllm_0_33",
-    "0.34.0": "vllm_0_34",
-    "0.5.14": "sglang_0_5_14",
-    "0.5.23": "sglang_0_5_23",
-}
-
-
-def shipped(name: str) -> ServingProfile:
-    return ServingProfile.from_config(OmegaConf.to_container(compose([f"serving={name}"]).serving))
-
-
-def declared(record: dict) -> ServingProfile:
-    overrides = {}
-    if not record["settings"].get("spaces_between_special_tokens"):
-        overrides["marker_spacing"] = "none"
-    if record["settings"].get("ids") == "call_":
-        overrides["tool_call_ids"] = "foreign"
-    if record["settings"].get("stream") and record["version"] == "0.5.14":
-        overrides["tool_call_ids"] = "conversation"
-    if record["settings"].get("stream") and record["version"] == "0.15.1":
-        # Streaming: the space before a marker leaves with the marker's delta; the tool
-        # parser streams the model's own id.
-        overrides["tool_call_ids"] = "model"
-        if record["settings"].get("spaces_between_special_tokens"):
-            overrides["marker_spacing"] = "leading"
-    return replace(shipped(PROFILE_OF_VERSION[record["version"]]), **overrides)
+from kimi_pipe.config import compose
+from kimi_pipe.core.models import load_model
+from kimi_pipe.core.reconstruction import reconstruct
+from kimi_pipe.core.serving import ServingProfile
+from tests.support.server_shapes import SHAPES
+from tests.support.server_shapes import declared_profile as declared
 
 
 def main() -> int:

@@ -17,7 +17,6 @@ under the default `unknown` profile and under the stack's declared profile. Colu
 
 from __future__ import annotations
 
-import functools
 import json
 from collections import Counter
 from pathlib import Path
@@ -25,7 +24,6 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 
-from benchmarks import server_shape_counts  # noqa: E402
 from benchmarks.server_shape_counts import declared  # noqa: E402
 from kimi_pipe.config import compose  # noqa: E402
 from kimi_pipe.core.models import Model, load_model  # noqa: E402
@@ -75,8 +73,6 @@ def cell(c: Counter[str]) -> str:
 
 
 def main() -> int:
-    # One composed config per shipped profile, not one per record.
-    server_shape_counts.shipped = functools.cache(server_shape_counts.shipped)
     model = load_model(compose([]).model)
     unknown = RecordBuilder(model, ServingProfile())
     header = " / ".join(COLUMNS)

@@ -13,57 +13,22 @@ from __future__ import annotations
 import json
 from collections import Counter
 from dataclasses import replace
-from functools import cache, lru_cache
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import pytest
-from omegaconf import OmegaConf
 
-from kimi_pipe.config import compose
 from kimi_pipe.core.formats import Marker
 from kimi_pipe.core.models import Model
 from kimi_pipe.core.reconstruction import ERRORS, NOTES, reconstruct
 from kimi_pipe.core.serving import CHOICES, ServingProfile
 from tests.support.cases import load_or_skip, tool_history
-
-SHAPES = Path(__file__).resolve().parent / "fixtures" / "server_shapes"
-PROFILE_OF_VERSION = {
-    "0.15.1": "vllm_0_15",
-    "0.33.0": "vllm_0_33",
-    "0.34.0": "vllm_0_34",  # files a reviewer makes with tools/make_server_fixtures.py
-    "0.5.14": "sglang_0_5_14",
-    "0.5.23": "sglang_0_5_23",
-}
-
-
-@cache
-def shipped_profile(name: str) -> ServingProfile:
-    data = OmegaConf.to_container(compose([f"serving={name}"]).serving)
-    assert isinstance(data, dict)
-    return ServingProfile.from_config(data)
+from tests.support.server_shapes import SHAPES, declared_profile, shipped_profile
 
 
 def profile(name: str, **overrides: str) -> ServingProfile:
     return replace(shipped_profile(name), **overrides)
-
-
-def declared_profile(record: dict[str, Any]) -> ServingProfile:
-    """The shipped profile of the record's stack, with the deployment's settings."""
-    overrides = {}
-    if not record["settings"].get("spaces_between_special_tokens"):
-        overrides["marker_spacing"] = "none"
-    if record["settings"].get("ids") == "call_":
-        overrides["tool_call_ids"] = "foreign"  # a gateway replaced the ids
-    if record["settings"].get("stream") and record["version"] == "0.5.14":
-        overrides["tool_call_ids"] = "conversation"
-    if record["settings"].get("stream") and record["version"] == "0.15.1":
-        # Streaming: the space before a marker leaves with the marker's delta; the tool
-        # parser streams the model's own id.
-        overrides["tool_call_ids"] = "model"
-        if record["settings"].get("spaces_between_special_tokens"):
-            overrides["marker_spacing"] = "leading"  # only non-streaming double-counts
-    return profile(PROFILE_OF_VERSION[record["version"]], **overrides)
 
 
 @lru_cache(maxsize=1)
