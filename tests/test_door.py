@@ -4,6 +4,7 @@ subprocess, as a user types it."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -116,6 +117,33 @@ def test_help_piped_into_a_reader_that_stops_early_ends_quietly(tmp_path: Path) 
         process.wait(timeout=120)
     assert first.startswith(b"python -m kimi_pipe export")
     assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr
+
+
+def test_help_loads_no_engine(tmp_path: Path) -> None:
+    """`--help` of every stage answers without importing torch, transformers, LiteLLM or
+    datasets: those load only where a stage runs (export and extract used to load torch
+    for their help, about 2 s of 3)."""
+    heavy = ("torch", "transformers", "litellm", "datasets")
+    script = (
+        "import contextlib, io, json, sys\n"
+        "from kimi_pipe.cli import STAGES, main\n"
+        "loaded = {}\n"
+        "for stage in STAGES:\n"
+        "    with contextlib.redirect_stdout(io.StringIO()):\n"
+        "        status = main([stage, '--help'])\n"
+        f"    loaded[stage] = [status, sorted(m for m in {heavy!r} if m in sys.modules)]\n"
+        "print(json.dumps(loaded))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    loaded = json.loads(done.stdout.splitlines()[-1])
+    assert {"export", "extract", "generate", "reconstruct"} <= set(loaded)
+    assert all(status == [0, []] for status in loaded.values()), loaded
+    assert not any(tmp_path.iterdir())
 
 
 def test_help_shows_the_values_the_other_arguments_give(tmp_path: Path) -> None:

@@ -29,25 +29,33 @@ from typing import Any, cast
 from omegaconf import DictConfig, OmegaConf
 
 from kimi_pipe.errors import ConfigError
-from kimi_pipe.exporters import CARD_FILE, run_export
 from kimi_pipe.stages.command import compose_command
 from kimi_pipe.stages.help import HELP
-from kimi_pipe.stages.jobs.export import export_job, stores_of
-from kimi_pipe.stages.jobs.export import output_dir as output_dir
+
+# The exporters (and torch under them) are imported where the stage runs, not here: `--help`,
+# a mistyped override or a key on the command line is answered without loading them.
 
 
 def inputs(cfg: DictConfig, run_dir: Path) -> list[Path]:
+    from kimi_pipe.stages.jobs.export import stores_of
+
     values = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False))
     return [Path(s) for s in stores_of(values)]
 
 
 def outputs(cfg: DictConfig, run_dir: Path) -> list[Path]:
+    from kimi_pipe.exporters import CARD_FILE
+    from kimi_pipe.stages.jobs.export import output_dir
+
     values = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False))
     return [output_dir(values, run_dir) / CARD_FILE]
 
 
 def run_stage(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:
     """The stage entry: training files from `stores` (default output: <run_dir>/export_<fmt>)."""
+    from kimi_pipe.exporters import run_export
+    from kimi_pipe.stages.jobs.export import export_job, stores_of
+
     # Converted once, here: below the door plain values (a mandatory one never given: ???).
     values = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False))
     if not stores_of(values):
@@ -57,6 +65,9 @@ def run_stage(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     def export_stage(cfg: DictConfig) -> None:
+        from kimi_pipe.exporters import run_export
+        from kimi_pipe.stages.jobs.export import export_job
+
         values = cast(
             dict[str, Any], OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
         )

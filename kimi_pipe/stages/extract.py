@@ -28,22 +28,21 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 
 from kimi_pipe.core.issue_codes import Code
 from kimi_pipe.errors import MissingFile
-from kimi_pipe.extraction.executors import run_executor
-from kimi_pipe.extraction.executors.worker import UnitSettings
-from kimi_pipe.extraction.job import ExtractJob
-from kimi_pipe.extraction.sharding import run_sharded
-from kimi_pipe.extraction.token_samples import Backend, load_backend
 from kimi_pipe.reporting.formatting import skipped_line
 from kimi_pipe.stages.command import compose_command
 from kimi_pipe.stages.help import HELP
-from kimi_pipe.stages.jobs.extract import extract_job
-from kimi_pipe.store.hidden_store import MANIFEST
+
+# The extraction machinery (and torch under it) is imported where the stage runs, not here:
+# `--help`, a mistyped override or a key on the command line is answered without loading it.
+if TYPE_CHECKING:
+    from kimi_pipe.extraction.job import ExtractJob
+    from kimi_pipe.extraction.token_samples import Backend
 
 log = logging.getLogger("kimi_pipe.extract")
 
@@ -58,6 +57,8 @@ def run_extract(
 ) -> dict[str, Any]:
     """The composed config's extraction (converted once, here, and its job built from the
     plain values); see `run_job`. `run_dir`: a pipeline's run, in place of `extract.run_dir`."""
+    from kimi_pipe.stages.jobs.extract import extract_job
+
     values = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
     return run_job(extract_job(cast(dict[str, Any], values), run_dir), backend)
 
@@ -69,6 +70,10 @@ def run_job(job: ExtractJob, backend: Backend | None = None) -> dict[str, Any]:
     marking, progress, work shards + merge) is `extraction.sharding.run_sharded`, shared by all
     backends; this function only picks and closes the backend.
     """
+    from kimi_pipe.extraction.executors import run_executor
+    from kimi_pipe.extraction.sharding import run_sharded
+    from kimi_pipe.extraction.token_samples import load_backend
+
     records = job.records_path()
     if not records.is_file():  # before a model is loaded: the user's first mistake first
         raise MissingFile(
@@ -97,12 +102,17 @@ def run_job(job: ExtractJob, backend: Backend | None = None) -> dict[str, Any]:
 
 
 def outputs(cfg: DictConfig, run_dir: Path) -> list[Path]:
+    from kimi_pipe.stages.jobs.extract import extract_job
+
     values = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
     return _outputs(extract_job(cast(dict[str, Any], values), default_run_dir=run_dir), run_dir)
 
 
 def _outputs(job: ExtractJob, run_dir: Path) -> list[Path]:
     """The store's first file: a unit store's first record, else the store's manifest."""
+    from kimi_pipe.extraction.executors.worker import UnitSettings
+    from kimi_pipe.store.hidden_store import MANIFEST
+
     if job.executor is not None:
         root = UnitSettings.from_job(job).local_root
         return [root / "plan.c0.json"] if root is not None else []  # a unit store's first record
@@ -111,6 +121,9 @@ def _outputs(job: ExtractJob, run_dir: Path) -> list[Path]:
 
 def is_complete(cfg: DictConfig, run_dir: Path) -> bool:
     """The runner's check: the store's files exist; a unit store has every unit committed."""
+    from kimi_pipe.extraction.executors.worker import UnitSettings
+    from kimi_pipe.stages.jobs.extract import extract_job
+
     values = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
     job = extract_job(cast(dict[str, Any], values), default_run_dir=run_dir)
     if not all(p.exists() for p in _outputs(job, run_dir)):
