@@ -120,18 +120,19 @@ def test_help_piped_into_a_reader_that_stops_early_ends_quietly(tmp_path: Path) 
 
 
 def test_help_loads_no_engine(tmp_path: Path) -> None:
-    """`--help` of every stage answers without importing torch, transformers, LiteLLM or
-    datasets: those load only where a stage runs (export and extract used to load torch
-    for their help, about 2 s of 3)."""
+    """`--help` of every stage, and extract's missing input, answer without importing torch,
+    transformers, LiteLLM or datasets: those load only where a stage runs (export and extract
+    used to load torch for their help, about 2 s of 3)."""
     heavy = ("torch", "transformers", "litellm", "datasets")
+    missing = ["extract", "extract.run_dir=/missing/run", "extract.model_path=/missing/model"]
     script = (
         "import contextlib, io, json, sys\n"
         "from kimi_pipe.cli import STAGES, main\n"
         "loaded = {}\n"
-        "for stage in STAGES:\n"
+        f"for args in [[stage, '--help'] for stage in STAGES] + [{missing!r}]:\n"
         "    with contextlib.redirect_stdout(io.StringIO()):\n"
-        "        status = main([stage, '--help'])\n"
-        f"    loaded[stage] = [status, sorted(m for m in {heavy!r} if m in sys.modules)]\n"
+        "        status = main(args)\n"
+        f"    loaded[' '.join(args)] = [status, sorted(m for m in {heavy!r} if m in sys.modules)]\n"
         "print(json.dumps(loaded))\n"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
@@ -141,7 +142,9 @@ def test_help_loads_no_engine(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     loaded = json.loads(done.stdout.splitlines()[-1])
-    assert {"export", "extract", "generate", "reconstruct"} <= set(loaded)
+    assert {"export --help", "extract --help", "generate --help"} <= set(loaded)
+    assert loaded.pop(" ".join(missing)) == [2, []], done.stderr[-2000:]
+    assert "records.jsonl not found" in done.stderr
     assert all(status == [0, []] for status in loaded.values()), loaded
     assert not any(tmp_path.iterdir())
 

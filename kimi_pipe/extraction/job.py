@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kimi_pipe.errors import ConfigError
-from kimi_pipe.extraction.resolve import ResolveSettings
+from kimi_pipe.extraction.resolve_settings import ResolveSettings
 from kimi_pipe.store.layout import RECORDS as RECORDS_FILE
 
 EXECUTORS = ("local", "ray", "submitit")

@@ -16,20 +16,9 @@ from typing import Any
 
 import torch
 
-# A token this close to the nucleus edge is kept: the provider sampled with its own numerics
-# and the target recomputes with others, so an option is only called impossible when the
-# difference cannot admit it. The default for `resolve.nucleus_slack`; its measurement is in
-# docs/resolve.md ("Numerics at the nucleus edge").
-NUCLEUS_SLACK = 1e-5
-# Greedy (temperature 0): a token this close to the top logit (relative) may be the argmax of
-# another engine's float32 run of the same weights (cached vs full forwards differ by ~1e-5).
-GREEDY_SLACK = 1e-4
-# A judge computing in bfloat16/float16 differs from the provider by more: measured on the
-# demo's greedy answers, hf in bfloat16 puts the float32 argmax up to 0.6 % (relative) below
-# its own top logit, and SGLang's AMX kernels err up to 3x more than hf's bfloat16 run
-# (docs/resolve.md, "Numerics at the nucleus edge").
-LOW_PRECISION_GREEDY_SLACK = 2e-2
-LOW_PRECISION_NUCLEUS_SLACK = 1e-3
+# The slack's defaults live with the settings that choose between them (no torch there).
+from kimi_pipe.extraction.resolve_settings import GREEDY_SLACK, NUCLEUS_SLACK
+
 ROW_CHUNK = 256  # rows of [T, vocab] float64 worked on at once (memory on big vocabularies)
 
 

@@ -70,16 +70,16 @@ def run_job(job: ExtractJob, backend: Backend | None = None) -> dict[str, Any]:
     marking, progress, work shards + merge) is `extraction.sharding.run_sharded`, shared by all
     backends; this function only picks and closes the backend.
     """
-    from kimi_pipe.extraction.executors import run_executor
-    from kimi_pipe.extraction.sharding import run_sharded
-    from kimi_pipe.extraction.token_samples import load_backend
-
     records = job.records_path()
     if not records.is_file():  # before a model is loaded: the user's first mistake first
         raise MissingFile(
             f"token records {records} not found: run `python -m kimi_pipe generate` "
             "(records.jsonl in its run dir) or `python -m kimi_pipe reconstruct` first"
         )
+    from kimi_pipe.extraction.executors import run_executor
+    from kimi_pipe.extraction.sharding import run_sharded
+    from kimi_pipe.extraction.token_samples import load_backend
+
     if job.executor is not None:  # the unit protocol: docs/distributed.md
         summary = run_executor(job, backend)
         print(f"[extract] unit store {summary['store']}: {summary['status']}", file=sys.stderr)

@@ -10,7 +10,7 @@ from omegaconf import DictConfig
 
 from kimi_pipe.errors import ConfigError
 from kimi_pipe.extraction.job import ExtractJob, records_of
-from kimi_pipe.extraction.resolve import ResolveSettings
+from kimi_pipe.extraction.resolve_settings import ResolveSettings
 from kimi_pipe.stages.jobs.groups import plain_values
 
 
