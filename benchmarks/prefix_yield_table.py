@@ -30,9 +30,9 @@ from kimi_pipe.core.prefix import exact_output_tokens, training_ids
 from kimi_pipe.core.record_builder import RecordBuilder
 from kimi_pipe.core.serving import ServingProfile
 from kimi_pipe.stages.reconstruct import reconstruct_line
+from tests.support.server_shapes import SHAPES
 
 ROOT = Path(__file__).resolve().parent.parent
-SHAPES = ROOT / "tests" / "fixtures" / "server_shapes"
 LIVE = ROOT / "tests" / "fixtures" / "live_vllm"
 
 

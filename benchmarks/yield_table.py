@@ -29,8 +29,8 @@ from kimi_pipe.config import compose  # noqa: E402
 from kimi_pipe.core.models import Model, load_model  # noqa: E402
 from kimi_pipe.core.record_builder import RecordBuilder  # noqa: E402
 from kimi_pipe.core.serving import ServingProfile  # noqa: E402
+from tests.support.server_shapes import SHAPES  # noqa: E402
 
-SHAPES = ROOT / "tests" / "fixtures" / "server_shapes"
 HAND = ROOT / "tests" / "fixtures" / "kimi_k25_responses.jsonl"
 COLUMNS = ("engine", "text", "repaired", "resolvable", "open", "flagged", "silent", "misses")
 
