@@ -39,7 +39,8 @@ from kimi_pipe.stages.command import compose_command
 from kimi_pipe.stages.help import HELP
 
 # The extraction machinery (and torch under it) is imported where the stage runs, not here:
-# `--help`, a mistyped override or a key on the command line is answered without loading it.
+# `--help`, a mistyped override, a key on the command line or a missing records file is
+# answered without loading it.
 if TYPE_CHECKING:
     from kimi_pipe.extraction.job import ExtractJob
     from kimi_pipe.extraction.token_samples import Backend
