@@ -1,7 +1,8 @@
 """`ResolveSettings`: how the target judges a record's candidates (the `resolve` group), and
-the slack its numerics are allowed. Plain data, no torch: the extract stage builds it at its
-door (kimi_pipe/stages/jobs/extract.py) before any model is loaded, so a mistake in the
-settings or a missing input is said without loading one. The judge itself is resolve.py."""
+which slack its numerics are allowed (slack.py). Plain data, no torch: the extract stage
+builds it at its door (kimi_pipe/stages/jobs/extract.py) before any model is loaded, so a
+mistake in the settings or a missing input is said without loading one. The judge itself is
+resolve.py."""
 
 from __future__ import annotations
 
@@ -10,24 +11,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kimi_pipe.errors import ConfigError
+from kimi_pipe.extraction.slack import (
+    GREEDY_SLACK,
+    LOW_PRECISION_GREEDY_SLACK,
+    LOW_PRECISION_NUCLEUS_SLACK,
+    NUCLEUS_SLACK,
+)
 
 if TYPE_CHECKING:
     from kimi_pipe.extraction.sampler import Sampling
-
-# A token this close to the nucleus edge is kept: the provider sampled with its own numerics
-# and the target recomputes with others, so an option is only called impossible when the
-# difference cannot admit it. The default for `resolve.nucleus_slack`; its measurement is in
-# docs/resolve.md ("Numerics at the nucleus edge").
-NUCLEUS_SLACK = 1e-5
-# Greedy (temperature 0): a token this close to the top logit (relative) may be the argmax of
-# another engine's float32 run of the same weights (cached vs full forwards differ by ~1e-5).
-GREEDY_SLACK = 1e-4
-# A judge computing in bfloat16/float16 differs from the provider by more: measured on the
-# demo's greedy answers, hf in bfloat16 puts the float32 argmax up to 0.6 % (relative) below
-# its own top logit, and SGLang's AMX kernels err up to 3x more than hf's bfloat16 run
-# (docs/resolve.md, "Numerics at the nucleus edge").
-LOW_PRECISION_GREEDY_SLACK = 2e-2
-LOW_PRECISION_NUCLEUS_SLACK = 1e-3
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,7 @@ from typing import Any
 
 import torch
 
-# The slack's defaults live with the settings that choose between them (no torch there).
-from kimi_pipe.extraction.resolve_settings import GREEDY_SLACK, NUCLEUS_SLACK
+from kimi_pipe.extraction.slack import GREEDY_SLACK, NUCLEUS_SLACK
 
 ROW_CHUNK = 256  # rows of [T, vocab] float64 worked on at once (memory on big vocabularies)
 

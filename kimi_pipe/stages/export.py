@@ -37,15 +37,15 @@ from kimi_pipe.stages.help import HELP
 
 
 def inputs(cfg: DictConfig, run_dir: Path) -> list[Path]:
-    from kimi_pipe.stages.jobs.export import stores_of
+    from kimi_pipe.stages.jobs.export import stores_of  # torch: where the stage runs
 
     values = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False))
     return [Path(s) for s in stores_of(values)]
 
 
 def outputs(cfg: DictConfig, run_dir: Path) -> list[Path]:
-    from kimi_pipe.exporters import CARD_FILE
-    from kimi_pipe.stages.jobs.export import output_dir
+    from kimi_pipe.exporters import CARD_FILE  # torch: where the stage runs
+    from kimi_pipe.stages.jobs.export import output_dir  # torch: where the stage runs
 
     values = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False))
     return [output_dir(values, run_dir) / CARD_FILE]
@@ -53,8 +53,8 @@ def outputs(cfg: DictConfig, run_dir: Path) -> list[Path]:
 
 def run_stage(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:
     """The stage entry: training files from `stores` (default output: <run_dir>/export_<fmt>)."""
-    from kimi_pipe.exporters import run_export
-    from kimi_pipe.stages.jobs.export import export_job, stores_of
+    from kimi_pipe.exporters import run_export  # torch: where the stage runs
+    from kimi_pipe.stages.jobs.export import export_job, stores_of  # torch: where the stage runs
 
     # Converted once, here: below the door plain values (a mandatory one never given: ???).
     values = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False))
@@ -65,8 +65,8 @@ def run_stage(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     def export_stage(cfg: DictConfig) -> None:
-        from kimi_pipe.exporters import run_export
-        from kimi_pipe.stages.jobs.export import export_job
+        from kimi_pipe.exporters import run_export  # torch: where the stage runs
+        from kimi_pipe.stages.jobs.export import export_job  # torch: where the stage runs
 
         values = cast(
             dict[str, Any], OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)

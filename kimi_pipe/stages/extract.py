@@ -58,7 +58,7 @@ def run_extract(
 ) -> dict[str, Any]:
     """The composed config's extraction (converted once, here, and its job built from the
     plain values); see `run_job`. `run_dir`: a pipeline's run, in place of `extract.run_dir`."""
-    from kimi_pipe.stages.jobs.extract import extract_job
+    from kimi_pipe.stages.jobs.extract import extract_job  # torch: where the stage runs
 
     values = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
     return run_job(extract_job(cast(dict[str, Any], values), run_dir), backend)
@@ -77,9 +77,9 @@ def run_job(job: ExtractJob, backend: Backend | None = None) -> dict[str, Any]:
             f"token records {records} not found: run `python -m kimi_pipe generate` "
             "(records.jsonl in its run dir) or `python -m kimi_pipe reconstruct` first"
         )
-    from kimi_pipe.extraction.executors import run_executor
-    from kimi_pipe.extraction.sharding import run_sharded
-    from kimi_pipe.extraction.token_samples import load_backend
+    from kimi_pipe.extraction.executors import run_executor  # torch: where the stage runs
+    from kimi_pipe.extraction.sharding import run_sharded  # torch: where the stage runs
+    from kimi_pipe.extraction.token_samples import load_backend  # torch: where the stage runs
 
     if job.executor is not None:  # the unit protocol: docs/distributed.md
         summary = run_executor(job, backend)
@@ -103,7 +103,7 @@ def run_job(job: ExtractJob, backend: Backend | None = None) -> dict[str, Any]:
 
 
 def outputs(cfg: DictConfig, run_dir: Path) -> list[Path]:
-    from kimi_pipe.stages.jobs.extract import extract_job
+    from kimi_pipe.stages.jobs.extract import extract_job  # torch: where the stage runs
 
     values = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
     return _outputs(extract_job(cast(dict[str, Any], values), default_run_dir=run_dir), run_dir)
@@ -111,8 +111,8 @@ def outputs(cfg: DictConfig, run_dir: Path) -> list[Path]:
 
 def _outputs(job: ExtractJob, run_dir: Path) -> list[Path]:
     """The store's first file: a unit store's first record, else the store's manifest."""
-    from kimi_pipe.extraction.executors.worker import UnitSettings
-    from kimi_pipe.store.hidden_store import MANIFEST
+    from kimi_pipe.extraction.executors.worker import UnitSettings  # torch: where the stage runs
+    from kimi_pipe.store.hidden_store import MANIFEST  # torch: where the stage runs
 
     if job.executor is not None:
         root = UnitSettings.from_job(job).local_root
@@ -122,8 +122,8 @@ def _outputs(job: ExtractJob, run_dir: Path) -> list[Path]:
 
 def is_complete(cfg: DictConfig, run_dir: Path) -> bool:
     """The runner's check: the store's files exist; a unit store has every unit committed."""
-    from kimi_pipe.extraction.executors.worker import UnitSettings
-    from kimi_pipe.stages.jobs.extract import extract_job
+    from kimi_pipe.extraction.executors.worker import UnitSettings  # torch: where the stage runs
+    from kimi_pipe.stages.jobs.extract import extract_job  # torch: where the stage runs
 
     values = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
     job = extract_job(cast(dict[str, Any], values), default_run_dir=run_dir)
