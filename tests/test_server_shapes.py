@@ -175,8 +175,9 @@ def test_class2_tool_index_counts_the_conversation(kimi: Model) -> None:
     unknown = reconstruct(kimi, history, None, response)
     assert not unknown.ok and "tool_index_untrusted" in unknown.issues
     # The double count is undone exactly (:4 - 2 earlier calls); the arguments' edges are
-    # declared kept here to isolate the index (SGLang strips them: test_argument_edges...).
-    edges_kept = profile("sglang_0_5_14", argument_edges="kept")
+    # declared kept here to isolate the index (SGLang strips them: test_argument_edges...), and
+    # the history rendered as the template's (no prompt count here to pick a reading).
+    edges_kept = profile("sglang_0_5_14", argument_edges="kept", history="template")
     repaired = reconstruct(kimi, history, None, response, serving=edges_kept)
     assert repaired.ok and repaired.output_ids == truth
     assert "tool_index_repaired" in repaired.issues

@@ -135,6 +135,36 @@ def test_history_sent_back_as_reasoning_details_is_read(wild: list) -> None:
 
 
 @pytest.mark.kimi
+@pytest.mark.parametrize("serving", ["unknown", "exact"])
+def test_without_a_billed_prompt_a_history_that_renders_several_ways_is_flagged(
+    kimi: Model, serving: str
+) -> None:
+    """The recorded second turns with `usage.prompt_tokens` removed (as a stack that omits it,
+    or sends it as text): their history renders several ways (AtlasCloud's stack rendered 39-90
+    ids more than the template's reading), and nothing billed says which. Before the code,
+    Chutes' four reached training, one with 195 prompt ids where 201 were billed. Now each is
+    `prompt_not_billed`, never `ok` and never resolvable; a first turn (one reading) is not."""
+    builder = RecordBuilder(kimi, profile(serving))
+    flagged = first_turns = 0
+    for row in read("kimi_k25_wild.jsonl"):
+        for prompt_tokens in ("absent", str(row["response"]["usage"]["prompt_tokens"])):
+            response = json.loads(json.dumps(row["response"]))
+            if prompt_tokens == "absent":
+                del response["usage"]["prompt_tokens"]
+            else:
+                response["usage"]["prompt_tokens"] = prompt_tokens
+            record = build(builder, {**row, "response": response})
+            if len(row["request"]["messages"]) > 2:
+                flagged += 1
+                assert "prompt_not_billed" in record["issues"], row["id"]
+                assert not record["ok"] and resolvable(record) is not None, row["id"]
+            else:
+                first_turns += 1
+                assert "prompt_not_billed" not in record["issues"], row["id"]
+    assert flagged >= 24 and first_turns >= 34  # 12 second turns and 17 first, two ways each
+
+
+@pytest.mark.kimi
 def test_unexplained_billing_never_reaches_training(wild: list) -> None:
     """The direct API whose bills fit no reading (prompt 7-29 ids over every rendering):
     every answer flagged, none trained on."""

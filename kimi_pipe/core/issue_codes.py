@@ -39,6 +39,8 @@ class Code(StrEnum):
     # The prompt, held to the output's standard (core/prompt_proof.py):
     PROMPT_UNPROVEN = "prompt_unproven"  # no reading of the prompt has the billed prompt count
     PROMPT_AMBIGUOUS = "prompt_ambiguous"  # readings with other ids have the billed count
+    # readings of the prompt have other ids and no prompt count was billed to pick one
+    PROMPT_NOT_BILLED = "prompt_not_billed"
     OTHER_MODEL = "other_model"  # the answer names a model the model config does not declare
     MALFORMED_RESPONSE = "malformed_response"  # no choices / no message / not an object
     PROVIDER_ERROR = "provider_error"  # an error body or finish_reason "error"
@@ -160,6 +162,7 @@ RECONSTRUCTION_ERRORS: frozenset[str] = frozenset(
         BILLING_MISMATCH,
         PROMPT_UNPROVEN,
         PROMPT_AMBIGUOUS,
+        Code.PROMPT_NOT_BILLED,
         OTHER_MODEL,
         Code.MALFORMED_RESPONSE,
         Code.PROVIDER_ERROR,

@@ -139,8 +139,8 @@ def prove_prompt(
     """Weigh the readings of the prompt (and of the boundary, and of the output) against the
     bill. Proven: exactly one combination fits both billed counts; or, where none does (the
     output has its own flags), exactly one prompt reading fits the prompt count as rendered.
-    Without a billed prompt count the template's reading stands (the record's `no_usage` or
-    its bill says why)."""
+    Without a billed prompt count the template's reading stands; reconstruct flags it
+    `prompt_not_billed` where other readings have other ids."""
     template = readings.template
     if billed_prompt is None:
         return PromptProof(template.ids, [], [], template.name)

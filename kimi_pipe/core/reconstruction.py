@@ -778,6 +778,10 @@ def reconstruct(
         if not (answer.reasoning or answer.content or answer.tool_calls) and not _truncated(answer):
             issues.append(Code.EMPTY_RESPONSE)
         billed_prompt = _usage_int(response, "prompt_tokens")
+        if billed_prompt is None and readings is not None and len(readings.readings) > 1:
+            # A stack may have rendered earlier turns its own way, and nothing billed says
+            # which: the template's reading is kept for the reader, never called proven.
+            issues.append(Code.PROMPT_NOT_BILLED)
         # Without a billed prompt count nothing is weighed: the template's reading stands
         # (prove_prompt's own first answer, without building it).
         if billed_prompt is not None and readings is not None and prompt_seen and output:
