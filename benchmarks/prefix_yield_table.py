@@ -21,7 +21,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from benchmarks import live_vllm_counts, server_shape_counts
+from benchmarks import live_vllm_counts
 from kimi_pipe.config import compose
 from kimi_pipe.core.evidence import PREFIX_PROVEN, evidence_of
 from kimi_pipe.core.logprobs import LogprobPolicy
@@ -30,7 +30,7 @@ from kimi_pipe.core.prefix import exact_output_tokens, training_ids
 from kimi_pipe.core.record_builder import RecordBuilder
 from kimi_pipe.core.serving import ServingProfile
 from kimi_pipe.stages.reconstruct import reconstruct_line
-from tests.support.server_shapes import SHAPES
+from tests.support.server_shapes import SHAPES, declared_profile
 
 ROOT = Path(__file__).resolve().parent.parent
 LIVE = ROOT / "tests" / "fixtures" / "live_vllm"
@@ -74,7 +74,7 @@ def main() -> int:
         for r in rows:
             builders = {
                 "unknown": unknown,
-                "declared": RecordBuilder(model, server_shape_counts.declared(r)),
+                "declared": RecordBuilder(model, declared_profile(r)),
             }
             for mode, builder in builders.items():
                 record = builder.build(r["messages"], r.get("tools"), r["response"])

@@ -16,8 +16,7 @@ from kimi_pipe.config import compose
 from kimi_pipe.core.models import load_model
 from kimi_pipe.core.reconstruction import reconstruct
 from kimi_pipe.core.serving import ServingProfile
-from tests.support.server_shapes import SHAPES
-from tests.support.server_shapes import declared_profile as declared
+from tests.support.server_shapes import SHAPES, declared_profile
 
 
 def main() -> int:
@@ -31,7 +30,7 @@ def main() -> int:
         silent = 0
         records = [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x]
         for r in records:
-            for mode, profile in (("unknown", unknown), ("declared", declared(r))):
+            for mode, profile in (("unknown", unknown), ("declared", declared_profile(r))):
                 rec = reconstruct(model, r["messages"], r.get("tools"), r["response"],
                                   serving=profile)  # fmt: skip
                 if not rec.ok:

@@ -24,12 +24,11 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 
-from benchmarks.server_shape_counts import declared  # noqa: E402
 from kimi_pipe.config import compose  # noqa: E402
 from kimi_pipe.core.models import Model, load_model  # noqa: E402
 from kimi_pipe.core.record_builder import RecordBuilder  # noqa: E402
 from kimi_pipe.core.serving import ServingProfile  # noqa: E402
-from tests.support.server_shapes import SHAPES  # noqa: E402
+from tests.support.server_shapes import SHAPES, declared_profile  # noqa: E402
 
 HAND = ROOT / "tests" / "fixtures" / "kimi_k25_responses.jsonl"
 COLUMNS = ("engine", "text", "repaired", "resolvable", "open", "flagged", "silent", "misses")
@@ -89,7 +88,7 @@ def main() -> int:
         counts = {"unknown": Counter(), "declared": Counter()}
         rows = [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x]
         for r in rows:
-            builders = {"unknown": unknown, "declared": RecordBuilder(model, declared(r))}
+            builders = {"unknown": unknown, "declared": RecordBuilder(model, declared_profile(r))}
             for mode, builder in builders.items():
                 record = builder.build(r["messages"], r.get("tools"), r["response"])
                 counts[mode] += classify(record, r["ground_truth_output_ids"])

@@ -9,10 +9,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
-
 from kimi_pipe.config import compose
-from kimi_pipe.core.serving import ServingProfile
+from kimi_pipe.core.serving import ServingProfile, serving_profile
 
 SHAPES = Path(__file__).resolve().parents[1] / "fixtures" / "server_shapes"
 # The shipped profile of each stack version; vLLM 0.34.0 for files a reviewer makes.
@@ -28,9 +26,7 @@ PROFILE_OF_VERSION = {
 @cache
 def shipped_profile(name: str) -> ServingProfile:
     """A conf/serving profile, composed once per name."""
-    data = OmegaConf.to_container(compose([f"serving={name}"]).serving)
-    assert isinstance(data, dict)
-    return ServingProfile.from_config(data)  # type: ignore[arg-type]
+    return serving_profile(compose([f"serving={name}"]))
 
 
 def declared_profile(record: dict[str, Any]) -> ServingProfile:
