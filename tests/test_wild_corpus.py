@@ -11,20 +11,19 @@ record that reaches training has the prompt ids its provider billed.
 
 from __future__ import annotations
 
+import copy
 import gzip
 import json
-from functools import cache
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from kimi_pipe.config import compose
 from kimi_pipe.core.models import Model
 from kimi_pipe.core.record_builder import RecordBuilder
-from kimi_pipe.core.serving import ServingProfile
 from kimi_pipe.extraction.resolve import resolvable
 from tests.support.cases import FIXTURES
+from tests.support.server_shapes import shipped_profile
 from tools.cassette2corpus import mismatches
 
 WILD = FIXTURES / "wild"
@@ -36,13 +35,6 @@ def read(name: str) -> list[dict[str, Any]]:
     text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else None
     text = text if text is not None else path.read_text(encoding="utf-8")
     return [json.loads(line) for line in text.splitlines() if line.strip()]
-
-
-@cache
-def profile(name: str) -> ServingProfile:
-    from omegaconf import OmegaConf
-
-    return ServingProfile.from_config(OmegaConf.to_container(compose([f"serving={name}"]).serving))  # type: ignore[arg-type]
 
 
 def build(builder: RecordBuilder, row: dict[str, Any]) -> dict[str, Any]:
@@ -144,11 +136,11 @@ def test_without_a_billed_prompt_a_history_that_renders_several_ways_is_flagged(
     ids more than the template's reading), and nothing billed says which. Before the code,
     Chutes' four reached training, one with 195 prompt ids where 201 were billed. Now each is
     `prompt_not_billed`, never `ok` and never resolvable; a first turn (one reading) is not."""
-    builder = RecordBuilder(kimi, profile(serving))
+    builder = RecordBuilder(kimi, shipped_profile(serving))
     flagged = first_turns = 0
     for row in read("kimi_k25_wild.jsonl"):
         for prompt_tokens in ("absent", str(row["response"]["usage"]["prompt_tokens"])):
-            response = json.loads(json.dumps(row["response"]))
+            response = copy.deepcopy(row["response"])
             if prompt_tokens == "absent":
                 del response["usage"]["prompt_tokens"]
             else:
@@ -180,7 +172,7 @@ def test_unexplained_billing_never_reaches_training(wild: list) -> None:
 def test_no_other_model_is_ever_ok(kimi: Model, serving: str) -> None:
     """Kimi K2-0905, K2-Instruct and K2.6 answers, and Kimi Code's `kimi-for-coding` alias
     (356 recorded): `other_model`, never `ok`, whatever the profile declares."""
-    builder = RecordBuilder(kimi, profile(serving))
+    builder = RecordBuilder(kimi, shipped_profile(serving))
     other = read("other_kimi_wild.jsonl.gz")
     assert len(other) == 356
     for row in other:
@@ -198,7 +190,7 @@ def test_an_alias_whose_ids_fit_both_bills_is_still_another_model(kimi: Model) -
     row = next(r for r in read("other_kimi_wild.jsonl.gz") if r["id"] == "c5ef80f3a4")
     assert row["response"]["model"] == "kimi-for-coding"
     usage = row["response"]["usage"]
-    record = build(RecordBuilder(kimi, profile("exact")), row)
+    record = build(RecordBuilder(kimi, shipped_profile("exact")), row)
     assert len(record["prompt_ids"]) == usage["prompt_tokens"]
     assert record["completion_tokens_reconstructed"] == usage["completion_tokens"]
     assert not record["ok"]
@@ -213,7 +205,7 @@ def test_a_direct_api_whose_bills_fit_no_reading_is_lost(kimi: Model, serving: s
     completion one id under the reading. Flagged under every profile, never trained on."""
     row = next(r for r in read("kimi_k25_wild.jsonl") if r["id"] == "d0662e9bc0")
     assert row["provider"] == "coding.dashscope.aliyuncs.com"
-    record = build(RecordBuilder(kimi, profile(serving)), row)
+    record = build(RecordBuilder(kimi, shipped_profile(serving)), row)
     assert {"prompt_unproven", "billing_mismatch"} <= set(record["issues"])
     assert not reaches_training(record)
 
