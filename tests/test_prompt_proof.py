@@ -38,10 +38,20 @@ def test_the_model_wrote_the_open_marker() -> None:
     assert got.issues == ["think_open_billed_as_output"]
 
 
-def test_a_shift_needs_both_bills() -> None:
-    """Prompt one short, completion as read: no reading explains both, and the prompt alone
-    fits nothing as rendered."""
-    assert proof(3, 5).issues == ["prompt_unproven"]
+def test_the_prompt_alone_places_the_boundary() -> None:
+    """Prompt one short, completion as read: no reading explains both bills. The prompt's
+    alone fits one reading, with the marker left to the model; the output, one over its bill
+    with it, carries its own flag (reconstruct), and candidate readings weigh both bills."""
+    got = proof(3, 5)
+    assert got.ids == [1, 2, 3] and got.moved_to_output == [OPEN]
+    assert got.issues == ["think_open_billed_as_output"]
+
+
+def test_the_prompt_alone_with_two_boundaries_is_ambiguous() -> None:
+    dropped = PromptReading("reasoning_dropped", [1, 2, OPEN])  # three ids, as rendered
+    readings = PromptReadings((TEMPLATE, dropped), generation_open=(OPEN,))
+    got = prove_prompt(readings, billed_prompt=3, billed_completion=9, output_lengths=[5])
+    assert got.issues == ["prompt_ambiguous"] and got.moved_to_output == []
 
 
 def test_another_output_reading_only_beside_a_shift() -> None:

@@ -68,6 +68,10 @@ class Code(StrEnum):
     # Prompt billed shorter and completion longer by the generation prompt's end (`<think>`): the
     # model wrote it; the same ids, the boundary (and the loss mask) moved after the given prompt.
     THINK_OPEN_BILLED_AS_OUTPUT = "think_open_billed_as_output"
+    # The answer's text starts with the generation prompt's end (`<think>`) as characters (no
+    # reasoning parser took it out, or the stack echoed the prompt's): read as the marker, which
+    # the bills place in the output (the note above) or leave in the prompt.
+    THINK_OPEN_AS_TEXT = "think_open_as_text"
     RAW_MARKERS_IN_REASONING = "raw_markers_in_reasoning"  # marker text in reasoning became ids
     # Tool calls, no content, and the bill fits only the reading without a think-end: the model
     # wrote its tool-call section inside its reasoning and the stack's parser took the calls out.
@@ -204,6 +208,7 @@ TRUNCATED: str = Code.TRUNCATED
 SINGLE_CANDIDATE: str = Code.SINGLE_CANDIDATE
 PROMPT_HISTORY_RERENDERED: str = Code.PROMPT_HISTORY_RERENDERED
 THINK_OPEN_BILLED_AS_OUTPUT: str = Code.THINK_OPEN_BILLED_AS_OUTPUT
+THINK_OPEN_AS_TEXT: str = Code.THINK_OPEN_AS_TEXT
 RAW_MARKERS_IN_REASONING: str = Code.RAW_MARKERS_IN_REASONING
 TOOL_SECTION_IN_REASONING: str = Code.TOOL_SECTION_IN_REASONING
 TOOL_ARGUMENT_TYPES_BILLED: str = Code.TOOL_ARGUMENT_TYPES_BILLED
@@ -213,6 +218,7 @@ RECONSTRUCTION_NOTES: frozenset[str] = frozenset(
         SINGLE_CANDIDATE,
         PROMPT_HISTORY_RERENDERED,
         THINK_OPEN_BILLED_AS_OUTPUT,
+        THINK_OPEN_AS_TEXT,
         RAW_MARKERS_IN_REASONING,
         Code.TOOL_CALL_IDS_REBUILT,
         Code.NO_USAGE,

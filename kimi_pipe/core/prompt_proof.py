@@ -167,12 +167,13 @@ def prove_prompt(
         if billed_completion is not None and abs(length + shift - billed_completion) <= tolerance
     ]
     if not both:
-        # The output does not fit its bill as read (its own flags say why): the prompt alone.
-        alone = [r for r in readings.readings if not readings.open_in_output and prompt_fits(r, 0)]
+        # The output does not fit its bill as read (its own flags say why): the prompt alone,
+        # with the boundary it places (a `<think>` not in the prompt is the output's first id).
+        alone = [(r, shift) for r in readings.readings for shift in shifts if prompt_fits(r, shift)]
         if len(alone) != 1:
             code = PROMPT_UNPROVEN if not alone else PROMPT_AMBIGUOUS
             return PromptProof(template.ids, [], [code], template.name)
-        both = [(alone[0], 0, 0)]
+        both = [(alone[0][0], alone[0][1], 0)]
     if len(both) > 1 and tolerance:
         # Within the slack, the reading nearest the billed count, when one is nearest.
         def miss(fit: tuple[PromptReading, int, int]) -> int:

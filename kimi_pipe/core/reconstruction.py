@@ -29,6 +29,7 @@ from kimi_pipe.core.issue_codes import (
     RAW_MARKERS_IN_REASONING,
     RECONSTRUCTION_ERRORS,
     RECONSTRUCTION_NOTES,
+    THINK_OPEN_AS_TEXT,
     TOOL_ARGUMENT_TYPES_BILLED,
     TOOL_SECTION_IN_REASONING,
     Code,
@@ -575,6 +576,13 @@ def undo_serving(
         reasoning, content = content.split(out.think_end, 1)
         source = "content"
         issues.append(Code.REASONING_FROM_CONTENT)
+    opening = model.format.prompt.generation_open
+    if opening is not None and reasoning.startswith(opening.source):
+        # The generation prompt's end (`<think>`) as text: a stack that left it to the model
+        # with no parser to take it out, or one that echoes the prompt's. Read as the marker;
+        # both bills say whose it is (prove_prompt moves it to the output where the model's).
+        reasoning = reasoning[len(opening.source) :]
+        issues.append(THINK_OPEN_AS_TEXT)
     spaced_ids = bool(calls) and any(
         (isinstance(c.get("id"), str) and c["id"].startswith(" "))
         or str((c.get("function") or {}).get("arguments") or "").startswith(" ")
