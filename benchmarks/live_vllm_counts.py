@@ -22,8 +22,6 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
-
 ROOT = Path(__file__).resolve().parent.parent
 
 from kimi_pipe.config import compose  # noqa: E402
@@ -31,7 +29,7 @@ from kimi_pipe.core.candidates import enumerate_candidates  # noqa: E402
 from kimi_pipe.core.logprobs import LogprobPolicy  # noqa: E402
 from kimi_pipe.core.models import load_model  # noqa: E402
 from kimi_pipe.core.reconstruction import reconstruct  # noqa: E402
-from kimi_pipe.core.serving import UNKNOWN_PROFILE, ServingProfile  # noqa: E402
+from kimi_pipe.core.serving import UNKNOWN_PROFILE, ServingProfile, serving_profile  # noqa: E402
 from kimi_pipe.stages.reconstruct import reconstruct_line  # noqa: E402
 
 # The corpus server's --served-model-name, declared as its user would.
@@ -43,8 +41,7 @@ DECLARED = "vllm_0_33"
 
 @cache
 def shipped(name: str) -> ServingProfile:
-    data = OmegaConf.to_container(compose([f"serving={name}"]).serving)
-    return ServingProfile.from_config(data)  # type: ignore[arg-type]
+    return serving_profile(compose([f"serving={name}"]))
 
 
 def declared(settings: Mapping[str, Any]) -> ServingProfile:

@@ -33,13 +33,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
-
 from kimi_pipe.config import compose
 from kimi_pipe.core.models import load_model
 from kimi_pipe.core.prefix import exact_output_tokens
 from kimi_pipe.core.record_builder import RecordBuilder
-from kimi_pipe.core.serving import ServingProfile
+from kimi_pipe.core.serving import ServingProfile, serving_profile
 from kimi_pipe.extraction.resolve import blocking_issues, covered_issues, resolvable
 from kimi_pipe.reporting.recommend import ProviderYield, route_by_exact_tokens
 
@@ -51,8 +49,7 @@ PROFILES = ("unknown", "exact", "moonshot", "vllm_0_33", "sglang_0_5_23")
 
 
 def profile(name: str) -> ServingProfile:
-    data = OmegaConf.to_container(compose([f"serving={name}"]).serving)
-    return ServingProfile.from_config(data)  # type: ignore[arg-type]
+    return serving_profile(compose([f"serving={name}"]))
 
 
 def rows(name: str) -> list[dict[str, Any]]:

@@ -21,16 +21,15 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from omegaconf import OmegaConf
 from stack_models import DECLARED, STACKS, VARIANT, Answer
 
-from kimi_pipe.config import compose
 from kimi_pipe.core.formats import Marker, Piece
 from kimi_pipe.core.models import Model
 from kimi_pipe.core.record_builder import RecordBuilder
 from kimi_pipe.core.serving import UNKNOWN_PROFILE, ServingProfile
 from tests.support.candidate_sets import sequences_of
 from tests.support.cases import tool_history
+from tests.support.server_shapes import shipped_profile
 
 SHAPES = Path(__file__).resolve().parent / "fixtures" / "server_shapes"
 THINK_END, END = "</think>", "<|im_end|>"
@@ -64,9 +63,7 @@ LABEL_VALUES = st.sampled_from(["tea", "12", 7, True, None])
 @cache
 def declared(stack: str) -> ServingProfile:
     name, overrides = DECLARED[stack]
-    data = OmegaConf.to_container(compose([f"serving={name}"]).serving)
-    assert isinstance(data, dict)
-    return replace(ServingProfile.from_config(data), **overrides)
+    return replace(shipped_profile(name), **overrides)
 
 
 def pieces(answer: Answer) -> list[Piece]:

@@ -14,14 +14,12 @@ from __future__ import annotations
 import json
 from collections import Counter
 from dataclasses import replace
-from functools import cache, lru_cache
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import pytest
-from omegaconf import OmegaConf
 
-from kimi_pipe.config import compose
 from kimi_pipe.core.candidates import enumerate_candidates
 from kimi_pipe.core.evidence import (
     ENGINE_IDS,
@@ -38,6 +36,7 @@ from kimi_pipe.core.reconstruction import ERRORS, reconstruct
 from kimi_pipe.core.serving import UNKNOWN_PROFILE, ServingProfile
 from kimi_pipe.stages.reconstruct import reconstruct_line
 from tests.support.candidate_sets import sequences_of
+from tests.support.server_shapes import shipped_profile
 
 LIVE = Path(__file__).resolve().parent / "fixtures" / "live_vllm"
 VARIANTS = {
@@ -68,13 +67,6 @@ def corpus() -> list[tuple[str, dict[str, Any]]]:
             if line.strip():
                 rows.append((path.stem, json.loads(line)))
     return rows
-
-
-@cache
-def shipped_profile(name: str) -> ServingProfile:
-    data = OmegaConf.to_container(compose([f"serving={name}"]).serving)
-    assert isinstance(data, dict)
-    return ServingProfile.from_config(data)
 
 
 def declared_profile(settings: dict[str, Any]) -> ServingProfile:
