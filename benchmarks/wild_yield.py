@@ -19,7 +19,9 @@ under the default `unknown` profile, as `reconstruct` and `generate` run it. Per
                on these answers: no Kimi K2.5 runs here.
   $/exact      the answers' billed cost (usage.cost) over the expected exact tokens
 Then the routing that maximises exact tokens per dollar (reporting/recommend.py), and the
-providers whose billing nothing explains, with their evidence. And the other Kimi models'
+providers whose billing nothing explains, with their evidence; each provider's reasoning counts
+against its records' ids (`reasoning_count_delta`: SGLang's count is +1), and how many of its
+answers reach training under each shipped profile. And the other Kimi models'
 answers (other_kimi_wild.jsonl.gz): how many come out `ok` under each shipped profile (0).
 """
 
@@ -82,6 +84,26 @@ def lost_because(record: Mapping[str, Any]) -> list[str]:
     return sorted(blocking - covered) or sorted(blocking)
 
 
+def reasoning_count_delta(model: Any, record: Mapping[str, Any], usage: Any) -> int | None:
+    """The billed `completion_tokens_details.reasoning_tokens` less the record's ids before its
+    think-end (a `<think>` the model wrote not counted): SGLang 0.5.23 counts through the
+    think-end (+1); a count of the reasoning's ids alone is 0. None without a count or a
+    think-end."""
+    details = usage.get("completion_tokens_details") if isinstance(usage, Mapping) else None
+    billed = details.get("reasoning_tokens") if isinstance(details, Mapping) else None
+    end = model.format.output.think_end
+    ids = record.get("output_ids") or []
+    if type(billed) is not int or end is None or model.markers[end] not in ids:
+        return None
+    before = ids.index(model.markers[end])
+    opening = model.format.prompt.generation_open
+    if opening is not None and tuple(ids[: len(model.constant_ids(opening))]) == tuple(
+        model.constant_ids(opening)
+    ):
+        before -= len(model.constant_ids(opening))
+    return billed - before
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", type=Path, default=None)
@@ -93,9 +115,14 @@ def main() -> int:
     )
     per_fate_tokens: dict[str, Counter[str]] = defaultdict(Counter)
     unexplained: dict[str, list[str]] = defaultdict(list)
-    for row in rows("kimi_k25_wild.jsonl"):
+    counts: dict[str, Counter[int]] = defaultdict(Counter)
+    wild = rows("kimi_k25_wild.jsonl")
+    for row in wild:
         record = build(unknown, row)
         usage = row["response"].get("usage") or {}
+        delta = reasoning_count_delta(model, record, usage)
+        if delta is not None:
+            counts[row["provider"]][delta] += 1
         tokens = int(usage.get("completion_tokens") or 0)
         cell = per[row["provider"]]
         cell["answers"] += 1
@@ -175,6 +202,24 @@ def main() -> int:
         print(f"\nbilling nothing explains, {provider} ({len(evidence)} answers):")
         for line in evidence:
             print(f"  {line}")
+    print("\nreasoning counts, billed less the ids before the think-end (SGLang's count: +1):")
+    for provider, deltas in sorted(counts.items()):
+        spread = ", ".join(f"{d:+d} x{n}" for d, n in sorted(deltas.items()))
+        print(f"  {provider}: {sum(deltas.values())} answers: {spread}")
+    # What declaring each shipped profile for a provider would give: answers reaching training.
+    # More is not better by itself (a profile that declares nothing changed proves most): the
+    # stack's own evidence (probes, the counts above) says which profile is its.
+    reach_by_profile: dict[str, dict[str, int]] = defaultdict(dict)
+    for name in PROFILES:
+        builder = RecordBuilder(model, profile(name))
+        reached_here: Counter[str] = Counter()
+        for row in wild:
+            reached_here[row["provider"]] += fate(build(builder, row)) != "lost"
+        for provider, n in reached_here.items():
+            reach_by_profile[provider][name] = n
+    print("\nanswers reaching training under each shipped profile:")
+    for provider, by_name in sorted(reach_by_profile.items()):
+        print(f"  {provider} ({per[provider]['answers']}): {by_name}")
     other = rows("other_kimi_wild.jsonl.gz")
     ok_by_profile = {}
     for name in PROFILES:
@@ -189,6 +234,8 @@ def main() -> int:
         tokens=total,
         routing={"only": routing.order, "ignore": routing.ignore, "reasons": routing.reasons},
         other_models={"answers": len(other), "ok_by_profile": ok_by_profile},
+        reasoning_count_deltas={p: dict(sorted(d.items())) for p, d in sorted(counts.items())},
+        reached_by_profile=dict(sorted(reach_by_profile.items())),
     )
     if args.json:
         args.json.write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
