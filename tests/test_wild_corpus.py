@@ -156,6 +156,29 @@ def test_think_as_text_is_read_as_the_marker(wild: list, kimi: Model) -> None:
 
 
 @pytest.mark.kimi
+def test_think_as_text_in_an_answer_cut_inside_its_reasoning(wild: list, kimi: Model) -> None:
+    """Moonshot AI's answer cut by max_tokens inside its reasoning, from a stack with no
+    reasoning parser: the content is `<think>` and the reasoning's head, no `</think>`. Billed
+    for the marker and the head's ids: proven, the output starting with the marker."""
+    builder = RecordBuilder(kimi, shipped_profile("exact"))
+    rows = [row for row, _ in wild if row["provider"] == "Moonshot AI"]
+    assert rows
+    for row in rows:
+        cut = copy.deepcopy(row)
+        choice = cut["response"]["choices"][0]
+        head = choice["message"].pop("reasoning")[:60]
+        choice["message"].pop("reasoning_details", None)
+        choice["message"]["content"] = THINK + head
+        choice["finish_reason"] = "length"
+        choice.pop("native_finish_reason", None)
+        truth = [kimi.markers[THINK], *kimi.tokenizer.encode_ordinary(head)]
+        cut["response"]["usage"]["completion_tokens"] = len(truth)
+        record = build(builder, cut)
+        assert record["ok"] and record["output_ids"] == truth, record["issues"]
+        assert {"truncated", "think_open_as_text"} <= set(record["issues"])
+
+
+@pytest.mark.kimi
 def test_marker_spaces_beside_think_billed_as_output(wild: list, kimi: Model) -> None:
     """Moonshot AI's answer with the space vLLM's streaming leaves after each marker (` R`,
     ` C`): the output as read misses its bill. Before, the prompt (billed one short) was then

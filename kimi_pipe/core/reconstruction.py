@@ -583,6 +583,16 @@ def undo_serving(
         # both bills say whose it is (prove_prompt moves it to the output where the model's).
         reasoning = reasoning[len(opening.source) :]
         issues.append(THINK_OPEN_AS_TEXT)
+    elif (
+        opening is not None
+        and source is None
+        and truncated
+        and not calls
+        and content.startswith(opening.source)
+    ):
+        # The same, cut inside the reasoning: all of it is in the content (output_pieces).
+        content = content[len(opening.source) :]
+        issues.append(THINK_OPEN_AS_TEXT)
     spaced_ids = bool(calls) and any(
         (isinstance(c.get("id"), str) and c["id"].startswith(" "))
         or str((c.get("function") or {}).get("arguments") or "").startswith(" ")
