@@ -203,10 +203,10 @@ def test_marker_spaces_beside_think_billed_as_output(wild: list, kimi: Model) ->
 
 @pytest.mark.kimi
 def test_think_as_text_beside_a_prompt_that_holds_it(kimi: Model) -> None:
-    """First turns billed with `<think>` in the prompt (Chutes, ModelRun, Inceptron), their
-    reasoning sent with `<think>` in front (a stack that echoes the prompt's end): the ids as
-    recorded, the marker left in the prompt. A model that wrote those characters itself would
-    have been billed for them: that bill reaches no training."""
+    """Chutes' and ModelRun's answers, billed with `<think>` in the prompt and `ok` under
+    `exact`, their reasoning sent with `<think>` in front (a stack that echoes the prompt's
+    end): the ids as recorded, the marker left in the prompt. A model that wrote those
+    characters itself would have been billed for them: that bill reaches no training."""
     builder = RecordBuilder(kimi, shipped_profile("exact"))
     checked = 0
     for row in read("kimi_k25_wild.jsonl"):
