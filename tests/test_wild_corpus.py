@@ -22,6 +22,7 @@ import pytest
 from kimi_pipe.core.models import Model
 from kimi_pipe.core.record_builder import RecordBuilder
 from kimi_pipe.extraction.resolve import resolvable
+from tests.support.candidate_sets import sequences_of
 from tests.support.cases import FIXTURES
 from tests.support.server_shapes import shipped_profile
 from tools.cassette2corpus import mismatches
@@ -129,9 +130,9 @@ def as_one_text(row: dict[str, Any], *, spaced: bool) -> dict[str, Any]:
 
 
 def holds(record: dict[str, Any], ids: list[int]) -> bool:
-    """The record's ids are `ids`, or `ids` is among its candidate options."""
+    """The record's ids are `ids`, or `ids` is a sequence its candidate set stands for."""
     options = (record.get("candidates") or {}).get("options") or []
-    return record["output_ids"] == ids or any(o["output_ids"] == ids for o in options)
+    return record["output_ids"] == ids or tuple(ids) in sequences_of(options)
 
 
 @pytest.mark.kimi
