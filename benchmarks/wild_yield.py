@@ -97,10 +97,9 @@ def reasoning_count_delta(model: Any, record: Mapping[str, Any], usage: Any) -> 
         return None
     before = ids.index(model.markers[end])
     opening = model.format.prompt.generation_open
-    if opening is not None and tuple(ids[: len(model.constant_ids(opening))]) == tuple(
-        model.constant_ids(opening)
-    ):
-        before -= len(model.constant_ids(opening))
+    lead = list(model.constant_ids(opening)) if opening is not None else []
+    if lead and ids[: len(lead)] == lead:
+        before -= len(lead)
     return billed - before
 
 
@@ -209,9 +208,9 @@ def main() -> int:
     # What declaring each shipped profile for a provider would give: answers reaching training.
     # More is not better by itself (a profile that declares nothing changed proves most): the
     # stack's own evidence (probes, the counts above) says which profile is its.
+    builders = {name: RecordBuilder(model, profile(name)) for name in PROFILES}
     reach_by_profile: dict[str, dict[str, int]] = defaultdict(dict)
-    for name in PROFILES:
-        builder = RecordBuilder(model, profile(name))
+    for name, builder in builders.items():
         reached_here: Counter[str] = Counter()
         for row in wild:
             reached_here[row["provider"]] += fate(build(builder, row)) != "lost"
@@ -222,8 +221,7 @@ def main() -> int:
         print(f"  {provider} ({per[provider]['answers']}): {by_name}")
     other = rows("other_kimi_wild.jsonl.gz")
     ok_by_profile = {}
-    for name in PROFILES:
-        builder = RecordBuilder(model, profile(name))
+    for name, builder in builders.items():
         ok_by_profile[name] = sum(build(builder, row)["ok"] for row in other)
     print(f"\nother Kimi models' answers ({len(other)}): ok under each profile {ok_by_profile}")
     out.update(
