@@ -12,7 +12,8 @@ under the default `unknown` profile and under the stack's declared profile. Colu
   open          not ok, with an open candidate set (never resolved)
   flagged       not ok, nothing enumerable
   silent        ok but not the ground truth (must be 0)
-  set misses    a closed set without the ground truth among its options (must be 0)
+  set misses    a closed set without the ground truth among the sequences its options stand
+                for, choice points' alternatives included (must be 0)
 """
 
 from __future__ import annotations
@@ -48,9 +49,25 @@ def classify(record: dict[str, Any], truth: list[int] | None) -> Counter[str]:
         counts["open"] += 1
     else:
         counts["resolvable"] += 1
-        ids = [o["output_ids"] for o in cands["options"]]
-        counts["misses"] += truth is not None and truth not in ids
+        counts["misses"] += truth is not None and not any(
+            stands_for(o, truth) for o in cands["options"]
+        )
     return counts
+
+
+def stands_for(option: dict[str, Any], ids: list[int]) -> bool:
+    """`ids` is one of the sequences the option stands for: its own ids, with any alternative
+    at each choice point (core/candidates.ChoicePoint)."""
+    own = option["output_ids"]
+    if len(ids) != len(own):
+        return False
+    start = 0
+    for point in option.get("points") or []:
+        at, n = point["at"], len(point["alternatives"][0])
+        if ids[start:at] != own[start:at] or ids[at : at + n] not in point["alternatives"]:
+            return False
+        start = at + n
+    return ids[start:] == own[start:]
 
 
 def hand_cases(model: Model) -> list[tuple[dict[str, Any], list[int] | None]]:
