@@ -7,7 +7,7 @@ per row: docs/wild.md) goes through the one reconstruction entry (core/record_bu
 under the default `unknown` profile, as `reconstruct` and `generate` run it. Per provider:
   proven       ok: ids proven by text, profile and bill
   resolvable   not ok, a closed candidate set extraction's target resolution takes
-               (extraction/resolve.resolvable)
+               (extraction/resolve.resolvable, with the default resolve.max_options)
   lost         neither; the codes say why (every blocking one, notes left out: `lost_because`),
                and how many ids of them a proven prefix keeps
                (`prefix_proven`: an open set whose doubts lie only after the reasoning's text,
@@ -41,6 +41,7 @@ from kimi_pipe.core.prefix import exact_output_tokens
 from kimi_pipe.core.record_builder import RecordBuilder
 from kimi_pipe.core.serving import ServingProfile, serving_profile
 from kimi_pipe.extraction.resolve import blocking_issues, covered_issues, resolvable
+from kimi_pipe.extraction.resolve_settings import ResolveSettings
 from kimi_pipe.reporting.recommend import ProviderYield, route_by_exact_tokens
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,6 +49,7 @@ WILD = ROOT / "tests" / "fixtures" / "wild"
 # docs/yield.md: 197 of 254 closed sets resolved by the target on the 500-answer calibration.
 CALIBRATED_RESOLUTION_RATE = 197 / 254
 PROFILES = ("unknown", "exact", "moonshot", "vllm_0_33", "sglang_0_5_23")
+MAX_OPTIONS = ResolveSettings().max_options  # the target scores no larger set by default
 
 
 def profile(name: str) -> ServingProfile:
@@ -68,10 +70,11 @@ def build(builder: RecordBuilder, row: dict[str, Any]) -> dict[str, Any]:
 
 def fate(record: dict[str, Any]) -> str:
     """As extraction sees the record: proven, or one its target resolution takes
-    (extraction/resolve.resolvable: a closed set and nothing else blocking), or lost."""
+    (extraction/resolve.resolvable: a closed set of at most the default resolve.max_options
+    options and nothing else blocking), or lost."""
     if record["ok"]:
         return "proven"
-    return "resolvable" if resolvable(record) is None else "lost"
+    return "resolvable" if resolvable(record, max_options=MAX_OPTIONS) is None else "lost"
 
 
 def lost_because(record: Mapping[str, Any]) -> list[str]:

@@ -53,6 +53,7 @@ def test_factored_edges_stand_for_exactly_the_listed_sequences(
 ) -> None:
     """One call's 20 edge readings listed as options, and the same answer with its edges
     forced into choice points: the same sequences, every one billed alike."""
+    monkeypatch.setattr(candidates, "MAX_LISTED_OPTIONS", 10**6)  # listed, however many
     row, listed = next(
         (row, r) for row, r in _answers(kimi, calls=1) if (r.get("candidates") or {}).get("closed")
     )

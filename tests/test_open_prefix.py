@@ -93,13 +93,15 @@ def test_the_four_places_are_each_cut_before_their_drop_site(kimi: Model) -> Non
 
 
 @pytest.mark.kimi
-def test_wild_answers_atlascloud_cut_chutes_not(kimi: Model) -> None:
-    """The two recorded open sets of issue 40. AtlasCloud's (`<think>` billed as output, tool
-    section in the reasoning) keeps the ids before its reasoning's last lone space. Chutes's
-    keeps nothing: its set lists only the "marker-side spaces kept" readings (the enumeration
-    stops at MAX_OPEN_OPTIONS), but under "the stack added the space after `<think>`" its
-    reasoning starts `The`, not ` The`: a reading that differs at id 0, which `diverge_at`
-    (54) does not see and `shared_by_unlisted` does."""
+def test_wild_open_sets_keep_no_prefix(kimi: Model) -> None:
+    """The two recorded open sets of issue 40 keep no proven prefix. AtlasCloud's (`<think>`
+    billed as output, a tool-call turn one marker short of its bill) lists a reading where the
+    model wrote no `<think>` at all: its readings differ at id 0 (`diverge_at`). (Until
+    2026-12-07 only the tool section inside the reasoning was read there, and the ids before the
+    reasoning's last lone space, 86, were kept.) Chutes's set lists only the "marker-side
+    spaces kept" readings (the enumeration stops at MAX_OPEN_OPTIONS), but under "the stack
+    added the space after `<think>`" its reasoning starts `The`, not ` The`: a reading that
+    differs at id 0, which `diverge_at` (54) does not see and `shared_by_unlisted` does."""
     builder = RecordBuilder(kimi)
     found = {}
     for row in rows("kimi_k25_wild.jsonl"):
@@ -107,11 +109,11 @@ def test_wild_answers_atlascloud_cut_chutes_not(kimi: Model) -> None:
             found[row["provider"]] = build(builder, row)
     atlas, chutes = found["AtlasCloud"], found["Chutes"]
     assert atlas["candidates"]["closed"] is False
-    assert atlas["evidence"] == PREFIX_PROVEN and atlas["prefix"]["rule"] == OPEN_RULE
-    k = atlas["prefix"]["prefix_tokens"]
-    assert k == atlas["candidates"]["shared_by_unlisted"] == 86
-    text = kimi.tokenizer.decode(atlas["candidates"]["options"][0]["output_ids"][:k])
-    assert text.startswith("<think>") and text.endswith("2. multiply with a=2,")
+    assert atlas["candidates"]["diverge_at"] == 0
+    assert any(
+        o["output_ids"][0] != kimi.markers["<think>"] for o in atlas["candidates"]["options"]
+    )
+    assert atlas["evidence"] == UNRESOLVED and "prefix" not in atlas
     assert chutes["candidates"]["closed"] is False
     assert chutes["candidates"]["diverge_at"] > 0
     assert chutes["candidates"]["shared_by_unlisted"] == 0

@@ -227,6 +227,10 @@ def test_only_closed_sets_with_nothing_else_wrong_are_resolvable(smol: tuple[Any
     other = {**rec, "issues": [*rec["issues"], "tool_index_untrusted"]}
     assert resolvable(other) == "other_issues"
     assert resolvable({**rec, "ok": True}) == "already_ok"
+    # More options than the target scores (resolve.max_options): not resolvable.
+    listed = len(rec["candidates"]["options"])
+    assert resolvable(rec, max_options=listed) is None
+    assert resolvable(rec, max_options=listed - 1) == "too_many_options"
     # No temperature known: not scored at all.
     none = {**rec, "sampling": None}
     from kimi_pipe.extraction.resolve import score_record
@@ -357,6 +361,10 @@ def test_a_backend_that_cannot_score_leaves_records_unresolved(tmp_path: Path) -
     before = path.read_bytes()
     summary = resolve_records(path, None, ResolveSettings())
     assert summary["counts"] == {"not_resolved_backend_cannot_score": 1}
+    assert path.read_bytes() == before
+    # A set over resolve.max_options is counted as such, before any scorer is asked.
+    summary = resolve_records(path, None, ResolveSettings(max_options=1))
+    assert summary["counts"] == {"not_resolved_too_many_options": 1}
     assert path.read_bytes() == before
 
 

@@ -17,10 +17,12 @@ record becomes `text_proven` (note `single_candidate`). Two or more are left to 
 model (extraction/resolve.py). Schema: the `candidates` field in docs/design.md.
 
 Argument edges of several calls multiply (two calls of 20 readings each: 400 sequences), so past
-MAX_EDGE_READINGS combinations they are not listed: each option carries one choice point per
-call instead (`ChoicePoint`: the ids of the call's arguments between their two markers, and
-every same-count reading of their edges as an id span of the same length there). The option
-then stands for every combination; extraction/resolve.py weighs them point by point.
+MAX_EDGE_READINGS combinations (or where the listed set would hold more options than the target
+scores, MAX_LISTED_OPTIONS: one call's edges times a tail's readings) they are not listed: each
+option carries one choice point per call instead (`ChoicePoint`: the ids of the call's
+arguments between their two markers, and every same-count reading of their edges as an id
+span of the same length there). The option then stands for every combination;
+extraction/resolve.py weighs them point by point.
 
 Why about 860 lines: the enumerations of every ambiguity class build on one another (a tail
 and an argument edge in the same answer multiply, and the choice points stand in for their
@@ -68,6 +70,9 @@ MAX_TAIL_CHARS = 16  # newline runs listed at most (open sets, and the search bo
 MAX_TAIL_NODES = 1024  # search budget; reaching it leaves the set open (never guessed closed)
 MAX_EDGE_READINGS = 64  # argument-edge readings of one answer enumerated; more leave it open
 MAX_OPEN_OPTIONS = 16  # options an open set lists before the rest are skipped
+# Whole options extraction's target scores by default (resolve.max_options): a closed set
+# listing more is enumerated again with its arguments' edges as choice points.
+MAX_LISTED_OPTIONS = 64
 # Readings kept for the split check miss the bill by at most this many ids: as many as the
 # departures its search follows (core/splits.py, `max_departures`).
 READING_DISTANCE = 3
@@ -191,6 +196,44 @@ def enumerate_candidates(
 ) -> Candidates | None:
     """Every id sequence the answer may stand for, or None when its flags are not of a class
     this module enumerates (or nothing fits)."""
+    found = _enumerate(
+        model, messages, tools, response, rec, profile=profile, billing_tolerance=billing_tolerance
+    )
+    if (
+        found is not None
+        and found.closed
+        and len(found.options) > MAX_LISTED_OPTIONS
+        and Code.TOOL_ARGUMENTS_EDGES_UNVERIFIABLE in rec.issues
+        and not any(o.points for o in found.options)
+    ):
+        # More whole sequences than extraction's target scores (resolve.max_options): the
+        # arguments' edges as choice points stand for the same sequences in fewer options.
+        factored = _enumerate(
+            model,
+            messages,
+            tools,
+            response,
+            rec,
+            profile=profile,
+            billing_tolerance=billing_tolerance,
+            factor_edges=True,
+        )
+        if factored is not None and factored.closed and len(factored.options) < len(found.options):
+            return factored
+    return found
+
+
+def _enumerate(
+    model: Model,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None,
+    response: Any,
+    rec: Reconstruction,
+    *,
+    profile: ServingProfile,
+    billing_tolerance: int,
+    factor_edges: bool = False,
+) -> Candidates | None:
     errors = _errors(rec.issues)
     if not errors or not rec.prompt_ids:
         return None
@@ -234,6 +277,7 @@ def enumerate_candidates(
         why_open.append(f"billing tolerance {billing_tolerance}: billing cannot bound the options")
     enum_edges = Code.TOOL_ARGUMENTS_EDGES_UNVERIFIABLE in covered
     enum_coercion = Code.TOOL_ARGUMENTS_MAYBE_COERCED in covered
+    enum_missing = Code.TOOL_TURN_MARKER_MISSING in covered
     # Whitespace a stack drops, which billing saw: a stripped reasoning tail (the profile's
     # say), and with tool calls, under any profile, a whitespace-only content before them and
     # the arguments' trimmed edges (docs/serving_profiles.md: not declared, billing sees it).
@@ -270,7 +314,7 @@ def enumerate_candidates(
         factored = False  # the edges as choice points of each option, not listed
         for coerced, coercion in coerced_readings:
             edge_sets = _edge_assignments(model, coerced) if enum_edges else [None]
-            if edge_sets is None:
+            if edge_sets is None or (factor_edges and enum_edges):
                 factored, edge_sets = True, [None]
             branches += [(coerced, coercion, m, e) for m in moves for e in edge_sets]
         if factored or len(branches) > MAX_EDGE_READINGS * len(moves):
@@ -355,30 +399,29 @@ def enumerate_candidates(
                     - {Code.SPACE_BEFORE_TOOL_SECTION}
                     - ({Code.TOOL_ARGUMENTS_EDGES_UNVERIFIABLE} if enum_edges else set())
                     - ({Code.TOOL_ARGUMENTS_MAYBE_COERCED} if enum_coercion else set())
+                    - ({Code.TOOL_TURN_MARKER_MISSING} if enum_missing else set())
                 ):
                     continue
                 if Code.SPACE_BEFORE_TOOL_SECTION in _errors(rebuilt.issues) and (
                     Code.SPACE_BEFORE_TOOL_SECTION not in covered
                 ):
                     continue
-                key = tuple(rebuilt.output_ids)
-                if key in seen:
+                if tuple(rebuilt.output_ids) in seen:
                     continue
-                seen.add(key)
                 points: list[ChoicePoint] = []
                 if factored and enum_edges:
                     found = _edge_points(model, moved, rebuilt.output_ids)
                     if found is None:
                         why_open.append("an argument's ids could not be told apart in the output")
                     points = found or []
-                options.append(
-                    Option(
-                        rebuilt.output_ids,
-                        rebuilt.loss_mask,
-                        _label(spacing if len(spacings) > 1 else None, move, tail, edges, coercion),
-                        points,
-                    )
-                )
+                label = _label(spacing if len(spacings) > 1 else None, move, tail, edges, coercion)
+                readings = [(rebuilt.output_ids, rebuilt.loss_mask, label, points)]
+                if Code.TOOL_TURN_MARKER_MISSING in rebuilt.issues:
+                    readings = _missing_marker_readings(model, moved, rebuilt, label, points)
+                for ids, mask, what, at_points in readings:
+                    if tuple(ids) not in seen:
+                        seen.add(tuple(ids))
+                        options.append(Option(ids, mask, what, at_points))
     if not options:
         if why_open or not (short or long):
             return None
@@ -824,6 +867,63 @@ def _with_edges(answer: AnswerFields, edges: EdgeReadings) -> AnswerFields:
             call = {**call, "function": {**function, "arguments": lead + arguments + trail}}
         calls.append(call)
     return replace(answer, tool_calls=calls)
+
+
+def _missing_marker_readings(
+    model: Model,
+    answer: AnswerFields,
+    rebuilt: Reconstruction,
+    label: str,
+    points: Sequence[ChoicePoint],
+) -> list[tuple[list[int], list[int], str, list[ChoicePoint]]]:
+    """What a `tool_turn_marker_missing` reading stands for: the turn as the format writes it
+    (its end-of-turn back), less one marker that no parser needs to read the answer, each in
+    turn (vllm/parser/kimi_k2.py, vLLM 0.34: reasoning is the initial state, so a `<think>`
+    never written looks the same; the tool-call section ends the reasoning; a call closes at the
+    section's end, and the section at the answer's end). The bill cannot tell them apart; the
+    target can. Each with its ids, loss mask, label and choice points moved with the ids."""
+    output = model.format.output
+    end = list(model.constant_ids(output.end))
+    full = [*rebuilt.output_ids, *end]
+    head = len(rebuilt.loss_mask) - len(rebuilt.output_ids)  # the prompt's part of the mask
+    mask = [*rebuilt.loss_mask, *[model.format.loss_mask.end_token] * len(end)]
+    spots: dict[int, tuple[int, str]] = {}  # where -> (how many ids, what is missing)
+    opening = model.format.prompt.generation_open
+    if opening is not None and Code.THINK_OPEN_BILLED_AS_OUTPUT in rebuilt.issues:
+        spots[0] = (len(model.constant_ids(opening)), f"the model wrote no {opening.source}")
+    if output.think_end is not None and not answer.content:
+        at = _index(full, model.markers.get(output.think_end), last=False)
+        if at is not None:
+            what = f"tool-call section inside the reasoning (no {output.think_end})"
+            spots.setdefault(at, (1, what))
+    for template in (output.tool_call, output.tool_calls):
+        kind, name = template.parts[-1] if template.parts else ("", "")
+        at = _index(full, model.markers.get(name), last=True) if kind == "marker" else None
+        if at is not None:
+            spots.setdefault(at, (1, f"no {name} written"))
+    spots.setdefault(
+        len(full) - len(end),
+        (len(end), f"generation stopped after the tool-call section (no {output.end.source})"),
+    )
+    readings = []
+    for at, (n, what) in sorted(spots.items()):
+        moved = [replace(p, at=p.at - n) if p.at > at else p for p in points]
+        readings.append(
+            (
+                full[:at] + full[at + n :],
+                mask[: head + at] + mask[head + at + n :],
+                "; ".join(part for part in (what, label if label != "as returned" else "") if part),
+                moved,
+            )
+        )
+    return readings
+
+
+def _index(ids: Sequence[int], token: int | None, *, last: bool) -> int | None:
+    """The first (or last) index of `token` in `ids`; None when absent."""
+    if token is None or token not in ids:
+        return None
+    return len(ids) - 1 - list(reversed(ids)).index(token) if last else list(ids).index(token)
 
 
 def _label(

@@ -57,6 +57,9 @@ class Code(StrEnum):
     # typed values a stack may have re-serialised ("30" -> 30)
     TOOL_ARGUMENTS_MAYBE_COERCED = "tool_arguments_maybe_coerced"
     TOOL_INDEX_UNVERIFIABLE = "tool_index_unverifiable"
+    # A tool-call turn billed one id under its reading (with the `<think>` the model wrote): one
+    # marker no parser needs is missing (section inside the reasoning, no end-of-turn, ...).
+    TOOL_TURN_MARKER_MISSING = "tool_turn_marker_missing"
     # --- reconstruction notes: listed, `ok` kept --------------------------------------------------
     # finish_reason == "length": cut by max_tokens. Its ids are proven like any other (no
     # end-of-turn appended); a cut inside a character is `partial_character`.
@@ -73,8 +76,9 @@ class Code(StrEnum):
     # the bills place in the output (the note above) or leave in the prompt.
     THINK_OPEN_AS_TEXT = "think_open_as_text"
     RAW_MARKERS_IN_REASONING = "raw_markers_in_reasoning"  # marker text in reasoning became ids
-    # Tool calls, no content, and the bill fits only the reading without a think-end: the model
-    # wrote its tool-call section inside its reasoning and the stack's parser took the calls out.
+    # Records before 2026-12-07: tool calls, no content, and the bill fit the reading without a
+    # think-end, read as the tool-call section written inside the reasoning. Other readings fit
+    # that bill too; such a turn is now `tool_turn_marker_missing`, this one of its options.
     TOOL_SECTION_IN_REASONING = "tool_section_in_reasoning"
     # Typed argument values (numbers, booleans) that the bill shows were written as they are: the
     # same values as strings would cost at least two ids more (tool_arguments_maybe_coerced lifted).
@@ -188,12 +192,13 @@ RECONSTRUCTION_ERRORS: frozenset[str] = frozenset(
         # A conversation with earlier calls and an index a stack rebuilt or may have rebuilt:
         # the model's own index (its counter, or 0 again) is not in the text.
         Code.TOOL_INDEX_UNVERIFIABLE,
+        Code.TOOL_TURN_MARKER_MISSING,
     }
 )
 
 # Flags whose readings differ in length from the text as returned (a marker space or a moved
 # space that costs an id, a think-end that may be missing): beside them one id fewer has
-# another explanation than a tool section written inside the reasoning.
+# another explanation than a missing marker (`tool_turn_marker_missing`).
 LENGTH_AMBIGUOUS: frozenset[str] = frozenset(
     {
         LEADING_SPACE_AFTER_MARKER,
@@ -231,8 +236,7 @@ RECONSTRUCTION_NOTES: frozenset[str] = frozenset(
         Code.TOOL_INDEX_REPAIRED,
         Code.TOOL_NAME_REPAIRED,
         Code.NO_THINK_END,
-        # Only the reading with the tool section before `</think>` fits both bills (a note,
-        # as docs/reconstruct.md says; unlisted, extraction took it for a blocking code).
+        # Older records' note (unlisted, extraction took it for a blocking code).
         Code.TOOL_SECTION_IN_REASONING,
     }
 )
@@ -287,6 +291,7 @@ CLASS_OF_CODE: dict[str, str] = {
     SPACE_BEFORE_TOOL_SECTION: "tool_section_space",
     TOOL_ARGUMENTS_EDGES_UNVERIFIABLE: "argument_edges",
     Code.TOOL_ARGUMENTS_MAYBE_COERCED: "argument_types",
+    Code.TOOL_TURN_MARKER_MISSING: "missing_marker",
 }
 
 # --- the reconstruct stage (stages/reconstruct.py) ----------------------------------------

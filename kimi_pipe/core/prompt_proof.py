@@ -161,8 +161,8 @@ def prove_prompt(
         for shift in shifts
         if prompt_fits(reading, shift)
         for index, length in enumerate(output_lengths)
-        # Another output reading only beside a stack that left `<think>` to the model (its
-        # parser ends the reasoning at the tool-call section): the prompt's bill shows it.
+        # Another output reading (a tool-call turn one marker short) only beside a stack that
+        # left `<think>` to the model, as the one recorded doing it: the prompt's bill shows it.
         if index == 0 or shift
         if billed_completion is not None and abs(length + shift - billed_completion) <= tolerance
     ]

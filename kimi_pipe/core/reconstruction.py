@@ -31,7 +31,6 @@ from kimi_pipe.core.issue_codes import (
     RECONSTRUCTION_NOTES,
     THINK_OPEN_AS_TEXT,
     TOOL_ARGUMENT_TYPES_BILLED,
-    TOOL_SECTION_IN_REASONING,
     Code,
 )
 from kimi_pipe.core.models import Model
@@ -804,12 +803,8 @@ def reconstruct(
         # (prove_prompt's own first answer, without building it).
         if billed_prompt is not None and readings is not None and prompt_seen and output:
             # The bill proves the prompt and the prompt/output boundary together.
-            section_first = (
-                _without_think_end(model, pieces)
-                if _may_hold_section(model, answer, issues)
-                else None
-            )
-            outputs = [output] + ([model.encode(section_first)] if section_first else [])
+            short = _one_marker_short(model, answer, issues, output, ended)
+            outputs = [output] + ([short] if short is not None else [])
             proof = prove_prompt(
                 readings,
                 billed_prompt=billed_prompt,
@@ -820,8 +815,10 @@ def reconstruct(
             prompt_seen = proof.ids
             issues += proof.issues
             if proof.output_reading:
-                output = outputs[proof.output_reading]
-                issues.append(TOOL_SECTION_IN_REASONING)
+                # One marker fewer than the reading, and the bill cannot say which: the output
+                # without its end-of-turn stands for them (core/candidates.py lists each).
+                output, ended = outputs[proof.output_reading], False
+                issues.append(Code.TOOL_TURN_MARKER_MISSING)
             if proof.moved_to_output:
                 # The model wrote the generation prompt's end: the output starts with it.
                 output = proof.moved_to_output + output
@@ -860,27 +857,21 @@ def reconstruct(
     )
 
 
-def _may_hold_section(model: Model, answer: AnswerFields, issues: Sequence[str]) -> bool:
-    """Tool calls and no content at all: the model may have written its tool-call section
-    before the think-end (inside its reasoning) and a parser that ends reasoning at the section
-    took the calls out; the bill decides (core/prompt_proof.py), where nothing else in the
-    answer can change its length (whitespace-only content may be the stack's own)."""
-    out = model.format.output
-    return (
-        bool(answer.tool_calls)
-        and not answer.content
-        and out.think_end is not None
-        and not LENGTH_AMBIGUOUS.intersection(issues)
-    )
-
-
-def _without_think_end(model: Model, pieces: Sequence[Piece]) -> list[Piece] | None:
-    """The pieces without their first think-end marker (None when there is none)."""
-    name = model.format.output.think_end
-    for index, piece in enumerate(pieces):
-        if isinstance(piece, Marker) and piece.name == name:
-            return [*pieces[:index], *pieces[index + 1 :]]
-    return None
+def _one_marker_short(
+    model: Model, answer: AnswerFields, issues: Sequence[str], output: list[int], ended: bool
+) -> list[int] | None:
+    """A tool-call turn may lack one marker that no parser needs to read it (AtlasCloud bills
+    all four of its recorded tool-call turns one id under the reading, docs/wild.md): the tool
+    section written inside the reasoning (no think-end), the end-of-turn never generated after
+    the section, a closing tool marker or the `<think>` the model was left not written. Their
+    stand-in for the bill: the output without its end-of-turn; weighed only where nothing else
+    in the answer can change its length (whitespace-only content may be the stack's own)."""
+    if not (answer.tool_calls and ended) or LENGTH_AMBIGUOUS.intersection(issues):
+        return None
+    end = model.constant_ids(model.format.output.end)
+    if not end or len(output) <= len(end) or tuple(output[-len(end) :]) != end:
+        return None
+    return output[: -len(end)]
 
 
 def _other_model(model: Model, response: Any) -> bool:

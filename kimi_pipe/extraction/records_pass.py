@@ -68,7 +68,7 @@ def resolve_records(
     for sid, (raw, rec) in latest.items():
         if mine is not None and not mine(sid):
             continue
-        why = resolvable(rec)
+        why = resolvable(rec, max_options=settings.max_options)
         if why is None and scorer is None:
             why = "backend_cannot_score"
         if why is None and _already_scored(rec, scorer.model_name, settings):  # type: ignore[union-attr]
@@ -79,10 +79,8 @@ def resolve_records(
             continue
         assert scorer is not None
         new = score_record(rec, scorer, settings)
-        if new is None:
-            counts["not_resolved_no_sampling_or_too_many"] = (
-                counts.get("not_resolved_no_sampling_or_too_many", 0) + 1
-            )
+        if new is None:  # no temperature known (a set too large was counted above)
+            counts["not_resolved_no_sampling"] = counts.get("not_resolved_no_sampling", 0) + 1
             continue
         key = "resolved" if new.get("ok") else TARGET_UNRESOLVED
         counts[key] = counts.get(key, 0) + 1

@@ -311,8 +311,9 @@ def blocking_issues(codes: Sequence[str]) -> set[str]:
     return {c for c in codes if c not in NOTES and c not in LOGPROB_NOTES}
 
 
-def resolvable(record: Mapping[str, Any]) -> str | None:
-    """Why the record cannot go to the target (None: it can)."""
+def resolvable(record: Mapping[str, Any], *, max_options: int | None = None) -> str | None:
+    """Why the record cannot go to the target (None: it can). `max_options`: the most options
+    the target scores (resolve.max_options); None: any number."""
     if record.get("ok"):
         return "already_ok"
     cands = record.get("candidates")
@@ -325,6 +326,8 @@ def resolvable(record: Mapping[str, Any]) -> str | None:
         return "no_options"
     if len(options) < 2 and not (isinstance(options[0], Mapping) and options[0].get("points")):
         return "no_options"
+    if max_options is not None and len(options) > max_options:
+        return "too_many_options"
     diverge = cands.get("diverge_at")
     if not isinstance(diverge, int) or diverge < 0:
         return "no_diverge_at"
