@@ -129,6 +129,32 @@ def test_closed_sets_fit_what_the_target_scores(
 
 
 @pytest.mark.kimi
+def test_the_report_counts_what_extraction_takes(wild: list, tmp_path: Path) -> None:
+    """The report's resolvable tokens (the routing by exact tokens per dollar) are the records
+    extraction's target resolution takes: not a closed set beside another error (an answer
+    check added after reconstruction), nor one over the run's `resolve.max_options`."""
+    from kimi_pipe.core.record_builder import mark_flagged
+    from kimi_pipe.reporting.runs import Run
+    from kimi_pipe.reporting.stats import run_yield
+
+    # Records with a proven prefix are counted as prefix tokens, not here (core/token_yield.py).
+    taken = [r for _, r in wild if reaches_training(r) and r["evidence"] == "unresolved"]
+    assert len(taken) == 11
+    bought = sum(r["completion_tokens_reported"] for r in taken)
+
+    def resolvable_tokens(records: list[dict[str, Any]], config: dict[str, Any]) -> int:
+        run = Run(name="r", path=tmp_path, records=records, config=config, summary={})
+        return int(run_yield(run)["resolvable_tokens"])
+
+    assert resolvable_tokens(taken, {}) == bought
+    flagged = [dict(mark_flagged(copy.deepcopy(r), ["other_provider"])) for r in taken]
+    assert resolvable_tokens(flagged, {}) == 0
+    largest = max(len(r["candidates"]["options"]) for r in taken)
+    assert resolvable_tokens(taken, {"resolve": {"max_options": largest}}) == bought
+    assert resolvable_tokens(taken, {"resolve": {"max_options": 1}}) == 0
+
+
+@pytest.mark.kimi
 def test_think_written_by_the_model_moves_the_boundary(wild: list, kimi: Model) -> None:
     """Moonshot AI's and AtlasCloud's bills: prompt one id short of the rendering, completion
     one over the reading. The model wrote `<think>`: it starts the output, and the loss mask

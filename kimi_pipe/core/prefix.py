@@ -38,25 +38,14 @@ from kimi_pipe.core.evidence import (
     has_prefix,
     taken_whole,
 )
-from kimi_pipe.core.issue_codes import CLASS_OF_CODE, LOGPROB_NOTES, TARGET_UNRESOLVED, Code
-from kimi_pipe.core.issue_codes import RECONSTRUCTION_NOTES as NOTES
+from kimi_pipe.core.issue_codes import CLASS_OF_CODE, TARGET_UNRESOLVED
+from kimi_pipe.core.resolvability import blocking_issues, covered_codes
 from kimi_pipe.core.token_record import TokenRecord
 
 # TARGET_UNRESOLVED: the target's scoring left the set unresolved, a verdict on the set, not
 # another ambiguity.
-# A stripped tail that billing saw shows as billing_mismatch, which the tail's options cover.
-_TAIL_CLASSES = frozenset({"reasoning_tail"})
 RULE = "closed set: ids every listed reading shares"
 OPEN_RULE = "open set, doubts only after the reasoning's text: ids every reading shares"
-
-
-def covered_codes(candidates: Mapping[str, Any]) -> frozenset[str]:
-    """Error codes a candidate set accounts for (the codes of its classes)."""
-    classes = set(candidates.get("classes") or [])
-    codes = {code for code, cls in CLASS_OF_CODE.items() if cls in classes}
-    if classes & _TAIL_CLASSES:
-        codes.add(Code.BILLING_MISMATCH)
-    return frozenset(codes)
 
 
 def _ids(value: Any) -> list[int] | None:
@@ -128,8 +117,7 @@ def proven_prefix(record: Mapping[str, Any]) -> dict[str, Any] | None:
     if NEVER_USABLE & set(issues):
         return None
     covered = covered_codes(cands)
-    blocking = {c for c in issues if c not in NOTES and c not in LOGPROB_NOTES}
-    if blocking - covered - {TARGET_UNRESOLVED}:
+    if blocking_issues(issues) - covered - {TARGET_UNRESOLVED}:
         return None
     readings = _readings(record)
     if readings is None:

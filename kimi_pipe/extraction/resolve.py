@@ -39,11 +39,14 @@ from typing import Any, Protocol, cast
 import torch
 
 from kimi_pipe.core.evidence import UNRESOLVED as UNRESOLVED
-from kimi_pipe.core.issue_codes import CLASS_OF_CODE, RESOLVED_BY_TARGET, TARGET_UNRESOLVED, Code
+from kimi_pipe.core.issue_codes import RESOLVED_BY_TARGET, TARGET_UNRESOLVED
 from kimi_pipe.core.issue_codes import TARGET_RESOLVED as TARGET_RESOLVED  # one home
-from kimi_pipe.core.logprobs import LOGPROB_NOTES
 from kimi_pipe.core.prefix import with_prefix
-from kimi_pipe.core.reconstruction import NOTES
+
+# The gate to the target, pure (the report asks it too): resolve's public names.
+from kimi_pipe.core.resolvability import blocking_issues as blocking_issues
+from kimi_pipe.core.resolvability import covered_codes as covered_issues
+from kimi_pipe.core.resolvability import resolvable as resolvable
 from kimi_pipe.core.token_record import TokenRecord
 from kimi_pipe.extraction.resolve_settings import ResolveSettings as ResolveSettings
 from kimi_pipe.extraction.sampler import (  # noqa: F401  (re-exported: resolve's public names)
@@ -61,10 +64,6 @@ log = logging.getLogger("kimi_pipe.resolve")
 RESOLVED_NOTE = RESOLVED_BY_TARGET
 # The run directory's lock (store/run_lock.py): generate holds it.
 LOCK_FILE = LOCK
-
-# A stripped tail that billing saw shows as billing_mismatch, which the tail's enumeration
-# covers (covered_issues).
-_TAIL_CLASSES = frozenset({"reasoning_tail", "content_tail"})
 
 
 # --------------------------------------------------------------------------- scoring
@@ -293,89 +292,6 @@ def decide_points(
         "logprobs": [None if lp == -math.inf else lp for lp in logprobs],
         "resolved": posterior >= settings.min_posterior,
     }
-
-
-def covered_issues(candidates: Mapping[str, Any]) -> frozenset[str]:
-    """Error codes a candidate set accounts for (its classes', core/issue_codes.CLASS_OF_CODE)."""
-    table = CLASS_OF_CODE
-    classes = set(candidates.get("classes") or [])
-    codes = {code for code, cls in table.items() if cls in classes}
-    if classes & _TAIL_CLASSES:
-        codes.add(Code.BILLING_MISMATCH)
-    return frozenset(codes)
-
-
-def blocking_issues(codes: Sequence[str]) -> set[str]:
-    """The codes that make a record unusable (notes do not; an unknown code does)."""
-
-    return {c for c in codes if c not in NOTES and c not in LOGPROB_NOTES}
-
-
-def resolvable(record: Mapping[str, Any], *, max_options: int | None = None) -> str | None:
-    """Why the record cannot go to the target (None: it can). `max_options`: the most options
-    the target scores (resolve.max_options); None: any number."""
-    if record.get("ok"):
-        return "already_ok"
-    cands = record.get("candidates")
-    if not isinstance(cands, Mapping):
-        return "no_candidates"
-    if cands.get("closed") is not True:
-        return "open_set"
-    options = cands.get("options")
-    if not isinstance(options, list) or not options:
-        return "no_options"
-    if len(options) < 2 and not (isinstance(options[0], Mapping) and options[0].get("points")):
-        return "no_options"
-    if max_options is not None and len(options) > max_options:
-        return "too_many_options"
-    diverge = cands.get("diverge_at")
-    if not isinstance(diverge, int) or diverge < 0:
-        return "no_diverge_at"
-    for opt in options:
-        ids = opt.get("output_ids") if isinstance(opt, Mapping) else None
-        mask = opt.get("loss_mask") if isinstance(opt, Mapping) else None
-        if not isinstance(ids, list) or not all(isinstance(t, int) and t >= 0 for t in ids):
-            return "bad_option"
-        if not isinstance(mask, list) or len(ids) < diverge:
-            return "bad_option"
-        if len(mask) not in (len(ids), len(record.get("prompt_ids") or []) + len(ids)):
-            return "bad_option"
-        if opt.get("points") is not None and not _points_fit(opt["points"], ids):
-            return "bad_option"
-    if len({tuple(o["output_ids"]) for o in options}) != len(options):
-        return "duplicate_options"
-    rest = blocking_issues(record.get("issues") or []) - covered_issues(cands) - {TARGET_UNRESOLVED}
-    if rest:
-        return "other_issues"  # only a record whose one ambiguity is this set may be resolved
-    return None
-
-
-def _points_fit(points: Any, ids: Sequence[int]) -> bool:
-    """An option's choice points (core/candidates.ChoicePoint) are well formed: in order, apart,
-    inside the option, each alternative as long as the span it replaces, the option's own ids
-    first, no two alike."""
-    if not isinstance(points, list) or not points:
-        return False
-    end = 0
-    for point in points:
-        at = point.get("at") if isinstance(point, Mapping) else None
-        alternatives = point.get("alternatives") if isinstance(point, Mapping) else None
-        if not isinstance(at, int) or at < end or not isinstance(alternatives, list):
-            return False
-        if not alternatives or not all(
-            isinstance(a, list) and all(isinstance(t, int) and t >= 0 for t in a)
-            for a in alternatives
-        ):
-            return False
-        n = len(alternatives[0])
-        if not n or at + n > len(ids) or any(len(a) != n for a in alternatives):
-            return False
-        if list(ids[at : at + n]) != alternatives[0]:
-            return False
-        if len({tuple(a) for a in alternatives}) != len(alternatives):
-            return False
-        end = at + n
-    return True
 
 
 def option_ids(option: Mapping[str, Any], choices: Sequence[int] | None) -> list[int]:

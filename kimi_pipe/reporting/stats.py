@@ -13,7 +13,9 @@ from typing import Any
 
 from kimi_pipe.core.evidence import UNRESOLVED, evidence_of, parse_accept
 from kimi_pipe.core.issue_codes import COST_BELOW_LISTED_PRICE, NONCANONICAL_SPLIT
+from kimi_pipe.core.resolvability import resolvable
 from kimi_pipe.core.token_yield import completion_tokens_bought, token_yield
+from kimi_pipe.extraction.resolve_settings import ResolveSettings
 from kimi_pipe.reporting.runs import Run
 
 # Notes that prove a record exact rather than doubt it (core/logprobs.py).
@@ -349,14 +351,17 @@ def run_yield(run: Run) -> dict[str, Any]:
         price_out_per_token=price / 1e6 if price is not None else None,
         spend_usd=_num(run.summary.get("spend_usd")),
     )
-    # Tokens of closed candidate sets the target may resolve at extraction (the routing by
-    # exact tokens per dollar counts them at the calibration's resolution rate).
+    # Tokens of the records extraction's target resolution takes (the routing by exact tokens
+    # per dollar counts them at the calibration's resolution rate): a closed set it scores and
+    # nothing else blocking, as extraction asks; not a closed set beside another error.
+    max_options = _dig(run.config, "resolve", "max_options")
+    if type(max_options) is not int:
+        max_options = ResolveSettings().max_options
     block["resolvable_tokens"] = sum(
         completion_tokens_bought(r)
         for r in run.records
         if not r.get("error")
         and evidence_of(r) == UNRESOLVED
-        and isinstance(r.get("candidates"), dict)
-        and r["candidates"].get("closed")
+        and resolvable(r, max_options=max_options) is None
     )
     return block
