@@ -7,7 +7,7 @@ per row: docs/wild.md) goes through the one reconstruction entry (core/record_bu
 under the default `unknown` profile, as `reconstruct` and `generate` run it. Per provider:
   proven       ok: ids proven by text, profile and bill
   resolvable   not ok, a closed candidate set extraction's target resolution takes
-               (extraction/resolve.resolvable, with the default resolve.max_options)
+               (core/resolvability.resolvable, with the default resolve.max_options)
   lost         neither; the codes say why (every blocking one, notes left out: `lost_because`),
                and how many ids of them a proven prefix keeps
                (`prefix_proven`: an open set whose doubts lie only after the reasoning's text,
@@ -39,8 +39,8 @@ from kimi_pipe.config import compose
 from kimi_pipe.core.models import load_model
 from kimi_pipe.core.prefix import exact_output_tokens
 from kimi_pipe.core.record_builder import RecordBuilder
+from kimi_pipe.core.resolvability import blocking_issues, covered_codes, resolvable
 from kimi_pipe.core.serving import ServingProfile, serving_profile
-from kimi_pipe.extraction.resolve import blocking_issues, covered_issues, resolvable
 from kimi_pipe.extraction.resolve_settings import ResolveSettings
 from kimi_pipe.reporting.recommend import ProviderYield, route_by_exact_tokens
 
@@ -70,7 +70,7 @@ def build(builder: RecordBuilder, row: dict[str, Any]) -> dict[str, Any]:
 
 def fate(record: dict[str, Any]) -> str:
     """As extraction sees the record: proven, or one its target resolution takes
-    (extraction/resolve.resolvable: a closed set of at most the default resolve.max_options
+    (core/resolvability.resolvable: a closed set of at most the default resolve.max_options
     options and nothing else blocking), or lost."""
     if record["ok"]:
         return "proven"
@@ -83,7 +83,7 @@ def lost_because(record: Mapping[str, Any]) -> list[str]:
     set's own (an open set: the ambiguities it could not list). Notes never."""
     cands = record.get("candidates")
     blocking = blocking_issues(record.get("issues") or [])
-    covered = covered_issues(cands) if isinstance(cands, Mapping) else frozenset()
+    covered = covered_codes(cands) if isinstance(cands, Mapping) else frozenset()
     return sorted(blocking - covered) or sorted(blocking)
 
 
