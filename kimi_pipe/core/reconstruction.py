@@ -803,21 +803,20 @@ def reconstruct(
         # (prove_prompt's own first answer, without building it).
         if billed_prompt is not None and readings is not None and prompt_seen and output:
             # The bill proves the prompt and the prompt/output boundary together.
-            short = _one_marker_short(model, answer, issues, output, ended)
-            outputs = [output] + ([short] if short is not None else [])
+            end = _one_marker_short(model, answer, issues, output, ended)
             proof = prove_prompt(
                 readings,
                 billed_prompt=billed_prompt,
                 billed_completion=reported,
-                output_lengths=[len(o) for o in outputs],
+                output_lengths=[len(output)] + ([len(output) - end] if end else []),
                 tolerance=billing_tolerance,
             )
             prompt_seen = proof.ids
             issues += proof.issues
-            if proof.output_reading:
+            if proof.output_reading and end:
                 # One marker fewer than the reading, and the bill cannot say which: the output
                 # without its end-of-turn stands for them (core/candidates.py lists each).
-                output, ended = outputs[proof.output_reading], False
+                output, ended = output[:-end], False
                 issues.append(Code.TOOL_TURN_MARKER_MISSING)
             if proof.moved_to_output:
                 # The model wrote the generation prompt's end: the output starts with it.
@@ -859,19 +858,20 @@ def reconstruct(
 
 def _one_marker_short(
     model: Model, answer: AnswerFields, issues: Sequence[str], output: list[int], ended: bool
-) -> list[int] | None:
+) -> int | None:
     """A tool-call turn may lack one marker that no parser needs to read it (AtlasCloud bills
     all four of its recorded tool-call turns one id under the reading, docs/wild.md): the tool
     section written inside the reasoning (no think-end), the end-of-turn never generated after
     the section, a closing tool marker or the `<think>` the model was left not written. Their
-    stand-in for the bill: the output without its end-of-turn; weighed only where nothing else
-    in the answer can change its length (whitespace-only content may be the stack's own)."""
+    stand-in for the bill: the output without its end-of-turn, whose length this returns (the
+    ids are cut only where the bill picks it); weighed only where nothing else in the answer
+    can change its length (whitespace-only content may be the stack's own)."""
     if not (answer.tool_calls and ended) or LENGTH_AMBIGUOUS.intersection(issues):
         return None
     end = model.constant_ids(model.format.output.end)
     if not end or len(output) <= len(end) or tuple(output[-len(end) :]) != end:
         return None
-    return output[: -len(end)]
+    return len(end)
 
 
 def _other_model(model: Model, response: Any) -> bool:
