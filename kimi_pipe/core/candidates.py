@@ -32,6 +32,7 @@ apart, the product of two classes would have no home.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import weakref
 from collections.abc import Mapping, Sequence
@@ -196,9 +197,10 @@ def enumerate_candidates(
 ) -> Candidates | None:
     """Every id sequence the answer may stand for, or None when its flags are not of a class
     this module enumerates (or nothing fits)."""
-    found = _enumerate(
-        model, messages, tools, response, rec, profile=profile, billing_tolerance=billing_tolerance
+    enumerate_with = functools.partial(
+        _enumerate, model, messages, tools, response, rec, profile, billing_tolerance
     )
+    found = enumerate_with(factor_edges=False)
     if (
         found is not None
         and found.closed
@@ -208,16 +210,7 @@ def enumerate_candidates(
     ):
         # More whole sequences than extraction's target scores (resolve.max_options): the
         # arguments' edges as choice points stand for the same sequences in fewer options.
-        factored = _enumerate(
-            model,
-            messages,
-            tools,
-            response,
-            rec,
-            profile=profile,
-            billing_tolerance=billing_tolerance,
-            factor_edges=True,
-        )
+        factored = enumerate_with(factor_edges=True)
         if factored is not None and factored.closed and len(factored.options) < len(found.options):
             return factored
     return found
@@ -229,10 +222,10 @@ def _enumerate(
     tools: Sequence[Mapping[str, Any]] | None,
     response: Any,
     rec: Reconstruction,
-    *,
     profile: ServingProfile,
     billing_tolerance: int,
-    factor_edges: bool = False,
+    *,
+    factor_edges: bool,
 ) -> Candidates | None:
     errors = _errors(rec.issues)
     if not errors or not rec.prompt_ids:
