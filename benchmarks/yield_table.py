@@ -29,6 +29,7 @@ from kimi_pipe.config import compose  # noqa: E402
 from kimi_pipe.core.models import Model, load_model  # noqa: E402
 from kimi_pipe.core.record_builder import RecordBuilder  # noqa: E402
 from kimi_pipe.core.serving import ServingProfile  # noqa: E402
+from tests.support.candidate_sets import sequences_of  # noqa: E402
 from tests.support.server_shapes import SHAPES, declared_profile  # noqa: E402
 
 HAND = ROOT / "tests" / "fixtures" / "kimi_k25_responses.jsonl"
@@ -49,25 +50,8 @@ def classify(record: dict[str, Any], truth: list[int] | None) -> Counter[str]:
         counts["open"] += 1
     else:
         counts["resolvable"] += 1
-        counts["misses"] += truth is not None and not any(
-            stands_for(o, truth) for o in cands["options"]
-        )
+        counts["misses"] += truth is not None and tuple(truth) not in sequences_of(cands["options"])
     return counts
-
-
-def stands_for(option: dict[str, Any], ids: list[int]) -> bool:
-    """`ids` is one of the sequences the option stands for: its own ids, with any alternative
-    at each choice point (core/candidates.ChoicePoint)."""
-    own = option["output_ids"]
-    if len(ids) != len(own):
-        return False
-    start = 0
-    for point in option.get("points") or []:
-        at, n = point["at"], len(point["alternatives"][0])
-        if ids[start:at] != own[start:at] or ids[at : at + n] not in point["alternatives"]:
-            return False
-        start = at + n
-    return ids[start:] == own[start:]
 
 
 def hand_cases(model: Model) -> list[tuple[dict[str, Any], list[int] | None]]:
