@@ -22,7 +22,8 @@ from stack_models import Answer, vllm_0_33
 from kimi_pipe.core.models import Model
 from kimi_pipe.core.record_builder import RecordBuilder
 from kimi_pipe.core.serving import UNKNOWN_PROFILE
-from tests.support.candidate_sets import sequences_of
+from kimi_pipe.extraction.split_check import vocabulary_of
+from tests.support.candidate_sets import covers, sequences_of
 from tests.test_closed_sets import declared, pieces
 
 TOOLS = [
@@ -95,6 +96,7 @@ def test_a_reading_short_of_the_bill_leaves_the_set_open(kimi: Model, profile: s
             declared("vllm_0_33"), reasoning_tail="kept", argument_edges="kept"
         ),
     }[profile]
+    vocab = vocabulary_of(kimi.tokenizer)
     for place, answer in PLACES.items():
         truth = kimi.encode(pieces(answer))
         if profile.endswith("kept") and place == "reasoning tail":
@@ -111,3 +113,7 @@ def test_a_reading_short_of_the_bill_leaves_the_set_open(kimi: Model, profile: s
         assert "may have dropped whitespace" in (candidates["why_open"] or ""), where
         # Nothing listed is the truth's reading 3 ids short: every option fits the bill.
         assert all(len(ids) == len(truth) for ids in sequences_of(candidates["options"]))
+        # But each such reading is a gap, and the truth leaves one at a site of its class:
+        # the target bounds it among the options' rivals (core/gaps.py).
+        assert candidates["gaps"], where
+        assert covers(candidates, truth, vocab), where

@@ -98,10 +98,10 @@ def test_wild_open_sets_keep_no_prefix(kimi: Model) -> None:
     billed as output, a tool-call turn one marker short of its bill) lists a reading where the
     model wrote no `<think>` at all: its readings differ at id 0 (`diverge_at`). (Until
     2026-12-07 only the tool section inside the reasoning was read there, and the ids before the
-    reasoning's last lone space, 86, were kept.) Chutes's set lists only the "marker-side
-    spaces kept" readings (the enumeration stops at MAX_OPEN_OPTIONS), but under "the stack
-    added the space after `<think>`" its reasoning starts `The`, not ` The`: a reading that
-    differs at id 0, which `diverge_at` (54) does not see and `shared_by_unlisted` does."""
+    reasoning's last lone space, 86, were kept.) Chutes's set lists the readings under "the
+    stack added the space after `<think>`" too (a bounded set is listed whole, core/gaps.py):
+    its reasoning starts `The`, not ` The`, a reading that differs at id 0, which
+    `shared_by_unlisted` saw before the listing held it."""
     builder = RecordBuilder(kimi)
     found = {}
     for row in rows("kimi_k25_wild.jsonl"):
@@ -115,7 +115,8 @@ def test_wild_open_sets_keep_no_prefix(kimi: Model) -> None:
     )
     assert atlas["evidence"] == UNRESOLVED and "prefix" not in atlas
     assert chutes["candidates"]["closed"] is False
-    assert chutes["candidates"]["diverge_at"] > 0
+    assert chutes["candidates"]["diverge_at"] == 0
+    assert any("marker spaces removed" in o["label"] for o in chutes["candidates"]["options"])
     assert chutes["candidates"]["shared_by_unlisted"] == 0
     assert chutes["evidence"] == UNRESOLVED and "prefix" not in chutes
 

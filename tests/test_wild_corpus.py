@@ -129,6 +129,36 @@ def test_closed_sets_fit_what_the_target_scores(
 
 
 @pytest.mark.kimi
+def test_the_open_sets_of_two_calls_are_bounded_by_their_gaps(
+    wild: list, kimi: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """AtlasCloud's and Chutes' answers to one request (two calls, `{"a": 2, "b": 3}`): a
+    coerced compact reading is short of the bill, so the stack may have dropped whitespace
+    anywhere after the reasoning's last lone space. Every such reading is a gap (core/gaps.py)
+    and the set goes to the target with them. The coercion spellings of the returned count
+    ride on each call's choice point: the same sequences as when each was an option."""
+    both = {row["provider"]: (row, r) for row, r in wild if row["id"] == "7b93cdc983"}
+    assert set(both) == {"AtlasCloud", "Chutes"}
+    split = candidates._coercion_assignments  # every spelling an option of its own
+    for provider, (row, record) in both.items():
+        cands = record["candidates"]
+        billed = record["completion_tokens_reported"]
+        assert cands["closed"] is False and cands["gaps"], provider
+        assert resolvable(record, max_options=MAX_OPTIONS) is None, provider
+        assert all(len(ids) == billed for ids in sequences_of(cands["options"]))
+        assert all(len(g["output_ids"]) < billed for g in cands["gaps"])
+        assert all(0 < g["start"] < len(g["output_ids"]) for g in cands["gaps"])
+        monkeypatch.setattr(candidates, "MAX_LISTED_OPTIONS", 10**6)
+        monkeypatch.setattr(
+            candidates, "_coercion_assignments", lambda a, t, merge_with=None: split(a, t)
+        )
+        apart = build(RecordBuilder(kimi), row)["candidates"]
+        monkeypatch.undo()
+        assert len(apart["options"]) > MAX_OPTIONS >= len(cands["options"]), provider
+        assert sequences_of(apart["options"]) == sequences_of(cands["options"]), provider
+
+
+@pytest.mark.kimi
 def test_the_report_counts_what_extraction_takes(wild: list, tmp_path: Path) -> None:
     """The report's resolvable tokens (the routing by exact tokens per dollar) are the records
     extraction's target resolution takes: not a closed set beside another error (an answer
@@ -139,7 +169,7 @@ def test_the_report_counts_what_extraction_takes(wild: list, tmp_path: Path) -> 
 
     # Records with a proven prefix are counted as prefix tokens, not here (core/token_yield.py).
     taken = [r for _, r in wild if reaches_training(r) and r["evidence"] == "unresolved"]
-    assert len(taken) == 11
+    assert len(taken) == 13  # the two bounded open sets (core/gaps.py) among them
     bought = sum(r["completion_tokens_reported"] for r in taken)
 
     def resolvable_tokens(records: list[dict[str, Any]], config: dict[str, Any]) -> int:

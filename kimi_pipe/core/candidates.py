@@ -10,9 +10,12 @@ content. For those, `enumerate_candidates` lists every id sequence consistent wi
   - the billed `completion_tokens` (each option is rebuilt by `reconstruct` and must pass the
     same billing check a proven record passes).
 A set is `closed` when the enumeration is complete under those rules; otherwise it says why
-not (`why_open`) and must never be resolved (an open set whose doubts all lie after the
-reasoning's text still proves the ids every reading shares: `shared_by_unlisted`, which
-core/prefix.py cuts at). One option in a closed set is a proof: the
+not (`why_open`) and is never resolved as a closed one (an open set whose doubts all lie after
+the reasoning's text still proves the ids every reading shares: `shared_by_unlisted`, which
+core/prefix.py cuts at). One whose only doubt is whitespace a stack dropped (GAP_DOUBTS) is
+listed whole, with its readings short of the bill as `gaps` (core/gaps.py): every sequence
+it leaves out is one of them with whitespace put back, so the target can bound them
+(extraction/gap_bounds.py). One option in a closed set is a proof: the
 record becomes `text_proven` (note `single_candidate`). Two or more are left to the target
 model (extraction/resolve.py). Schema: the `candidates` field in docs/design.md.
 
@@ -24,7 +27,7 @@ arguments between their two markers, and every same-count reading of their edges
 span of the same length there). The option then stands for every combination;
 extraction/resolve.py weighs them point by point.
 
-Why about 860 lines: the enumerations of every ambiguity class build on one another (a tail
+Why about 1,100 lines: the enumerations of every ambiguity class build on one another (a tail
 and an argument edge in the same answer multiply, and the choice points stand in for their
 product), and each is proven against the same stack models (tests/test_closed_sets.py);
 apart, the product of two classes would have no home.
@@ -57,7 +60,12 @@ from kimi_pipe.core.reconstruction import (
     undo_serving,
 )
 from kimi_pipe.core.serving import UNKNOWN, ServingProfile
-from kimi_pipe.core.token_record import CandidateOption, CandidatePoint, CandidateSet
+from kimi_pipe.core.token_record import (
+    CandidateGap,
+    CandidateOption,
+    CandidatePoint,
+    CandidateSet,
+)
 
 # Flag code -> ambiguity class this module enumerates (CLASS_OF_CODE, core/issue_codes.py).
 ENUMERABLE = frozenset(CLASS_OF_CODE)
@@ -74,6 +82,9 @@ MAX_OPEN_OPTIONS = 16  # options an open set lists before the rest are skipped
 # Whole options extraction's target scores by default (resolve.max_options): a closed set
 # listing more is enumerated again with its arguments' edges as choice points.
 MAX_LISTED_OPTIONS = 64
+# Gaps a bounded open set keeps at most (extraction runs one forward for each); more leave it
+# unbounded.
+MAX_GAPS = 256
 # Readings kept for the split check miss the bill by at most this many ids: as many as the
 # departures its search follows (core/splits.py, `max_departures`).
 READING_DISTANCE = 3
@@ -95,6 +106,42 @@ TAIL_ONLY_DOUBTS = frozenset(
         "billing leaves room for whitespace stripped from the arguments",
     }
 )
+
+# Reasons whose unlisted sequences are exactly a short reading with whitespace put back at its
+# text pieces' edges (core/gaps.py): such a set lists those readings as gaps, and the target
+# bounds what they stand for. The other TAIL_ONLY_DOUBTS leave values or spellings unlisted.
+GAP_DOUBTS = frozenset(
+    {
+        "a reading short of the bill: the stack may have dropped whitespace",
+        "billing leaves room for stripped whitespace other than newlines",
+        "billing leaves room for whitespace stripped from the arguments",
+    }
+)
+
+
+@dataclass(frozen=True)
+class Gap:
+    """A reading short of the bill, standing for itself with whitespace at its pieces' edges
+    (core/gaps.py): each such sequence has the reading's ids up to `start` at least."""
+
+    output_ids: list[int]
+    start: int
+    open_end: bool
+    section_start: int | None  # where its tool-call section opens (core/gaps.py)
+    label: str
+
+    def to_record(self) -> CandidateGap:
+        return {
+            "output_ids": self.output_ids,
+            "start": self.start,
+            "open_end": self.open_end,
+            "section_start": self.section_start,
+            "label": self.label,
+        }
+
+
+# Per call, the coercion texts of as many ids as its own that ride on its choice point.
+Spellings = list[list[str]]
 
 
 @dataclass(frozen=True)
@@ -145,6 +192,9 @@ class Candidates:
     # An open set whose only doubts lie at or after the reasoning's tail: the leading output
     # ids every reading shares, listed or not (`_shared_by_unlisted`); None otherwise.
     shared_by_unlisted: int | None = None
+    # An open set whose only doubts are GAP_DOUBTS, listed whole: the short readings that
+    # stand for every unlisted sequence (None: not bounded so).
+    gaps: list[Gap] | None = None
 
     def to_record(self) -> CandidateSet:
         out: CandidateSet = {
@@ -156,6 +206,8 @@ class Candidates:
         }
         if self.shared_by_unlisted is not None:
             out["shared_by_unlisted"] = self.shared_by_unlisted
+        if self.gaps is not None:
+            out["gaps"] = [g.to_record() for g in self.gaps]
         return out
 
     @property
@@ -172,8 +224,11 @@ class Candidates:
 
 def _enough_for_open(why_open: Sequence[str], options: Sequence[Option]) -> bool:
     """An open set is never resolved and keeps no readings: once it is known to be open,
-    MAX_OPEN_OPTIONS options show what it holds and the rest are not built."""
-    return bool(why_open) and len(options) >= MAX_OPEN_OPTIONS
+    MAX_OPEN_OPTIONS options show what it holds and the rest are not built. One whose doubts
+    are all GAP_DOUBTS is listed whole, up to what the target scores (it may be bounded)."""
+    if why_open and not set(why_open) <= GAP_DOUBTS:
+        return len(options) >= MAX_OPEN_OPTIONS
+    return bool(why_open) and len(options) > MAX_LISTED_OPTIONS
 
 
 def _errors(codes: Sequence[str]) -> set[str]:
@@ -203,7 +258,7 @@ def enumerate_candidates(
     found = enumerate_with(factor_edges=False)
     if (
         found is not None
-        and found.closed
+        and (found.closed or set((found.why_open or "").split("; ")) <= GAP_DOUBTS)
         and len(found.options) > MAX_LISTED_OPTIONS
         and Code.TOOL_ARGUMENTS_EDGES_UNVERIFIABLE in rec.issues
         and not any(o.points for o in found.options)
@@ -211,7 +266,11 @@ def enumerate_candidates(
         # More whole sequences than extraction's target scores (resolve.max_options): the
         # arguments' edges as choice points stand for the same sequences in fewer options.
         factored = enumerate_with(factor_edges=True)
-        if factored is not None and factored.closed and len(factored.options) < len(found.options):
+        if (
+            factored is not None
+            and (factored.closed or factored.gaps is not None)
+            and len(factored.options) < len(found.options)
+        ):
             return factored
     return found
 
@@ -283,8 +342,13 @@ def _enumerate(
     seen: set[tuple[int, ...]] = set()
     short: dict[tuple[int, ...], Option] = {}
     long: dict[tuple[int, ...], Option] = {}
+    # Readings short of the bill by whitespace a stack may have dropped, keyed by their ids:
+    # each stands for what the listed readings at the bill do not hold (a `Gap`).
+    short_of_bill: dict[tuple[int, ...], tuple[Reconstruction, AnswerFields, str]] = {}
+    cut = False  # the listing stopped before its end (`_enough_for_open`)
     for spacing in spacings:
         if _enough_for_open(why_open, options):
+            cut = True
             break
         hypothesis = _hypothesis(profile, spacing, enum_tail, enum_coercion)
         scratch: list[str] = []
@@ -295,7 +359,8 @@ def _enumerate(
             # Nothing left to anchor a stripped tail: the whole reasoning may have been
             # whitespace, of any length billing allows.
             why_open.append("the stack may have stripped a whitespace-only reasoning")
-        coerced_readings: list[tuple[AnswerFields, str]] = [(undone, "")]
+        no_spellings: Spellings = [[] for _ in undone.tool_calls]
+        coerced_readings: list[tuple[AnswerFields, str, Spellings]] = [(undone, "", no_spellings)]
         if enum_coercion:
             coerced_readings, complete = _coercion_assignments(undone, tools)
             if not complete:
@@ -303,43 +368,67 @@ def _enumerate(
                     "a coerced value may have had another spelling (a number, boolean or "
                     "nested value), or too many to list"
                 )
-        branches: list[tuple[AnswerFields, str, int, EdgeReadings | None]] = []
+        branches: list[tuple[AnswerFields, str, int, EdgeReadings | None, Spellings]] = []
         factored = False  # the edges as choice points of each option, not listed
-        for coerced, coercion in coerced_readings:
+        for coerced, coercion, _ in coerced_readings:
             edge_sets = _edge_assignments(model, coerced) if enum_edges else [None]
             if edge_sets is None or (factor_edges and enum_edges):
                 factored, edge_sets = True, [None]
-            branches += [(coerced, coercion, m, e) for m in moves for e in edge_sets]
+            branches += [(coerced, coercion, m, e, no_spellings) for m in moves for e in edge_sets]
         if factored or len(branches) > MAX_EDGE_READINGS * len(moves):
             # Coercion readings times edge readings, or edges of several calls: too many to
-            # rebuild one by one, so each option carries its calls' edges as choice points.
+            # rebuild one by one, so each option carries its calls' edges as choice points,
+            # and with them the spellings a coercion leaves at the same count.
             factored = True
-            branches = [(c, label, m, None) for c, label in coerced_readings for m in moves]
+            if enum_coercion and enum_edges:
+                coerced_readings, _ = _coercion_assignments(undone, tools, merge_with=model)
+            branches = [
+                (c, label, m, None, spellings)
+                for c, label, spellings in coerced_readings
+                for m in moves
+            ]
             if len(branches) > MAX_EDGE_READINGS * len(moves):
                 why_open.append("too many readings of the coerced arguments to list")
-                branches = [(undone, "", m, None) for m in moves]
-        for coerced, coercion, move, edges in branches:
+                branches = [(undone, "", m, None, no_spellings) for m in moves]
+        for coerced, coercion, move, edges, spellings in branches:
             if _enough_for_open(why_open, options):
+                cut = True
                 break
             moved = _move_space_to_arguments(coerced, trailing=move == 2) if move else coerced
             if moved is None:
                 continue
+            unedged = moved
             if edges is not None:
                 moved = _with_edges(moved, edges)
             base = _build(
                 model, messages, tools, response, moved, hypothesis, billing_tolerance, prompt
             )
-            if (
-                may_drop_whitespace
-                and reported is not None
+            short_of_it = (
+                reported is not None
                 and base.completion_tokens_reconstructed < reported - billing_tolerance
-            ):
+            )
+            if may_drop_whitespace and short_of_it:
                 # vLLM 0.33 drops a whitespace-only reasoning or content and trims arguments
                 # (a coercion rewrites them whole): ids billing saw and the text lost, at any
                 # of those places, which the listed readings at the bill do not hold.
                 why_open.append(
                     "a reading short of the bill: the stack may have dropped whitespace"
                 )
+            if short_of_it:
+                # A gap (every reading short of the bill: a stripped tail's too) is a whole
+                # reading without restored edges (edges are its whitespace): one per spelling
+                # that rides on a choice point, too.
+                what = _label(spacing if len(spacings) > 1 else None, move, "", None, coercion)
+                for spelled, spelling in _spelled(unedged, spellings):
+                    plain = (
+                        base
+                        if edges is None and not spelling
+                        else _build(
+                            model, messages, tools, response, spelled, hypothesis, 0, prompt
+                        )
+                    )
+                    named = "; ".join(p for p in (spelling, what) if p)
+                    short_of_bill.setdefault(tuple(plain.output_ids), (plain, spelled, named))
             near_tails = [""]
             tails = [""]
             rebuild = _TailBuilds(model, messages, tools, response, moved, hypothesis, prompt, base)
@@ -403,7 +492,7 @@ def _enumerate(
                     continue
                 points: list[ChoicePoint] = []
                 if factored and enum_edges:
-                    found = _edge_points(model, moved, rebuilt.output_ids)
+                    found = _edge_points(model, moved, rebuilt.output_ids, spellings)
                     if found is None:
                         why_open.append("an argument's ids could not be told apart in the output")
                     points = found or []
@@ -439,6 +528,9 @@ def _enumerate(
     if why_open and set(why_open) <= TAIL_ONLY_DOUBTS:
         hypotheses = [_hypothesis(profile, s, enum_tail, enum_coercion) for s in spacings]
         shared = _shared_by_unlisted(model, answer, hypotheses, tools, prompt, response, options)
+    gaps = None
+    if why_open and set(why_open) <= GAP_DOUBTS and not cut:
+        gaps = _gaps(model, short_of_bill.values(), enum_missing, seen)
     return Candidates(
         closed=not why_open,
         why_open="; ".join(dict.fromkeys(why_open)) or None,
@@ -448,7 +540,65 @@ def _enumerate(
         short=[o for key, o in short.items() if key not in seen],
         long=[o for key, o in long.items() if key not in seen],
         shared_by_unlisted=shared,
+        gaps=gaps,
     )
+
+
+def _gaps(
+    model: Model,
+    readings: Any,
+    enum_missing: bool,
+    listed: set[tuple[int, ...]],
+) -> list[Gap] | None:
+    """The gaps of an open set whose doubts are all GAP_DOUBTS: each reading short of the bill
+    (and, where the turn may be one marker short, each of its missing-marker readings), with
+    the ids before its reasoning's last lone space as its start; None where one has no start
+    proven so (its sequences may then differ anywhere: the set stays unbounded), or where
+    there are more than MAX_GAPS."""
+    end = list(model.constant_ids(model.format.output.end))
+    kind, name = (model.format.output.tool_calls.parts or [("", "")])[0]
+    opening = model.markers.get(name) if kind == "marker" else None
+    gaps: dict[tuple[int, ...], Gap] = {}
+    for rebuilt, answer, label in readings:
+        variants = [(rebuilt.output_ids, label)]
+        if enum_missing and answer.tool_calls and rebuilt.output_ids[-len(end) :] == end:
+            cut_end = replace(
+                rebuilt,
+                output_ids=rebuilt.output_ids[: -len(end)],
+                loss_mask=rebuilt.loss_mask[: -len(end)],
+            )
+            variants += [
+                (ids, what)
+                for ids, _, what, _ in _missing_marker_readings(model, answer, cut_end, label, [])
+            ]
+        for ids, what in variants:
+            if tuple(ids) in listed or tuple(ids) in gaps:
+                continue
+            start = _gap_start(model, ids)
+            if start is None:
+                return None
+            open_end = not end or list(ids[-len(end) :]) != end
+            section = _index(ids, opening, last=False)
+            gaps[tuple(ids)] = Gap(list(ids), start, open_end, section, what)
+            if len(gaps) > MAX_GAPS:
+                return None
+    return list(gaps.values())
+
+
+def _gap_start(model: Model, ids: Sequence[int]) -> int | None:
+    """How many leading ids every sequence a short reading stands for shares with it: its
+    markers before the first text, and that text's ids before its last lone space
+    (`_head_of_text`). None where that is not shown."""
+    markers = set(model.markers.values())
+    first = next((i for i, t in enumerate(ids) if t not in markers), None)
+    if first is None:
+        return None
+    stop = next((i for i in range(first, len(ids)) if ids[i] in markers), len(ids))
+    text = model.tokenizer.decode(ids[first:stop])
+    head = _head_of_text(model, text, text)
+    if head is None or list(ids[first : first + len(head)]) != head:
+        return None
+    return first + len(head)
 
 
 def _hypothesis(
@@ -514,8 +664,24 @@ _CHECK_SUFFIXES = (" ", "\n", "\n\n", " \n", "\t", "  ", "\r\n", " \t \t")
 def _reasoning_head(model: Model, pieces: Sequence[Piece], reasoning: str) -> list[int] | None:
     """The output ids up to the reasoning's last lone space (the markers before it, then its
     text's ids), which any whitespace appended to the reasoning leaves as they are; None
+    where that is not shown (`_head_of_text`)."""
+    ids: list[int] = []  # the markers before the output's first text
+    joined = ""  # that text, up to the next marker
+    for piece in pieces:
+        if isinstance(piece, Marker):
+            if joined:
+                break
+            ids.append(model.markers[piece.name])
+        else:
+            joined += piece
+    head = _head_of_text(model, joined, reasoning)
+    return None if head is None else ids + head
+
+
+def _head_of_text(model: Model, joined: str, reasoning: str) -> list[int] | None:
+    """The ids of `joined` (an output's first text) up to `reasoning`'s last lone space; None
     where that is not shown: no lone space, marker names in the reasoning (read as markers
-    where the bill says so), the reasoning not found in the output's first text."""
+    where the bill says so), the reasoning not found in the text."""
     core = reasoning.strip()
     if not core or any(name in reasoning for name in model.markers):
         return None
@@ -527,15 +693,6 @@ def _reasoning_head(model: Model, pieces: Sequence[Piece], reasoning: str) -> li
         ),
         None,
     )
-    ids: list[int] = []  # the markers before the output's first text
-    joined = ""  # that text, up to the next marker
-    for piece in pieces:
-        if isinstance(piece, Marker):
-            if joined:
-                break
-            ids.append(model.markers[piece.name])
-        else:
-            joined += piece
     start = joined.find(core)
     if cut is None or start < 0:
         return None
@@ -545,7 +702,7 @@ def _reasoning_head(model: Model, pieces: Sequence[Piece], reasoning: str) -> li
     texts = [joined] + [joined[: start + len(core)] + s for s in _CHECK_SUFFIXES]
     if any(encode(t)[: len(head)] != head for t in texts):
         return None
-    return ids + head
+    return head
 
 
 def _output_lead(prompt: Sequence[int] | PromptReadings, response: Any) -> list[int] | None:
@@ -764,19 +921,31 @@ def _edge_assignments(model: Model, answer: AnswerFields) -> list[EdgeReadings] 
 
 
 def _edge_points(
-    model: Model, answer: AnswerFields, output_ids: Sequence[int]
+    model: Model,
+    answer: AnswerFields,
+    output_ids: Sequence[int],
+    spellings: Spellings | None = None,
 ) -> list[ChoicePoint] | None:
-    """One choice point per call whose argument edges have several same-count readings: where
-    its arguments' ids stand alone between two markers (encoded on their own there, so any
-    reading's ids can replace them), every reading's ids. None when a call's arguments are
-    not found that way, or a reading's ids differ in length (never a guessed position)."""
+    """One choice point per call whose argument edges have several same-count readings (or
+    whose `spellings` hold other texts of its count): where its arguments' ids stand alone
+    between two markers (encoded on their own there, so any reading's ids can replace them),
+    every reading's ids, of each spelling. None when a call's arguments are not found that
+    way, or a reading's ids differ in length (never a guessed position)."""
     encode = model.tokenizer.encode_ordinary
     markers = set(model.markers.values())
     points: list[ChoicePoint] = []
     cursor = 0
     for n, call in enumerate(answer.tool_calls):
-        readings = argument_edge_readings(model, call)
-        if len(readings) < 2:
+        texts: list[str | None] = [None]
+        if spellings and n < len(spellings) and spellings[n]:
+            texts = list(spellings[n])
+        per_text = []
+        for text in texts:
+            spelled = call
+            if text is not None:
+                spelled = {**call, "function": {**call["function"], "arguments": text}}
+            per_text.append((text, argument_edge_readings(model, spelled)))
+        if sum(len(readings) for _, readings in per_text) < 2:
             continue
         arguments = call["function"]["arguments"]  # a string: argument_edge_readings said so
         own = encode(arguments)
@@ -784,20 +953,49 @@ def _edge_points(
         if at is None:
             return None
         alternatives: dict[tuple[int, ...], str] = {}
-        for lead, trail in readings:
-            ids = tuple(encode(lead + arguments + trail))
-            if len(ids) != len(own):
-                return None
-            label = (
-                f"call {n} arguments' edges {lead!r} / {trail!r} restored" if lead or trail else ""
+        for text, readings in per_text:
+            spelled_text = arguments if text is None else text
+            written = (
+                f"call {n} arguments written {text!r}" if text not in (None, arguments) else ""
             )
-            alternatives.setdefault(ids, label or "as returned")
+            for lead, trail in readings:
+                ids = tuple(encode(lead + spelled_text + trail))
+                if len(ids) != len(own):
+                    return None
+                edged = (
+                    f"call {n} arguments' edges {lead!r} / {trail!r} restored"
+                    if lead or trail
+                    else ""
+                )
+                label = "; ".join(p for p in (written, edged) if p)
+                alternatives.setdefault(ids, label or "as returned")
         if len(alternatives) > 1:
             points.append(
                 ChoicePoint(at, [list(ids) for ids in alternatives], list(alternatives.values()))
             )
         cursor = at + len(own)
     return points
+
+
+def _spelled(answer: AnswerFields, spellings: Spellings) -> list[tuple[AnswerFields, str]]:
+    """The answer with each combination of its calls' spellings (core/coercion.py's texts that
+    ride on a choice point), labelled; the answer alone where none is another text."""
+    groups = [
+        [t for t in group if t != call["function"]["arguments"]]
+        for call, group in zip(answer.tool_calls, spellings, strict=False)
+    ]
+    per_call: list[list[str | None]] = [[None, *group] for group in groups]
+    out = []
+    for combo in itertools.product(*per_call):
+        calls, parts = [], []
+        for n, (call, text) in enumerate(zip(answer.tool_calls, combo, strict=False)):
+            if text is not None:
+                call = {**call, "function": {**call["function"], "arguments": text}}
+                parts.append(f"call {n} arguments written {text!r}")
+            calls.append(call)
+        calls += list(answer.tool_calls[len(combo) :])
+        out.append((replace(answer, tool_calls=calls) if parts else answer, "; ".join(parts)))
+    return out
 
 
 def _isolated_span(
@@ -818,36 +1016,46 @@ def _isolated_span(
 
 
 def _coercion_assignments(
-    answer: AnswerFields, tools: Sequence[Mapping[str, Any]] | None
-) -> tuple[list[tuple[AnswerFields, str]], bool]:
+    answer: AnswerFields,
+    tools: Sequence[Mapping[str, Any]] | None,
+    merge_with: Model | None = None,
+) -> tuple[list[tuple[AnswerFields, str, Spellings]], bool]:
     """Every combination of the calls' coercion readings (core/coercion.py), each with its
-    label, and whether the list is complete (every call's readings are, and there are at most
-    MAX_EDGE_READINGS combinations)."""
-    per_call: list[list[tuple[str | None, str]]] = []
+    label and each call's spellings (the text it holds, or with `merge_with` a model: every
+    text of as many ids as the returned one, which ride on the call's choice point instead of
+    being combinations of their own), and whether the list is complete (every call's readings
+    are, and there are at most MAX_EDGE_READINGS combinations)."""
+    per_call: list[list[tuple[str | None, str, list[str]]]] = []
     complete = True
     for n, readings in enumerate(coercion_readings_of(answer.tool_calls, tools)):
         if readings is None:
-            per_call.append([(None, "")])
+            per_call.append([(None, "", [])])
             continue
         complete = complete and readings.complete
-        listed: list[tuple[str | None, str]] = [(readings.texts[0], "")]
-        listed += [(text, f"call {n} arguments written {text!r}") for text in readings.texts[1:]]
+        first, others = readings.texts[0], list(readings.texts[1:])
+        group = [first]
+        if merge_with is not None:
+            count = len(merge_with.tokenizer.encode_ordinary(first))
+            group += [t for t in others if len(merge_with.tokenizer.encode_ordinary(t)) == count]
+            others = [t for t in others if t not in group]
+        listed: list[tuple[str | None, str, list[str]]] = [(first, "", group)]
+        listed += [(text, f"call {n} arguments written {text!r}", [text]) for text in others]
         per_call.append(listed)
     total = 1
     for options in per_call:
         total *= len(options)
     if total > MAX_EDGE_READINGS:
-        return [(answer, "")], False
+        return [(answer, "", [[] for _ in answer.tool_calls])], False
     out = []
     for combo in itertools.product(*per_call):
         calls = []
-        for call, (text, _) in zip(answer.tool_calls, combo, strict=True):
+        for call, (text, _, _) in zip(answer.tool_calls, combo, strict=True):
             function = call.get("function")
             if text is not None and isinstance(function, Mapping):
                 call = {**call, "function": {**function, "arguments": text}}
             calls.append(call)
-        label = "; ".join(part for _, part in combo if part)
-        out.append((replace(answer, tool_calls=calls), label))
+        label = "; ".join(part for _, part, _ in combo if part)
+        out.append((replace(answer, tool_calls=calls), label, [group for _, _, group in combo]))
     return out, complete
 
 

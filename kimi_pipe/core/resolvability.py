@@ -1,7 +1,8 @@
 """Which flagged records extraction's target resolution takes (pure: no IO, no engine).
 
 A record goes to the target when its one ambiguity is a closed candidate set
-(core/candidates.py) of at most `resolve.max_options` options and nothing else blocks it.
+(core/candidates.py), or an open one bounded by its gaps (core/gaps.py), of at most
+`resolve.max_options` options, and nothing else blocks it.
 Extraction asks before it scores (extraction/records_pass.py); the report and the yield
 benchmarks ask the same question, so what they count as reaching training, and the routing by
 exact tokens per dollar built on it, is what extraction will take.
@@ -41,8 +42,8 @@ def resolvable(record: Mapping[str, Any], *, max_options: int | None = None) -> 
     cands = record.get("candidates")
     if not isinstance(cands, Mapping):
         return "no_candidates"
-    if cands.get("closed") is not True:
-        return "open_set"
+    if cands.get("closed") is not True and not gaps_fit(cands.get("gaps")):
+        return "open_set"  # unless bounded: its gaps stand for every unlisted sequence
     options = cands.get("options")
     if not isinstance(options, list) or not options:
         return "no_options"
@@ -70,6 +71,26 @@ def resolvable(record: Mapping[str, Any], *, max_options: int | None = None) -> 
     if rest:
         return "other_issues"  # only a record whose one ambiguity is this set may be resolved
     return None
+
+
+def gaps_fit(gaps: Any) -> bool:
+    """A bounded open set's gaps (core/candidates.Gap) are well formed: each a reading with
+    its start inside it."""
+    if not isinstance(gaps, list) or not gaps:
+        return False
+    for gap in gaps:
+        ids = gap.get("output_ids") if isinstance(gap, Mapping) else None
+        start = gap.get("start") if isinstance(gap, Mapping) else None
+        if not isinstance(ids, list) or not all(isinstance(t, int) and t >= 0 for t in ids):
+            return False
+        if not isinstance(start, int) or not 0 <= start <= len(ids):
+            return False
+        if not isinstance(gap.get("open_end"), bool):
+            return False
+        section = gap.get("section_start")
+        if section is not None and not (isinstance(section, int) and 0 <= section < len(ids)):
+            return False
+    return True
 
 
 def points_fit(points: Any, ids: Sequence[int]) -> bool:

@@ -54,6 +54,7 @@ class Vocabulary:
     token_bytes: Callable[[int], bytes]
     id_of_bytes: Callable[[bytes], int | None]
     max_token_bytes: int
+    size: int = 0  # ids 0 .. size - 1; 0: not known (core/gaps.py needs it)
 
     def ordinary(self, token_id: int) -> bool:
         return self.id_of_bytes(self.token_bytes(token_id)) == token_id

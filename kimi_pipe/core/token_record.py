@@ -44,6 +44,17 @@ class CandidateOption(TypedDict):
     points: NotRequired[list[CandidatePoint]]
 
 
+class CandidateGap(TypedDict):
+    """A reading short of the bill, standing for itself with whitespace put back at its text
+    pieces' edges (core/gaps.py): unlisted, bounded by the target (extraction/gap_bounds.py)."""
+
+    output_ids: list[int]
+    start: int  # every sequence of the gap has these ids up to here
+    open_end: bool  # the answer may go on after the reading's last id
+    section_start: int | None  # the tool-call section's opening marker (core/gaps.py)
+    label: str
+
+
 class ProvenAgainst(TypedDict):
     """The profile a closed set (or a one-member proof) was built under, and every behaviour
     of every field it admits (core/serving.admitted_stacks)."""
@@ -62,6 +73,9 @@ class CandidateSet(TypedDict, total=False):
     options: list[CandidateOption]
     proven_against: ProvenAgainst  # closed sets only
     shared_by_unlisted: int  # open sets whose doubts lie after the reasoning's text only
+    # An open set whose every unlisted sequence one of these readings stands for: the target
+    # weighs them with the options (extraction/gap_bounds.py).
+    gaps: list[CandidateGap]
 
 
 class TokenRecord(TokenIds, total=False):

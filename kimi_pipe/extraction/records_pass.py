@@ -21,6 +21,7 @@ from kimi_pipe.core.evidence import POSTERIOR_SAMPLED
 from kimi_pipe.core.issue_codes import Code
 from kimi_pipe.core.posterior import sample_posterior
 from kimi_pipe.core.token_record import TokenRecord
+from kimi_pipe.extraction.gap_bounds import gap_bounds
 from kimi_pipe.extraction.prefix_check import check_prefix, checkable_prefix
 from kimi_pipe.extraction.resolve import (
     TARGET_UNRESOLVED,
@@ -35,7 +36,7 @@ from kimi_pipe.extraction.resolve import (
     rewrite_records,
     score_record,
 )
-from kimi_pipe.extraction.split_check import check_record, checkable
+from kimi_pipe.extraction.split_check import check_record, checkable, next_token_scorer
 
 log = logging.getLogger("kimi_pipe.resolve")
 
@@ -78,7 +79,25 @@ def resolve_records(
                 counts[f"not_resolved_{why}"] = counts.get(f"not_resolved_{why}", 0) + 1
             continue
         assert scorer is not None
-        new = score_record(rec, scorer, settings)
+        unlisted = None
+        if rec["candidates"].get("gaps") is not None:
+            # A bounded open set: its gaps' bounds under the request's sampling.
+            target = getattr(scorer, "model", None)
+            sampling = settings.sampling_of(rec)
+            if vocab is None or target is None:
+                key = "not_resolved_no_vocabulary"
+                counts[key] = counts.get(key, 0) + 1
+                continue
+            if sampling is not None:
+                unlisted = gap_bounds(
+                    rec.get("prompt_ids") or [],
+                    rec["candidates"]["gaps"],
+                    vocab,
+                    next_token_scorer(target, sampling),
+                )
+            else:
+                unlisted = []  # score_record answers None: no temperature known
+        new = score_record(rec, scorer, settings, unlisted=unlisted)
         if new is None:  # no temperature known (a set too large was counted above)
             counts["not_resolved_no_sampling"] = counts.get("not_resolved_no_sampling", 0) + 1
             continue

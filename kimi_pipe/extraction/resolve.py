@@ -1,4 +1,5 @@
-"""Target resolution: the target model chooses among a record's CLOSED candidate set.
+"""Target resolution: the target model chooses among a record's CLOSED candidate set (or a
+bounded open one: its gaps' bounds join every option's rivals, extraction/gap_bounds.py).
 
 Where the returned text leaves a few possible id sequences (a stripped whitespace tail, a
 marker space that may be the stack's, ...), reconstruction lists them all in the record's
@@ -185,8 +186,14 @@ def full_sequence_logprobs(model: Any, ids: Sequence[int], start: int, sampling:
 # --------------------------------------------------------------------------- decision
 
 
-def decide(logprobs: Sequence[float], min_posterior: float) -> dict[str, Any]:
-    """Posterior over the options from their log-probabilities; the numbers of `resolution`."""
+def decide(
+    logprobs: Sequence[float], min_posterior: float, unlisted: Sequence[float] = ()
+) -> dict[str, Any]:
+    """Posterior over the options from their log-probabilities; the numbers of `resolution`.
+    `unlisted`: log upper bounds on what a bounded open set leaves unlisted
+    (extraction/gap_bounds.py), rivals of every option: the posterior is then a lower bound."""
+    if unlisted:
+        return _with_unlisted(decide(logprobs, min_posterior), logprobs, unlisted, min_posterior)
     n = len(logprobs)
     impossible = [i for i, lp in enumerate(logprobs) if lp == -math.inf]
     order = sorted(range(n), key=lambda i: -logprobs[i])
@@ -210,6 +217,27 @@ def decide(logprobs: Sequence[float], min_posterior: float) -> dict[str, Any]:
         "logprobs": [None if lp == -math.inf else lp for lp in logprobs],
         "resolved": posterior >= min_posterior,
     }
+
+
+def _with_unlisted(
+    numbers: dict[str, Any],
+    logprobs: Sequence[float],
+    unlisted: Sequence[float],
+    min_posterior: float,
+) -> dict[str, Any]:
+    """`numbers` with the unlisted bounds among the chosen option's rivals."""
+    out = {**numbers, "bound": "lower", "unlisted": len(unlisted)}
+    best = numbers["chosen"]
+    if best is None:
+        return out
+    top = logprobs[best]
+    finite = [u for u in unlisted if u > -math.inf]
+    out["posterior"] = 1.0 / (1.0 / numbers["posterior"] + sum(math.exp(u - top) for u in finite))
+    strongest = max(finite, default=-math.inf)
+    if strongest > -math.inf and (numbers["margin"] is None or top - strongest < numbers["margin"]):
+        out["margin"] = top - strongest
+    out["resolved"] = out["posterior"] >= min_posterior
+    return out
 
 
 @dataclass(frozen=True)
@@ -258,6 +286,7 @@ def decide_points(
     scorer: SuffixScorer,
     sampling: Sampling,
     settings: ResolveSettings,
+    unlisted: Sequence[float] = (),
 ) -> dict[str, Any]:
     """Options with choice points (core/candidates.ChoicePoint) stand for every combination of
     their alternatives, too many to score one by one. Each option is walked point by point,
@@ -278,7 +307,9 @@ def decide_points(
             **listed, "chosen": None, "choices": None, "posterior": None, "margin": None,
             "logprobs": [None] * n, "resolved": False,
         }  # fmt: skip
-    rivals = [lp for i, lp in enumerate(logprobs) if i != best] + departures
+    rivals = [lp for i, lp in enumerate(logprobs) if i != best] + departures + list(unlisted)
+    if unlisted:
+        listed["unlisted"] = len(unlisted)  # bounds of a bounded open set's gaps
     top = logprobs[best]
     mass = 1.0 + sum(math.exp(lp - top) for lp in rivals if lp > -math.inf)
     second = max(rivals, default=-math.inf)
@@ -292,6 +323,15 @@ def decide_points(
         "logprobs": [None if lp == -math.inf else lp for lp in logprobs],
         "resolved": posterior >= settings.min_posterior,
     }
+
+
+def _prefix_logprob(
+    scorer: SuffixScorer, record: Mapping[str, Any], prefix: Sequence[int], sampling: Sampling
+) -> float:
+    """log P(the options' shared output ids | prompt): `prefix` is prompt + those ids."""
+    prompt = list(record.get("prompt_ids") or [])
+    shared = list(prefix[len(prompt) :])
+    return scorer.score_suffixes(prompt, [shared], sampling)[0] if shared else 0.0
 
 
 def option_ids(option: Mapping[str, Any], choices: Sequence[int] | None) -> list[int]:
@@ -344,10 +384,15 @@ def apply_resolution(
 
 
 def score_record(
-    record: Mapping[str, Any], scorer: SuffixScorer, settings: ResolveSettings
+    record: Mapping[str, Any],
+    scorer: SuffixScorer,
+    settings: ResolveSettings,
+    *,
+    unlisted: Sequence[float] | None = None,
 ) -> TokenRecord | None:
     """Score one resolvable record; the updated record, or None when it cannot be scored
-    (no known temperature, too many options)."""
+    (no known temperature, too many options). A bounded open set needs `unlisted`, its gaps'
+    bounds under the same sampling (extraction/gap_bounds.py)."""
     sampling = settings.sampling_of(record)
     if sampling is None:
         return None
@@ -355,9 +400,14 @@ def score_record(
     options = cands["options"]
     if len(options) > settings.max_options:
         return None
+    if cands.get("closed") is not True and unlisted is None:
+        raise ValueError(
+            f"record {record.get('id')!r}: an open set is scored with its gaps' bounds"
+        )
+    rivals = list(unlisted or [])
     if any(o.get("points") for o in options):
         numbers = decide_points(
-            list(record.get("prompt_ids") or []), options, scorer, sampling, settings
+            list(record.get("prompt_ids") or []), options, scorer, sampling, settings, rivals
         )
     else:
         diverge = int(cands["diverge_at"])
@@ -365,7 +415,9 @@ def score_record(
         prefix = list(record.get("prompt_ids") or []) + list(first[:diverge])
         suffixes = [list(o["output_ids"][diverge:]) for o in options]
         logprobs = scorer.score_suffixes(prefix, suffixes, sampling)
-        numbers = decide(logprobs, settings.min_posterior)
+        # The suffixes' log-probabilities leave out the shared prefix the bounds include.
+        shared = _prefix_logprob(scorer, record, prefix, sampling) if rivals else 0.0
+        numbers = decide([lp + shared for lp in logprobs], settings.min_posterior, rivals)
     extra = {
         "model": scorer.model_name,
         "min_posterior": settings.min_posterior,

@@ -322,7 +322,8 @@ def resolve_for_shard(
         make_scorer() if make_scorer is not None else None,
         settings,
         mine=lambda sid: num_shards == 1 or shard_of(sid, num_shards) == shard,
-        vocab=_split_vocabulary(job) if settings.split_check else None,
+        # The split check and a bounded set's gaps (extraction/gap_bounds.py) read it.
+        vocab=_split_vocabulary(job),
     )
     if summary.get("counts"):
         counted = ", ".join(f"{name} {n}" for name, n in summary["counts"].items())
@@ -331,8 +332,9 @@ def resolve_for_shard(
 
 
 def _split_vocabulary(job: ExtractJob) -> Any:
-    """The records' tokenizer as the split check sees it (None: no model config here),
-    loaded only when a record is checked (benchmarks/bench_extract.py: seconds per stage run)."""
+    """The records' tokenizer as the split check and the gaps' classes see it (None: no model
+    config here), loaded only when a record needs it (benchmarks/bench_extract.py: seconds per
+    stage run)."""
 
     node = job.model
     if node is None:

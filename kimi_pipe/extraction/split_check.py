@@ -137,7 +137,9 @@ def _shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 def vocabulary_of(tokenizer: Any) -> Vocabulary:
     """The search's view of a project tokenizer (`core.tokenizers.Tokenizer`)."""
     longest = max(len(tokenizer.token_bytes(i)) for i in range(tokenizer.vocab_size))
-    return Vocabulary(tokenizer.token_bytes, tokenizer.id_of_bytes, longest)
+    return Vocabulary(
+        tokenizer.token_bytes, tokenizer.id_of_bytes, longest, size=tokenizer.vocab_size
+    )
 
 
 class LazyVocabulary:
