@@ -29,6 +29,7 @@ from kimi_pipe.extraction.resolve import (
     full_sequence_logprobs,
     resolvable,
 )
+from kimi_pipe.extraction.sampler import logsumexp
 from kimi_pipe.extraction.split_check import HFNextTokenScorer, vocabulary_of
 from kimi_pipe.stages.extract import run_extract
 from kimi_pipe.store.hidden_store import HiddenStore
@@ -45,13 +46,6 @@ STRIPPED = (" ", "\n", "\n\n", "  ", "\t", " \n", ".", ". ", ".\n", "\u3000")
 @pytest.fixture(scope="module")
 def vocab(smollm2_dir: Path) -> Any:  # noqa: F811
     return vocabulary_of(HFTokenizer(smollm2_dir))
-
-
-def _logsumexp(values: list[float]) -> float:
-    finite = [v for v in values if v > -math.inf]
-    if not finite:
-        return -math.inf
-    return max(finite) + math.log(sum(math.exp(v - max(finite)) for v in finite))
 
 
 def _end(tok: Any) -> int:
@@ -90,10 +84,10 @@ def test_the_bound_holds_every_sequence_the_gap_stands_for(
             assert not covers(candidates, ids, vocab) or tail.strip() == ""
             continue
         assert covers(candidates, ids, vocab), repr(tail)
-        total = _logsumexp([total, full_sequence_logprobs(model, prompt + ids, len(prompt), judge)])
+        total = logsumexp([total, full_sequence_logprobs(model, prompt + ids, len(prompt), judge)])
     bounds = gap_bounds(prompt, [gap], vocab, HFNextTokenScorer(model, judge))
     sites, reading = bounds[:-1], bounds[-1]
-    bound = _logsumexp(sites)
+    bound = logsumexp(sites)
     assert total <= bound + 1e-6
     assert bound < 0  # not the trivial bound: far less than all the mass after the prompt
     assert reading == pytest.approx(

@@ -25,14 +25,7 @@ from typing import Any
 
 from kimi_pipe.core.gaps import site_classes
 from kimi_pipe.core.splits import NextTokenScorer, Vocabulary
-
-
-def _logsumexp(values: Sequence[float]) -> float:
-    finite = [v for v in values if v > -math.inf]
-    if not finite:
-        return -math.inf
-    top = max(finite)
-    return top + math.log(sum(math.exp(v - top) for v in finite))
+from kimi_pipe.extraction.sampler import logsumexp
 
 
 def _all_but(logprob: float) -> float:
@@ -82,5 +75,5 @@ def gap_bounds(
             if before == -math.inf:
                 break  # the sampler could not have drawn this reading's ids from here on
         readings.append(before)
-    bounds = [before + _logsumexp(list(found.values())) for before, found in sites.values()]
+    bounds = [before + logsumexp(list(found.values())) for before, found in sites.values()]
     return bounds + readings

@@ -25,6 +25,7 @@ from kimi_pipe.core.issue_codes import PREFIX_SPLIT_AMBIGUOUS, PREFIX_SPLIT_CHEC
 from kimi_pipe.core.splits import Vocabulary, search_splits
 from kimi_pipe.core.token_record import TokenRecord
 from kimi_pipe.extraction.resolve import ResolveSettings
+from kimi_pipe.extraction.sampler import logsumexp
 from kimi_pipe.extraction.split_check import neighbour_readings, next_token_scorer
 
 
@@ -36,14 +37,6 @@ def checkable_prefix(record: Mapping[str, Any]) -> bool:
         and isinstance(prefix, Mapping)
         and "split_check" not in prefix
     )
-
-
-def _logsumexp(values: list[float]) -> float:
-    finite = [v for v in values if v > -math.inf]
-    if not finite:
-        return -math.inf
-    top = max(finite)
-    return top + math.log(sum(math.exp(v - top) for v in finite))
 
 
 def check_prefix(
@@ -79,8 +72,8 @@ def check_prefix(
     for reading in neighbours:
         paths.setdefault(tuple(reading.output_ids), reading.logprob)
     limits = sorted({*search.limits, *limits})
-    total = _logsumexp(list(paths.values()))
-    early = _logsumexp([lp for ids, lp in paths.items() if ids[:k] != prefix])
+    total = logsumexp(list(paths.values()))
+    early = logsumexp([lp for ids, lp in paths.items() if ids[:k] != prefix])
     posterior = 0.0 if total == -math.inf else 1.0 - math.exp(early - total)
     facts = {
         "model": model_name,

@@ -67,6 +67,15 @@ class Sampling:
         )
 
 
+def logsumexp(values: Sequence[float]) -> float:
+    """log(sum(exp(v))) over the finite values; -inf where none is (nothing could be drawn)."""
+    finite = [v for v in values if v > -math.inf]
+    if not finite:
+        return -math.inf
+    top = max(finite)
+    return top + math.log(sum(math.exp(v - top) for v in finite))
+
+
 def sampled_logprobs(
     logits: torch.Tensor, targets: Sequence[int], sampling: Sampling
 ) -> list[float]:
