@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hydra import compose, initialize_config_dir
 
+from kimi_pipe.config import compose
 from kimi_pipe.core.tokenizers import HFTokenizer
 from kimi_pipe.extraction.gap_bounds import gap_bounds
 from kimi_pipe.extraction.records_pass import resolve_records
@@ -35,10 +35,17 @@ from kimi_pipe.stages.extract import run_extract
 from kimi_pipe.store.hidden_store import HiddenStore
 from kimi_pipe.store.records import read_records
 from tests.support.candidate_sets import covers
-from tests.test_resolve import REPO, encode, prompt_ids, smol, smollm2_dir  # noqa: F401
+from tests.test_resolve import (  # noqa: F401  (smol, smollm2_dir: fixtures)
+    ANSWER,
+    encode,
+    prompt_ids,
+    smol,
+    smollm2_dir,
+    tail_record,
+)
 
-TEXT = "The capital of France is Paris."
-SHORT = "The capital of France is Paris"  # a reading a stack's stripping left short
+# A reading a stack's stripping left short: "The capital of France is Paris" (no period).
+SHORT = ANSWER.rstrip(".")
 # Whitespace a stack may have stripped from the short reading's end, as the model wrote it.
 STRIPPED = (" ", "\n", "\n\n", "  ", "\t", " \n", ".", ". ", ".\n", "\u3000")
 
@@ -96,40 +103,16 @@ def test_the_bound_holds_every_sequence_the_gap_stands_for(
 
 
 def _record(tok: Any, sampling: dict[str, float], *, bounded: bool = True) -> dict[str, Any]:
-    """Two readings at the bill (the returned text, and with a newline restored) and, where
-    `bounded`, the short reading as a gap."""
-    end = _end(tok)
-    prompt = prompt_ids(tok)
-    returned = encode(tok, TEXT) + [end]
-    restored = encode(tok, TEXT + "\n") + [end]
-    diverge = next(i for i, (a, b) in enumerate(zip(returned, restored, strict=False)) if a != b)
-    options = [
-        {"output_ids": returned, "loss_mask": [1] * len(returned), "label": "as returned"},
-        {"output_ids": restored, "loss_mask": [1] * len(restored), "label": "tail restored"},
-    ]
-    cands: dict[str, Any] = {
-        "closed": not bounded,
-        "why_open": "a reading short of the bill: the stack may have dropped whitespace"
-        if bounded
-        else None,
-        "classes": ["reasoning_tail"],
-        "diverge_at": diverge,
-        "options": options,
-    }
+    """test_resolve's two readings at the bill (with a newline restored, and as returned: its
+    TEXT is ANSWER) and, where `bounded`, the short reading as a gap of an open set."""
+    record = tail_record(tok, "gap", sampling)
     if bounded:
-        cands["gaps"] = [_gap(tok)]
-    return {
-        "id": "gap",
-        "ok": False,
-        "evidence": "unresolved",
-        "issues": ["reasoning_tail_unverifiable"],
-        "notes": [],
-        "prompt_ids": prompt,
-        "output_ids": returned,
-        "loss_mask": [0] * len(prompt) + [1] * len(returned),
-        "sampling": sampling,
-        "candidates": cands,
-    }
+        record["candidates"].update(
+            closed=False,
+            why_open="a reading short of the bill: the stack may have dropped whitespace",
+            gaps=[_gap(tok)],
+        )
+    return record
 
 
 def _resolve(path: Path, record: dict[str, Any], model: Any, vocab: Any) -> dict[str, Any]:
@@ -192,16 +175,14 @@ def test_extract_resolves_a_bounded_set_with_the_split_check_off(
     record = _record(tok, {"temperature": 1.0, "top_p": 1.0})
     records = tmp_path / "records.jsonl"
     records.write_text(json.dumps(record) + "\n", encoding="utf-8")
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose(
-            config_name="config",
-            overrides=[
-                "model=smollm2",
-                f"extract.run_dir={tmp_path}",
-                "resolve.min_posterior=0.6",
-                "resolve.split_check=false",
-            ],
-        )
+    cfg = compose(
+        [
+            "model=smollm2",
+            f"extract.run_dir={tmp_path}",
+            "resolve.min_posterior=0.6",
+            "resolve.split_check=false",
+        ]
+    )
     summary = run_extract(cfg)
     assert summary["resolve"]["counts"] == {"resolved": 1}
     (after,) = read_records(records)
