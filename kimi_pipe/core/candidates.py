@@ -559,6 +559,7 @@ def _gaps(
     kind, name = (model.format.output.tool_calls.parts or [("", "")])[0]
     opening = model.markers.get(name) if kind == "marker" else None
     gaps: dict[tuple[int, ...], Gap] = {}
+    heads: dict[str, list[int] | None] = {}  # most gaps share their reasoning's text
     for rebuilt, answer, label in readings:
         variants = [(rebuilt.output_ids, label)]
         if enum_missing and answer.tool_calls and rebuilt.output_ids[-len(end) :] == end:
@@ -574,7 +575,7 @@ def _gaps(
         for ids, what in variants:
             if tuple(ids) in listed or tuple(ids) in gaps:
                 continue
-            start = _gap_start(model, ids)
+            start = _gap_start(model, ids, heads)
             if start is None:
                 return None
             open_end = not end or list(ids[-len(end) :]) != end
@@ -585,17 +586,19 @@ def _gaps(
     return list(gaps.values())
 
 
-def _gap_start(model: Model, ids: Sequence[int]) -> int | None:
+def _gap_start(model: Model, ids: Sequence[int], heads: dict[str, list[int] | None]) -> int | None:
     """How many leading ids every sequence a short reading stands for shares with it: its
     markers before the first text, and that text's ids before its last lone space
-    (`_head_of_text`). None where that is not shown."""
+    (`_head_of_text`, kept in `heads` by text). None where that is not shown."""
     markers = set(model.markers.values())
     first = next((i for i, t in enumerate(ids) if t not in markers), None)
     if first is None:
         return None
     stop = next((i for i in range(first, len(ids)) if ids[i] in markers), len(ids))
     text = model.tokenizer.decode(ids[first:stop])
-    head = _head_of_text(model, text, text)
+    if text not in heads:
+        heads[text] = _head_of_text(model, text, text)
+    head = heads[text]
     if head is None or list(ids[first : first + len(head)]) != head:
         return None
     return first + len(head)
