@@ -944,9 +944,7 @@ def _edge_points(
             texts = list(spellings[n])
         per_text = []
         for text in texts:
-            spelled = call
-            if text is not None:
-                spelled = {**call, "function": {**call["function"], "arguments": text}}
+            spelled = call if text is None else _with_arguments(call, text)
             per_text.append((text, argument_edge_readings(model, spelled)))
         if sum(len(readings) for _, readings in per_text) < 2:
             continue
@@ -958,9 +956,7 @@ def _edge_points(
         alternatives: dict[tuple[int, ...], str] = {}
         for text, readings in per_text:
             spelled_text = arguments if text is None else text
-            written = (
-                f"call {n} arguments written {text!r}" if text not in (None, arguments) else ""
-            )
+            written = _written(n, text) if text not in (None, arguments) else ""
             for lead, trail in readings:
                 ids = tuple(encode(lead + spelled_text + trail))
                 if len(ids) != len(own):
@@ -993,8 +989,8 @@ def _spelled(answer: AnswerFields, spellings: Spellings) -> list[tuple[AnswerFie
         calls, parts = [], []
         for n, (call, text) in enumerate(zip(answer.tool_calls, combo, strict=False)):
             if text is not None:
-                call = {**call, "function": {**call["function"], "arguments": text}}
-                parts.append(f"call {n} arguments written {text!r}")
+                call = _with_arguments(call, text)
+                parts.append(_written(n, text))
             calls.append(call)
         calls += list(answer.tool_calls[len(combo) :])
         out.append((replace(answer, tool_calls=calls) if parts else answer, "; ".join(parts)))
@@ -1042,7 +1038,7 @@ def _coercion_assignments(
             group += [t for t in others if len(merge_with.tokenizer.encode_ordinary(t)) == count]
             others = [t for t in others if t not in group]
         listed: list[tuple[str | None, str, list[str]]] = [(first, "", group)]
-        listed += [(text, f"call {n} arguments written {text!r}", [text]) for text in others]
+        listed += [(text, _written(n, text), [text]) for text in others]
         per_call.append(listed)
     total = 1
     for options in per_call:
@@ -1053,10 +1049,7 @@ def _coercion_assignments(
     for combo in itertools.product(*per_call):
         calls = []
         for call, (text, _, _) in zip(answer.tool_calls, combo, strict=True):
-            function = call.get("function")
-            if text is not None and isinstance(function, Mapping):
-                call = {**call, "function": {**function, "arguments": text}}
-            calls.append(call)
+            calls.append(call if text is None else _with_arguments(call, text))
         label = "; ".join(part for _, part, _ in combo if part)
         out.append((replace(answer, tool_calls=calls), label, [group for _, _, group in combo]))
     return out, complete
@@ -1067,10 +1060,23 @@ def _with_edges(answer: AnswerFields, edges: EdgeReadings) -> AnswerFields:
     for call, (lead, trail) in zip(answer.tool_calls, edges, strict=True):
         function = call.get("function")
         arguments = function.get("arguments") if isinstance(function, Mapping) else None
-        if isinstance(function, Mapping) and isinstance(arguments, str) and (lead or trail):
-            call = {**call, "function": {**function, "arguments": lead + arguments + trail}}
+        if isinstance(arguments, str) and (lead or trail):
+            call = _with_arguments(call, lead + arguments + trail)
         calls.append(call)
     return replace(answer, tool_calls=calls)
+
+
+def _with_arguments(call: Mapping[str, Any], text: str) -> Mapping[str, Any]:
+    """The call with `text` as its arguments (itself where it has no function object)."""
+    function = call.get("function")
+    if not isinstance(function, Mapping):
+        return call
+    return {**call, "function": {**function, "arguments": text}}
+
+
+def _written(n: int, text: str) -> str:
+    """The label of call `n`'s arguments read as the model's `text` (a coercion reading)."""
+    return f"call {n} arguments written {text!r}"
 
 
 def _missing_marker_readings(
