@@ -6,7 +6,7 @@ Every answer of tests/fixtures/wild/kimi_k25_wild.jsonl (public test recordings,
 per row: docs/wild.md) goes through the one reconstruction entry (core/record_builder.py)
 under the default `unknown` profile, as `reconstruct` and `generate` run it. Per provider:
   proven       ok: ids proven by text, profile and bill
-  resolvable   not ok, a closed candidate set extraction's target resolution takes
+  resolvable   not ok, a closed (or bounded) candidate set extraction's target resolution takes
                (core/resolvability.resolvable, with the default resolve.max_options)
   lost         neither; the codes say why (every blocking one, notes left out: `lost_because`),
                and how many ids of them a proven prefix keeps
@@ -70,8 +70,8 @@ def build(builder: RecordBuilder, row: dict[str, Any]) -> dict[str, Any]:
 
 def fate(record: dict[str, Any]) -> str:
     """As extraction sees the record: proven, or one its target resolution takes
-    (core/resolvability.resolvable: a closed set of at most the default resolve.max_options
-    options and nothing else blocking), or lost."""
+    (core/resolvability.resolvable: a closed or bounded set of at most the default
+    resolve.max_options options and nothing else blocking), or lost."""
     if record["ok"]:
         return "proven"
     return "resolvable" if resolvable(record, max_options=MAX_OPTIONS) is None else "lost"

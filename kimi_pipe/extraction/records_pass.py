@@ -88,15 +88,13 @@ def resolve_records(
                 key = "not_resolved_no_vocabulary"
                 counts[key] = counts.get(key, 0) + 1
                 continue
-            if sampling is not None:
+            if sampling is not None:  # else score_record answers None: no temperature known
                 unlisted = gap_bounds(
                     rec.get("prompt_ids") or [],
                     rec["candidates"]["gaps"],
                     vocab,
                     next_token_scorer(target, sampling),
                 )
-            else:
-                unlisted = []  # score_record answers None: no temperature known
         new = score_record(rec, scorer, settings, unlisted=unlisted)
         if new is None:  # no temperature known (a set too large was counted above)
             counts["not_resolved_no_sampling"] = counts.get("not_resolved_no_sampling", 0) + 1

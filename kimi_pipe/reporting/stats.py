@@ -352,8 +352,8 @@ def run_yield(run: Run) -> dict[str, Any]:
         spend_usd=_num(run.summary.get("spend_usd")),
     )
     # Tokens of the records extraction's target resolution takes (the routing by exact tokens
-    # per dollar counts them at the calibration's resolution rate): a closed set it scores and
-    # nothing else blocking, as extraction asks; not a closed set beside another error.
+    # per dollar counts them at the calibration's resolution rate): a closed or bounded set it
+    # scores and nothing else blocking, as extraction asks; not a set beside another error.
     max_options = _dig(run.config, "resolve", "max_options")
     if type(max_options) is not int:
         max_options = ResolveSettings().max_options
